@@ -1,0 +1,326 @@
+"""The unified two-level tile format (docs/format.md is the normative description; this module implements it).
+
+Basics
+------
+A mask ``M[l, q, k]`` (``L`` layouts; head ``h`` uses layout ``h % L``) is cut into ``tile_m x tile_n`` tiles.
+Each tile is EMPTY (not stored), FULL (stored, no bitmap) or PARTIAL (stored with a bitmap). The stored tiles form
+a BSR structure over the flattened ``(layout, tile row)`` index.
+
+Fields of ``TileLayout`` (all arrays int32, C-contiguous)
+--------------------------------------------------------
+``row_ptr``            ``[L*Tq + 1]``                 BSR row pointers; tile row ``i`` of layout ``l`` owns entries
+                                                      ``row_ptr[l*Tq+i] : row_ptr[l*Tq+i+1]``.
+``col_idx``            ``[max(nnz, 1)]``              tile column of each stored tile, ascending within a row.
+``tile_bitmap_index``  ``[max(nnz, 1)]``              ``-1`` = FULL, else the row of ``bitmaps`` holding its bits.
+``bitmaps``            ``[max(P, 1), tile_m*tile_n/32]`` bit ``a*tile_n + b`` (tile row a, tile column b) of word
+                                                      ``(a*tile_n + b) // 32``, LSB first; 0 outside the matrix.
+Scalars: ``seq_q, seq_k`` (mask size), ``tile_m, tile_n``, ``num_layouts`` (= L), derived ``Tq, Tk, nnz,
+num_partial``. Padding entries (when nnz or P is 0) keep every tensor non-empty and are never referenced.
+
+Dense reconstruction: ``TileLayout.to_dense()``; compilation: ``compile_mask(spec, seq_q, seq_k)`` or
+``TileLayout.from_dense(bool_array)``.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import StofError
+from .masks import TILE_EMPTY, TILE_FULL, TILE_UNKNOWN, DenseMask, MaskSpec, parse_mask
+
+__all__ = ["STOF_FORMAT_VERSION", "TileClass", "TileLayout", "compile_mask", "check_tile_shape"]
+
+STOF_FORMAT_VERSION = 1
+
+# Elements evaluated per chunk when classifying unknown tiles: bounds peak memory (~ a few x 16 MB).
+_CHUNK_ELEMENTS = 1 << 24
+
+
+class TileClass(enum.IntEnum):
+    EMPTY = TILE_EMPTY
+    FULL = TILE_FULL
+    PARTIAL = 2
+
+
+def check_tile_shape(tile_m: int, tile_n: int) -> None:
+    if not (isinstance(tile_m, (int, np.integer)) and isinstance(tile_n, (int, np.integer))):
+        raise StofError("tile sizes must be integers")
+    if tile_m % 16 or not 16 <= tile_m <= 256:
+        raise StofError(f"tile_m must be a multiple of 16 in [16, 256], got {tile_m}")
+    if tile_n % 32 or not 32 <= tile_n <= 256:
+        raise StofError(f"tile_n must be a multiple of 32 in [32, 256], got {tile_n}")
+
+
+@dataclass(frozen=True, eq=False)
+class TileLayout:
+    """A compiled mask in the STOF tile format. See the module docstring for each field's shape and meaning."""
+
+    seq_q: int
+    seq_k: int
+    tile_m: int
+    tile_n: int
+    num_layouts: int
+    row_ptr: np.ndarray
+    col_idx: np.ndarray
+    tile_bitmap_index: np.ndarray
+    bitmaps: np.ndarray
+    mask_spec: str = ""
+
+    # -- derived sizes ------------------------------------------------------------------------------------------
+    @property
+    def Tq(self) -> int:  # noqa: N802 - the format's own name
+        return -(-self.seq_q // self.tile_m)
+
+    @property
+    def Tk(self) -> int:  # noqa: N802
+        return -(-self.seq_k // self.tile_n)
+
+    @property
+    def nnz(self) -> int:
+        return int(self.row_ptr[-1])
+
+    @property
+    def num_partial(self) -> int:
+        return int((self.tile_bitmap_index[: self.nnz] >= 0).sum())
+
+    @property
+    def words_per_tile(self) -> int:
+        return self.tile_m * self.tile_n // 32
+
+    def __repr__(self) -> str:
+        return (f"TileLayout(layouts={self.num_layouts}, seq={self.seq_q}x{self.seq_k}, tile={self.tile_m}x"
+                f"{self.tile_n}, grid={self.Tq}x{self.Tk}, nnz={self.nnz}, partial={self.num_partial})")
+
+    # -- construction ---------------------------------------------------------------------------------------------
+    @classmethod
+    def from_arrays(cls, *, seq_q, seq_k, tile_m, tile_n, num_layouts, row_ptr, col_idx, tile_bitmap_index,
+                    bitmaps, mask_spec="") -> TileLayout:
+        """Build from stored arrays (e.g. an ONNX node's initializers), checking every invariant."""
+        layout = cls(int(seq_q), int(seq_k), int(tile_m), int(tile_n), int(num_layouts),
+                     *(np.ascontiguousarray(a, dtype=np.int32) for a in (row_ptr, col_idx, tile_bitmap_index,
+                                                                        bitmaps)), mask_spec)
+        layout.validate()
+        return layout
+
+    @classmethod
+    def from_dense(cls, mask: np.ndarray, tile_m: int = 64, tile_n: int = 64, mask_spec: str = "") -> TileLayout:
+        """Compile a dense boolean mask [Sq, Sk] or [L, Sq, Sk]."""
+        check_tile_shape(tile_m, tile_n)
+        m = np.asarray(mask)
+        if m.ndim == 2:
+            m = m[None]
+        if m.ndim != 3 or m.shape[1] == 0 or m.shape[2] == 0:
+            raise StofError(f"a dense mask must be [Sq,Sk] or [L,Sq,Sk] with Sq, Sk > 0, got shape {np.shape(mask)}")
+        L, sq, sk = m.shape
+        tq, tk = -(-sq // tile_m), -(-sk // tile_n)
+        padded = np.zeros((L, tq * tile_m, tk * tile_n), bool)
+        padded[:, :sq, :sk] = m.astype(bool, copy=False)
+        tiles = padded.reshape(L, tq, tile_m, tk, tile_n).swapaxes(2, 3)  # [L, Tq, Tk, tm, tn] view
+        count = tiles.sum(axis=(3, 4), dtype=np.int64)
+        valid = _valid_counts(sq, sk, tile_m, tile_n)
+        cls_grid = np.where(count == 0, TileClass.EMPTY,
+                            np.where(count == valid[None], TileClass.FULL, TileClass.PARTIAL)).astype(np.int8)
+        part = np.nonzero(cls_grid == TileClass.PARTIAL)
+        return _assemble(cls_grid, tiles[part], part, sq, sk, tile_m, tile_n, mask_spec)
+
+    # -- checks and views -------------------------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise StofError if any invariant of docs/format.md does not hold."""
+        check_tile_shape(self.tile_m, self.tile_n)
+        if self.seq_q < 1 or self.seq_k < 1 or self.num_layouts < 1:
+            raise StofError("layout sizes must be positive")
+        n_rows = self.num_layouts * self.Tq
+        rp, ci, tb, bm = self.row_ptr, self.col_idx, self.tile_bitmap_index, self.bitmaps
+        if rp.shape != (n_rows + 1,):
+            raise StofError(f"row_ptr must have {n_rows + 1} entries, has {rp.shape}")
+        if rp[0] != 0 or np.any(np.diff(rp) < 0):
+            raise StofError("row_ptr must start at 0 and be non-decreasing")
+        nnz = int(rp[-1])
+        if np.any(np.diff(rp) > self.Tk):
+            raise StofError("a tile row has more stored tiles than tile columns")
+        if ci.shape != (max(nnz, 1),) or tb.shape != (max(nnz, 1),):
+            raise StofError(f"col_idx and tile_bitmap_index must have {max(nnz, 1)} entries")
+        c = ci[:nnz]
+        if np.any((c < 0) | (c >= self.Tk)):
+            raise StofError("col_idx out of range")
+        row_of = np.repeat(np.arange(n_rows), np.diff(rp))
+        if nnz > 1 and np.any((np.diff(c) <= 0) & (np.diff(row_of) == 0)):
+            raise StofError("col_idx must be strictly ascending within a tile row")
+        p = tb[:nnz]
+        n_part = int((p >= 0).sum())
+        if bm.ndim != 2 or bm.shape != (max(n_part, 1), self.words_per_tile):
+            raise StofError(f"bitmaps must be [{max(n_part, 1)}, {self.words_per_tile}], got {bm.shape}")
+        if np.any(p < -1) or not np.array_equal(p[p >= 0], np.arange(n_part)):
+            raise StofError("tile_bitmap_index must be -1 or number partial tiles 0..P-1 in storage order")
+
+    def entries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per stored tile: (layout, tile row, tile column, bitmap index or -1)."""
+        nnz = self.nnz
+        flat_row = np.repeat(np.arange(self.num_layouts * self.Tq), np.diff(self.row_ptr))
+        return (flat_row // self.Tq, flat_row % self.Tq, self.col_idx[:nnz].astype(np.int64),
+                self.tile_bitmap_index[:nnz].astype(np.int64))
+
+    def partial_tiles(self) -> np.ndarray:
+        """The bitmaps unpacked: bool [P, tile_m, tile_n]."""
+        n = self.num_partial
+        words = np.ascontiguousarray(self.bitmaps[:n]).astype("<u4", copy=False)
+        bits = np.unpackbits(words.view(np.uint8), bitorder="little")
+        return bits.reshape(n, self.tile_m, self.tile_n).astype(bool)
+
+    def tile_classes(self) -> np.ndarray:
+        """int8 [L, Tq, Tk] of TileClass codes."""
+        grid = np.zeros((self.num_layouts, self.Tq, self.Tk), np.int8)
+        lay, i, j, p = self.entries()
+        grid[lay, i, j] = np.where(p < 0, TileClass.FULL, TileClass.PARTIAL)
+        return grid
+
+    def to_dense(self) -> np.ndarray:
+        """The exact boolean mask [L, seq_q, seq_k] (docs/format.md, "Dense reconstruction")."""
+        L, tm, tn = self.num_layouts, self.tile_m, self.tile_n
+        out = np.zeros((L, self.Tq * tm, self.Tk * tn), bool)
+        tiles = out.reshape(L, self.Tq, tm, self.Tk, tn).swapaxes(2, 3)  # a view: writes land in `out`
+        lay, i, j, p = self.entries()
+        full = p < 0
+        tiles[lay[full], i[full], j[full]] = True
+        tiles[lay[~full], i[~full], j[~full]] = self.partial_tiles()[p[~full]]
+        return out[:, : self.seq_q, : self.seq_k]
+
+    def class_counts(self) -> dict[str, int]:
+        total = self.num_layouts * self.Tq * self.Tk
+        part = self.num_partial
+        return {"empty": total - self.nnz, "full": self.nnz - part, "partial": part}
+
+    def density(self) -> float:
+        """Fraction of allowed (query, key) pairs, over all layouts."""
+        lay, i, j, p = self.entries()   # FULL tiles may stick out past the matrix: count in-range elements
+        full = p < 0
+        rows = np.minimum(self.tile_m, self.seq_q - i[full] * self.tile_m)
+        cols = np.minimum(self.tile_n, self.seq_k - j[full] * self.tile_n)
+        allowed = int((rows * cols).sum())
+        n = self.num_partial
+        if n:
+            allowed += int(np.unpackbits(self.bitmaps[:n].astype("<u4").view(np.uint8)).sum())
+        return allowed / (self.num_layouts * self.seq_q * self.seq_k)
+
+    def tile_density(self) -> float:
+        """Fraction of tiles stored (FULL or PARTIAL): the work a block-sparse kernel does, relative to dense."""
+        return self.nnz / (self.num_layouts * self.Tq * self.Tk)
+
+    def signature(self) -> str:
+        h = hashlib.sha1()
+        h.update(np.array([STOF_FORMAT_VERSION, self.seq_q, self.seq_k, self.tile_m, self.tile_n, self.num_layouts],
+                          np.int64).tobytes())
+        for a in (self.row_ptr, self.col_idx, self.tile_bitmap_index, self.bitmaps):
+            h.update(np.ascontiguousarray(a, np.int32).tobytes())
+        return h.hexdigest()
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The four stored arrays by their ONNX input names."""
+        return {"row_ptr": self.row_ptr, "col_idx": self.col_idx, "tile_bitmap_index": self.tile_bitmap_index,
+                "bitmaps": self.bitmaps}
+
+    def to_string(self, layout: int = 0, max_tiles: int = 64) -> str:
+        """Tile art: '#' FULL, '+' PARTIAL, '.' EMPTY (at most max_tiles per side)."""
+        g = self.tile_classes()[layout][:max_tiles, :max_tiles]
+        return "\n".join("".join(".#+"[c] for c in row) for row in g)
+
+
+def _valid_counts(seq_q, seq_k, tile_m, tile_n) -> np.ndarray:
+    """In-range element count of each tile, [Tq, Tk]."""
+    tq, tk = -(-seq_q // tile_m), -(-seq_k // tile_n)
+    rows = np.minimum(tile_m, seq_q - np.arange(tq) * tile_m)
+    cols = np.minimum(tile_n, seq_k - np.arange(tk) * tile_n)
+    return rows[:, None].astype(np.int64) * cols[None, :]
+
+
+def _assemble(cls_grid, part_bits, part_pos, seq_q, seq_k, tile_m, tile_n, mask_spec) -> TileLayout:
+    """Build a TileLayout from a class grid [L,Tq,Tk] and the bits [P,tm,tn] of the PARTIAL tiles at part_pos
+    (index arrays into the grid, any order)."""
+    L, tq, tk = cls_grid.shape
+    stored = cls_grid != TileClass.EMPTY
+    flat = np.flatnonzero(stored)                       # storage order: layout, tile row, tile column
+    nnz = flat.size
+    row_ptr = np.zeros(L * tq + 1, np.int64)
+    np.cumsum(stored.reshape(L * tq, tk).sum(1), out=row_ptr[1:])
+    col_idx = (flat % tk).astype(np.int32)
+    is_part = cls_grid.reshape(-1)[flat] == TileClass.PARTIAL
+    tile_bitmap_index = np.full(nnz, -1, np.int32)
+    tile_bitmap_index[is_part] = np.arange(int(is_part.sum()), dtype=np.int32)
+    # Bits arrive in part_pos order; put them in storage order.
+    part_flat = np.ravel_multi_index(part_pos, cls_grid.shape) if len(part_pos[0]) else np.zeros(0, np.int64)
+    order = np.argsort(part_flat, kind="stable")
+    bits = np.asarray(part_bits, bool).reshape(-1, tile_m * tile_n)[order]
+    words = tile_m * tile_n // 32
+    if bits.shape[0]:
+        packed = np.packbits(bits, axis=1, bitorder="little")   # [P, words*4] bytes, element t -> bit t
+        bitmaps = np.ascontiguousarray(packed).view("<u4").astype(np.uint32).view(np.int32)
+    else:
+        bitmaps = np.zeros((1, words), np.int32)
+    if nnz == 0:
+        col_idx = np.zeros(1, np.int32)
+        tile_bitmap_index = np.full(1, -1, np.int32)
+    return TileLayout(int(seq_q), int(seq_k), int(tile_m), int(tile_n), int(L), row_ptr.astype(np.int32),
+                      col_idx, tile_bitmap_index, bitmaps.reshape(-1, words), mask_spec)
+
+
+def compile_mask(mask: MaskSpec | str | np.ndarray, seq_q: int, seq_k: int | None = None, *, tile_m: int = 64,
+                 tile_n: int = 64, num_heads: int | None = None) -> TileLayout:
+    """Compile a mask spec (or spec string, or dense bool array) for a ``seq_q x seq_k`` attention.
+
+    Tiles the spec can classify from index ranges alone (bands, global tokens, block layouts) are never
+    evaluated element-wise; only UNKNOWN tiles are, in bounded chunks. No Python loop runs over tiles or
+    elements (only over layouts when the mask differs per head)."""
+    seq_k = seq_q if seq_k is None else seq_k
+    check_tile_shape(tile_m, tile_n)
+    if not (isinstance(seq_q, (int, np.integer)) and isinstance(seq_k, (int, np.integer))) or seq_q < 1 or seq_k < 1:
+        raise StofError(f"sequence lengths must be positive integers, got {seq_q}x{seq_k}")
+    if isinstance(mask, np.ndarray):
+        mask = DenseMask(mask)
+    spec = parse_mask(mask)
+    spec.check_size(seq_q, seq_k)
+    L = spec.num_layouts(num_heads)
+    if isinstance(spec, DenseMask):
+        dense = np.stack([spec.head_array(seq_q, seq_k, h) for h in range(L)])
+        return TileLayout.from_dense(dense, tile_m, tile_n, mask_spec=str(spec))
+
+    tq, tk = -(-seq_q // tile_m), -(-seq_k // tile_n)
+    r0 = (np.arange(tq, dtype=np.int64) * tile_m)[:, None]
+    r1 = np.minimum(r0 + tile_m, seq_q)
+    c0 = (np.arange(tk, dtype=np.int64) * tile_n)[None, :]
+    c1 = np.minimum(c0 + tile_n, seq_k)
+    valid = _valid_counts(seq_q, seq_k, tile_m, tile_n)
+    # int32 indices: element-wise evaluation is memory-bound, and int32 division is several times faster.
+    a = np.arange(tile_m, dtype=np.int32)[None, :, None]
+    b = np.arange(tile_n, dtype=np.int32)[None, None, :]
+    per_chunk = max(1, _CHUNK_ELEMENTS // (tile_m * tile_n))
+
+    grids, part_bits, part_pos = [], [], ([], [], [])
+    for h in range(L):
+        kw = dict(seq_q=seq_q, seq_k=seq_k, head=h)
+        cls = np.broadcast_to(spec.classify_tiles(r0, r1, c0, c1, **kw), (tq, tk)).astype(np.int8)
+        ui, uj = np.nonzero(cls == TILE_UNKNOWN)
+        for s in range(0, ui.size, per_chunk):
+            ti, tj = ui[s:s + per_chunk], uj[s:s + per_chunk]
+            q = ti.astype(np.int32)[:, None, None] * np.int32(tile_m) + a       # [U, tm, 1]
+            k = tj.astype(np.int32)[:, None, None] * np.int32(tile_n) + b       # [U, 1, tn]
+            inside = (q < seq_q) & (k < seq_k)
+            bits = spec.evaluate(np.minimum(q, np.int32(seq_q - 1)), np.minimum(k, np.int32(seq_k - 1)), **kw) & inside
+            count = bits.sum(axis=(1, 2))
+            full, empty = count == valid[ti, tj], count == 0
+            cls[ti[full], tj[full]] = TileClass.FULL
+            cls[ti[empty], tj[empty]] = TileClass.EMPTY
+            part = ~(full | empty)
+            cls[ti[part], tj[part]] = TileClass.PARTIAL
+            part_bits.append(bits[part])
+            for lst, v in zip(part_pos, (np.full(int(part.sum()), h), ti[part], tj[part])):
+                lst.append(v)
+        grids.append(cls)
+    grid = np.stack(grids)
+    assert not np.any(grid == TILE_UNKNOWN)
+    pos = tuple(np.concatenate(p) if p else np.zeros(0, np.int64) for p in part_pos)
+    bits = np.concatenate(part_bits) if part_bits else np.zeros((0, tile_m, tile_n), bool)
+    return _assemble(grid, bits, pos, seq_q, seq_k, tile_m, tile_n, str(spec))

@@ -1,0 +1,599 @@
+"""Attention mask specs: what a user writes on the command line (``--mask``) or builds in Python.
+
+A mask says which (query, key) pairs may attend: ``True`` = allowed. Positions are absolute indices, the
+pattern anchored at the top-left corner (query 0 / key 0), so a model run at a shorter length sees the top-left
+corner of the pattern.
+
+Spec grammar (``parse_mask``)::
+
+    spec   := union
+    union  := inter ('|' inter)*          # logical OR
+    inter  := atom ('&' atom)*            # logical AND, binds tighter than '|'
+    atom   := '(' spec ')' | NAME [':' ARGS]
+    ARGS   := key=value (',' key=value)*  # npy takes a path instead: npy:PATH
+
+Names and arguments:
+
+=============  ==========================================================  =====================================
+name           arguments                                                    allowed when (d = key - query)
+=============  ==========================================================  =====================================
+full           –                                                            always
+causal         offset=0                                                     d <= offset
+sliding        window=W | left=L,right=R; causal=0|1                        -L <= d <= R (window: L=R=W;
+                                                                            causal=1: L=W, R=0)
+dilated        window=W, dilation=2; causal=0|1                             |d| <= W (or -W<=d<=0) and d % dil == 0
+global         n=G | tokens=i;j;k                                           query or key is a global token
+longformer     window=W, global=G (first G tokens) | tokens=i;j;k          sliding(W) | global
+bigbird        block=64, window=1, global=1, random=0.0, seed=0,            on the block grid: |qb-kb| <= window,
+               per_head=0                                                   qb or kb < global, or a random block
+blocks         PATH.npy, block=64                                           layout[q // block, k // block]
+npy            PATH (a .npy bool/0-1 array [Sq,Sk] or [H,Sq,Sk])            M[q, k] (top-left corner used)
+=============  ==========================================================  =====================================
+
+Every spec knows how to (1) evaluate itself on index arrays and (2) classify whole tiles as certainly empty,
+certainly full or unknown from the tile's index ranges alone. (2) is what makes compiling a 32k x 32k mask fast:
+only unknown tiles are evaluated element by element (see ``stof_trt.format.compile_mask``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+
+from .errors import MaskSpecError
+
+__all__ = [
+    "MaskSpec", "Full", "Causal", "Sliding", "Dilated", "Global", "BlockLayout", "BigBird", "DenseMask",
+    "Union", "Intersection", "parse_mask", "longformer", "TILE_EMPTY", "TILE_FULL", "TILE_UNKNOWN",
+]
+
+# Tile classification codes returned by MaskSpec.classify_tiles (int8).
+TILE_EMPTY, TILE_FULL, TILE_UNKNOWN = 0, 1, -1
+
+
+class MaskSpec:
+    """Base class. Subclasses implement ``evaluate`` and may refine ``classify_tiles``."""
+
+    #: True when the pattern differs between heads (then compile_mask makes one layout per head).
+    per_head: bool = False
+
+    def evaluate(self, q: np.ndarray, k: np.ndarray, *, seq_q: int, seq_k: int, head: int = 0) -> np.ndarray:
+        """Boolean array, broadcast of ``q`` and ``k`` (int64 query and key indices, all in range)."""
+        raise NotImplementedError(type(self).__name__)
+
+    def classify_tiles(self, r0, r1, c0, c1, *, seq_q: int, seq_k: int, head: int = 0) -> np.ndarray:
+        """Classify tiles spanning rows ``[r0, r1)`` and columns ``[c0, c1)`` (broadcastable int64 arrays,
+        clipped to the matrix, never empty). Returns int8 codes TILE_EMPTY / TILE_FULL / TILE_UNKNOWN; a code
+        other than UNKNOWN must be exact. The default knows nothing."""
+        shape = np.broadcast_shapes(np.shape(r0), np.shape(c0))
+        return np.full(shape, TILE_UNKNOWN, np.int8)
+
+    def check_size(self, seq_q: int, seq_k: int) -> None:
+        """Raise MaskSpecError if the spec cannot describe a seq_q x seq_k mask."""
+
+    def num_layouts(self, num_heads: int | None) -> int:
+        if not self.per_head:
+            return 1
+        if num_heads is None:
+            raise MaskSpecError(f"mask '{self}' differs per head: the number of heads must be given")
+        return num_heads
+
+    def dense(self, seq_q: int, seq_k: int, num_heads: int | None = None) -> np.ndarray:
+        """The dense boolean mask: [seq_q, seq_k], or [H, seq_q, seq_k] for a per-head spec."""
+        self.check_size(seq_q, seq_k)
+        q = np.arange(seq_q, dtype=np.int64)[:, None]
+        k = np.arange(seq_k, dtype=np.int64)[None, :]
+        layouts = [
+            np.broadcast_to(self.evaluate(q, k, seq_q=seq_q, seq_k=seq_k, head=h), (seq_q, seq_k))
+            for h in range(self.num_layouts(num_heads))
+        ]
+        return layouts[0].copy() if not self.per_head else np.stack(layouts)
+
+    def __or__(self, other: MaskSpec) -> MaskSpec:
+        return Union((self, other))
+
+    def __and__(self, other: MaskSpec) -> MaskSpec:
+        return Intersection((self, other))
+
+
+def _band_classify(lo: int | None, hi: int | None, r0, r1, c0, c1) -> np.ndarray:
+    """Exact classes for ``lo <= k - q <= hi`` (None = unbounded) over tiles."""
+    dmin = c0 - (r1 - 1)
+    dmax = (c1 - 1) - r0
+    full = np.ones(np.broadcast_shapes(np.shape(dmin), np.shape(dmax)), bool)
+    empty = np.zeros_like(full)
+    if lo is not None:
+        full &= dmin >= lo
+        empty |= dmax < lo
+    if hi is not None:
+        full &= dmax <= hi
+        empty |= dmin > hi
+    out = np.full(full.shape, TILE_UNKNOWN, np.int8)
+    out[full] = TILE_FULL
+    out[empty] = TILE_EMPTY
+    return out
+
+
+@dataclass(frozen=True)
+class Full(MaskSpec):
+    """Every pair allowed (dense attention)."""
+
+    def evaluate(self, q, k, *, seq_q, seq_k, head=0):
+        return np.ones(np.broadcast_shapes(np.shape(q), np.shape(k)), bool)
+
+    def classify_tiles(self, r0, r1, c0, c1, *, seq_q, seq_k, head=0):
+        return np.full(np.broadcast_shapes(np.shape(r0), np.shape(c0)), TILE_FULL, np.int8)
+
+    def __str__(self):
+        return "full"
+
+
+@dataclass(frozen=True)
+class Causal(MaskSpec):
+    """``key <= query + offset`` (top-left aligned)."""
+
+    offset: int = 0
+
+    def evaluate(self, q, k, *, seq_q, seq_k, head=0):
+        return k - q <= self.offset
+
+    def classify_tiles(self, r0, r1, c0, c1, *, seq_q, seq_k, head=0):
+        return _band_classify(None, self.offset, r0, r1, c0, c1)
+
+    def __str__(self):
+        return "causal" + (f":offset={self.offset}" if self.offset else "")
+
+
+@dataclass(frozen=True)
+class Sliding(MaskSpec):
+    """``-left <= key - query <= right``."""
+
+    left: int
+    right: int
+
+    def __post_init__(self):
+        if self.left < 0 or self.right < 0:
+            raise MaskSpecError(f"sliding window sides must be >= 0, got left={self.left}, right={self.right}")
+
+    def evaluate(self, q, k, *, seq_q, seq_k, head=0):
+        d = k - q
+        return (d >= -self.left) & (d <= self.right)
+
+    def classify_tiles(self, r0, r1, c0, c1, *, seq_q, seq_k, head=0):
+        return _band_classify(-self.left, self.right, r0, r1, c0, c1)
+
+    def __str__(self):
+        if self.left == self.right:
+            return f"sliding:window={self.left}"
+        return f"sliding:left={self.left},right={self.right}"
+
+
+@dataclass(frozen=True)
+class Dilated(MaskSpec):
+    """A sliding window keeping every ``dilation``-th diagonal: ``-left <= d <= right`` and ``d % dilation == 0``."""
+
+    left: int
+    right: int
+    dilation: int
+
+    def __post_init__(self):
+        if self.dilation < 1:
+            raise MaskSpecError(f"dilation must be >= 1, got {self.dilation}")
+        if self.left < 0 or self.right < 0:
+            raise MaskSpecError("dilated window sides must be >= 0")
+
+    def evaluate(self, q, k, *, seq_q, seq_k, head=0):
+        d = k - q
+        on_diag = (d & (self.dilation - 1)) == 0 if self.dilation & (self.dilation - 1) == 0 else d % self.dilation == 0
+        return (d >= -self.left) & (d <= self.right) & on_diag
+
+    def classify_tiles(self, r0, r1, c0, c1, *, seq_q, seq_k, head=0):
+        cls = _band_classify(-self.left, self.right, r0, r1, c0, c1)
+        if self.dilation > 1:
+            # Only every dilation-th diagonal is kept, so a band-full tile is full only in degenerate (1-wide
+            # tail) cases: let evaluation decide rather than reason about them.
+            cls[cls == TILE_FULL] = TILE_UNKNOWN
+        return cls
+
+    def __str__(self):
+        if self.left == self.right:
+            return f"dilated:window={self.left},dilation={self.dilation}"
+        return f"dilated:left={self.left},right={self.right},dilation={self.dilation}"
+
+
+@dataclass(frozen=True)
+class Global(MaskSpec):
+    """Global tokens: a pair is allowed when its query or its key is one of ``tokens``."""
+
+    tokens: tuple[int, ...]
+
+    def __post_init__(self):
+        if any(t < 0 for t in self.tokens):
+            raise MaskSpecError("global token positions must be >= 0")
+
+    @cached_property
+    def _sorted(self) -> np.ndarray:
+        return np.unique(np.asarray(self.tokens, dtype=np.int64))
+
+    def evaluate(self, q, k, *, seq_q, seq_k, head=0):
+        g = self._sorted
+        return np.isin(q, g) | np.isin(k, g)
+
+    def classify_tiles(self, r0, r1, c0, c1, *, seq_q, seq_k, head=0):
+        g = self._sorted
+        n_rows = np.searchsorted(g, r1) - np.searchsorted(g, r0)  # global queries inside the tile's rows
+        n_cols = np.searchsorted(g, c1) - np.searchsorted(g, c0)
+        full = (n_rows == r1 - r0) | (n_cols == c1 - c0)
+        empty = (n_rows == 0) & (n_cols == 0)
+        out = np.full(np.broadcast_shapes(np.shape(full), np.shape(empty)), TILE_UNKNOWN, np.int8)
+        out[np.broadcast_to(full, out.shape)] = TILE_FULL
+        out[np.broadcast_to(empty, out.shape)] = TILE_EMPTY
+        return out
+
+    def __str__(self):
+        g = self._sorted
+        if len(g) and np.array_equal(g, np.arange(len(g))):
+            return f"global:n={len(g)}"
+        return "global:tokens=" + ";".join(str(int(t)) for t in g)
+
+
+class BlockLayout(MaskSpec):
+    """A mask constant on ``block x block`` squares: allowed iff ``layout[q // block, k // block]``.
+
+    Subclasses generate the layout for a size (BigBird); this class takes a fixed one (``blocks:PATH``)."""
+
+    def __init__(self, layout: np.ndarray | None, block: int, source: str = "<array>"):
+        if block < 1:
+            raise MaskSpecError(f"block must be >= 1, got {block}")
+        self.block = int(block)
+        self._layout = None if layout is None else np.asarray(layout).astype(bool)
+        self.source = source
+        if self._layout is not None:
+            if self._layout.ndim == 3:
+                self.per_head = True
+            elif self._layout.ndim != 2:
+                raise MaskSpecError(f"block layout must be 2-D [Qb,Kb] or 3-D [H,Qb,Kb], got {self._layout.shape}")
+        self._cache: dict = {}
+
+    def block_grid(self, seq_q: int, seq_k: int) -> tuple[int, int]:
+        return -(-seq_q // self.block), -(-seq_k // self.block)
+
+    def layout(self, seq_q: int, seq_k: int, head: int = 0) -> np.ndarray:
+        """Boolean [ceil(seq_q/block), ceil(seq_k/block)] grid for this head."""
+        nbq, nbk = self.block_grid(seq_q, seq_k)
+        lay = self._layout if self._layout.ndim == 2 else self._layout[head % self._layout.shape[0]]
+        return lay[:nbq, :nbk]
+
+    def check_size(self, seq_q, seq_k):
+        if self._layout is not None:
+            nbq, nbk = self.block_grid(seq_q, seq_k)
+            if self._layout.shape[-2] < nbq or self._layout.shape[-1] < nbk:
+                raise MaskSpecError(
+                    f"block layout {self.source} is {self._layout.shape[-2]}x{self._layout.shape[-1]} blocks of "
+                    f"{self.block}; a {seq_q}x{seq_k} mask needs {nbq}x{nbk}")
+
+    def num_layouts(self, num_heads):
+        if self._layout is not None and self._layout.ndim == 3:
+            if num_heads is not None and num_heads % self._layout.shape[0]:
+                raise MaskSpecError(f"{self._layout.shape[0]} layouts do not divide {num_heads} heads")
+            return self._layout.shape[0]
+        return super().num_layouts(num_heads)
+
+    def _prefix(self, seq_q, seq_k, head):
+        key = (seq_q, seq_k, head)
+        if key not in self._cache:
+            lay = self.layout(seq_q, seq_k, head)
+            p = np.zeros((lay.shape[0] + 1, lay.shape[1] + 1), np.int64)
+            p[1:, 1:] = lay.cumsum(0).cumsum(1)
+            self._cache[key] = (lay, p)
+        return self._cache[key]
+
+    def evaluate(self, q, k, *, seq_q, seq_k, head=0):
+        lay, _ = self._prefix(seq_q, seq_k, head)
+        return lay[q // self.block, k // self.block]
+
+    def classify_tiles(self, r0, r1, c0, c1, *, seq_q, seq_k, head=0):
+        _, p = self._prefix(seq_q, seq_k, head)
+        b = self.block
+        bq0, bq1 = r0 // b, (r1 - 1) // b + 1
+        bk0, bk1 = c0 // b, (c1 - 1) // b + 1
+        count = p[bq1, bk1] - p[bq0, bk1] - p[bq1, bk0] + p[bq0, bk0]
+        area = (bq1 - bq0) * (bk1 - bk0)
+        out = np.full(count.shape, TILE_UNKNOWN, np.int8)
+        out[count == area] = TILE_FULL
+        out[count == 0] = TILE_EMPTY
+        return out
+
+    def __str__(self):
+        return f"blocks:{self.source},block={self.block}"
+
+
+class BigBird(BlockLayout):
+    """BigBird on a block grid: band of ``window`` blocks each side, the first ``global_blocks`` block rows and
+    columns, and each remaining block with probability ``random`` (numpy default_rng(seed); per head:
+    default_rng([seed, head]))."""
+
+    def __init__(self, block=64, window=1, global_blocks=1, random=0.0, seed=0, per_head=False):
+        super().__init__(None, block)
+        if window < 0 or global_blocks < 0 or not 0.0 <= random <= 1.0:
+            raise MaskSpecError("bigbird needs window >= 0, global >= 0 and 0 <= random <= 1")
+        self.window, self.global_blocks, self.random, self.seed = int(window), int(global_blocks), float(random), int(seed)
+        self.per_head = bool(per_head)
+
+    def layout(self, seq_q, seq_k, head=0):
+        nbq, nbk = self.block_grid(seq_q, seq_k)
+        qb = np.arange(nbq)[:, None]
+        kb = np.arange(nbk)[None, :]
+        lay = (np.abs(kb - qb) <= self.window) | (qb < self.global_blocks) | (kb < self.global_blocks)
+        if self.random > 0:
+            rng = np.random.default_rng([self.seed, head] if self.per_head else self.seed)
+            lay = lay | (rng.random((nbq, nbk)) < self.random)
+        return lay
+
+    def num_layouts(self, num_heads):
+        return MaskSpec.num_layouts(self, num_heads)
+
+    def __str__(self):
+        s = f"bigbird:block={self.block},window={self.window},global={self.global_blocks}"
+        if self.random:
+            s += f",random={self.random:g},seed={self.seed}"
+        return s + (",per_head=1" if self.per_head else "")
+
+
+class DenseMask(MaskSpec):
+    """An explicit boolean matrix [Sq, Sk] or [H, Sq, Sk]; a model of size (s_q, s_k) uses its top-left corner."""
+
+    def __init__(self, array: np.ndarray, source: str = "<array>"):
+        a = np.asarray(array)
+        if a.ndim not in (2, 3):
+            raise MaskSpecError(f"mask array {source} must be 2-D or 3-D, got shape {a.shape}")
+        if a.dtype != bool:
+            if not np.issubdtype(a.dtype, np.number) or not np.isin(a, (0, 1)).all():
+                raise MaskSpecError(f"mask array {source} must be boolean or 0/1")
+            a = a.astype(bool)
+        self.array, self.source = a, source
+        self.per_head = a.ndim == 3
+
+    def check_size(self, seq_q, seq_k):
+        if self.array.shape[-2] < seq_q or self.array.shape[-1] < seq_k:
+            raise MaskSpecError(
+                f"mask {self.source} is {self.array.shape[-2]}x{self.array.shape[-1]}, "
+                f"smaller than the model's {seq_q}x{seq_k} attention")
+
+    def num_layouts(self, num_heads):
+        if self.array.ndim == 3:
+            if num_heads is not None and num_heads % self.array.shape[0]:
+                raise MaskSpecError(f"{self.array.shape[0]} mask layouts do not divide {num_heads} heads")
+            return self.array.shape[0]
+        return 1
+
+    def head_array(self, seq_q, seq_k, head=0) -> np.ndarray:
+        a = self.array if self.array.ndim == 2 else self.array[head % self.array.shape[0]]
+        return a[:seq_q, :seq_k]
+
+    def evaluate(self, q, k, *, seq_q, seq_k, head=0):
+        return self.head_array(seq_q, seq_k, head)[q, k]
+
+    def __str__(self):
+        return f"npy:{self.source}"
+
+
+@dataclass(frozen=True)
+class _Combine(MaskSpec):
+    parts: tuple[MaskSpec, ...] = field(default=())
+
+    @property
+    def per_head(self):  # type: ignore[override]
+        return any(p.per_head for p in self.parts)
+
+    def check_size(self, seq_q, seq_k):
+        for p in self.parts:
+            p.check_size(seq_q, seq_k)
+
+    def num_layouts(self, num_heads):
+        ns = {p.num_layouts(num_heads) for p in self.parts} - {1}
+        if not ns:
+            return 1
+        if len(ns) > 1:
+            if num_heads is None:
+                raise MaskSpecError(f"parts of '{self}' have different numbers of layouts {sorted(ns)}")
+            return num_heads
+        return ns.pop()
+
+
+class Union(_Combine):
+    """Allowed where any part allows."""
+
+    def evaluate(self, q, k, **kw):
+        out = self.parts[0].evaluate(q, k, **kw)
+        for p in self.parts[1:]:
+            out = out | p.evaluate(q, k, **kw)
+        return out
+
+    def classify_tiles(self, r0, r1, c0, c1, **kw):
+        cls = [p.classify_tiles(r0, r1, c0, c1, **kw) for p in self.parts]
+        out = np.full(np.broadcast_shapes(*(c.shape for c in cls)), TILE_UNKNOWN, np.int8)
+        out[np.logical_and.reduce([c == TILE_EMPTY for c in cls])] = TILE_EMPTY
+        out[np.logical_or.reduce([c == TILE_FULL for c in cls])] = TILE_FULL
+        return out
+
+    def __str__(self):
+        return "|".join(f"({p})" if isinstance(p, Intersection) else str(p) for p in self.parts)
+
+
+class Intersection(_Combine):
+    """Allowed where every part allows."""
+
+    def evaluate(self, q, k, **kw):
+        out = self.parts[0].evaluate(q, k, **kw)
+        for p in self.parts[1:]:
+            out = out & p.evaluate(q, k, **kw)
+        return out
+
+    def classify_tiles(self, r0, r1, c0, c1, **kw):
+        cls = [p.classify_tiles(r0, r1, c0, c1, **kw) for p in self.parts]
+        out = np.full(np.broadcast_shapes(*(c.shape for c in cls)), TILE_UNKNOWN, np.int8)
+        out[np.logical_and.reduce([c == TILE_FULL for c in cls])] = TILE_FULL
+        out[np.logical_or.reduce([c == TILE_EMPTY for c in cls])] = TILE_EMPTY
+        return out
+
+    def __str__(self):
+        return "&".join(f"({p})" if isinstance(p, Union) else str(p) for p in self.parts)
+
+
+def longformer(window: int, global_tokens: int | tuple[int, ...]) -> MaskSpec:
+    """Longformer: a symmetric sliding window plus global tokens (an int = the first n tokens)."""
+    tokens = tuple(range(global_tokens)) if isinstance(global_tokens, int) else tuple(global_tokens)
+    return Union((Sliding(window, window), Global(tokens)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parsing
+
+_INT_RE = re.compile(r"^-?\d+$")
+
+
+def _args(name: str, text: str, allowed: dict[str, type]) -> dict:
+    out: dict = {}
+    if not text:
+        return out
+    for item in text.split(","):
+        if "=" not in item:
+            raise MaskSpecError(f"mask '{name}': expected key=value, got '{item}'")
+        key, val = (s.strip() for s in item.split("=", 1))
+        if key not in allowed:
+            raise MaskSpecError(f"mask '{name}': unknown argument '{key}' (expected one of {', '.join(allowed)})")
+        typ = allowed[key]
+        try:
+            if typ is int:
+                if not _INT_RE.match(val):
+                    raise ValueError
+                out[key] = int(val)
+            elif typ is float:
+                out[key] = float(val)
+            elif typ is bool:
+                if val not in ("0", "1", "true", "false"):
+                    raise ValueError
+                out[key] = val in ("1", "true")
+            elif typ is tuple:
+                out[key] = tuple(int(t) for t in val.split(";") if t != "")
+            else:
+                out[key] = val
+        except ValueError:
+            raise MaskSpecError(f"mask '{name}': bad value '{val}' for '{key}' (expected {typ.__name__})") from None
+    return out
+
+
+def _need(name, args, *keys):
+    for k in keys:
+        if k not in args:
+            raise MaskSpecError(f"mask '{name}' needs '{k}=...'")
+
+
+def _window_sides(name, a) -> tuple[int, int]:
+    if "window" in a:
+        if "left" in a or "right" in a:
+            raise MaskSpecError(f"mask '{name}': give window= or left=/right=, not both")
+        w = a["window"]
+        return (w, 0) if a.get("causal") else (w, w)
+    if "left" in a or "right" in a:
+        return a.get("left", 0), a.get("right", 0)
+    raise MaskSpecError(f"mask '{name}' needs 'window=...' (or left=/right=)")
+
+
+def _load_npy(name: str, path: str) -> np.ndarray:
+    if not path:
+        raise MaskSpecError(f"mask '{name}' needs a path: {name}:PATH.npy")
+    if not os.path.isfile(path):
+        raise MaskSpecError(f"mask file not found: {path}")
+    try:
+        return np.load(path, allow_pickle=False)
+    except Exception as e:  # numpy raises several types for a bad file
+        raise MaskSpecError(f"cannot read mask file {path}: {e}") from None
+
+
+def _atom(name: str, text: str) -> MaskSpec:
+    if name == "full":
+        _args(name, text, {})
+        return Full()
+    if name == "causal":
+        return Causal(**_args(name, text, {"offset": int}))
+    if name == "sliding":
+        a = _args(name, text, {"window": int, "left": int, "right": int, "causal": bool})
+        return Sliding(*_window_sides(name, a))
+    if name == "dilated":
+        a = _args(name, text, {"window": int, "left": int, "right": int, "causal": bool, "dilation": int})
+        left, right = _window_sides(name, a)
+        return Dilated(left, right, a.get("dilation", 2))
+    if name == "global":
+        a = _args(name, text, {"n": int, "tokens": tuple})
+        if ("n" in a) == ("tokens" in a):
+            raise MaskSpecError("mask 'global' needs exactly one of n= or tokens=")
+        return Global(tuple(range(a["n"])) if "n" in a else a["tokens"])
+    if name == "longformer":
+        a = _args(name, text, {"window": int, "global": int, "tokens": tuple})
+        _need(name, a, "window")
+        if "global" in a and "tokens" in a:
+            raise MaskSpecError("mask 'longformer': give global= or tokens=, not both")
+        return longformer(a["window"], a["tokens"] if "tokens" in a else a.get("global", 0))
+    if name == "bigbird":
+        a = _args(name, text, {"block": int, "window": int, "global": int, "random": float, "seed": int,
+                               "per_head": bool})
+        return BigBird(a.get("block", 64), a.get("window", 1), a.get("global", 1), a.get("random", 0.0),
+                       a.get("seed", 0), a.get("per_head", False))
+    if name == "blocks":
+        path, _, rest = text.partition(",")
+        a = _args(name, rest, {"block": int})
+        return BlockLayout(_load_npy(name, path), a.get("block", 64), source=path)
+    if name == "npy":
+        return DenseMask(_load_npy(name, text), source=text)
+    raise MaskSpecError(
+        f"unknown mask '{name}' (expected one of full, causal, sliding, dilated, global, longformer, bigbird, "
+        "blocks, npy)")
+
+
+def _split_top(text: str, sep: str) -> list[str]:
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+            if depth < 0:
+                raise MaskSpecError(f"unbalanced ')' in mask spec '{text}'")
+        elif ch == sep and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise MaskSpecError(f"unbalanced '(' in mask spec '{text}'")
+    parts.append(text[start:])
+    return parts
+
+
+def _parse(text: str) -> MaskSpec:
+    text = text.strip()
+    if not text:
+        raise MaskSpecError("empty mask spec")
+    union = _split_top(text, "|")
+    if len(union) > 1:
+        return Union(tuple(_parse(p) for p in union))
+    inter = _split_top(text, "&")
+    if len(inter) > 1:
+        return Intersection(tuple(_parse(p) for p in inter))
+    if text.startswith("(") and text.endswith(")"):
+        return _parse(text[1:-1])
+    name, _, rest = text.partition(":")
+    return _atom(name.strip().lower(), rest.strip())
+
+
+def parse_mask(spec: str | MaskSpec) -> MaskSpec:
+    """Parse a mask spec string (see the module docstring); a MaskSpec passes through."""
+    if isinstance(spec, MaskSpec):
+        return spec
+    if not isinstance(spec, str):
+        raise MaskSpecError(f"mask spec must be a string, got {type(spec).__name__}")
+    return _parse(spec)

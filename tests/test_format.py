@@ -1,0 +1,126 @@
+"""The tile format: exact round trips, invariants, bit order (docs/format.md)."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from stof_trt import StofError, TileClass, TileLayout, compile_mask
+from stof_trt.masks import parse_mask
+
+TILES = st.sampled_from([(16, 32), (32, 32), (64, 64), (48, 96), (128, 64), (64, 128)])
+
+
+@st.composite
+def random_masks(draw):
+    """Random boolean masks with structure at random scales: dense noise, block noise, empty and full rows."""
+    L = draw(st.integers(1, 3))
+    sq, sk = draw(st.integers(1, 300)), draw(st.integers(1, 300))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    kind = draw(st.sampled_from(["noise", "blocks", "mixed", "empty", "full"]))
+    if kind == "empty":
+        return np.zeros((L, sq, sk), bool)
+    if kind == "full":
+        return np.ones((L, sq, sk), bool)
+    p = draw(st.floats(0.0, 1.0))
+    noise = rng.random((L, sq, sk)) < p
+    b = draw(st.integers(1, 80))
+    blocks = rng.random((L, -(-sq // b), -(-sk // b))) < p
+    blocks = blocks.repeat(b, 1).repeat(b, 2)[:, :sq, :sk]
+    if kind == "noise":
+        return noise
+    if kind == "blocks":
+        return blocks
+    return blocks | (noise & (rng.random((L, sq, sk)) < 0.1))
+
+
+@settings(max_examples=150, deadline=None)
+@given(random_masks(), TILES)
+def test_dense_round_trip_is_exact(mask, tile):
+    layout = TileLayout.from_dense(mask, *tile)
+    layout.validate()
+    assert layout.to_dense().shape == mask.shape
+    assert np.array_equal(layout.to_dense(), mask)
+    assert layout.density() == pytest.approx(mask.mean(), abs=1e-12)
+    # Classes are exact: FULL tiles hold only allowed in-range elements, PARTIAL tiles hold both kinds.
+    classes = layout.tile_classes()
+    tm, tn = tile
+    for (l, i, j) in zip(*np.nonzero(classes)):
+        block = mask[l, i * tm:(i + 1) * tm, j * tn:(j + 1) * tn]
+        assert block.any()
+        assert block.all() == (classes[l, i, j] == TileClass.FULL)
+
+
+SPECS = [
+    "causal", "causal:offset=5", "sliding:window=17", "sliding:window=40,causal=1", "sliding:left=3,right=70",
+    "dilated:window=50,dilation=2", "dilated:window=33,dilation=3,causal=1", "global:n=5", "global:tokens=0;9;130",
+    "longformer:window=20,global=3", "bigbird:block=16,window=1,global=1,random=0.2,seed=3",
+    "bigbird:block=24,random=0.3,per_head=1", "causal&sliding:window=30|global:tokens=77", "(full&causal)|sliding:window=2",
+]
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.sampled_from(SPECS), st.integers(1, 260), st.integers(1, 260), TILES)
+def test_compile_mask_matches_spec_bit_for_bit(spec, sq, sk, tile):
+    mask = parse_mask(spec)
+    layout = compile_mask(mask, sq, sk, tile_m=tile[0], tile_n=tile[1], num_heads=4)
+    layout.validate()
+    dense = mask.dense(sq, sk, num_heads=4)
+    dense = dense[None] if dense.ndim == 2 else dense
+    assert np.array_equal(layout.to_dense(), dense)
+    # The analytical classification must agree with classifying the dense matrix.
+    assert layout.signature() == TileLayout.from_dense(dense, *tile).signature()
+
+
+def test_bit_order_is_lsb_first_row_major():
+    m = np.zeros((64, 64), bool)
+    m[0, 0] = m[0, 33] = m[1, 0] = m[63, 63] = True
+    lay = TileLayout.from_dense(m, 64, 64)
+    w = lay.bitmaps[0].view(np.uint32)
+    assert w.shape == (128,)
+    assert w[0] == 1 and w[1] == 2          # (0,0) -> word 0 bit 0; (0,33) -> word 1 bit 1
+    assert w[2] == 1                          # (1,0) -> word 2 bit 0 (a row is tile_n/32 = 2 words)
+    assert w[127] == 1 << 31 and lay.bitmaps[0][127] < 0   # stored as int32: bit 31 is the sign bit
+    assert np.count_nonzero(w) == 4
+
+
+def test_empty_and_full_masks_keep_tensors_non_empty():
+    empty = TileLayout.from_dense(np.zeros((100, 70), bool))
+    assert empty.nnz == 0 and empty.col_idx.shape == (1,) and empty.bitmaps.shape == (1, 128)
+    assert not empty.to_dense().any()
+    full = compile_mask("full", 100, 70)
+    assert full.nnz == 4 and full.num_partial == 0 and full.bitmaps.shape == (1, 128)
+    assert full.to_dense().all()
+    for lay in (empty, full):
+        for a in lay.arrays().values():
+            assert a.dtype == np.int32 and a.flags.c_contiguous
+
+
+def test_tails_are_full_when_all_in_range_elements_are_allowed():
+    lay = compile_mask("full", 65, 97, tile_m=64, tile_n=64)
+    assert lay.class_counts() == {"empty": 0, "full": 4, "partial": 0}
+
+
+def test_per_head_layouts_and_head_mapping():
+    lay = compile_mask("bigbird:block=16,random=0.5,per_head=1", 64, 64, tile_m=16, tile_n=32, num_heads=3)
+    assert lay.num_layouts == 3
+    d = lay.to_dense()
+    assert not (np.array_equal(d[0], d[1]) and np.array_equal(d[1], d[2]))
+
+
+@pytest.mark.parametrize("bad", [(8, 64), (64, 48), (64, 0), (512, 64)])
+def test_bad_tile_shapes(bad):
+    with pytest.raises(StofError):
+        compile_mask("causal", 128, 128, tile_m=bad[0], tile_n=bad[1])
+
+
+def test_validate_rejects_broken_arrays():
+    lay = compile_mask("sliding:window=70", 256, 256)
+    fields = dict(seq_q=256, seq_k=256, tile_m=64, tile_n=64, num_layouts=1, row_ptr=lay.row_ptr,
+                  col_idx=lay.col_idx, tile_bitmap_index=lay.tile_bitmap_index, bitmaps=lay.bitmaps)
+    TileLayout.from_arrays(**fields)
+    for name, broken in [("row_ptr", lay.row_ptr[:-1]), ("col_idx", lay.col_idx[::-1].copy()),
+                         ("tile_bitmap_index", np.full_like(lay.tile_bitmap_index, 7)),
+                         ("bitmaps", lay.bitmaps[:, :5])]:
+        with pytest.raises(StofError):
+            TileLayout.from_arrays(**{**fields, name: broken})
