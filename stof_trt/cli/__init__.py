@@ -1,0 +1,58 @@
+"""The ``stof`` command line. One module per subcommand (``add_args(parser)`` + ``run(args)``), registered in
+``SUBCOMMANDS``; heavy imports (onnx, onnxruntime, torch) happen inside ``run``.
+
+Exit status: 0 success, 2 user error (bad file, bad spec, sizes that do not fit; one line on stderr), 1 bug."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from ..errors import StofError
+
+SUBCOMMANDS = [
+    ("rewrite", "rewrite", "replace masked attention and epilogues in an ONNX model by STOF nodes"),
+    ("inspect", "inspect", "list the STOF nodes of a model and draw their mask layouts"),
+    ("demo", "demo", "export a small BERT, rewrite it with a Longformer mask, compare on ONNX Runtime CPU"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
+    p = argparse.ArgumentParser(
+        prog="stof",
+        description="STOF-TRT: fast inference for sparse (masked) Transformers. Rewrites exported ONNX models so "
+                    "that masked attention and its epilogues run as STOF nodes (CUDA plugins for ONNX Runtime and "
+                    "TensorRT; a portable ONNX-function fallback everywhere else).",
+        epilog="Mask specs: causal | sliding:window=W | dilated:window=W,dilation=D | global:n=G | "
+               "longformer:window=W,global=G | bigbird:block=B,window=1,global=1,random=P,seed=S | "
+               "blocks:LAYOUT.npy,block=B | npy:MASK.npy; combine with '|' (union), '&' (intersection), "
+               "parentheses. See `python -c 'import stof_trt.masks as m; help(m)'`.")
+    p.add_argument("--version", action="version", version=f"stof-trt {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, module, help_text in SUBCOMMANDS:
+        mod = importlib.import_module(f".{module}", __name__)
+        sp = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip(),
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+        mod.add_args(sp)
+        sp.set_defaults(_run=mod.run)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except StofError as e:
+        print(f"stof: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("stof: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

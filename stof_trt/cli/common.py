@@ -1,0 +1,108 @@
+"""Shared CLI helpers: model loading/saving with clear errors, tables, JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+
+from ..errors import StofError
+
+# protobuf cannot serialise a message over 2 GiB: bigger models are written with external data.
+_PROTO_LIMIT = 2**31 - 1
+
+
+def load_model(path: str):
+    """Load an ONNX model (with its external data) or raise a one-line StofError."""
+    import onnx
+
+    if not os.path.exists(path):
+        raise StofError(f"no such file: {path}")
+    if not os.path.isfile(path):
+        raise StofError(f"not a file: {path}")
+    try:
+        model = onnx.load(path, load_external_data=True)
+    except Exception as e:  # protobuf DecodeError, missing external data, ...
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise StofError(f"{path} is not a readable ONNX model ({msg})") from None
+    if not model.graph.node and not model.graph.input:
+        raise StofError(f"{path} is not an ONNX model (no graph)")
+    return model
+
+
+def check_output_path(inp: str, out: str) -> None:
+    if os.path.abspath(inp) == os.path.abspath(out) or (os.path.exists(out) and os.path.samefile(inp, out)):
+        raise StofError(f"output path {out} is the input: refusing to overwrite the input model")
+    d = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(d):
+        raise StofError(f"output directory does not exist: {d}")
+
+
+def save_model(model, out: str) -> None:
+    """Write atomically (temp file + rename); external data when the model is over protobuf's 2 GiB limit."""
+    import onnx
+
+    d = os.path.dirname(os.path.abspath(out))
+    big = _model_bytes(model) > _PROTO_LIMIT
+    fd, tmp = tempfile.mkstemp(prefix=".stof-", suffix=".onnx", dir=d)
+    os.close(fd)
+    try:
+        if big:
+            data_name = os.path.basename(out) + ".data"
+            onnx.save_model(model, tmp, save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=data_name + ".tmp", size_threshold=1024)
+            os.replace(os.path.join(d, data_name + ".tmp"), os.path.join(d, data_name))
+            # The model file names its data file: rewrite the name without the .tmp suffix.
+            m = onnx.load(tmp, load_external_data=False)
+            for t in _all_tensors(m):
+                for e in t.external_data:
+                    if e.key == "location":
+                        e.value = data_name
+            onnx.save_model(m, tmp)
+        else:
+            onnx.save_model(model, tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _model_bytes(model) -> int:
+    total = 0
+    for t in _all_tensors(model):
+        total += len(t.raw_data) + 4 * (len(t.float_data) + len(t.int32_data)) + 8 * len(t.int64_data)
+    return total
+
+
+def _all_tensors(model):
+    from onnx.external_data_helper import _get_all_tensors
+
+    return _get_all_tensors(model)
+
+
+def print_table(rows: list[list], header: list[str], file=sys.stdout) -> None:
+    cells = [[str(c) for c in r] for r in [header] + rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    for n, r in enumerate(cells):
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))), file=file)
+        if n == 0:
+            print("  ".join("-" * w for w in widths), file=file)
+
+
+def print_json(obj) -> None:
+    json.dump(obj, sys.stdout, indent=1, default=_json_default)
+    print()
+
+
+def _json_default(o):
+    import numpy as np
+
+    if isinstance(o, np.integer):
+        return int(o)
+    if isinstance(o, np.floating):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(type(o).__name__)

@@ -1,0 +1,81 @@
+"""Rewrite an exported ONNX transformer so that masked attention cores (Q·Kᵀ, scale, mask/bias, softmax, ·V)
+become StofSparseAttention nodes and epilogues (MatMul + bias + GELU, bias + residual + LayerNorm) become
+StofGemmEpilogue / StofAddLayerNorm nodes. Every STOF node carries a model-local ONNX function, so the output
+runs on any ONNX runtime; with the STOF plugins it runs the sparse CUDA kernels.
+
+examples:
+  stof rewrite bert.onnx -o bert.stof.onnx --mask longformer:window=256,global=32
+  stof rewrite gpt2.onnx -o gpt2.stof.onnx            # the causal mask found in the graph is used
+  stof rewrite model.onnx -o out.onnx --mask 'sliding:window=128&causal' --json
+"""
+
+from __future__ import annotations
+
+import time
+
+from ..errors import StofError
+from .common import check_output_path, load_model, print_json, print_table, save_model
+
+
+def add_args(p):
+    p.add_argument("input", metavar="IN.onnx", help="exported ONNX model (external data is read too)")
+    p.add_argument("-o", "--output", required=True, metavar="OUT.onnx", help="where to write the rewritten model")
+    p.add_argument("--mask", metavar="SPEC",
+                   help="static attention sparsity for every attention node (see `stof --help`); intersected "
+                        "with causal/sliding patterns found in the graph; padding masks stay run-time inputs")
+    p.add_argument("--no-epilogue", action="store_true", help="rewrite attention cores only")
+    p.add_argument("--tile", type=int, nargs=2, default=(64, 64), metavar=("M", "N"),
+                   help="tile shape of the compiled mask (default 64 64)")
+    p.add_argument("--max-seq-len", type=int, metavar="S",
+                   help="sequence length to compile the mask for when the model's sequence axis is dynamic")
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of tables")
+
+
+def run(args) -> int:
+    from .. import format as fmt
+    from ..masks import parse_mask
+
+    check_output_path(args.input, args.output)
+    mask = parse_mask(args.mask) if args.mask else None
+    fmt.check_tile_shape(*args.tile)
+    if args.max_seq_len is not None and args.max_seq_len < 1:
+        raise StofError("--max-seq-len must be positive")
+    t0 = time.perf_counter()
+    model = load_model(args.input)
+    import graph_rewrite
+
+    new_model, report = graph_rewrite.rewrite_model(model, mask=mask, epilogues=not args.no_epilogue,
+                                                     tile_m=args.tile[0], tile_n=args.tile[1],
+                                                     max_seq_len=args.max_seq_len)
+    save_model(new_model, args.output)
+    info = report.to_dict()
+    info.update(input=args.input, output=args.output, seconds=round(time.perf_counter() - t0, 3))
+    if args.json:
+        print_json(info)
+    else:
+        print_report(info)
+    return 0
+
+
+def print_report(info: dict) -> None:
+    print(f"{info['input']} -> {info['output']}  ({info['seconds']} s)")
+    patterns = info.get("patterns", {})
+    if patterns:
+        print()
+        print_table([[k, v] for k, v in patterns.items()], ["pattern", "matched"])
+    print(f"\nnodes removed: {info.get('nodes_removed', 0)}   nodes added: {info.get('nodes_added', 0)}")
+    att = info.get("attention", [])
+    if att:
+        print()
+        rows = []
+        for a in att:
+            c = a.get("tile_classes", {})
+            rows.append([a.get("name", "?"), a.get("heads", "?"), a.get("head_dim", "?"), a.get("mask_source", "?"),
+                         f"{a['density']:.4f}" if isinstance(a.get("density"), float) else "-",
+                         c.get("full", "-"), c.get("partial", "-"), c.get("empty", "-")])
+        print_table(rows, ["attention node", "heads", "D", "mask", "density", "full", "partial", "empty"])
+    left = info.get("left_alone", [])
+    if left:
+        print("\nleft alone:")
+        for item in left:
+            print(f"  {item.get('node', '?')}: {item.get('reason', '?')}")
