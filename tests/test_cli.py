@@ -1,0 +1,114 @@
+"""CLI behaviour that needs no model export: error handling, nothing written on error, external data, inspect."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from stof_trt.cli import main
+from stof_trt.cli import common
+
+
+def run_cli(*args):
+    p = subprocess.run([sys.executable, "-m", "stof_trt.cli", *args], capture_output=True, text=True, timeout=300)
+    return p.returncode, p.stdout, p.stderr
+
+
+def tiny_model(path, big_weight=0):
+    """Y = X @ W (+ a large unused-ish weight folded into an Add) — a model with nothing to rewrite."""
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((8, 8)).astype(np.float32), "W")
+    inits = [w]
+    nodes = [helper.make_node("MatMul", ["X", "W"], ["Y"])]
+    if big_weight:
+        inits.append(numpy_helper.from_array(np.ones(big_weight, np.float32), "Big"))
+        nodes.append(helper.make_node("ReduceSum", ["Big"], ["S"], keepdims=0))
+    g = helper.make_graph(nodes, "tiny", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [2, 8])],
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [2, 8])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save(m, path)
+    return path
+
+
+@pytest.mark.parametrize("case", ["missing", "not_onnx", "directory", "same_path", "bad_spec", "bad_tile",
+                                  "no_out_dir"])
+def test_rewrite_errors_are_one_line_exit_2_and_write_nothing(tmp_path, case):
+    good = tiny_model(str(tmp_path / "m.onnx"))
+    garbage = tmp_path / "garbage.onnx"
+    garbage.write_bytes(b"\x00\x01this is not protobuf" * 10)
+    out = str(tmp_path / "out.onnx")
+    args = {
+        "missing": [str(tmp_path / "nope.onnx"), "-o", out],
+        "not_onnx": [str(garbage), "-o", out],
+        "directory": [str(tmp_path), "-o", out],
+        "same_path": [good, "-o", good],
+        "bad_spec": [good, "-o", out, "--mask", "sliding:width=3"],
+        "bad_tile": [good, "-o", out, "--tile", "8", "64"],
+        "no_out_dir": [good, "-o", str(tmp_path / "no" / "such" / "dir.onnx")],
+    }[case]
+    before = {p: os.path.getmtime(p) for p in (good, str(garbage))}
+    rc, stdout, stderr = run_cli("rewrite", *args)
+    assert rc == 2, (stdout, stderr)
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("stof: error: "), stderr
+    assert "Traceback" not in stderr
+    assert not os.path.exists(out)
+    assert {p: os.path.getmtime(p) for p in before} == before          # inputs untouched
+    assert sorted(os.listdir(tmp_path)) == sorted(["m.onnx", "garbage.onnx"])  # no temp files left
+
+
+def test_usage_errors_exit_2():
+    assert run_cli("rewrite")[0] == 2
+    assert run_cli("nosuchcommand")[0] == 2
+    rc, out, _ = run_cli("--help")
+    assert rc == 0 and "rewrite" in out and "inspect" in out
+
+
+def test_save_model_uses_external_data_over_the_limit(tmp_path, monkeypatch):
+    src = tiny_model(str(tmp_path / "src.onnx"), big_weight=4096)
+    model = onnx.load(src)
+    monkeypatch.setattr(common, "_PROTO_LIMIT", 1000)   # pretend the 2 GiB protobuf limit is 1 kB
+    out = str(tmp_path / "out.onnx")
+    common.save_model(model, out)
+    assert os.path.exists(out + ".data") and os.path.getsize(out) < 4096
+    back = common.load_model(out)                       # reads the external data back
+    onnx.checker.check_model(out)
+    big = [t for t in back.graph.initializer if t.name == "Big"][0]
+    assert np.array_equal(numpy_helper.to_array(big), np.ones(4096, np.float32))
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".stof-") or f.endswith(".tmp")]
+
+
+def test_inspect_model_without_stof_nodes(tmp_path, capsys):
+    path = tiny_model(str(tmp_path / "m.onnx"))
+    assert main(["inspect", path, "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["stof_nodes"] == {} and info["attention"] == []
+
+
+def test_inspect_draws_each_distinct_layout(tmp_path, capsys):
+    from stof_trt import compile_mask
+
+    layouts = [compile_mask("longformer:window=40,global=4", 256, 256), compile_mask("causal", 256, 256)]
+    nodes, inits = [], []
+    for n, lay in enumerate(layouts + layouts[:1]):      # two distinct layouts, one used twice
+        names = [f"{k}_{n}" for k in lay.arrays()]
+        inits += [numpy_helper.from_array(a, nm) for nm, a in zip(names, lay.arrays().values())]
+        nodes.append(helper.make_node("StofSparseAttention", ["Q", "K", "V", *names], [f"O{n}"], name=f"att{n}",
+                                      domain="stof", scale=0.125, tile_m=64, tile_n=64, seq_q=256, seq_k=256,
+                                      num_layouts=1, format_version=1, mask_spec=lay.mask_spec))
+    vi = [helper.make_tensor_value_info(x, TensorProto.FLOAT, [1, 2, 256, 64]) for x in "QKV"]
+    outs = [helper.make_tensor_value_info(f"O{n}", TensorProto.FLOAT, None) for n in range(3)]
+    m = helper.make_model(helper.make_graph(nodes, "g", vi, outs, inits),
+                          opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("stof", 1)])
+    path = str(tmp_path / "m.onnx")
+    onnx.save(m, path)
+    assert main(["inspect", path, "--json", "--out-dir", str(tmp_path / "png")]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["stof_nodes"] == {"StofSparseAttention": 3} and info["distinct_layouts"] == 2
+    assert len(info["pngs"]) == 2 and all(os.path.getsize(p) > 1000 for p in info["pngs"])
+    dens = {a["node"]: a["density"] for a in info["attention"]}
+    assert dens["att1"] == pytest.approx(np.tril(np.ones((256, 256))).mean())
