@@ -9,6 +9,7 @@ examples:
 from __future__ import annotations
 
 import os
+import textwrap
 
 from ..errors import StofError
 from .common import load_model, print_json, print_table
@@ -56,7 +57,7 @@ def draw_layout(layout, path: str, title: str) -> None:
 
     n = min(layout.num_layouts, 4)
     grid = layout.tile_classes()
-    fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 4.4), squeeze=False)
+    fig, axes = plt.subplots(1, n, figsize=(max(6.5, 4.2 * n), 5.0), squeeze=False)
     cmap = ListedColormap(["#f4f4f4", "#1f5fa8", "#f2a33a"])  # empty, full, partial
     for h in range(n):
         ax = axes[0, h]
@@ -65,6 +66,7 @@ def draw_layout(layout, path: str, title: str) -> None:
         ax.set_xlabel(f"key tile ({layout.tile_n})")
         ax.set_ylabel(f"query tile ({layout.tile_m})")
     c = layout.class_counts()
+    title = textwrap.fill(title, 100, break_long_words=True, max_lines=2, placeholder="...")
     fig.suptitle(f"{title}\n{layout.seq_q}x{layout.seq_k}, density {layout.density():.4f}; tiles: full {c['full']} "
                  f"(blue), partial {c['partial']} (orange), empty {c['empty']}", fontsize=9)
     fig.tight_layout()
