@@ -66,7 +66,7 @@ def draw_layout(layout, path: str, title: str) -> None:
         ax.set_xlabel(f"key tile ({layout.tile_n})")
         ax.set_ylabel(f"query tile ({layout.tile_m})")
     c = layout.class_counts()
-    title = textwrap.fill(title, 100, break_long_words=True, max_lines=2, placeholder="...")
+    title = textwrap.fill(title, 72, break_long_words=True, max_lines=2, placeholder="...")
     fig.suptitle(f"{title}\n{layout.seq_q}x{layout.seq_k}, density {layout.density():.4f}; tiles: full {c['full']} "
                  f"(blue), partial {c['partial']} (orange), empty {c['empty']}", fontsize=9)
     fig.tight_layout()
