@@ -1,0 +1,121 @@
+/*
+ * STOF sparse multi-head attention, forward pass: the one C ABI.
+ *
+ * The ONNX Runtime plugin, the TensorRT plugin and the Python binding (stof_trt/kernels.py) all call these
+ * functions.  Plain C types only; no C++ exception ever crosses this boundary; every entry point returns a
+ * status code.  The mask is the tile layout of docs/format.md (format version 1); the kernels are described in
+ * docs/kernels.md.
+ *
+ *   O[b,h,q,:] = sum_k softmax_k(scale * Q[b,h,q,:].K[b,h,k,:] | allowed(b,h,q,k)) * V[b,h,k,:]
+ *   allowed(b,h,q,k) = layout[h % L][q][k]  &&  k < key_lengths[b]  &&  key_padding_mask[b][k] != 0
+ *   A query row with no allowed key gives O = 0.
+ */
+#ifndef STOF_STOF_ATTENTION_H
+#define STOF_STOF_ATTENTION_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define STOF_FORMAT_VERSION 1
+#define STOF_ABI_VERSION 1
+
+#if defined(_WIN32)
+#define STOF_API __declspec(dllexport)
+#else
+#define STOF_API __attribute__((visibility("default")))
+#endif
+
+/* cudaStream_t without including the CUDA headers. */
+typedef struct CUstream_st* stof_stream_t;
+
+typedef enum {
+    STOF_SUCCESS = 0,
+    STOF_ERROR_INVALID_ARGUMENT = 1, /* null pointer, bad size/stride, Sq > compiled seq_q, ... */
+    STOF_ERROR_UNSUPPORTED = 2,      /* valid request this build cannot run: head dim not 64/128, dtype, ... */
+    STOF_ERROR_INVALID_TACTIC = 3,   /* unknown tactic id, or a tactic not valid for this problem */
+    STOF_ERROR_CUDA = 4,             /* a CUDA call or kernel launch failed */
+    STOF_ERROR_INSUFFICIENT_BUFFER = 5 /* list_tactics: capacity too small (n still receives the count) */
+} stof_status_t;
+
+typedef enum { STOF_DTYPE_FP16 = 0, STOF_DTYPE_BF16 = 1 } stof_dtype_t;
+
+typedef struct {
+    /* --- problem --------------------------------------------------------------------------------------- */
+    int32_t dtype;        /* stof_dtype_t: q, k, v and o share it */
+    int32_t batch;        /* B >= 1 */
+    int32_t num_heads;    /* H >= 1 */
+    int32_t seq_q;        /* run-time Sq >= 1, <= layout_seq_q */
+    int32_t seq_k;        /* run-time Sk >= 1, <= layout_seq_k */
+    int32_t head_dim;     /* D: 64 or 128 */
+    float scale;          /* multiplies Q.K^T (usually 1/sqrt(D)) */
+
+    /* --- tensors (device pointers; element strides; the last dim (D) contiguous, 16-byte aligned rows) --- */
+    const void* q;        /* [B,H,Sq,D] or any layout expressible with the strides below */
+    const void* k;
+    const void* v;
+    void* o;
+    int64_t q_stride_b, q_stride_h, q_stride_s;
+    int64_t k_stride_b, k_stride_h, k_stride_s;
+    int64_t v_stride_b, v_stride_h, v_stride_s;
+    int64_t o_stride_b, o_stride_h, o_stride_s;
+
+    /* --- tile layout (docs/format.md; device pointers to int32 arrays) ---------------------------------- */
+    const int32_t* row_ptr;            /* [L*Tq + 1] */
+    const int32_t* col_idx;            /* [max(nnz,1)] */
+    const int32_t* tile_bitmap_index;  /* [max(nnz,1)] */
+    const int32_t* bitmaps;            /* [max(P,1), tile_m*tile_n/32] */
+    int32_t tile_m, tile_n;
+    int32_t num_layouts;               /* L: 1 or H; head h uses layout h % L */
+    int32_t layout_seq_q, layout_seq_k;/* compiled sizes */
+
+    /* --- run-time key padding (both optional, may be combined) ----------------------------------------- */
+    const int32_t* key_lengths;        /* [B] or NULL: keys >= key_lengths[b] dropped */
+    const int32_t* key_padding_mask;   /* [B, seq_k] row-major or NULL: 0 = key dropped */
+} stof_attn_params_t;
+
+/* Zero the struct and fill the defaults (dtype fp16, num_layouts 1, tile 64x64). */
+STOF_API void stof_attn_params_init(stof_attn_params_t* p);
+
+/* Check the parameters without launching anything (STOF_SUCCESS when some tactic can run them). */
+STOF_API stof_status_t stof_attn_validate(const stof_attn_params_t* p);
+
+/* Tactic ids valid for this problem, best-first by a fixed static order (the pre-search ranks them better).
+ * Ids are >= 1 (0 is TensorRT's "default").  On return *n is the number of valid tactics; when it exceeds cap,
+ * the first cap are written and STOF_ERROR_INSUFFICIENT_BUFFER is returned.  ids may be NULL when cap is 0. */
+STOF_API stof_status_t stof_attn_list_tactics(const stof_attn_params_t* p, int32_t* ids, int32_t cap,
+                                              int32_t* n);
+
+/* Every tactic id of this build (regardless of the problem), same calling convention. */
+STOF_API stof_status_t stof_attn_all_tactics(int32_t* ids, int32_t cap, int32_t* n);
+
+/* Static description of a tactic; returns STOF_ERROR_INVALID_TACTIC for an unknown id.
+ * family: 1 = block-wise (tensor cores), 2 = row-wise.  Any out-pointer may be NULL. */
+STOF_API stof_status_t stof_attn_tactic_info(int32_t tactic, int32_t* family, int32_t* block_m,
+                                             int32_t* block_n, int32_t* num_warps, int32_t* stages);
+
+/* "block_m64_n64_w4_s2" etc.; "invalid" for an unknown id.  Static storage. */
+STOF_API const char* stof_attn_tactic_name(int32_t tactic);
+
+/* Workspace bytes the tactic needs (0 for every tactic of this version). */
+STOF_API stof_status_t stof_attn_workspace_size(const stof_attn_params_t* p, int32_t tactic, size_t* bytes);
+
+/* Run the forward pass on the stream.  tactic 0 (or < 0) = the library's default choice for the problem. */
+STOF_API stof_status_t stof_attn_run(const stof_attn_params_t* p, int32_t tactic, stof_stream_t stream);
+
+/* Human-readable status; static storage. */
+STOF_API const char* stof_status_string(stof_status_t s);
+
+/* Detail of the last error on the calling thread ("" when none). */
+STOF_API const char* stof_last_error_message(void);
+
+STOF_API int32_t stof_abi_version(void);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* STOF_STOF_ATTENTION_H */

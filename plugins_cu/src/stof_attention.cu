@@ -1,0 +1,243 @@
+// The C ABI (include/stof/stof_attention.h): argument checks, the tactic table, dispatch.
+// No exception crosses this file's entry points: every path returns a stof_status_t.
+#include <cmath>
+#include <cstdarg>
+#include <cstdio>
+#include <cstring>
+
+#include "stof/stof_attention.h"
+#include "tactics.h"
+
+namespace {
+
+using stof::KernelParams;
+using stof::LaunchFn;
+
+thread_local char tLastError[512] = "";
+
+stof_status_t fail(stof_status_t s, const char* fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    std::vsnprintf(tLastError, sizeof(tLastError), fmt, ap);
+    va_end(ap);
+    return s;
+}
+
+struct TacticDesc {
+    int id, family, block_m, block_n, warps, stages;
+    const char* name;
+};
+
+#define STOF_BLOCK_DESC(id, bm, bn, w, s) {id, 1, bm, bn, w, s, "block_m" #bm "_n" #bn "_w" #w "_s" #s},
+#define STOF_ROW_DESC(id, w) {id, 2, 1, 32, w, 1, "row_w" #w},
+const TacticDesc kTactics[] = {STOF_BLOCK_TACTICS(STOF_BLOCK_DESC) STOF_ROW_TACTICS(STOF_ROW_DESC)};
+constexpr int kNumTactics = sizeof(kTactics) / sizeof(kTactics[0]);
+static_assert(kNumTactics == stof::kNumBlockTactics + stof::kNumRowTactics, "catalogue");
+
+const TacticDesc* find_tactic(int id) {
+    for (const auto& t : kTactics)
+        if (t.id == id) return &t;
+    return nullptr;
+}
+
+// Block tactics come first in kTactics, row tactics after: the position inside the family indexes its table.
+int family_index(const TacticDesc& t) {
+    const int i = static_cast<int>(&t - kTactics);
+    return t.family == 1 ? i : i - stof::kNumBlockTactics;
+}
+
+LaunchFn launcher_for(const TacticDesc& t, const stof_attn_params_t& p) {
+    const int dt = p.dtype, d = p.head_dim == 64 ? 0 : 1;
+    if (t.family == 2) return stof::kRowLaunchers[dt][d][family_index(t)];
+    static const LaunchFn* tables[2][2] = {{stof::kBlockLaunchersF16D64, stof::kBlockLaunchersF16D128},
+                                           {stof::kBlockLaunchersBF16D64, stof::kBlockLaunchersBF16D128}};
+    return tables[dt][d][family_index(t)];
+}
+
+bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+
+stof_status_t validate(const stof_attn_params_t* p) {
+    if (p == nullptr) return fail(STOF_ERROR_INVALID_ARGUMENT, "params is NULL");
+    if (p->dtype != STOF_DTYPE_FP16 && p->dtype != STOF_DTYPE_BF16)
+        return fail(STOF_ERROR_UNSUPPORTED, "dtype %d not supported (0 = fp16, 1 = bf16)", p->dtype);
+    if (p->head_dim != 64 && p->head_dim != 128)
+        return fail(STOF_ERROR_UNSUPPORTED, "head_dim %d not supported (supported: 64, 128)", p->head_dim);
+    if (p->batch < 1 || p->num_heads < 1 || p->seq_q < 1 || p->seq_k < 1)
+        return fail(STOF_ERROR_INVALID_ARGUMENT, "sizes must be >= 1 (B=%d H=%d Sq=%d Sk=%d)", p->batch,
+                    p->num_heads, p->seq_q, p->seq_k);
+    if (p->num_heads > 65535 || p->batch > 65535)
+        return fail(STOF_ERROR_UNSUPPORTED, "batch and heads must be <= 65535");
+    if (!std::isfinite(p->scale)) return fail(STOF_ERROR_INVALID_ARGUMENT, "scale is not finite");
+    if (!p->q || !p->k || !p->v || !p->o) return fail(STOF_ERROR_INVALID_ARGUMENT, "q/k/v/o pointer is NULL");
+    if (!aligned16(p->q) || !aligned16(p->k) || !aligned16(p->v) || !aligned16(p->o))
+        return fail(STOF_ERROR_INVALID_ARGUMENT, "q/k/v/o must be 16-byte aligned");
+    const int64_t strides[12] = {p->q_stride_b, p->q_stride_h, p->q_stride_s, p->k_stride_b,
+                                 p->k_stride_h, p->k_stride_s, p->v_stride_b, p->v_stride_h,
+                                 p->v_stride_s, p->o_stride_b, p->o_stride_h, p->o_stride_s};
+    for (int64_t s : strides)
+        if (s < 0 || s % 8 != 0)
+            return fail(STOF_ERROR_INVALID_ARGUMENT,
+                        "element strides must be >= 0 and multiples of 8 (16-byte rows); got %lld", (long long)s);
+    if (p->q_stride_s < p->head_dim || p->o_stride_s < p->head_dim || p->k_stride_s < p->head_dim ||
+        p->v_stride_s < p->head_dim)
+        return fail(STOF_ERROR_INVALID_ARGUMENT, "sequence strides must be >= head_dim");
+    if (!p->row_ptr || !p->col_idx || !p->tile_bitmap_index || !p->bitmaps)
+        return fail(STOF_ERROR_INVALID_ARGUMENT, "layout array pointer is NULL");
+    if (p->tile_m < 16 || p->tile_m > 256 || p->tile_m % 16 != 0)
+        return fail(STOF_ERROR_INVALID_ARGUMENT, "tile_m %d must be a multiple of 16 in [16, 256]", p->tile_m);
+    if (p->tile_n < 32 || p->tile_n > 256 || p->tile_n % 32 != 0)
+        return fail(STOF_ERROR_INVALID_ARGUMENT, "tile_n %d must be a multiple of 32 in [32, 256]", p->tile_n);
+    if (p->num_layouts != 1 && p->num_layouts != p->num_heads)
+        return fail(STOF_ERROR_INVALID_ARGUMENT, "num_layouts %d must be 1 or num_heads (%d)", p->num_layouts,
+                    p->num_heads);
+    if (p->layout_seq_q < 1 || p->layout_seq_k < 1)
+        return fail(STOF_ERROR_INVALID_ARGUMENT, "compiled layout sizes must be >= 1");
+    if (p->seq_q > p->layout_seq_q || p->seq_k > p->layout_seq_k)
+        return fail(STOF_ERROR_INVALID_ARGUMENT, "run-time Sq=%d Sk=%d exceed the compiled layout (%d x %d)",
+                    p->seq_q, p->seq_k, p->layout_seq_q, p->layout_seq_k);
+    return STOF_SUCCESS;
+}
+
+bool tactic_valid(const TacticDesc& t, const stof_attn_params_t& p) {
+    if (t.family == 1 && (p.tile_m % t.block_m != 0 || p.tile_n % t.block_n != 0)) return false;
+    return launcher_for(t, p) != nullptr;
+}
+
+KernelParams kernel_params(const stof_attn_params_t& p) {
+    KernelParams k;
+    k.q = p.q;
+    k.k = p.k;
+    k.v = p.v;
+    k.o = p.o;
+    k.q_sb = p.q_stride_b, k.q_sh = p.q_stride_h, k.q_ss = p.q_stride_s;
+    k.k_sb = p.k_stride_b, k.k_sh = p.k_stride_h, k.k_ss = p.k_stride_s;
+    k.v_sb = p.v_stride_b, k.v_sh = p.v_stride_h, k.v_ss = p.v_stride_s;
+    k.o_sb = p.o_stride_b, k.o_sh = p.o_stride_h, k.o_ss = p.o_stride_s;
+    k.batch = p.batch, k.heads = p.num_heads, k.seq_q = p.seq_q, k.seq_k = p.seq_k;
+    k.scale_log2 = p.scale * 1.4426950408889634f;
+    k.row_ptr = p.row_ptr, k.col_idx = p.col_idx, k.tile_bitmap_index = p.tile_bitmap_index;
+    k.bitmaps = p.bitmaps;
+    k.tile_m = p.tile_m, k.tile_n = p.tile_n, k.num_layouts = p.num_layouts;
+    k.tq = (p.layout_seq_q + p.tile_m - 1) / p.tile_m;
+    k.key_lengths = p.key_lengths, k.key_padding_mask = p.key_padding_mask;
+    return k;
+}
+
+stof_status_t write_ids(const int32_t* src, int32_t count, int32_t* ids, int32_t cap, int32_t* n) {
+    if (n == nullptr) return fail(STOF_ERROR_INVALID_ARGUMENT, "n is NULL");
+    if (cap > 0 && ids == nullptr) return fail(STOF_ERROR_INVALID_ARGUMENT, "ids is NULL");
+    *n = count;
+    for (int i = 0; i < count && i < cap; ++i) ids[i] = src[i];
+    if (count > cap) return fail(STOF_ERROR_INSUFFICIENT_BUFFER, "%d tactics, capacity %d", count, cap);
+    return STOF_SUCCESS;
+}
+
+}  // namespace
+
+extern "C" {
+
+void stof_attn_params_init(stof_attn_params_t* p) {
+    if (p == nullptr) return;
+    std::memset(p, 0, sizeof(*p));
+    p->dtype = STOF_DTYPE_FP16;
+    p->num_layouts = 1;
+    p->tile_m = 64;
+    p->tile_n = 64;
+    p->scale = 1.f;
+}
+
+stof_status_t stof_attn_validate(const stof_attn_params_t* p) {
+    stof_status_t s = validate(p);
+    if (s != STOF_SUCCESS) return s;
+    for (const auto& t : kTactics)
+        if (tactic_valid(t, *p)) return STOF_SUCCESS;
+    return fail(STOF_ERROR_UNSUPPORTED, "no tactic supports tile %dx%d", p->tile_m, p->tile_n);
+}
+
+stof_status_t stof_attn_list_tactics(const stof_attn_params_t* p, int32_t* ids, int32_t cap, int32_t* n) {
+    stof_status_t s = validate(p);
+    if (s != STOF_SUCCESS) return s;
+    int32_t valid[kNumTactics];
+    int32_t count = 0;
+    for (const auto& t : kTactics)
+        if (tactic_valid(t, *p)) valid[count++] = t.id;
+    return write_ids(valid, count, ids, cap, n);
+}
+
+stof_status_t stof_attn_all_tactics(int32_t* ids, int32_t cap, int32_t* n) {
+    int32_t all[kNumTactics];
+    for (int i = 0; i < kNumTactics; ++i) all[i] = kTactics[i].id;
+    return write_ids(all, kNumTactics, ids, cap, n);
+}
+
+stof_status_t stof_attn_tactic_info(int32_t tactic, int32_t* family, int32_t* block_m, int32_t* block_n,
+                                    int32_t* num_warps, int32_t* stages) {
+    const TacticDesc* t = find_tactic(tactic);
+    if (t == nullptr) return fail(STOF_ERROR_INVALID_TACTIC, "unknown tactic %d", tactic);
+    if (family) *family = t->family;
+    if (block_m) *block_m = t->block_m;
+    if (block_n) *block_n = t->block_n;
+    if (num_warps) *num_warps = t->warps;
+    if (stages) *stages = t->stages;
+    return STOF_SUCCESS;
+}
+
+const char* stof_attn_tactic_name(int32_t tactic) {
+    const TacticDesc* t = find_tactic(tactic);
+    return t ? t->name : "invalid";
+}
+
+stof_status_t stof_attn_workspace_size(const stof_attn_params_t* p, int32_t tactic, size_t* bytes) {
+    if (bytes == nullptr) return fail(STOF_ERROR_INVALID_ARGUMENT, "bytes is NULL");
+    *bytes = 0;
+    stof_status_t s = validate(p);
+    if (s != STOF_SUCCESS) return s;
+    if (tactic > 0 && find_tactic(tactic) == nullptr)
+        return fail(STOF_ERROR_INVALID_TACTIC, "unknown tactic %d", tactic);
+    return STOF_SUCCESS;
+}
+
+stof_status_t stof_attn_run(const stof_attn_params_t* p, int32_t tactic, stof_stream_t stream) {
+    stof_status_t s = validate(p);
+    if (s != STOF_SUCCESS) return s;
+    const TacticDesc* t = nullptr;
+    if (tactic <= 0) {
+        for (const auto& c : kTactics)
+            if (tactic_valid(c, *p)) {
+                t = &c;
+                break;
+            }
+        if (t == nullptr) return fail(STOF_ERROR_UNSUPPORTED, "no tactic supports this problem");
+    } else {
+        t = find_tactic(tactic);
+        if (t == nullptr) return fail(STOF_ERROR_INVALID_TACTIC, "unknown tactic %d", tactic);
+        if (!tactic_valid(*t, *p))
+            return fail(STOF_ERROR_INVALID_TACTIC,
+                        "tactic %d (%s) is not valid for tile %dx%d, head_dim %d (block_m must divide tile_m)",
+                        tactic, t->name, p->tile_m, p->tile_n, p->head_dim);
+    }
+    const LaunchFn fn = launcher_for(*t, *p);
+    const cudaError_t err = fn(kernel_params(*p), reinterpret_cast<cudaStream_t>(stream));
+    if (err != cudaSuccess)
+        return fail(STOF_ERROR_CUDA, "tactic %s: %s", t->name, cudaGetErrorString(err));
+    tLastError[0] = '\0';
+    return STOF_SUCCESS;
+}
+
+const char* stof_status_string(stof_status_t s) {
+    switch (s) {
+        case STOF_SUCCESS: return "success";
+        case STOF_ERROR_INVALID_ARGUMENT: return "invalid argument";
+        case STOF_ERROR_UNSUPPORTED: return "unsupported";
+        case STOF_ERROR_INVALID_TACTIC: return "invalid tactic";
+        case STOF_ERROR_CUDA: return "CUDA error";
+        case STOF_ERROR_INSUFFICIENT_BUFFER: return "insufficient buffer";
+    }
+    return "unknown status";
+}
+
+const char* stof_last_error_message(void) { return tLastError; }
+
+int32_t stof_abi_version(void) { return STOF_ABI_VERSION; }
+
+}  // extern "C"

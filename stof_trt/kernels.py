@@ -1,0 +1,254 @@
+"""Python binding of the STOF attention kernels (ctypes over plugins_cu/include/stof/stof_attention.h).
+
+Serves tests, tuning and benchmarks; the ONNX Runtime and TensorRT plugins call the same C ABI directly.
+Device memory comes from torch (``tensor.data_ptr()``); any object with ``data_ptr()``, ``shape``, ``stride()``
+and ``dtype`` like a torch tensor works, and cupy arrays are accepted through ``torch.as_tensor``.
+
+Typical use::
+
+    from stof_trt.format import compile_mask
+    from stof_trt.kernels import DeviceLayout, sparse_attention, list_tactics
+    layout = compile_mask("sliding:window=128", 4096, 4096)
+    dl = DeviceLayout(layout, device="cuda")
+    o = sparse_attention(q, k, v, dl)                  # q,k,v: [B,H,S,D] fp16/bf16 CUDA tensors
+    for t in list_tactics(q, k, v, dl):
+        o = sparse_attention(q, k, v, dl, tactic=t)
+
+The library is found at ``$STOF_KERNELS_LIB``, else ``build/plugins_cu/libstof_kernels.so`` under the
+repository root (``cmake -S . -B build && cmake --build build -j``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "StofKernelError", "load_library", "library_available", "DeviceLayout", "Tactic", "all_tactics",
+    "tactic_info", "list_tactics", "sparse_attention", "STATUS",
+]
+
+STATUS = {0: "SUCCESS", 1: "INVALID_ARGUMENT", 2: "UNSUPPORTED", 3: "INVALID_TACTIC", 4: "CUDA",
+          5: "INSUFFICIENT_BUFFER"}
+DTYPE_FP16, DTYPE_BF16 = 0, 1
+FAMILY_BLOCK, FAMILY_ROW = 1, 2
+
+
+class StofKernelError(RuntimeError):
+    """A C ABI call returned an error status; ``status`` holds the code, the message the library's detail."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"stof kernels: {STATUS.get(status, status)}: {message}")
+        self.status = status
+
+
+class _Params(ctypes.Structure):
+    """Mirror of stof_attn_params_t (field order and types must match the header)."""
+
+    _fields_ = [
+        ("dtype", ctypes.c_int32), ("batch", ctypes.c_int32), ("num_heads", ctypes.c_int32),
+        ("seq_q", ctypes.c_int32), ("seq_k", ctypes.c_int32), ("head_dim", ctypes.c_int32),
+        ("scale", ctypes.c_float),
+        ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("o", ctypes.c_void_p),
+        ("q_stride_b", ctypes.c_int64), ("q_stride_h", ctypes.c_int64), ("q_stride_s", ctypes.c_int64),
+        ("k_stride_b", ctypes.c_int64), ("k_stride_h", ctypes.c_int64), ("k_stride_s", ctypes.c_int64),
+        ("v_stride_b", ctypes.c_int64), ("v_stride_h", ctypes.c_int64), ("v_stride_s", ctypes.c_int64),
+        ("o_stride_b", ctypes.c_int64), ("o_stride_h", ctypes.c_int64), ("o_stride_s", ctypes.c_int64),
+        ("row_ptr", ctypes.c_void_p), ("col_idx", ctypes.c_void_p), ("tile_bitmap_index", ctypes.c_void_p),
+        ("bitmaps", ctypes.c_void_p),
+        ("tile_m", ctypes.c_int32), ("tile_n", ctypes.c_int32), ("num_layouts", ctypes.c_int32),
+        ("layout_seq_q", ctypes.c_int32), ("layout_seq_k", ctypes.c_int32),
+        ("key_lengths", ctypes.c_void_p), ("key_padding_mask", ctypes.c_void_p),
+    ]
+
+
+_LIB: ctypes.CDLL | None = None
+
+
+def _default_paths() -> list[Path]:
+    root = Path(__file__).resolve().parent.parent
+    return [root / "build" / "plugins_cu" / "libstof_kernels.so", root / "build" / "libstof_kernels.so"]
+
+
+def load_library(path: str | os.PathLike | None = None) -> ctypes.CDLL:
+    """Load libstof_kernels.so once (explicit path, $STOF_KERNELS_LIB, or the build tree)."""
+    global _LIB
+    if _LIB is not None and path is None:
+        return _LIB
+    candidates = [Path(path)] if path else []
+    if not candidates and os.environ.get("STOF_KERNELS_LIB"):
+        candidates = [Path(os.environ["STOF_KERNELS_LIB"])]
+    candidates = candidates or _default_paths()
+    for cand in candidates:
+        if cand.is_file():
+            lib = ctypes.CDLL(str(cand))
+            break
+    else:
+        raise FileNotFoundError(
+            "libstof_kernels.so not found (tried " + ", ".join(map(str, candidates)) + "); build it with "
+            "`cmake -S . -B build && cmake --build build -j` or set STOF_KERNELS_LIB")
+    P = ctypes.POINTER(_Params)
+    i32p = ctypes.POINTER(ctypes.c_int32)
+    lib.stof_attn_params_init.argtypes, lib.stof_attn_params_init.restype = [P], None
+    lib.stof_attn_validate.argtypes, lib.stof_attn_validate.restype = [P], ctypes.c_int
+    lib.stof_attn_list_tactics.argtypes = [P, i32p, ctypes.c_int32, i32p]
+    lib.stof_attn_list_tactics.restype = ctypes.c_int
+    lib.stof_attn_all_tactics.argtypes, lib.stof_attn_all_tactics.restype = [i32p, ctypes.c_int32, i32p], ctypes.c_int
+    lib.stof_attn_tactic_info.argtypes = [ctypes.c_int32] + [i32p] * 5
+    lib.stof_attn_tactic_info.restype = ctypes.c_int
+    lib.stof_attn_tactic_name.argtypes, lib.stof_attn_tactic_name.restype = [ctypes.c_int32], ctypes.c_char_p
+    lib.stof_attn_workspace_size.argtypes = [P, ctypes.c_int32, ctypes.POINTER(ctypes.c_size_t)]
+    lib.stof_attn_workspace_size.restype = ctypes.c_int
+    lib.stof_attn_run.argtypes, lib.stof_attn_run.restype = [P, ctypes.c_int32, ctypes.c_void_p], ctypes.c_int
+    lib.stof_status_string.argtypes, lib.stof_status_string.restype = [ctypes.c_int], ctypes.c_char_p
+    lib.stof_last_error_message.argtypes, lib.stof_last_error_message.restype = [], ctypes.c_char_p
+    lib.stof_abi_version.argtypes, lib.stof_abi_version.restype = [], ctypes.c_int32
+    if lib.stof_abi_version() != 1:
+        raise RuntimeError(f"libstof_kernels ABI version {lib.stof_abi_version()}, expected 1")
+    _LIB = lib
+    return lib
+
+
+def library_available() -> bool:
+    try:
+        load_library()
+        return True
+    except (FileNotFoundError, OSError):
+        return False
+
+
+def _check(status: int) -> None:
+    if status != 0:
+        raise StofKernelError(status, _LIB.stof_last_error_message().decode())
+
+
+@dataclass(frozen=True)
+class Tactic:
+    id: int
+    name: str
+    family: int  # FAMILY_BLOCK (tensor cores) or FAMILY_ROW (warp per query row)
+    block_m: int
+    block_n: int
+    num_warps: int
+    stages: int
+
+
+def tactic_info(tactic: int) -> Tactic:
+    lib = load_library()
+    vals = [ctypes.c_int32() for _ in range(5)]
+    _check(lib.stof_attn_tactic_info(tactic, *[ctypes.byref(v) for v in vals]))
+    return Tactic(tactic, lib.stof_attn_tactic_name(tactic).decode(), *[v.value for v in vals])
+
+
+def all_tactics() -> list[Tactic]:
+    """Every tactic of the loaded library (regardless of problem)."""
+    lib = load_library()
+    ids = (ctypes.c_int32 * 64)()
+    n = ctypes.c_int32()
+    _check(lib.stof_attn_all_tactics(ids, 64, ctypes.byref(n)))
+    return [tactic_info(ids[i]) for i in range(n.value)]
+
+
+class DeviceLayout:
+    """A TileLayout's four int32 arrays on the GPU (torch tensors) plus its metadata."""
+
+    def __init__(self, layout, device="cuda"):
+        import torch
+
+        self.layout = layout
+        self.tile_m, self.tile_n = int(layout.tile_m), int(layout.tile_n)
+        self.seq_q, self.seq_k = int(layout.seq_q), int(layout.seq_k)
+        self.num_layouts = int(layout.num_layouts)
+        self.row_ptr = torch.as_tensor(layout.row_ptr, dtype=torch.int32).contiguous().to(device)
+        self.col_idx = torch.as_tensor(layout.col_idx, dtype=torch.int32).contiguous().to(device)
+        self.tile_bitmap_index = torch.as_tensor(layout.tile_bitmap_index, dtype=torch.int32).contiguous().to(device)
+        self.bitmaps = torch.as_tensor(layout.bitmaps, dtype=torch.int32).contiguous().to(device)
+
+    def __repr__(self) -> str:
+        return f"DeviceLayout({self.layout!r})"
+
+
+def _as_torch(x):
+    if hasattr(x, "data_ptr") and hasattr(x, "stride"):
+        return x
+    import torch  # cupy or anything with __cuda_array_interface__ / dlpack
+
+    return torch.as_tensor(x, device="cuda")
+
+
+def _make_params(q, k, v, o, dl: DeviceLayout, scale, key_lengths, key_padding_mask, bhsd: bool) -> _Params:
+    import torch
+
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        dt = -1
+    else:
+        dt = DTYPE_FP16 if q.dtype == torch.float16 else DTYPE_BF16
+    for name, t in (("k", k), ("v", v), ("o", o)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} dtype {t.dtype} != q dtype {q.dtype}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("o", o)):
+        if t.dim() != 4 or t.stride(3) != 1:
+            raise ValueError(f"{name} must be 4-D with a contiguous last dim, got shape {tuple(t.shape)} "
+                             f"strides {t.stride()}")
+    # axes: b, h, s, d  (bhsd=False: tensors are [B, S, H, D])
+    ax = (0, 1, 2) if bhsd else (0, 2, 1)
+    B, H, Sq, D = q.shape[ax[0]], q.shape[ax[1]], q.shape[ax[2]], q.shape[3]
+    Sk = k.shape[ax[2]]
+    p = _Params()
+    p.dtype, p.batch, p.num_heads, p.seq_q, p.seq_k, p.head_dim = dt, B, H, Sq, Sk, D
+    p.scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    p.q, p.k, p.v, p.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr()
+    for prefix, t in (("q", q), ("k", k), ("v", v), ("o", o)):
+        st = t.stride()
+        setattr(p, f"{prefix}_stride_b", st[ax[0]])
+        setattr(p, f"{prefix}_stride_h", st[ax[1]])
+        setattr(p, f"{prefix}_stride_s", st[ax[2]])
+    p.row_ptr, p.col_idx = dl.row_ptr.data_ptr(), dl.col_idx.data_ptr()
+    p.tile_bitmap_index, p.bitmaps = dl.tile_bitmap_index.data_ptr(), dl.bitmaps.data_ptr()
+    p.tile_m, p.tile_n, p.num_layouts = dl.tile_m, dl.tile_n, dl.num_layouts
+    p.layout_seq_q, p.layout_seq_k = dl.seq_q, dl.seq_k
+    if key_lengths is not None:
+        if key_lengths.dtype != torch.int32 or not key_lengths.is_contiguous() or key_lengths.numel() != B:
+            raise ValueError("key_lengths must be a contiguous int32 [B] tensor")
+        p.key_lengths = key_lengths.data_ptr()
+    if key_padding_mask is not None:
+        if (key_padding_mask.dtype != torch.int32 or not key_padding_mask.is_contiguous()
+                or tuple(key_padding_mask.shape) != (B, Sk)):
+            raise ValueError("key_padding_mask must be a contiguous int32 [B, Sk] tensor")
+        p.key_padding_mask = key_padding_mask.data_ptr()
+    return p
+
+
+def list_tactics(q, k, v, dl: DeviceLayout, *, bhsd: bool = True) -> list[int]:
+    """Tactic ids valid for this problem (library's static order)."""
+    lib = load_library()
+    p = _make_params(q, k, v, q, dl, None, None, None, bhsd)
+    ids = (ctypes.c_int32 * 64)()
+    n = ctypes.c_int32()
+    _check(lib.stof_attn_list_tactics(ctypes.byref(p), ids, 64, ctypes.byref(n)))
+    return [ids[i] for i in range(n.value)]
+
+
+def sparse_attention(q, k, v, dl: DeviceLayout, *, scale: float | None = None, tactic: int = 0,
+                     key_lengths=None, key_padding_mask=None, out=None, bhsd: bool = True, stream=None):
+    """O = softmax(scale * Q K^T, masked by the layout and padding) V on the current (or given) CUDA stream.
+
+    q: [B,H,Sq,D] (or [B,Sq,H,D] with bhsd=False), k/v: [B,H,Sk,D]; fp16 or bf16; D in {64, 128}.
+    scale defaults to 1/sqrt(D); tactic 0 lets the library choose.  Returns `out` (allocated if None).
+    """
+    import torch
+
+    lib = load_library()
+    q, k, v = _as_torch(q), _as_torch(k), _as_torch(v)
+    if out is None:
+        out = torch.empty_like(q)
+    p = _make_params(q, k, v, out, dl, scale, key_lengths, key_padding_mask, bhsd)
+    if stream is None:
+        stream = torch.cuda.current_stream(q.device).cuda_stream
+    elif hasattr(stream, "cuda_stream"):
+        stream = stream.cuda_stream
+    _check(lib.stof_attn_run(ctypes.byref(p), int(tactic), ctypes.c_void_p(stream)))
+    return out

@@ -1,0 +1,249 @@
+"""Analytical pre-search: rank the attention kernel tactics for a problem without running them.
+
+The model (docs/kernels.md, "Pre-search") predicts each valid tactic's time from the layout's tile statistics,
+the sizes, the head dim and the GPU's properties, then keeps a shortlist for measurement:
+
+* **Block-wise tactics** (tensor cores).  Occupancy = CTAs per SM from threads, registers (estimated from the
+  register tiles) and shared memory.  Each CTA's work is the number of kBlockN-key sub-blocks of its tile row
+  (row_ptr) times the MMA work of one sub-block, plus a masking surcharge per PARTIAL sub-block and a fixed
+  prologue/epilogue cost.  CTAs are list-scheduled in launch order onto sm_count x occupancy slots; a slot runs
+  at the SM's tensor rate times a latency-hiding efficiency (resident warps / 16, capped at 1) divided among
+  the resident CTAs.  The time is the larger of that makespan, the K/V traffic over the L2 bandwidth, and the
+  compulsory q/k/v/o bytes over the DRAM bandwidth.
+* **Row-wise tactics** (a warp per query row).  Warp instructions: per visited 32-key word with an allowed key a
+  dot-product block (~1.6 D instructions), per allowed key ~10 (softmax, P V), per word ~12 overhead; issued at
+  4 per clock per SM times an efficiency of 0.35 (dependent global loads).
+
+The constants are calibrated once against measurements on the H100 (scripts/bench_attention.py reports how
+often the first choice is within 10% of the best measured tactic).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["TacticSpec", "TACTICS", "valid_tactics", "GpuProps", "H100_SXM", "gpu_props", "TileStats",
+           "tile_stats", "predict", "rank", "shortlist"]
+
+FAMILY_BLOCK, FAMILY_ROW = 1, 2
+
+
+@dataclass(frozen=True)
+class TacticSpec:
+    id: int
+    family: int
+    block_m: int
+    block_n: int
+    num_warps: int
+    stages: int
+
+    @property
+    def name(self) -> str:
+        if self.family == FAMILY_ROW:
+            return f"row_w{self.num_warps}"
+        return f"block_m{self.block_m}_n{self.block_n}_w{self.num_warps}_s{self.stages}"
+
+
+# Mirror of plugins_cu/src/tactics.h (tests/gpu checks they agree).
+TACTICS = [
+    TacticSpec(1, FAMILY_BLOCK, 64, 64, 4, 2),
+    TacticSpec(2, FAMILY_BLOCK, 64, 64, 4, 3),
+    TacticSpec(3, FAMILY_BLOCK, 32, 64, 2, 2),
+    TacticSpec(4, FAMILY_BLOCK, 64, 64, 2, 2),
+    TacticSpec(5, FAMILY_BLOCK, 128, 64, 8, 2),
+    TacticSpec(6, FAMILY_BLOCK, 128, 64, 4, 2),
+    TacticSpec(7, FAMILY_ROW, 1, 32, 4, 1),
+    TacticSpec(8, FAMILY_ROW, 1, 32, 8, 1),
+]
+_BY_ID = {t.id: t for t in TACTICS}
+
+
+def valid_tactics(tile_m: int, tile_n: int, head_dim: int) -> list[int]:
+    """Ids the library accepts for this tile shape and head dim (same rules as stof_attention.cu)."""
+    if head_dim not in (64, 128):
+        return []
+    out = []
+    for t in TACTICS:
+        if t.family == FAMILY_BLOCK:
+            if tile_m % t.block_m or tile_n % t.block_n:
+                continue
+            if head_dim == 128 and t.block_m // t.num_warps > 16:
+                continue
+        out.append(t.id)
+    return out
+
+
+@dataclass(frozen=True)
+class GpuProps:
+    name: str
+    sm_count: int
+    smem_per_sm: int          # bytes usable by CTAs on one SM
+    regs_per_sm: int
+    max_threads_per_sm: int
+    max_ctas_per_sm: int
+    clock_hz: float
+    mma_tflops: float         # whole-chip fp16/bf16 mma.sync rate a well-fed kernel reaches
+    dram_bw: float            # bytes/s, read + write
+    l2_bw: float              # bytes/s
+
+
+# H100 SXM 80GB: 132 SMs, 228 KB smem/SM (227 KB per CTA), 64K regs; measured 3.0 TB/s copy, ~790 TFLOP/s
+# wgmma GEMM; mma.sync reaches about half of that.
+H100_SXM = GpuProps("H100", 132, 228 * 1024, 65536, 2048, 32, 1.755e9, 400e12, 3.0e12, 6.0e12)
+
+
+def gpu_props(device=None) -> GpuProps:
+    """Properties of the current CUDA device (torch), H100 defaults for what torch does not report."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return H100_SXM
+        p = torch.cuda.get_device_properties(device if device is not None else torch.cuda.current_device())
+    except Exception:  # noqa: BLE001 - analytical model must work without a GPU
+        return H100_SXM
+    sm = int(p.multi_processor_count)
+    scale = sm / H100_SXM.sm_count
+    return GpuProps(
+        name=p.name, sm_count=sm,
+        smem_per_sm=int(getattr(p, "shared_memory_per_multiprocessor", H100_SXM.smem_per_sm)),
+        regs_per_sm=int(getattr(p, "regs_per_multiprocessor", H100_SXM.regs_per_sm)),
+        max_threads_per_sm=int(getattr(p, "max_threads_per_multi_processor", H100_SXM.max_threads_per_sm)),
+        max_ctas_per_sm=32, clock_hz=H100_SXM.clock_hz, mma_tflops=H100_SXM.mma_tflops * scale,
+        dram_bw=H100_SXM.dram_bw, l2_bw=H100_SXM.l2_bw * scale)
+
+
+@dataclass
+class TileStats:
+    """What the model needs from a TileLayout."""
+
+    tile_m: int
+    tile_n: int
+    seq_q: int
+    seq_k: int
+    num_layouts: int
+    row_nnz: np.ndarray      # [L, Tq] non-empty tiles per tile row
+    row_partial: np.ndarray  # [L, Tq] partial tiles per tile row
+    words: int               # sum over layouts and query rows of 32-key words with an allowed key
+    allowed: int             # allowed (query, key) pairs over all layouts (in range)
+    nnz: int
+    num_partial: int
+
+    @property
+    def partial_fraction(self) -> float:
+        return self.num_partial / max(self.nnz, 1)
+
+
+def tile_stats(layout) -> TileStats:
+    L, Tq = int(layout.num_layouts), int(layout.Tq)
+    rp = np.asarray(layout.row_ptr, dtype=np.int64)
+    nnz_row = np.diff(rp).reshape(L, Tq)
+    tbi = np.asarray(layout.tile_bitmap_index)[: int(layout.nnz)]
+    part = (tbi >= 0).astype(np.int64)
+    csum = np.concatenate([[0], np.cumsum(part)])
+    part_row = (csum[rp[1:]] - csum[rp[:-1]]).reshape(L, Tq)
+    wpr = layout.tile_n // 32
+    bm = np.ascontiguousarray(np.asarray(layout.bitmaps, dtype=np.int32)[: int(layout.num_partial)])
+    words_partial = int(np.count_nonzero(bm))
+    bits_partial = int(np.unpackbits(bm.view(np.uint8)).sum()) if bm.size else 0
+    n_full = int(layout.nnz) - int(layout.num_partial)
+    words_full = n_full * layout.tile_m * wpr
+    allowed = bits_partial + n_full * layout.tile_m * layout.tile_n  # full tiles in tails slightly over-counted
+    return TileStats(layout.tile_m, layout.tile_n, int(layout.seq_q), int(layout.seq_k), L, nnz_row, part_row,
+                     words_partial + words_full, allowed, int(layout.nnz), int(layout.num_partial))
+
+
+def _block_regs(t: TacticSpec, D: int) -> int:
+    mi = t.block_m // t.num_warps // 16
+    frag = mi * (D // 16) * 4 + mi * (D // 8) * 4 + mi * (t.block_n // 8) * 4  # rQ + rO + rS
+    return min(255, int(frag * 1.15) + 48)
+
+
+def _block_smem(t: TacticSpec, D: int) -> int:
+    return t.block_m * D * 2 + 2 * t.stages * t.block_n * D * 2
+
+
+def occupancy(t: TacticSpec, D: int, gpu: GpuProps) -> int:
+    threads = 32 * t.num_warps
+    if t.family == FAMILY_ROW:
+        regs = 128 if D == 64 else 208
+        smem = 0
+    else:
+        regs, smem = _block_regs(t, D), _block_smem(t, D)
+    by_threads = gpu.max_threads_per_sm // threads
+    by_regs = gpu.regs_per_sm // (math.ceil(regs / 8) * 8 * threads)
+    by_smem = gpu.smem_per_sm // (smem + 1024) if smem else gpu.max_ctas_per_sm
+    return max(0, min(by_threads, by_regs, by_smem, gpu.max_ctas_per_sm))
+
+
+def _makespan(durations: np.ndarray, slots: int) -> float:
+    if durations.size <= slots:
+        return float(durations.max(initial=0.0))
+    heap = [0.0] * slots
+    for d in durations:  # launch order
+        heapq.heapreplace(heap, heap[0] + float(d))
+    return max(heap)
+
+
+def predict(stats: TileStats, tactic: int, *, batch: int, heads: int, head_dim: int, seq_q: int | None = None,
+            seq_k: int | None = None, gpu: GpuProps | None = None) -> float:
+    """Predicted seconds for one forward call."""
+    gpu = gpu or H100_SXM
+    t = _BY_ID[tactic]
+    D = head_dim
+    Sq = seq_q or stats.seq_q
+    Sk = seq_k or stats.seq_k
+    bytes_io = 2 * D * batch * heads * (2 * Sq + 2 * Sk)
+    t_dram = bytes_io / gpu.dram_bw
+    L = stats.num_layouts
+    if t.family == FAMILY_ROW:
+        words = stats.words * (heads / L) * batch
+        keys = stats.allowed * (heads / L) * batch
+        instr = words * (1.6 * D + 12) + keys * (10 + D / 32)
+        t_row = instr / (4 * gpu.sm_count * gpu.clock_hz * 0.35)
+        return max(t_row, t_dram) + 4e-6
+    occ = occupancy(t, D, gpu)
+    if occ == 0:
+        return math.inf
+    sub_per_tile = stats.tile_n // t.block_n
+    rows_per_tile = stats.tile_m // t.block_m
+    # per-CTA work in flop-equivalents, CTAs of one tile row identical
+    flops_sub = 4.0 * t.block_m * t.block_n * D
+    tq_used = math.ceil(Sq / stats.tile_m)
+    nsub = stats.row_nnz[:, :tq_used] * sub_per_tile
+    npart = stats.row_partial[:, :tq_used] * sub_per_tile
+    work = nsub * flops_sub + npart * flops_sub * 0.25 + flops_sub * 1.0  # masking, prologue/epilogue
+    # launch order: blockIdx.x reversed tile rows, then heads, then batch
+    per_head = np.repeat(work[:, ::-1], rows_per_tile, axis=1)  # [L, n_cta_rows]
+    ctas = np.concatenate([per_head[h % L] for h in range(heads)] * batch)
+    warps_res = occ * t.num_warps
+    eff = min(1.0, warps_res / 16.0) * (1.0 + 0.12 * (t.block_m // t.num_warps // 16 - 1))
+    sm_rate = gpu.mma_tflops / gpu.sm_count * eff
+    slot_rate = sm_rate / occ
+    t_comp = _makespan(ctas / slot_rate, gpu.sm_count * occ)
+    kv_bytes = float(nsub.sum()) * (heads / L) * batch * rows_per_tile * t.block_n * D * 2 * 2
+    t_l2 = kv_bytes / gpu.l2_bw
+    return max(t_comp, t_l2, t_dram) + 4e-6
+
+
+def rank(layout_or_stats, *, batch: int, heads: int, head_dim: int, seq_q: int | None = None,
+         seq_k: int | None = None, gpu: GpuProps | None = None) -> list[tuple[int, float]]:
+    """All valid tactics as (id, predicted seconds), fastest first."""
+    stats = layout_or_stats if isinstance(layout_or_stats, TileStats) else tile_stats(layout_or_stats)
+    gpu = gpu or gpu_props()
+    preds = [(tid, predict(stats, tid, batch=batch, heads=heads, head_dim=head_dim, seq_q=seq_q, seq_k=seq_k,
+                           gpu=gpu)) for tid in valid_tactics(stats.tile_m, stats.tile_n, head_dim)]
+    return sorted(preds, key=lambda x: x[1])
+
+
+def shortlist(layout_or_stats, *, k: int = 3, within: float = 1.5, **kw) -> list[int]:
+    """The first k tactics of the ranking that are predicted within `within` x of the best."""
+    ranked = rank(layout_or_stats, **kw)
+    if not ranked:
+        return []
+    best = ranked[0][1]
+    return [tid for tid, tp in ranked[:k] if tp <= best * within]

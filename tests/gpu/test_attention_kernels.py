@@ -1,0 +1,203 @@
+"""GPU correctness of the STOF attention kernels (plugins_cu/) against a float64 reference.
+
+Every case: fresh random q/k/v (never zeros), the output poisoned with NaN before every run, every tactic the
+library lists for the problem, relative error <= 2e-3 (fp16) / 1e-2 (bf16), rows with no allowed key exactly 0.
+Skipped without a CUDA GPU; set STOF_TEST_REPORT=path.jsonl to log every (case, tactic, error).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU (the CUDA code is compiled by cmake in CI; tests need a GPU)", allow_module_level=True)
+
+from _gpu_helpers import TOL, rand_qkv, random_block_mask, reference, rel_err  # noqa: E402
+
+from stof_trt.format import TileLayout, compile_mask  # noqa: E402
+from stof_trt.kernels import (  # noqa: E402
+    DeviceLayout, StofKernelError, all_tactics, list_tactics, sparse_attention, tactic_info,
+)
+from stof_trt.masks import parse_mask  # noqa: E402
+
+DTYPES = [torch.float16, torch.bfloat16]
+HEAD_DIMS = [64, 128]
+MASKS = [
+    "causal",
+    "sliding:window=128",
+    "dilated:window=256,dilation=2",
+    "longformer:window=128,global=16",
+    "bigbird:block=64,window=1,global=1,random=0.05,seed=0",
+    "sliding:window=40|global:n=3",
+    "causal&dilated:window=64,dilation=3",
+    "bigbird:block=32,window=1,global=1,random=0.2,seed=3,per_head=1",
+]
+
+
+def _log(record: dict) -> None:
+    path = os.environ.get("STOF_TEST_REPORT")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def _to_bhsd(t, bhsd):
+    return t if bhsd else t.transpose(1, 2)
+
+
+def check_all_tactics(case: str, dense_np: np.ndarray, layout: TileLayout, *, B, H, Sq, Sk, D, dtype, seed,
+                      bhsd=True, lengths=None, kpm=None, scale=None):
+    """Run every listed tactic on one problem and compare with the float64 reference."""
+    if dense_np.ndim == 2:
+        dense_np = dense_np[None]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = rand_qkv(B, H, Sq, Sk, D, dtype, gen, bhsd)
+    scale = 1.0 / D**0.5 if scale is None else scale
+    dl = DeviceLayout(layout)
+    dense = torch.from_numpy(np.ascontiguousarray(dense_np[:, :Sq, :Sk])).cuda()
+    keep = None
+    lengths_t = kpm_t = None
+    if lengths is not None:
+        lengths_t = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+        keep = torch.arange(Sk, device="cuda")[None, :] < lengths_t[:, None].long()
+    if kpm is not None:
+        kpm_t = torch.from_numpy(kpm.astype(np.int32)).cuda()
+        keep = (kpm_t != 0) if keep is None else keep & (kpm_t != 0)
+    ref, has_key = reference(_to_bhsd(q, bhsd), _to_bhsd(k, bhsd), _to_bhsd(v, bhsd), dense, scale, keep)
+
+    tactics = list_tactics(q, k, v, dl, bhsd=bhsd)
+    assert tactics, "no tactic listed"
+    invalid = [t.id for t in all_tactics() if t.id not in tactics]
+    tol = TOL[dtype]
+    for t in tactics:
+        out = torch.full_like(q, float("nan"))
+        sparse_attention(q, k, v, dl, scale=scale, tactic=t, key_lengths=lengths_t, key_padding_mask=kpm_t,
+                         out=out, bhsd=bhsd)
+        torch.cuda.synchronize()
+        o = _to_bhsd(out, bhsd)
+        finite = bool(torch.isfinite(o).all())
+        err = rel_err(o, ref) if finite else float("nan")
+        zero_rows_ok = bool((o[~has_key] == 0).all())
+        _log({"case": case, "tactic": tactic_info(t).name, "dtype": str(dtype).split(".")[-1], "D": D,
+              "Sq": Sq, "Sk": Sk, "err": err, "tol": tol, "zero_rows_ok": zero_rows_ok,
+              "ok": finite and err <= tol and zero_rows_ok})
+        assert finite, f"{case} tactic {tactic_info(t).name}: non-finite output (unwritten or NaN)"
+        assert err <= tol, f"{case} tactic {tactic_info(t).name}: rel err {err:.3e} > {tol}"
+        assert zero_rows_ok, f"{case} tactic {tactic_info(t).name}: rows with no allowed key are not 0"
+    for t in invalid:  # tactics not listed must be refused, not run
+        with pytest.raises(StofKernelError) as ei:
+            sparse_attention(q, k, v, dl, tactic=t, bhsd=bhsd)
+        assert ei.value.status == 3
+    return tactics
+
+
+@pytest.mark.parametrize("D", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("S", [200, 333, 512])
+@pytest.mark.parametrize("spec", MASKS)
+def test_mask_kinds(spec, S, dtype, D):
+    mask = parse_mask(spec)
+    H = 3
+    layout = compile_mask(mask, S, S, num_heads=H)
+    dense = mask.dense(S, S, num_heads=H)
+    check_all_tactics(f"{spec} S={S}", dense, layout, B=2, H=H, Sq=S, Sk=S, D=D, dtype=dtype, seed=S + D)
+
+
+TILES = [(64, 64), (128, 64), (64, 128), (32, 32), (128, 128), (16, 32), (32, 64), (256, 64)]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_masks(seed):
+    """Random masks, tile shapes, sizes (tails, Sq != Sk), per-head layouts, padding, [B,S,H,D] strides."""
+    rng = np.random.default_rng(1000 + seed)
+    tile_m, tile_n = TILES[seed % len(TILES)]
+    Sq, Sk = int(rng.integers(1, 420)), int(rng.integers(1, 420))
+    if seed % 5 == 0:
+        Sk = Sq
+    H = int(rng.integers(1, 4))
+    L = H if rng.random() < 0.3 else 1
+    B = int(rng.integers(1, 4))
+    dense = random_block_mask(rng, L, Sq, Sk)
+    layout = TileLayout.from_dense(dense, tile_m, tile_n)
+    lengths = kpm = None
+    mode = seed % 4
+    if mode in (1, 3):
+        lengths = [int(x) for x in rng.integers(0, Sk + 1, B)]
+    if mode in (2, 3):
+        kpm = rng.random((B, Sk)) < rng.uniform(0.3, 1.0)
+    dtype = DTYPES[seed % 2]
+    D = HEAD_DIMS[(seed // 2) % 2]
+    check_all_tactics(f"random seed={seed} tile={tile_m}x{tile_n} L={L} pad={mode}", dense, layout, B=B, H=H,
+                      Sq=Sq, Sk=Sk, D=D, dtype=dtype, seed=seed, bhsd=bool(seed % 3), lengths=lengths, kpm=kpm,
+                      scale=float(rng.uniform(0.02, 0.3)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_runtime_corner_of_compiled_layout(dtype):
+    """Run-time Sq, Sk smaller than the compiled sizes use the top-left corner of the pattern."""
+    mask = parse_mask("longformer:window=50,global=5")
+    layout = compile_mask(mask, 512, 640)
+    dense = mask.dense(512, 640)
+    for Sq, Sk in [(300, 450), (64, 640), (511, 1)]:
+        check_all_tactics(f"corner {Sq}x{Sk}", dense, layout, B=2, H=2, Sq=Sq, Sk=Sk, D=64, dtype=dtype, seed=Sq)
+
+
+def test_long_rows_and_all_masked():
+    """Many tiles per row (S=1536 causal with key_lengths incl. 0) and a mask with no allowed pair at all."""
+    mask = parse_mask("causal")
+    layout = compile_mask(mask, 1536, 1536)
+    check_all_tactics("causal 1536 lengths", mask.dense(1536, 1536), layout, B=3, H=2, Sq=1536, Sk=1536, D=128,
+                      dtype=torch.float16, seed=7, lengths=[1536, 700, 0])
+    empty = np.zeros((1, 100, 130), bool)
+    check_all_tactics("empty mask", empty, TileLayout.from_dense(empty, 64, 64), B=1, H=2, Sq=100, Sk=130, D=64,
+                      dtype=torch.bfloat16, seed=1)
+
+
+def _problem(D=64, Sq=128, Sk=128, dtype=torch.float16):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    return rand_qkv(1, 2, Sq, Sk, D, dtype, gen)
+
+
+def test_errors():
+    layout = compile_mask(parse_mask("causal"), 128, 128)
+    dl = DeviceLayout(layout)
+    q, k, v = _problem(D=96)
+    with pytest.raises(StofKernelError, match="head_dim 96") as ei:
+        sparse_attention(q, k, v, dl)
+    assert ei.value.status == 2  # UNSUPPORTED
+    q, k, v = _problem(Sq=200, Sk=128)
+    with pytest.raises(StofKernelError, match="exceed") as ei:
+        sparse_attention(q, k, v, dl)
+    assert ei.value.status == 1  # INVALID_ARGUMENT
+    q, k, v = _problem()
+    with pytest.raises(StofKernelError) as ei:
+        sparse_attention(q, k, v, dl, tactic=999)
+    assert ei.value.status == 3
+    q32 = q.float()
+    with pytest.raises(StofKernelError) as ei:
+        sparse_attention(q32, k.float(), v.float(), dl, out=torch.empty_like(q32))
+    assert ei.value.status == 2
+    # tactic 0 = library default, runs
+    out = sparse_attention(q, k, v, dl, tactic=0)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+
+
+def test_catalogue_matches_presearch():
+    """The analytical pre-search mirrors the library's tactic catalogue and validity rules."""
+    from stof_trt import presearch
+
+    lib = {t.id: (t.family, t.block_m, t.block_n, t.num_warps, t.stages) for t in all_tactics()}
+    ps = {t.id: (t.family, t.block_m, t.block_n, t.num_warps, t.stages) for t in presearch.TACTICS}
+    assert lib == ps
+    for tile in TILES:
+        for D in HEAD_DIMS:
+            layout = compile_mask(parse_mask("causal"), 256, 256, tile_m=tile[0], tile_n=tile[1])
+            dl = DeviceLayout(layout)
+            q, k, v = _problem(D=D, Sq=256, Sk=256)
+            assert sorted(list_tactics(q, k, v, dl)) == sorted(presearch.valid_tactics(tile[0], tile[1], D))
