@@ -1,0 +1,219 @@
+"""Model-local ONNX functions (domain ``stof``) giving every STOF node its exact semantics in standard ops.
+
+A rewritten model carries one FunctionProto per (op_type, overload) it uses, so ONNX Runtime CPU (or any runtime)
+runs it without our plugins; a registered kernel of the same domain and op_type takes precedence. Optional inputs
+are handled with ONNX function *overloads* (IR >= 10): a node's ``overload`` field names which optional inputs it
+passes, e.g. StofSparseAttention overload ``padding_bias``. Kernels ignore the overload field.
+
+The functions use only ops of the model's default-domain opset (>= 15), picking the attribute or input form of
+``axes`` for the Reduce ops by opset.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+DOMAIN = "stof"
+DOMAIN_VERSION = 1
+MIN_OPSET = 15
+
+ATTENTION_INPUTS = ["query", "key", "value", "row_ptr", "col_idx", "tile_bitmap_index", "bitmaps",
+                    "key_padding_mask", "attn_bias"]
+ATTENTION_ATTRS = ["scale", "tile_m", "tile_n", "seq_q", "seq_k", "num_layouts", "format_version", "mask_spec"]
+GEMM_INPUTS = ["X", "W", "bias"]
+ADDLN_INPUTS = ["X", "residual", "gamma", "beta", "bias"]
+
+
+def attention_overload(has_padding: bool, has_bias: bool) -> str:
+    return "_".join(p for p, on in (("padding", has_padding), ("bias", has_bias)) if on)
+
+
+class _Body:
+    """Accumulates the nodes of a function body with fresh value names."""
+
+    def __init__(self, opset: int):
+        self.opset = opset
+        self.nodes: list[onnx.NodeProto] = []
+        self._n = 0
+
+    def op(self, op_type: str, *inputs: str, n_out: int = 1, out: str | list[str] | None = None, **attrs):
+        if out is None:
+            outs = [f"_{op_type.lower()}_{self._n + i}" for i in range(n_out)]
+            self._n += n_out
+        else:
+            outs = [out] if isinstance(out, str) else list(out)
+        self.nodes.append(helper.make_node(op_type, list(inputs), outs, **attrs))
+        return outs[0] if len(outs) == 1 else outs
+
+    def const(self, value, dtype=None) -> str:
+        arr = np.asarray(value, dtype=dtype)
+        return self.op("Constant", value=numpy_helper.from_array(arr, name=""))
+
+    def ref_int(self, attr: str) -> str:
+        """An int64 scalar holding the calling node's INT attribute ``attr``."""
+        out = f"_attr_{attr}"
+        node = helper.make_node("Constant", [], [out])
+        node.attribute.append(helper.make_attribute_ref("value_int", onnx.AttributeProto.INT, ref_attr_name=attr))
+        self.nodes.append(node)
+        return out
+
+    def ref_float_like(self, attr: str, like: str) -> str:
+        """The calling node's FLOAT attribute ``attr`` as a scalar of the same type as tensor ``like``."""
+        node = helper.make_node("Constant", [], [f"_attr_{attr}"])
+        node.attribute.append(helper.make_attribute_ref("value_float", onnx.AttributeProto.FLOAT, ref_attr_name=attr))
+        self.nodes.append(node)
+        return self.op("CastLike", f"_attr_{attr}", like)
+
+    def like(self, value: float, like: str) -> str:
+        return self.op("CastLike", self.const(np.float32(value)), like)
+
+    def reduce(self, op_type: str, x: str, axes: list[int], keepdims: int = 1) -> str:
+        input_axes = op_type == "ReduceSum" or self.opset >= 18
+        if input_axes:
+            return self.op(op_type, x, self.const(np.array(axes, np.int64)), keepdims=keepdims)
+        return self.op(op_type, x, axes=axes, keepdims=keepdims)
+
+
+def _function(name, inputs, outputs, body: _Body, attrs, overload: str, opset: int, doc: str) -> onnx.FunctionProto:
+    return helper.make_function(DOMAIN, name, inputs, outputs, body.nodes, [helper.make_opsetid("", opset)],
+                                attributes=attrs, overload=overload or None, doc_string=doc)
+
+
+# -- StofSparseAttention --------------------------------------------------------------------------------------------
+def sparse_attention_function(opset: int, has_padding: bool, has_bias: bool) -> onnx.FunctionProto:
+    """O = softmax(scale·Q·Kᵀ + bias, masked by the tile layout ∧ key padding)·V; rows with no allowed key -> 0.
+
+    The layout arrays are decoded into a dense [L, Sq, Sk] mask exactly as docs/format.md "Dense reconstruction":
+    the tile row of each entry from row_ptr (count of row_ptr[1:] <= e), the bitmap words widened to unsigned
+    int64 and split into bits (LSB first) by Div/Mod, FULL tiles all ones, a ScatterND into a
+    [L, Tq, Tk, tm·tn] grid, then a transpose/reshape to [L, Tq·tm, Tk·tn] and the top-left run-time corner."""
+    b = _Body(opset)
+    i64 = TensorProto.INT64
+    zero, one = b.const(np.int64(0)), b.const(np.int64(1))
+    tm, tn, sq, sk, L = (b.ref_int(a) for a in ("tile_m", "tile_n", "seq_q", "seq_k", "num_layouts"))
+    Tq = b.op("Div", b.op("Sub", b.op("Add", sq, tm), one), tm)
+    Tk = b.op("Div", b.op("Sub", b.op("Add", sk, tn), one), tn)
+    R = b.op("Mul", L, Tq)
+    # Tile row r of each stored entry e: r = #{r' >= 1 : row_ptr[r'] <= e}.
+    rp = b.op("Cast", "row_ptr", to=i64)                                       # [R+1]
+    big = b.const(np.array([np.iinfo(np.int64).max], np.int64))
+    rp_hi = b.op("Slice", rp, b.const(np.array([1], np.int64)), big)          # [R]
+    nnz = b.op("Slice", rp, b.const(np.array([-1], np.int64)), big)           # [1]
+    ci = b.op("Cast", "col_idx", to=i64)                                      # [E]
+    E = b.op("Squeeze", b.op("Shape", "col_idx"), b.const(np.array([0], np.int64)))
+    e = b.op("Range", zero, E, one)                                           # [E]
+    ax0, ax1, ax2 = (b.const(np.array([a], np.int64)) for a in (0, 1, 2))
+    le = b.op("LessOrEqual", b.op("Unsqueeze", rp_hi, ax0), b.op("Unsqueeze", e, ax1))   # [E, R]
+    r = b.reduce("ReduceSum", b.op("Cast", le, to=i64), [1], keepdims=0)      # [E]
+    valid = b.op("Less", e, nnz)                                              # [E] (False for the padding entry)
+    r = b.op("Min", r, b.op("Sub", R, one))
+    lay, row = b.op("Div", r, Tq), b.op("Mod", r, Tq)
+    idx = b.op("Concat", b.op("Unsqueeze", lay, ax1), b.op("Unsqueeze", row, ax1), b.op("Unsqueeze", ci, ax1),
+               axis=1)                                                        # [E, 3]
+    # Bits of each entry's tile: bitmap words as unsigned, LSB first; FULL tiles (index -1) all ones.
+    tbi = b.op("Cast", "tile_bitmap_index", to=i64)
+    words = b.op("Gather", "bitmaps", b.op("Max", tbi, zero), axis=0)         # [E, W] int32
+    w = b.op("Mod", b.op("Cast", words, to=i64), b.const(np.int64(1 << 32)))  # [E, W] in [0, 2^32)
+    pow2 = b.const(np.array([1 << k for k in range(32)], np.int64))
+    bits = b.op("Mod", b.op("Div", b.op("Unsqueeze", w, ax2), pow2), b.const(np.int64(2)))   # [E, W, 32]
+    bits = b.op("Reshape", bits, b.const(np.array([0, -1], np.int64)))       # [E, tm·tn]
+    full = b.op("Unsqueeze", b.op("Less", tbi, zero), ax1)                    # [E, 1]
+    bits = b.op("Where", full, one, bits)
+    bits = b.op("Mul", bits, b.op("Unsqueeze", b.op("Cast", valid, to=i64), ax1))
+    tiles = b.op("Cast", bits, to=TensorProto.FLOAT)
+    unsq = lambda s: b.op("Unsqueeze", s, ax0)  # noqa: E731
+    grid_shape = b.op("Concat", unsq(L), unsq(Tq), unsq(Tk), unsq(b.op("Mul", tm, tn)), axis=0)
+    grid = b.op("ConstantOfShape", grid_shape, value=numpy_helper.from_array(np.zeros(1, np.float32), name=""))
+    grid = b.op("ScatterND", grid, idx, tiles)                                # [L, Tq, Tk, tm·tn]
+    grid = b.op("Reshape", grid, b.op("Concat", unsq(L), unsq(Tq), unsq(Tk), unsq(tm), unsq(tn), axis=0))
+    grid = b.op("Transpose", grid, perm=[0, 1, 3, 2, 4])                      # [L, Tq, tm, Tk, tn]
+    dense = b.op("Reshape", grid, b.op("Concat", unsq(L), unsq(b.op("Mul", Tq, tm)), unsq(b.op("Mul", Tk, tn)),
+                                       axis=0))                              # [L, Tq·tm, Tk·tn]
+    # Top-left corner at the run-time sizes; head h uses layout h % L.
+    qshape, kshape = b.op("Shape", "query"), b.op("Shape", "key")
+    Sq = b.op("Slice", qshape, ax2, b.const(np.array([3], np.int64)))
+    Sk = b.op("Slice", kshape, ax2, b.const(np.array([3], np.int64)))
+    H = b.op("Squeeze", b.op("Slice", qshape, ax1, ax2), ax0)
+    dense = b.op("Slice", dense, b.const(np.array([0, 0], np.int64)), b.op("Concat", Sq, Sk, axis=0),
+                 b.const(np.array([1, 2], np.int64)))                         # [L, Sq, Sk]
+    heads = b.op("Mod", b.op("Range", zero, H, one), L)
+    allowed = b.op("Cast", b.op("Gather", dense, heads, axis=0), to=TensorProto.BOOL)   # [H, Sq, Sk]
+    allowed = b.op("Unsqueeze", allowed, ax0)                                 # [1, H, Sq, Sk]
+    if has_padding:
+        kp = b.op("Not", b.op("Equal", "key_padding_mask", b.const(np.int32(0))))          # [B, Sk]
+        kp = b.op("Unsqueeze", kp, b.const(np.array([1, 2], np.int64)))       # [B, 1, 1, Sk]
+        allowed = b.op("And", allowed, kp)
+    # Masked softmax: masked pairs exactly 0; a row with no allowed key gives 0, not NaN.
+    s = b.op("MatMul", "query", b.op("Transpose", "key", perm=[0, 1, 3, 2]))  # [B, H, Sq, Sk]
+    s = b.op("Mul", s, b.ref_float_like("scale", s))
+    if has_bias:
+        s = b.op("Add", s, "attn_bias")
+    s = b.op("Where", allowed, s, b.like(-math.inf, s))
+    zero_t, one_t = b.like(0.0, s), b.like(1.0, s)
+    m = b.reduce("ReduceMax", s, [-1])
+    m = b.op("Where", b.op("Equal", m, b.like(-math.inf, s)), zero_t, m)
+    ex = b.op("Exp", b.op("Sub", s, m))
+    den = b.reduce("ReduceSum", ex, [-1])
+    den = b.op("Where", b.op("Equal", den, zero_t), one_t, den)
+    b.op("MatMul", b.op("Div", ex, den), "value", out="output")
+    return _function("StofSparseAttention", ATTENTION_INPUTS, ["output"], b, ATTENTION_ATTRS,
+                     attention_overload(has_padding, has_bias), opset,
+                     "Masked sparse attention (docs/nodes.md). Portable fallback of the STOF kernels.")
+
+
+# -- StofGemmEpilogue -----------------------------------------------------------------------------------------------
+GEMM_ACTIVATIONS = ("none", "gelu_erf", "gelu_tanh")
+
+
+def gemm_epilogue_function(opset: int, activation: str) -> onnx.FunctionProto:
+    """Y = act(X·W + bias); gelu_erf: 0.5·y·(1 + erf(y/√2)); gelu_tanh: 0.5·y·(1 + tanh(√(2/π)·(y + 0.044715·y³)))."""
+    b = _Body(opset)
+    y = b.op("Add", b.op("MatMul", "X", "W"), "bias", out="Y" if activation == "none" else None)
+    if activation == "gelu_erf":
+        t = b.op("Add", b.op("Erf", b.op("Div", y, b.like(math.sqrt(2.0), y))), b.like(1.0, y))
+        b.op("Mul", b.op("Mul", y, t), b.like(0.5, y), out="Y")
+    elif activation == "gelu_tanh":
+        cube = b.op("Mul", b.op("Pow", y, b.like(3.0, y)), b.like(0.044715, y))
+        t = b.op("Tanh", b.op("Mul", b.op("Add", y, cube), b.like(math.sqrt(2.0 / math.pi), y)))
+        b.op("Mul", b.op("Mul", y, b.like(0.5, y)), b.op("Add", t, b.like(1.0, y)), out="Y")
+    elif activation != "none":
+        raise ValueError(activation)
+    return _function("StofGemmEpilogue", GEMM_INPUTS, ["Y"], b, ["activation"], activation, opset,
+                     "MatMul + bias + activation (docs/nodes.md).")
+
+
+# -- StofAddLayerNorm -----------------------------------------------------------------------------------------------
+def add_layernorm_function(opset: int, has_bias: bool) -> onnx.FunctionProto:
+    """S = (X + bias) + residual; Y = LayerNorm(S)·gamma + beta over the last axis; optional output 1 is S."""
+    b = _Body(opset)
+    x = b.op("Add", "X", "bias") if has_bias else "X"
+    s = b.op("Add", x, "residual", out="sum")
+    if opset >= 17:
+        node = helper.make_node("LayerNormalization", [s, "gamma", "beta"], ["Y"], axis=-1)
+        node.attribute.append(helper.make_attribute_ref("epsilon", onnx.AttributeProto.FLOAT, ref_attr_name="epsilon"))
+        b.nodes.append(node)
+    else:
+        d = b.op("Sub", s, b.reduce("ReduceMean", s, [-1]))
+        var = b.reduce("ReduceMean", b.op("Mul", d, d), [-1])
+        std = b.op("Sqrt", b.op("Add", var, b.ref_float_like("epsilon", s)))
+        b.op("Add", b.op("Mul", b.op("Div", d, std), "gamma"), "beta", out="Y")
+    return _function("StofAddLayerNorm", ADDLN_INPUTS, ["Y", "sum"], b, ["epsilon"], "bias" if has_bias else "",
+                     opset, "Residual add + LayerNormalization (docs/nodes.md).")
+
+
+def build_functions(needed: set[tuple[str, str]], opset: int) -> list[onnx.FunctionProto]:
+    """The FunctionProtos for the (op_type, overload) pairs a rewritten model uses."""
+    out = []
+    for op_type, overload in sorted(needed):
+        if op_type == "StofSparseAttention":
+            out.append(sparse_attention_function(opset, "padding" in overload, "bias" in overload))
+        elif op_type == "StofGemmEpilogue":
+            out.append(gemm_epilogue_function(opset, overload))
+        elif op_type == "StofAddLayerNorm":
+            out.append(add_layernorm_function(opset, overload == "bias"))
+        else:
+            raise ValueError(op_type)
+    return out

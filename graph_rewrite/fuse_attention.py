@@ -1,0 +1,324 @@
+"""Fuse a decomposed attention core (as torch.onnx.export writes it) into one StofSparseAttention node.
+
+Matched (anchor: Softmax)::
+
+      Q [B,H,Sq,D]      K: [B,H,Sk,D] | [B,Sk,H,D] | Kᵀ [B,H,D,Sk]
+          |                   |
+     Mul (scale, opt.)   Transpose (opt.) -- Mul (scale, opt.)
+           \\                /
+            MatMul  Q·Kᵀ                     [B,H,Sq,Sk]
+               |
+            Mul | Div  (scale, optional)
+               |
+            Add (mask / bias)  |  Where(cond, ·, fill)   (optional)
+               |
+            Softmax (axis -1)                <- anchor
+               |
+            Cast (optional)      V [B,H,Sk,D]
+                 \\               /
+                  MatMul  P·V                [B,H,Sq,D]
+
+Replaced by (the Q/K/V projections stay)::
+
+      Q   K'  V   row_ptr col_idx tile_bitmap_index bitmaps   [key_padding_mask]   [attn_bias]
+       \\  |  /        (int32 initializers)                   (Cast of a [B,S]    (the graph's
+        StofSparseAttention (domain stof)                      graph input)         bias)
+               |
+            [B,H,Sq,D]
+
+K' is K with one composed Transpose (or none) so that it is [B,H,Sk,D]. The mask operand is classified by
+:mod:`graph_rewrite.mask_analysis`; a mask it cannot interpret stays exact as ``attn_bias``.
+Legend: B batch, H heads, Sq/Sk query/key length, D head dim.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from stof_trt.errors import StofError
+
+from .attention_common import AttentionEmitter, AttentionPlan, choose_layout
+from .base import Fusion, Match
+from .mask_analysis import MaskTerm, classify
+from .matcher import internal_only, other_input, producer, scalar_value, single_consumer
+from .probe import Probe, graph_inputs, value_inputs
+
+#: Ops that scale the scores by a scalar: op type -> (how the factor combines, which inputs may hold it).
+SCALE_OPS = {"Mul": ("mul", (0, 1)), "Div": ("div", (1,))}
+
+
+@dataclasses.dataclass
+class _Core:
+    softmax: gs.Node
+    qk: gs.Node
+    pv: gs.Node
+    query: gs.Tensor
+    key_source: gs.Tensor       # tensor the key is derived from
+    key_perm: list[int] | None  # perm giving [B,H,Sk,D] from key_source (None = identity)
+    kt: gs.Tensor               # the second MatMul input (shape probe)
+    value: gs.Tensor
+    scale: float
+    scale_tensors: list[tuple[str, str]]  # non-constant scale factors: (tensor, "mul"|"div"), probed
+    mask: MaskTerm | None
+    mask_fill: gs.Tensor | None  # Where fill value (for a kept bias)
+    nodes: list[gs.Node]
+
+
+class FuseAttentionCore(Fusion):
+    fused_op_type = "StofSparseAttention"
+    search_op_types = ("Softmax",)
+    pattern = "attention_core"
+
+    def fuse(self, softmax: gs.Node) -> Match | None:
+        outs = self.ctx.graph_outputs
+        axis = softmax.attrs.get("axis", -1 if self.ctx.opset >= 13 else 1)
+        if axis not in (-1, 3):
+            self.debug(softmax, f"softmax axis {axis} is not the last axis")
+            return None
+        nodes = [softmax]
+        # -- downstream: [Cast] -> MatMul(P, V)
+        nxt = single_consumer(softmax.outputs[0], outs)
+        if nxt is not None and nxt.op == "Cast":
+            nodes.append(nxt)
+            nxt = single_consumer(nxt.outputs[0], outs)
+        if nxt is None or nxt.op != "MatMul" or nxt.inputs[0] is not nodes[-1].outputs[0]:
+            self.debug(softmax, "softmax output does not feed a single MatMul(P, V)")
+            return None
+        pv = nxt
+        nodes.append(pv)
+        # -- upstream: [Add mask | Where] -> [scale] -> MatMul(Q, Kᵀ)
+        x = softmax.inputs[0]
+        mask, fill = None, None
+        p = producer(x)
+        scores = x
+        if p is not None and p.op == "Add":
+            for i in (0, 1):
+                if self._find_qk(p.inputs[i]) is not None:
+                    scores, mask = p.inputs[i], MaskTerm(p.inputs[1 - i].name, "additive")
+                    break
+            else:
+                self.debug(softmax, "Add before softmax has no Q·Kᵀ operand")
+                return None
+            nodes.append(p)
+        elif p is not None and p.op == "Where":
+            cond, a, b = p.inputs
+            if self._find_qk(a) is not None and scalar_value(b) is not None:
+                scores, mask, fill = a, MaskTerm(cond.name, "allowed_bool"), b
+            elif self._find_qk(b) is not None and scalar_value(a) is not None:
+                scores, mask, fill = b, MaskTerm(cond.name, "masked_bool"), a
+            else:
+                self.debug(softmax, "Where before softmax is not Where(mask, scores, fill)")
+                return None
+            nodes.append(p)
+        found = self._find_qk(scores)
+        if found is None:
+            self.debug(softmax, "no MatMul(Q, Kᵀ) (with an optional scalar scale) feeds the softmax")
+            return None
+        qk, scale_nodes, scale, scale_tensors = found
+        nodes += scale_nodes + [qk]
+        query, kt = qk.inputs
+        # scalar scale folded into Q or K (SDPA-style exports scale both by sqrt(scale))
+        query, scale, extra = self._absorb_scalar_mul(query, scale)
+        nodes += extra
+        key_source, key_perm, knodes, scale = self._key(kt, scale)
+        nodes += knodes
+        if not internal_only(nodes, {id(pv)}, outs):
+            self.skip(softmax, "an intermediate of the attention core (scores or probabilities) is used elsewhere")
+            return None
+        core = _Core(softmax, qk, pv, query, key_source, key_perm, kt, pv.inputs[1], scale, scale_tensors, mask,
+                     fill, nodes)
+        return Match(softmax, nodes, build=lambda: [], info={"core": core})
+
+    # -- matching helpers --------------------------------------------------------------------------------------------
+    def _find_qk(self, t: gs.Tensor):
+        """MatMul(Q, Kᵀ) behind up to two scalar scale ops; returns (matmul, scale_nodes, scale, probed)."""
+        outs = self.ctx.graph_outputs
+        scale, scale_nodes, probed = 1.0, [], []
+        for _ in range(3):
+            node = producer(t)
+            if node is None:
+                return None
+            if node.op == "MatMul":
+                if scale_nodes and single_consumer(node.outputs[0], outs) is None:
+                    return None
+                return node, scale_nodes, scale, probed
+            if node.op not in SCALE_OPS:
+                return None
+            how, positions = SCALE_OPS[node.op]
+            choice = None
+            for i in positions:  # a constant scalar factor
+                v = scalar_value(node.inputs[i])
+                if v is not None:
+                    choice = (i, v)
+                    break
+            if choice is None:  # a computed factor (e.g. 1/sqrt(D) from a Shape): probed, must be one constant
+                for i in positions:
+                    data = producer(node.inputs[1 - i])
+                    if data is not None and (data.op == "MatMul" or data.op in SCALE_OPS):
+                        choice = (i, None)
+                        break
+            if choice is None:
+                return None
+            i, v = choice
+            if v is not None:
+                scale = scale * v if how == "mul" else scale / v
+            else:
+                probed.append((node.inputs[i].name, how))
+            scale_nodes.append(node)
+            t = node.inputs[1 - i]
+        return None
+
+    def _absorb_scalar_mul(self, t: gs.Tensor, scale: float):
+        node = producer(t)
+        if node is not None and node.op == "Mul" and single_consumer(t, self.ctx.graph_outputs) is not None:
+            for i in (0, 1):
+                v = scalar_value(node.inputs[i])
+                if v is not None:
+                    return node.inputs[1 - i], scale * v, [node]
+        return t, scale, []
+
+    def _key(self, kt: gs.Tensor, scale: float):
+        """(source tensor, perm to [B,H,Sk,D] or None, nodes taken, scale) for the MatMul's Kᵀ operand."""
+        outs = self.ctx.graph_outputs
+        taken = []
+        kt, scale, extra = self._absorb_scalar_mul(kt, scale)
+        taken += extra
+        node = producer(kt)
+        swap = [0, 1, 3, 2]
+        if node is not None and node.op == "Transpose" and single_consumer(kt, outs) is not None \
+                and len(node.attrs.get("perm", [])) == 4:
+            perm = list(node.attrs["perm"])
+            composed = [perm[i] for i in swap]
+            src, scale, extra = self._absorb_scalar_mul(node.inputs[0], scale)
+            return src, (None if composed == [0, 1, 2, 3] else composed), taken + [node] + extra, scale
+        return kt, swap, taken, scale
+
+    # -- analysis: probe the model once for every core -----------------------------------------------------------------
+    def analyze(self, matches: list[Match]) -> list[Match]:
+        if not matches:
+            return matches
+        ctx = self.ctx
+        model = ctx.options["_original_model"]
+        specs = graph_inputs(model)
+        dynamic = any(s.dynamic_seq for s in specs)
+        max_seq = ctx.options.get("max_seq_len")
+        if dynamic and max_seq is None:
+            raise StofError("the model has a dynamic sequence axis: pass max_seq_len (the longest sequence the "
+                            "rewritten model will run)")
+        seq = max_seq or 1
+        cores = [m.info["core"] for m in matches]
+        values, shapes = set(), set()
+        for c in cores:
+            shapes |= {c.query.name, c.kt.name, c.value.name}
+            if c.mask is not None:
+                values.add(c.mask.tensor)
+            values |= {n for n, _ in c.scale_tensors}
+        # Which graph input (if any) each mask depends on by value.
+        pad_of = {}
+        for c in cores:
+            if c.mask is not None and c.mask.tensor not in pad_of:
+                t = self.graph.tensors()[c.mask.tensor]
+                vins = value_inputs(self.graph, t)
+                pad_of[c.mask.tensor] = vins
+        pads = sorted({next(iter(v)) for v in pad_of.values() if len(v) == 1})
+        probe = Probe(model, sorted(values), sorted(shapes))
+        batch = 3
+        spec_by = {s.name: s for s in specs}
+        rng = np.random.default_rng(1234)
+        runs = []
+        for k in range(4):
+            overrides = {}
+            for name in pads:
+                shp = spec_by[name].shape(batch, seq)
+                overrides[name] = (np.ones(shp, np.int64) if k == 0 else
+                                   (rng.random(shp) < (0.3, 0.6, 0.9)[k - 1]).astype(np.int64))
+            vals, shps = probe.run(batch, seq, overrides)
+            runs.append({"values": vals, "shapes": shps, "overrides": overrides})
+        short = None
+        if dynamic:
+            s2 = max(1, (2 * seq) // 3 - 1)
+            vals, shps = probe.run(batch, s2)
+            short = {"values": vals, "shapes": shps}
+        kept = []
+        for m, c in zip(matches, cores):
+            plan = self._plan(c, runs, short, pad_of)
+            if plan is None:
+                continue
+            m.info = plan.info()
+            m.info["anchor"] = c.softmax.name
+            m.build = self._builder(c, plan, m.info)
+            kept.append(m)
+        return kept
+
+    def _plan(self, c: _Core, runs, short, pad_of) -> AttentionPlan | None:
+        shp = runs[0]["shapes"]
+        qs, kts, vs = shp[c.query.name], shp[c.kt.name], shp[c.value.name]
+        if len(qs) != 4 or len(kts) != 4 or len(vs) != 4:
+            self.skip(c.softmax, f"Q/Kᵀ/V ranks {len(qs)}/{len(kts)}/{len(vs)}: only 4-D [B,H,S,D] attention is "
+                                 "supported")
+            return None
+        _, H, sq, D = qs
+        sk = kts[3]
+        if kts[1] != H or vs[1] != H or kts[2] != D or vs[2] != sk:
+            self.skip(c.softmax, f"shapes Q{qs} Kᵀ{kts} V{vs} are not [B,H,Sq,D]/[B,H,D,Sk]/[B,H,Sk,D] "
+                                 "(grouped or multi-query heads are not supported)")
+            return None
+        scale = c.scale
+        for name, how in c.scale_tensors:
+            vals = [r["values"][name] for r in runs] + ([short["values"][name]] if short else [])
+            if any(np.asarray(v).size != 1 for v in vals) or len({float(np.asarray(v).reshape(())) for v in vals}) != 1:
+                self.skip(c.softmax, "the score scale is not one constant")
+                return None
+            v = float(np.asarray(vals[0]).reshape(()))
+            scale = scale * v if how == "mul" else scale / v
+        gmask, bias, pad_input = None, None, None
+        if c.mask is not None:
+            vins = pad_of[c.mask.tensor]
+            pad_input = next(iter(vins)) if len(vins) == 1 else None
+            if len(vins) > 1:
+                from .mask_analysis import GraphMask
+                gmask = GraphMask("bias", reason=f"mask depends on several inputs {sorted(vins)}")
+            else:
+                pruns = [{"values": r["values"], "pad": r["overrides"].get(pad_input)} for r in runs]
+                srun = None
+                if short is not None:
+                    s_q, s_kt = short["shapes"][c.query.name], short["shapes"][c.kt.name]
+                    srun = {"values": short["values"], "sq": s_q[2], "sk": s_kt[3]}
+                gmask = classify(c.mask, sq, sk, H, pruns, pad_input, srun)
+            if gmask.kind == "bias":
+                bias = c.mask
+                self.ctx.report.notes.append(f"{c.softmax.name}: mask kept as attn_bias: {gmask.reason}")
+        layout, source = choose_layout(self.ctx.options, gmask, sq, sk, H)
+        plan = AttentionPlan(name=c.softmax.name, heads=H, head_dim=D, seq_q=sq, seq_k=sk, scale=scale,
+                             layout=layout, mask_source=source,
+                             padding_input=gmask.padding_input if gmask is not None and gmask.kind != "bias" else None)
+        plan._bias_term = bias  # type: ignore[attr-defined]
+        return plan
+
+    def _builder(self, c: _Core, plan: AttentionPlan, info: dict):
+        def build() -> list[gs.Node]:
+            new: list[gs.Node] = []
+            emitter = AttentionEmitter(self)
+            key = c.key_source
+            if c.key_perm is not None:
+                key = self.new_var("stof_key", dtype=c.key_source.dtype)
+                new.append(gs.Node("Transpose", self.ctx.unique("stof_key_transpose"), {"perm": c.key_perm},
+                                   [c.key_source], [key]))
+            term = plan._bias_term  # type: ignore[attr-defined]
+            if term is not None:
+                mask_t = self.graph.tensors()[term.tensor]
+                if term.mode == "additive":
+                    plan.bias = mask_t
+                else:
+                    zero = self.new_const("stof_zero", np.zeros((), np.float32))
+                    bias = self.new_var("stof_attn_bias", dtype=np.float32)
+                    a, b = (zero, c.mask_fill) if term.mode == "allowed_bool" else (c.mask_fill, zero)
+                    new.append(gs.Node("Where", self.ctx.unique("stof_bias_where"), {}, [mask_t, a, b], [bias]))
+                    plan.bias = bias
+            emitter.node(plan, c.query, key, c.value, output, new)
+            info["name"] = plan.name
+            return new
+        output = c.pv.outputs[0]  # captured now: build() runs after the matched nodes are disconnected
+        return build

@@ -1,0 +1,5 @@
+from .base import Fusion
+
+
+class FuseGemmGelu(Fusion):
+    search_op_types = ()

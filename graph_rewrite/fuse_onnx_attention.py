@@ -1,0 +1,5 @@
+from .base import Fusion
+
+
+class FuseOnnxAttention(Fusion):
+    search_op_types = ()

@@ -1,0 +1,9 @@
+from .base import Fusion
+
+
+class FuseOrtAttention(Fusion):
+    search_op_types = ()
+
+
+class FuseOrtMultiHeadAttention(Fusion):
+    search_op_types = ()

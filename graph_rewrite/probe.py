@@ -1,0 +1,138 @@
+"""Evaluate intermediate tensors of the original model on ONNX Runtime CPU with chosen inputs.
+
+The rewrite uses this to learn what a graph-built mask really is (by evaluating it for chosen padding masks and
+sequence lengths), the run-time shapes of Q/K/V and scale factors computed from shapes. Only the subgraph the
+requested tensors need is run, with graph optimizations off so values are exactly the graph's.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+from onnx import helper
+
+from stof_trt.errors import StofError
+
+_INT_TYPES = {onnx.TensorProto.INT32, onnx.TensorProto.INT64, onnx.TensorProto.INT8, onnx.TensorProto.UINT8,
+              onnx.TensorProto.INT16}
+
+
+class InputSpec:
+    """A graph input: name, element type and dims (ints, or None for a symbolic dim)."""
+
+    def __init__(self, vi: onnx.ValueInfoProto):
+        self.name = vi.name
+        self.elem_type = vi.type.tensor_type.elem_type
+        self.dims = [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]
+
+    def shape(self, batch: int, seq: int) -> tuple[int, ...]:
+        """Dim 0 symbolic -> batch; any other symbolic dim -> seq."""
+        return tuple(d if d is not None else (batch if i == 0 else seq) for i, d in enumerate(self.dims))
+
+    @property
+    def dynamic_seq(self) -> bool:
+        return any(d is None for d in self.dims[1:])
+
+    @property
+    def np_dtype(self):
+        return helper.tensor_dtype_to_np_dtype(self.elem_type)
+
+
+def graph_inputs(model: onnx.ModelProto) -> list[InputSpec]:
+    inits = {i.name for i in model.graph.initializer}
+    return [InputSpec(vi) for vi in model.graph.input if vi.name not in inits]
+
+
+def value_inputs(graph: gs.Graph, tensor: gs.Tensor) -> set[str]:
+    """Names of graph inputs whose *values* ``tensor`` depends on (paths through Shape/Size count as shape-only)."""
+    inputs = {t.name for t in graph.inputs}
+    seen, stack, found = set(), [tensor], set()
+    while stack:
+        t = stack.pop()
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        if t.name in inputs:
+            found.add(t.name)
+        for node in t.inputs:
+            if node.op in ("Shape", "Size"):
+                continue
+            stack.extend(node.inputs)
+            for sub in node.subgraphs():  # If/Loop bodies may read outer values
+                stack.extend(sub.inputs)
+    return found
+
+
+class Probe:
+    """Runs a pruned copy of the model that outputs chosen tensors (and the shapes of others)."""
+
+    def __init__(self, model: onnx.ModelProto, values: list[str], shapes: list[str]):
+        import onnxruntime as ort
+
+        graph = gs.import_onnx(model)
+        tensors = graph.tensors()
+        outs = []
+        for name in dict.fromkeys(values):
+            outs.append(tensors[name])
+        self.shape_names = {}
+        for name in dict.fromkeys(shapes):
+            shp = gs.Variable(f"__stof_probe_shape_{len(self.shape_names)}", dtype=np.int64)
+            graph.nodes.append(gs.Node("Shape", inputs=[tensors[name]], outputs=[shp]))
+            self.shape_names[name] = shp.name
+            outs.append(shp)
+        # Graph outputs need a type for ORT; types of intermediate tensors come from shape inference.
+        typed = {vi.name: vi.type.tensor_type.elem_type for vi in _inferred_value_infos(model)}
+        for t in outs:
+            if isinstance(t, gs.Variable) and t.dtype is None and t.name in typed:
+                t.dtype = helper.tensor_dtype_to_np_dtype(typed[t.name])
+        self.value_names = [n for n in dict.fromkeys(values)]
+        missing = [t.name for t in outs if isinstance(t, gs.Variable) and t.dtype is None]
+        if missing:
+            raise StofError(f"cannot determine the element type of {missing[0]} to probe the model")
+        graph.outputs = [t.to_variable(dtype=t.dtype, shape=None) if isinstance(t, gs.Constant) else t for t in outs]
+        for t in graph.outputs:
+            t.shape = None
+        graph.cleanup(remove_unused_graph_inputs=False)
+        pruned = gs.export_onnx(graph, do_type_check=False)
+        pruned.ir_version = model.ir_version
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        so.log_severity_level = 3
+        self.session = ort.InferenceSession(pruned.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        self.input_names = {i.name for i in self.session.get_inputs()}
+        self.specs = {s.name: s for s in graph_inputs(model)}
+
+    def feeds(self, batch: int, seq: int, overrides: dict[str, np.ndarray] | None = None, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        out = {}
+        for name in self.input_names:
+            spec = self.specs[name]
+            if overrides and name in overrides:
+                out[name] = overrides[name].astype(spec.np_dtype)
+            elif spec.elem_type in _INT_TYPES or spec.elem_type == onnx.TensorProto.BOOL:
+                out[name] = np.ones(spec.shape(batch, seq), spec.np_dtype)
+            else:
+                out[name] = rng.standard_normal(spec.shape(batch, seq)).astype(spec.np_dtype)
+        return out
+
+    def run(self, batch: int, seq: int, overrides=None) -> tuple[dict[str, np.ndarray], dict[str, tuple]]:
+        """Returns ({tensor: value}, {tensor: shape})."""
+        try:
+            res = self.session.run(None, self.feeds(batch, seq, overrides))
+        except Exception as exc:  # noqa: BLE001 - any ORT failure means the model cannot run at this size
+            msg = str(exc).strip().splitlines()[0][:200]
+            raise StofError(f"cannot evaluate the model at batch {batch}, sequence length {seq}: {msg}") from None
+        names = self.value_names + list(self.shape_names)
+        vals = dict(zip(names, res))
+        values = {n: vals[n] for n in self.value_names}
+        shapes = {n: tuple(int(x) for x in vals[n]) for n in self.shape_names}
+        return values, shapes
+
+
+def _inferred_value_infos(model: onnx.ModelProto):
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+    except Exception:  # noqa: BLE001 - shape inference is best effort
+        inferred = model
+    g = inferred.graph
+    return list(g.value_info) + list(g.input) + list(g.output)

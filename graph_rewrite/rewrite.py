@@ -1,0 +1,123 @@
+"""``rewrite_model``: the entry point. Runs the fusions in a fixed order and adds the model-local functions.
+
+Order: attention cores (decomposed, then the ONNX ``Attention`` op, then ORT contrib Attention /
+MultiHeadAttention), then epilogues (MatMul + bias + GELU, then residual Add + LayerNorm). Attention runs first
+because it probes the *original* model, whose tensor names it still shares.
+"""
+from __future__ import annotations
+
+import copy
+
+import onnx
+import onnx_graphsurgeon as gs
+
+from stof_trt.errors import StofError
+
+from .base import RewriteContext
+from .functions import DOMAIN, DOMAIN_VERSION, MIN_OPSET, build_functions
+from .report import RewriteReport
+
+
+def _fusions(epilogues: bool):
+    from .fuse_add_layernorm import FuseAddLayerNorm, FuseLayerNormDecomposed
+    from .fuse_attention import FuseAttentionCore
+    from .fuse_gemm_gelu import FuseGemmGelu
+    from .fuse_onnx_attention import FuseOnnxAttention
+    from .fuse_ort_attention import FuseOrtAttention, FuseOrtMultiHeadAttention
+
+    order = [FuseAttentionCore, FuseOnnxAttention, FuseOrtAttention, FuseOrtMultiHeadAttention]
+    if epilogues:
+        order += [FuseGemmGelu, FuseLayerNormDecomposed, FuseAddLayerNorm]
+    return order
+
+
+def default_opset(model: onnx.ModelProto) -> int:
+    for imp in model.opset_import:
+        if imp.domain in ("", "ai.onnx"):
+            return imp.version
+    raise StofError("the model imports no default ONNX opset")
+
+
+def rewrite_model(model: onnx.ModelProto, *, mask=None, epilogues: bool = True, tile_m: int = 64, tile_n: int = 64,
+                  max_seq_len: int | None = None) -> tuple[onnx.ModelProto, RewriteReport]:
+    """Rewrite masked attention cores and epilogues of ``model`` into STOF nodes (domain ``stof``).
+
+    Args:
+        model: the ONNX model (not modified).
+        mask: a user mask (``stof_trt.masks.MaskSpec`` or spec string): the static sparsity of every attention
+            node, intersected with any static pattern found in the graph.
+        epilogues: also fuse MatMul + bias + GELU and residual Add + LayerNorm.
+        tile_m, tile_n: tile size of the compiled layouts (docs/format.md).
+        max_seq_len: the compiled sequence length for models with a dynamic sequence axis (run-time lengths
+            must be <= it; the layout's top-left corner is used).
+
+    Returns:
+        (rewritten model, RewriteReport). Patterns that are not supported are left untouched and listed in the
+        report with the reason.
+    """
+    from stof_trt.format import check_tile_shape
+    from stof_trt.masks import parse_mask
+
+    if not isinstance(model, onnx.ModelProto):
+        raise StofError("rewrite_model expects an onnx.ModelProto")
+    check_tile_shape(tile_m, tile_n)
+    if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len < 1):
+        raise StofError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
+    if mask is not None:
+        mask = parse_mask(mask)
+    if any(imp.domain == DOMAIN for imp in model.opset_import):
+        raise StofError("the model already contains STOF nodes (domain 'stof'): rewrite the original model")
+    original = model
+    opset = default_opset(model)
+    if opset < MIN_OPSET:
+        from onnx import version_converter
+
+        try:
+            model = version_converter.convert_version(model, 17)
+        except Exception as exc:  # noqa: BLE001
+            raise StofError(f"opset {opset} is too old and converting it to 17 failed: {str(exc)[:120]}") from None
+        opset = 17
+    report = RewriteReport(opset=opset)
+    graph = gs.import_onnx(model)
+    report.nodes_before = len(graph.nodes)
+    ctx = RewriteContext(graph=graph, report=report, opset=opset,
+                         options={"mask": mask, "tile_m": tile_m, "tile_n": tile_n, "max_seq_len": max_seq_len,
+                                  "_original_model": model})
+    if opset != default_opset(original):
+        report.notes.append(f"model converted from opset {default_opset(original)} to {opset}")
+    for fusion in _fusions(epilogues):
+        fusion(ctx).apply()
+    report.nodes_after = len(graph.nodes)
+    if not ctx.functions:
+        out = copy.deepcopy(original)
+        return out, report
+    graph.cleanup().toposort()
+    out = gs.export_onnx(graph, do_type_check=False)
+    # metadata gs does not carry
+    out.ir_version = max(original.ir_version, 10)  # function overloads need IR 10
+    out.producer_name = original.producer_name
+    out.producer_version = original.producer_version
+    out.model_version = original.model_version
+    out.doc_string = original.doc_string
+    del out.metadata_props[:]
+    out.metadata_props.extend(original.metadata_props)
+    out.metadata_props.add(key="stof.rewritten", value="1")
+    for imp in list(out.opset_import):
+        if imp.domain == DOMAIN:
+            out.opset_import.remove(imp)
+    out.opset_import.append(onnx.helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
+    for node in out.graph.node:
+        if node.domain == DOMAIN:
+            node.overload = ctx.overloads.get(node.name, "")
+    del out.functions[:]
+    out.functions.extend(list(original.functions) + build_functions(ctx.functions, opset))
+    check(out)
+    return out, report
+
+
+def check(model: onnx.ModelProto) -> None:
+    """onnx.checker with full_check (shape inference) when the model fits in memory as one proto."""
+    try:
+        onnx.checker.check_model(model, full_check=True)
+    except ValueError:  # > 2 GB: check by path is the caller's business
+        onnx.checker.check_model(model)
