@@ -1,0 +1,259 @@
+#!/usr/bin/env python3
+"""Benchmark STOF sparse attention against PyTorch SDPA and FlexAttention (issue 3).  Needs a CUDA GPU.
+
+    PYTHONUNBUFFERED=1 python scripts/bench_attention.py --out $OUT            # full grid (B=8, H=12, fp16)
+    python scripts/bench_attention.py --dims 64 --sizes 1024,4096 --masks sliding --out /tmp/b
+
+Per cell (head dim, S, mask): STOF with the pre-search's first choice and with the best measured tactic (every
+valid tactic the model does not prune at > 20x its best prediction), SDPA dense (no mask), SDPA with the boolean
+mask, SDPA is_causal (causal only), FlexAttention (torch.compile(flex_attention) + create_block_mask of the same
+mask).  Times: triton.testing.do_bench medians (CUDA events).  Each STOF output is checked against Flex's (rel
+err) so all methods compute the same masked attention.  Also measures the roofline ingredients (device copy
+bandwidth, dense fp16 matmul rate).  Writes bench_attention.json and bench_attention.png under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+MASKS = {
+    "causal": "causal",
+    "sliding": "sliding:window=128",
+    "dilated": "dilated:window=256,dilation=2",
+    "longformer": "longformer:window=128,global=16",
+    "bigbird": "bigbird:block=64,window=1,global=1,random=0.05,seed=0",
+}
+
+
+def mask_mod_for(name, mask, S, torch):
+    if name == "causal":
+        return lambda b, h, q, k: q >= k
+    if name == "sliding":
+        return lambda b, h, q, k: (q - k).abs() <= 128
+    if name == "dilated":
+        return lambda b, h, q, k: ((q - k).abs() <= 256) & ((q - k) % 2 == 0)
+    if name == "longformer":
+        return lambda b, h, q, k: ((q - k).abs() <= 128) | (q < 16) | (k < 16)
+    if name == "bigbird":  # block-constant: the dense mask sampled at block corners is the block table
+        blocks = torch.from_numpy(np.ascontiguousarray(mask.dense(S, S)[::64, ::64])).cuda()
+        return lambda b, h, q, k: blocks[q // 64, k // 64]
+    raise KeyError(name)
+
+
+def geomean(xs):
+    xs = [x for x in xs if x and x > 0 and math.isfinite(x)]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dims", default="64,128")
+    ap.add_argument("--sizes", default="512,1024,2048,4096,8192")
+    ap.add_argument("--masks", default=",".join(MASKS))
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
+    ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args()
+
+    import torch
+    import torch.nn.functional as F
+    import triton.testing
+
+    from stof_trt import presearch
+    from stof_trt.format import compile_mask
+    from stof_trt.kernels import DeviceLayout, Runner, tactic_info
+    from stof_trt.masks import parse_mask
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    dev = torch.cuda.get_device_properties(0)
+    gpu = presearch.gpu_props()
+
+    def bench(fn, rep=args.rep):
+        return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+    # Roofline ingredients, measured in this run.
+    x = torch.randn(256 * 1024 * 1024, device="cuda", dtype=torch.float16)  # 512 MiB
+    y = torch.empty_like(x)
+    t_copy = bench(lambda: y.copy_(x))
+    copy_bw = 2 * x.numel() * 2 / (t_copy * 1e-3)
+    del x, y
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
+    t_mm = bench(lambda: a @ b)
+    mm_rate = 2 * 8192**3 / (t_mm * 1e-3)
+    del a, b
+    print(f"device {dev.name}: copy {copy_bw / 1e12:.2f} TB/s, fp16 matmul {mm_rate / 1e12:.0f} TFLOP/s", flush=True)
+
+    flex = create_block_mask = None
+    if not args.no_flex:
+        import torch._dynamo
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        torch._dynamo.config.cache_size_limit = 1000
+        torch._dynamo.config.accumulated_cache_size_limit = 4000
+        flex = torch.compile(flex_attention, dynamic=False)
+
+    B, H = args.batch, args.heads
+    cells = []
+    for D in [int(d) for d in args.dims.split(",")]:
+        for S in [int(s) for s in args.sizes.split(",")]:
+            q = torch.randn(B, H, S, D, device="cuda", dtype=torch.float16)
+            k = torch.randn(B, H, S, D, device="cuda", dtype=torch.float16)
+            v = torch.randn(B, H, S, D, device="cuda", dtype=torch.float16)
+            t_dense = bench(lambda: F.scaled_dot_product_attention(q, k, v))
+            for mname in args.masks.split(","):
+                t0 = time.time()
+                mask = parse_mask(MASKS[mname])
+                layout = compile_mask(mask, S, S)
+                dl = DeviceLayout(layout)
+                dense = torch.from_numpy(mask.dense(S, S)).cuda()
+                allowed = int(dense.sum())
+                flops = 4.0 * B * H * D * allowed
+                tile_flops = 4.0 * B * H * D * layout.nnz * layout.tile_m * layout.tile_n
+                floor = max(4 * B * H * S * D * 2 / copy_bw, tile_flops / mm_rate)
+                cell = {"D": D, "S": S, "mask": mname, "spec": MASKS[mname], "density": allowed / S / S,
+                        "nnz": int(layout.nnz), "partial": int(layout.num_partial), "sdpa_dense_ms": t_dense,
+                        "floor_ms": floor * 1e3, "gflop": flops / 1e9}
+                # STOF: every valid tactic the model does not prune
+                ranked = presearch.rank(layout, batch=B, heads=H, head_dim=D, gpu=gpu)
+                best_pred = ranked[0][1]
+                cell["predicted_ms"] = {tactic_info(t).name: p * 1e3 for t, p in ranked}
+                cell["pick"] = tactic_info(ranked[0][0]).name
+                meas, outs = {}, {}
+                for tid, pred in ranked:
+                    name = tactic_info(tid).name
+                    if pred > 20 * best_pred:
+                        continue  # pruned by the model
+                    r = Runner(q, k, v, dl, tactic=tid)
+                    r()
+                    torch.cuda.synchronize()
+                    meas[name] = bench(r)
+                    outs[name] = r.out
+                cell["measured_ms"] = meas
+                best_name = min(meas, key=meas.get)
+                cell["best"] = best_name
+                cell["stof_best_ms"] = meas[best_name]
+                cell["stof_pick_ms"] = meas.get(cell["pick"], float("nan"))
+                cell["pick_hit"] = cell["stof_pick_ms"] <= 1.10 * cell["stof_best_ms"]
+                o_stof = outs[best_name]
+                # SDPA with the boolean mask (dense work)
+                try:
+                    am = dense[None, None]
+                    cell["sdpa_mask_ms"] = bench(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=am))
+                    o_ref = F.scaled_dot_product_attention(q, k, v, attn_mask=am)
+                    rows = dense.any(-1)[None, None, :, None]
+                    o_ref = torch.where(rows, o_ref, torch.zeros_like(o_ref))
+                    cell["err_vs_sdpa_mask"] = float((o_stof.float() - o_ref.float()).norm() / o_ref.float().norm())
+                except Exception as e:  # noqa: BLE001
+                    cell["sdpa_mask_error"] = repr(e)[:200]
+                if mname == "causal":
+                    cell["sdpa_causal_ms"] = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+                if flex is not None:
+                    try:
+                        mm = mask_mod_for(mname, mask, S, torch)
+                        bm = create_block_mask(mm, None, None, S, S, device="cuda")
+                        o_flex = flex(q, k, v, block_mask=bm)
+                        torch.cuda.synchronize()
+                        cell["flex_ms"] = bench(lambda: flex(q, k, v, block_mask=bm))
+                        cell["err_vs_flex"] = float((o_stof.float() - o_flex.float()).norm() / o_flex.float().norm())
+                    except Exception as e:  # noqa: BLE001
+                        cell["flex_error"] = repr(e)[:300]
+                st = cell["stof_best_ms"]
+                cell["tflops_best"] = flops / (st * 1e-3) / 1e12
+                cell["x_flex"] = cell.get("flex_ms", float("nan")) / st
+                cell["x_flex_pick"] = cell.get("flex_ms", float("nan")) / cell["stof_pick_ms"]
+                cell["x_sdpa_mask"] = cell.get("sdpa_mask_ms", float("nan")) / st
+                cell["x_floor"] = st / cell["floor_ms"]
+                cells.append(cell)
+                print(f"D={D:3d} S={S:5d} {mname:10s} dens={cell['density']:.3f} stof pick {cell['pick']} "
+                      f"{cell['stof_pick_ms']:.3f} best {best_name} {st:.3f} ms ({cell['tflops_best']:.0f} TF/s, "
+                      f"{cell['x_floor']:.2f}x floor) | flex {cell.get('flex_ms', float('nan')):.3f} "
+                      f"sdpa {t_dense:.3f} sdpa+mask {cell.get('sdpa_mask_ms', float('nan')):.3f} "
+                      f"causal {cell.get('sdpa_causal_ms', float('nan')):.3f} | x_flex {cell['x_flex']:.2f} "
+                      f"err_flex {cell.get('err_vs_flex', float('nan')):.1e} [{time.time() - t0:.0f}s]", flush=True)
+                del outs, o_stof
+            del q, k, v
+            torch.cuda.empty_cache()
+
+    summary = {"device": dev.name, "copy_bw_TBps": copy_bw / 1e12, "fp16_matmul_TFLOPs": mm_rate / 1e12,
+               "batch": B, "heads": H}
+    for D in sorted({c["D"] for c in cells}):
+        sel = [c for c in cells if c["D"] == D and c["S"] >= 1024]
+        summary[f"D{D}"] = {
+            "geomean_x_flex_best": geomean([c["x_flex"] for c in sel]),
+            "geomean_x_flex_pick": geomean([c["x_flex_pick"] for c in sel]),
+            "min_x_flex_best": min((c["x_flex"] for c in sel if math.isfinite(c["x_flex"])), default=float("nan")),
+            "causal_x_sdpa_is_causal": {c["S"]: c["sdpa_causal_ms"] / c["stof_best_ms"] for c in sel
+                                        if "sdpa_causal_ms" in c},
+            "geomean_x_sdpa_mask": geomean([c["x_sdpa_mask"] for c in sel]),
+        }
+    summary["presearch_hit_rate"] = (sum(c["pick_hit"] for c in cells) / len(cells)) if cells else float("nan")
+    summary["presearch_cells"] = len(cells)
+    res = {"summary": summary, "cells": cells, "argv": sys.argv}
+    name = f"bench_attention{args.tag}"
+    (out_dir / f"{name}.json").write_text(json.dumps(res, indent=1))
+
+    # table (markdown)
+    lines = ["| D | S | mask | density | STOF pick ms | STOF best ms (tactic) | Flex ms | SDPA ms | SDPA+mask ms | "
+             "is_causal ms | TFLOP/s | x Flex | x floor |", "|" + "---|" * 13]
+    for c in cells:
+        lines.append(f"| {c['D']} | {c['S']} | {c['mask']} | {c['density']:.3f} | {c['stof_pick_ms']:.3f} | "
+                     f"{c['stof_best_ms']:.3f} ({c['best']}) | {c.get('flex_ms', float('nan')):.3f} | "
+                     f"{c['sdpa_dense_ms']:.3f} | {c.get('sdpa_mask_ms', float('nan')):.3f} | "
+                     f"{c.get('sdpa_causal_ms', float('nan')):.3f} | {c['tflops_best']:.0f} | {c['x_flex']:.2f} | "
+                     f"{c['x_floor']:.2f} |")
+    table = "\n".join(lines)
+    (out_dir / f"{name}.md").write_text(table + "\n\n" + json.dumps(summary, indent=1) + "\n")
+    print(table)
+    print(json.dumps(summary, indent=1))
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        dims = sorted({c["D"] for c in cells})
+        mnames = list(dict.fromkeys(c["mask"] for c in cells))
+        fig, axes = plt.subplots(len(dims), len(mnames), figsize=(4 * len(mnames), 3.5 * len(dims)), squeeze=False)
+        for i, D in enumerate(dims):
+            for j, mn in enumerate(mnames):
+                ax = axes[i][j]
+                sel = sorted((c for c in cells if c["D"] == D and c["mask"] == mn), key=lambda c: c["S"])
+                Ss = [c["S"] for c in sel]
+                for key, lab in [("stof_best_ms", "STOF best"), ("stof_pick_ms", "STOF pick"), ("flex_ms", "Flex"),
+                                 ("sdpa_dense_ms", "SDPA dense"), ("sdpa_mask_ms", "SDPA+mask"),
+                                 ("sdpa_causal_ms", "SDPA is_causal"), ("floor_ms", "floor")]:
+                    ys = [c.get(key, float("nan")) for c in sel]
+                    if any(math.isfinite(y) for y in ys):
+                        ax.plot(Ss, ys, marker="o", label=lab, linestyle="--" if key == "floor_ms" else "-")
+                ax.set_xscale("log", base=2)
+                ax.set_yscale("log")
+                ax.set_title(f"{mn}, D={D}")
+                ax.set_xlabel("S")
+                ax.set_ylabel("ms")
+                ax.grid(True, alpha=0.3)
+        axes[0][0].legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out_dir / f"{name}.png", dpi=90)
+    except Exception as e:  # noqa: BLE001
+        print("plot failed:", e)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Build, test, sanitize and benchmark the STOF attention kernels on the GPU machine; everything under $OUT.
+#
+#   STAGES=build,test,sanitize,bench BENCH_ARGS="--dims 64" bash scripts/device_kernels.sh
+#
+# Files written (at most 8, the device tool's limit): log, build.log (ptxas resource usage per kernel),
+# correctness.jsonl (every case x tactic with its error), sanitize.log, bench_attention{.json,.md,.png}.
+set -o pipefail
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+STAGES=${STAGES:-build,test,sanitize,bench}
+export PYTHONUNBUFFERED=1
+exec > >(tee -a "$OUT/log") 2>&1
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
+status=0
+echo "== $(date -u +%FT%TZ) stages=$STAGES"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv
+
+if has build; then
+  t0=$SECONDS
+  cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=${STOF_ARCHS:-90} \
+        -DSTOF_RESOURCE_USAGE=ON > "$OUT/build.log" 2>&1 &&
+    cmake --build build -j 16 >> "$OUT/build.log" 2>&1 || { echo "BUILD FAILED"; tail -50 "$OUT/build.log"; exit 1; }
+  echo "build ok in $((SECONDS - t0)) s"
+  grep -E "registers|spill" "$OUT/build.log" | sed "s/ptxas info *: //" | sort | uniq -c | sort -rn | head -20
+fi
+
+if has test; then
+  t0=$SECONDS
+  rm -f "$OUT/correctness.jsonl"
+  STOF_TEST_REPORT="$OUT/correctness.jsonl" python -m pytest -q -p no:cacheprovider tests/gpu ${TEST_ARGS:-} 2>&1 | tail -40
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+  echo "tests done in $((SECONDS - t0)) s"
+  python - "$OUT/correctness.jsonl" <<'PY'
+import json, sys, collections
+rows = [json.loads(l) for l in open(sys.argv[1])]
+by = collections.defaultdict(list)
+for r in rows:
+    by[(r["tactic"], r["dtype"], r["D"])].append(r)
+print(f"{len(rows)} checks, {sum(not r['ok'] for r in rows)} failed")
+print("tactic                 dtype      D  checks  fail  max err/tol")
+for key in sorted(by):
+    rs = by[key]
+    worst = max((r["err"] / r["tol"] for r in rs if r["err"] == r["err"]), default=float("nan"))
+    print(f"{key[0]:22s} {key[1]:9s} {key[2]:3d} {len(rs):7d} {sum(not r['ok'] for r in rs):5d}  {worst:.3f}")
+PY
+fi
+
+if has sanitize; then
+  t0=$SECONDS
+  : > "$OUT/sanitize.log"
+  for tool in memcheck racecheck; do
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool $tool --error-exitcode 97 \
+      python tests/gpu/sanitize_case.py >> "$OUT/sanitize.log" 2>&1
+    rc=$?
+    echo "compute-sanitizer $tool: exit $rc ($(grep -c -E 'ERROR SUMMARY: [1-9]|Race reported|hazard' "$OUT/sanitize.log") error lines so far)"
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|sanitize_case" "$OUT/sanitize.log" | tail -3
+    [[ $rc -eq 0 ]] || status=1
+  done
+  echo "sanitize done in $((SECONDS - t0)) s"
+fi
+
+if has bench; then
+  python scripts/bench_attention.py --out "$OUT" ${BENCH_ARGS:-} || status=1
+fi
+echo "== done status=$status"
+exit $status

@@ -1,0 +1,56 @@
+"""One small case per kernel family for compute-sanitizer (memcheck / racecheck), run as a script:
+
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
+        python tests/gpu/sanitize_case.py
+
+(no caching allocator: every tensor is its own cudaMalloc, so out-of-bounds accesses are visible).  Covers
+tails (S=200/333 not multiples of 64), partial and full tiles, Sq != Sk, key_lengths and key_padding_mask, both
+dtypes and head dims, every valid tactic of a 128x64 layout (all block shapes) and a 32x32 one (row-wise).
+"""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from _gpu_helpers import TOL, rand_qkv, reference, rel_err  # noqa: E402
+
+from stof_trt.format import TileLayout  # noqa: E402
+from stof_trt.kernels import DeviceLayout, list_tactics, sparse_attention, tactic_info  # noqa: E402
+from stof_trt.masks import parse_mask  # noqa: E402
+
+
+def main():
+    mask = parse_mask("longformer:window=40,global=5|dilated:window=90,dilation=3")
+    Sq, Sk, B, H = 200, 333, 2, 2
+    dense = mask.dense(Sq, Sk)[None]
+    worst = 0.0
+    n = 0
+    for tile in [(128, 64), (32, 32)]:
+        layout = TileLayout.from_dense(dense, *tile)
+        dl = DeviceLayout(layout)
+        for dtype in (torch.float16, torch.bfloat16):
+            for D in (64, 128):
+                gen = torch.Generator(device="cuda").manual_seed(D)
+                q, k, v = rand_qkv(B, H, Sq, Sk, D, dtype, gen)
+                lengths = torch.tensor([Sk, 150], dtype=torch.int32, device="cuda")
+                kpm = (torch.rand(B, Sk, device="cuda") < 0.8).to(torch.int32)
+                keep = (torch.arange(Sk, device="cuda")[None] < lengths[:, None]) & (kpm != 0)
+                ref, _ = reference(q, k, v, torch.from_numpy(dense).cuda(), D**-0.5, keep)
+                for t in list_tactics(q, k, v, dl):
+                    out = torch.full_like(q, float("nan"))
+                    sparse_attention(q, k, v, dl, tactic=t, key_lengths=lengths, key_padding_mask=kpm, out=out)
+                    torch.cuda.synchronize()
+                    err = rel_err(out, ref)
+                    assert err <= TOL[dtype], (tactic_info(t).name, dtype, D, err)
+                    worst = max(worst, err / TOL[dtype])
+                    n += 1
+    print(f"sanitize_case: {n} runs ok, worst err/tol {worst:.3f}")
+
+
+if __name__ == "__main__":
+    main()
