@@ -46,6 +46,7 @@ from .matcher import internal_only, other_input, producer, scalar_value, single_
 from .probe import Probe, graph_inputs, value_inputs
 
 #: Ops that scale the scores by a scalar: op type -> (how the factor combines, which inputs may hold it).
+FLOAT_TYPES = (1, 10, 11, 16)  # TensorProto FLOAT, FLOAT16, DOUBLE, BFLOAT16
 SCALE_OPS = {"Mul": ("mul", (0, 1)), "Div": ("div", (1,))}
 
 
@@ -80,7 +81,7 @@ class FuseAttentionCore(Fusion):
         nodes = [softmax]
         # -- downstream: [Cast] -> MatMul(P, V)
         nxt = single_consumer(softmax.outputs[0], outs)
-        if nxt is not None and nxt.op == "Cast":
+        while nxt is not None and nxt.op == "Cast" and nxt.attrs.get("to") in FLOAT_TYPES:
             nodes.append(nxt)
             nxt = single_consumer(nxt.outputs[0], outs)
         if nxt is None or nxt.op != "MatMul" or nxt.inputs[0] is not nodes[-1].outputs[0]:
