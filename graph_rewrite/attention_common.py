@@ -31,6 +31,7 @@ class AttentionPlan:
     padding_input: str | None = None      # graph input to derive key_padding_mask from (Cast to int32)
     padding_tensor: gs.Tensor | None = None  # an existing [B, Sk] tensor to use as key_padding_mask (Cast to int32)
     bias: gs.Tensor | None = None
+    bias_term: object | None = None       # the graph mask to turn into ``bias`` when the node is built
 
     def info(self) -> dict:
         lay = self.layout
@@ -40,7 +41,7 @@ class AttentionPlan:
                 "density": round(float(lay.density()), 6), "tile_density": round(float(lay.tile_density()), 6),
                 "tile_classes": lay.class_counts(), "layout_signature": lay.signature(),
                 "key_padding": bool(self.padding_input or self.padding_tensor is not None),
-                "attn_bias": self.bias is not None}
+                "attn_bias": self.bias is not None or self.bias_term is not None}
 
 
 def choose_layout(options: dict, graph_mask: GraphMask | None, sq: int, sk: int, heads: int,

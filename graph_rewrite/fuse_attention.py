@@ -295,7 +295,7 @@ class FuseAttentionCore(Fusion):
         plan = AttentionPlan(name=c.softmax.name, heads=H, head_dim=D, seq_q=sq, seq_k=sk, scale=scale,
                              layout=layout, mask_source=source,
                              padding_input=gmask.padding_input if gmask is not None and gmask.kind != "bias" else None)
-        plan._bias_term = bias  # type: ignore[attr-defined]
+        plan.bias_term = bias
         return plan
 
     def _builder(self, c: _Core, plan: AttentionPlan, info: dict):
@@ -307,7 +307,7 @@ class FuseAttentionCore(Fusion):
                 key = self.new_var("stof_key", dtype=c.key_source.dtype)
                 new.append(gs.Node("Transpose", self.ctx.unique("stof_key_transpose"), {"perm": c.key_perm},
                                    [c.key_source], [key]))
-            term = plan._bias_term  # type: ignore[attr-defined]
+            term = plan.bias_term
             if term is not None:
                 mask_t = self.graph.tensors()[term.tensor]
                 if term.mode == "additive":

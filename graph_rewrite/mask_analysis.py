@@ -132,7 +132,8 @@ def classify(term: MaskTerm, sq: int, sk: int, heads: int, runs: list[dict], pad
         else:
             expect = static[None]
         try:
-            ok = np.array_equal(np.broadcast_to(a, expect.shape), expect)
+            shape = np.broadcast_shapes(a.shape, expect.shape)
+            ok = np.array_equal(np.broadcast_to(a, shape), np.broadcast_to(expect, shape))
         except ValueError:
             ok = False
         if not ok:

@@ -68,6 +68,7 @@ def rewrite_model(model: onnx.ModelProto, *, mask=None, epilogues: bool = True, 
     if any(imp.domain == DOMAIN for imp in model.opset_import):
         raise StofError("the model already contains STOF nodes (domain 'stof'): rewrite the original model")
     original = model
+    model = copy.deepcopy(model)  # onnx-graphsurgeon shares some protos with the model it imports
     opset = default_opset(model)
     if opset < MIN_OPSET:
         from onnx import version_converter

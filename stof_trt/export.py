@@ -64,6 +64,8 @@ def _wrap(model, names, mask_dims=2):
 
         def forward(self, *args):
             kwargs = dict(zip(names, args))
+            if "attention_mask" not in kwargs and "input_ids" in kwargs:  # all ones, built in the graph
+                kwargs["attention_mask"] = torch.ones_like(kwargs["input_ids"])
             if mask_dims == 3:  # [B, S, S] (non-zero = attend) -> additive [B, 1, S, S]
                 m = kwargs["attention_mask"]
                 kwargs["attention_mask"] = (1.0 - m[:, None].to(torch.float32)) * torch.finfo(torch.float32).min

@@ -1,0 +1,164 @@
+"""Attention-core fusion on models exported from transformers / torch: parity with the original on ORT CPU."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from graph_rewrite import rewrite_model
+from models_util import TILE, assert_fused, assert_parity, exported, padding_mask, token_feeds
+from stof_trt.errors import StofError
+from stof_trt.masks import parse_mask
+
+S_MAX = 48
+
+
+def _attention(report):
+    return report.to_dict()["attention"]
+
+
+def test_bert_padding_mask_becomes_key_padding():
+    model = exported("bert")
+    before = model.SerializeToString()
+    new, report = rewrite_model(model, max_seq_len=S_MAX, **TILE)
+    assert model.SerializeToString() == before, "the input model was mutated"
+    assert_fused(new, {"StofSparseAttention": 2, "Softmax": 0})
+    assert report.count("attention_core") == 2
+    for a in _attention(report):
+        assert "padding from input 'attention_mask'" in a["mask_source"]
+        assert a["key_padding"] and not a["attn_bias"]
+        assert a["heads"] == 4 and a["head_dim"] == 8 and a["density"] == 1.0
+        assert a["tile_classes"]["partial"] == 0 and a["tile_classes"]["empty"] == 0
+    rng = np.random.default_rng(0)
+    for seq in (S_MAX, 29, 1):
+        feeds = token_feeds(rng, 3, seq, mask=padding_mask(rng, 3, seq))
+        assert_parity(model, new, feeds)
+
+
+def test_gpt2_causal_mask_is_recognised():
+    model = exported("gpt2")
+    new, report = rewrite_model(model, max_seq_len=S_MAX, **TILE)
+    assert_fused(new, {"StofSparseAttention": 2, "Softmax": 0})
+    for a in _attention(report):
+        assert a["mask_source"].startswith("graph causal")
+        assert a["key_padding"] and not a["attn_bias"]
+        assert a["tile_classes"]["empty"] > 0 and a["tile_classes"]["partial"] > 0
+        assert abs(a["density"] - (S_MAX + 1) / (2 * S_MAX)) < 1e-6
+    rng = np.random.default_rng(1)
+    for seq in (S_MAX, 37):
+        assert_parity(model, new, token_feeds(rng, 3, seq, mask=padding_mask(rng, 3, seq)))
+
+
+def test_gpt2_without_padding_input_is_static_causal():
+    model = exported("gpt2", padding_mask=False)
+    new, report = rewrite_model(model, max_seq_len=S_MAX, **TILE)
+    assert_fused(new, {"StofSparseAttention": 2})
+    for a in _attention(report):
+        assert a["mask_source"] == "graph causal" and not a["key_padding"]
+    rng = np.random.default_rng(2)
+    assert_parity(model, new, {"input_ids": rng.integers(0, 100, (2, 40))})
+
+
+def test_vit_no_mask_full_layout():
+    model = exported("vit")
+    new, report = rewrite_model(model, **TILE)
+    assert_fused(new, {"StofSparseAttention": 2, "Softmax": 0})
+    for a in _attention(report):
+        assert a["mask_source"] == "none (full layout)" and a["seq_q"] == 17
+        assert a["tile_classes"] == {"empty": 0, "full": 2, "partial": 0}
+    rng = np.random.default_rng(3)
+    assert_parity(model, new, {"pixel_values": rng.standard_normal((3, 3, 32, 32)).astype(np.float32)})
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_local_attention_band_recognised(causal):
+    window = 3
+    model = exported("local_attention", window=window, causal=causal)
+    new, report = rewrite_model(model, max_seq_len=S_MAX, **TILE)
+    assert_fused(new, {"StofSparseAttention": 2, "Softmax": 0, "Where": 0})
+    name = f"causal sliding window {window + 1}" if causal else f"sliding window {2 * window + 1}"
+    for a in _attention(report):
+        assert a["mask_source"].startswith(f"graph {name}"), a["mask_source"]
+        assert a["key_padding"] and not a["attn_bias"]
+    rng = np.random.default_rng(4)
+    for seq in (S_MAX, 31):
+        # keys at multiples of 3 are always kept, so every query keeps one key in its window (the original,
+        # which masks with -inf, would produce NaN for a query with none)
+        pad = (rng.random((3, seq)) < 0.6).astype(np.int64)
+        pad[:, ::3] = 1
+        assert_parity(model, new, token_feeds(rng, 3, seq, mask=pad))
+
+
+def test_user_mask_on_2d_export_matches_3d_original():
+    """Demo path: original (3-D mask input) fed dense(spec) ∧ padding == rewritten 2-D export with the spec."""
+    spec = "longformer:window=8,global=2"
+    m2, m3 = exported("bert"), exported("bert", mask_dims=3)
+    w2 = {i.name: onnx.numpy_helper.to_array(i) for i in m2.graph.initializer}
+    w3 = {i.name: onnx.numpy_helper.to_array(i) for i in m3.graph.initializer}
+    assert any(v.size > 1000 for v in w2.values())
+    assert all(np.array_equal(w2[k], w3[k]) for k in w2.keys() & w3.keys() if w2[k].size > 1000)
+    new, report = rewrite_model(m2, mask=spec, max_seq_len=S_MAX, **TILE)
+    assert_fused(new, {"StofSparseAttention": 2})
+    for a in _attention(report):
+        assert a["mask_source"].startswith("user 'sliding") and "padding" in a["mask_source"]
+        assert a["density"] < 0.6
+    rng = np.random.default_rng(5)
+    for seq in (S_MAX, 33):
+        pad = padding_mask(rng, 3, seq, min_len=3)
+        dense = parse_mask(spec).dense(seq, seq)
+        feeds2 = token_feeds(rng, 3, seq, mask=pad)
+        feeds3 = dict(feeds2, attention_mask=(dense[None] & (pad[:, None, :] != 0)).astype(np.int64))
+        from models_util import max_rel_diff, run
+        d = max_rel_diff(run(m3, feeds3)[0], run(new, feeds2)[0])
+        assert d <= 1e-4, d
+
+
+def test_user_mask_on_3d_export_keeps_bias():
+    spec = parse_mask("dilated:window=6,dilation=2")
+    model = exported("bert", mask_dims=3)
+    new, report = rewrite_model(model, mask=spec, max_seq_len=S_MAX, **TILE)
+    assert_fused(new, {"StofSparseAttention": 2})
+    for a in _attention(report):
+        assert a["attn_bias"] and not a["key_padding"]
+    rng = np.random.default_rng(6)
+    seq = 40
+    dense = spec.dense(seq, seq)
+    m = (rng.random((2, seq, seq)) < 0.5) | np.eye(seq, dtype=bool)[None]
+    feeds = token_feeds(rng, 2, seq)
+    out_new = __import__("models_util").run(new, dict(feeds, attention_mask=m.astype(np.int64)))[0]
+    out_ref = __import__("models_util").run(model, dict(feeds, attention_mask=(m & dense[None]).astype(np.int64)))[0]
+    assert np.abs(out_new - out_ref).max() <= 1e-4 * max(1, np.abs(out_ref).max())
+
+
+def test_fixed_axes_need_no_max_seq_len():
+    model = exported("bert", dynamic_axes=False, seq_len=40)
+    new, report = rewrite_model(model, **TILE)
+    assert_fused(new, {"StofSparseAttention": 2})
+    assert all(a["seq_q"] == 40 for a in _attention(report))
+    rng = np.random.default_rng(7)
+    assert_parity(model, new, token_feeds(rng, 2, 40, mask=padding_mask(rng, 2, 40)))
+
+
+def test_dynamic_axes_without_max_seq_len_is_a_user_error():
+    with pytest.raises(StofError, match="max_seq_len"):
+        rewrite_model(exported("bert"), **TILE)
+
+
+def test_mask_too_small_for_model_is_a_user_error(tmp_path):
+    arr = np.ones((8, 8), bool)
+    np.save(tmp_path / "m.npy", arr)
+    with pytest.raises(StofError):
+        rewrite_model(exported("bert"), mask=f"npy:{tmp_path / 'm.npy'}", max_seq_len=S_MAX, **TILE)
+
+
+def test_default_tiles_and_report_is_json():
+    import json
+
+    new, report = rewrite_model(exported("gpt2"), max_seq_len=200)
+    d = json.loads(json.dumps(report.to_dict()))
+    assert d["patterns"]["attention_core"]["matched"] == 2
+    a = d["attention"][0]
+    assert a["tile"] == [64, 64] and a["seq_q"] == 200 and a["num_layouts"] == 1
+    assert a["tile_classes"] == {"empty": 6, "full": 6, "partial": 4}
+    rows = report.summary_rows()
+    assert rows and rows[0]["pattern"] == "attention_core"
