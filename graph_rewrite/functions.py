@@ -186,11 +186,17 @@ def gemm_epilogue_function(opset: int, activation: str) -> onnx.FunctionProto:
 
 
 # -- StofAddLayerNorm -----------------------------------------------------------------------------------------------
-def add_layernorm_function(opset: int, has_bias: bool) -> onnx.FunctionProto:
-    """S = (X + bias) + residual; Y = LayerNorm(S)·gamma + beta over the last axis; optional output 1 is S."""
+def add_layernorm_overload(has_bias: bool, has_sum: bool) -> str:
+    return "_".join(p for p, on in (("bias", has_bias), ("sum", has_sum)) if on)
+
+
+def add_layernorm_function(opset: int, has_bias: bool, has_sum: bool = False) -> onnx.FunctionProto:
+    """S = (X + bias) + residual; Y = LayerNorm(S)·gamma + beta over the last axis; optional output 1 is S.
+
+    The optional output is an overload too (ONNX shape inference rejects a function output the call omits)."""
     b = _Body(opset)
     x = b.op("Add", "X", "bias") if has_bias else "X"
-    s = b.op("Add", x, "residual", out="sum")
+    s = b.op("Add", x, "residual", out="sum" if has_sum else None)
     if opset >= 17:
         node = helper.make_node("LayerNormalization", [s, "gamma", "beta"], ["Y"], axis=-1)
         node.attribute.append(helper.make_attribute_ref("epsilon", onnx.AttributeProto.FLOAT, ref_attr_name="epsilon"))
@@ -200,8 +206,9 @@ def add_layernorm_function(opset: int, has_bias: bool) -> onnx.FunctionProto:
         var = b.reduce("ReduceMean", b.op("Mul", d, d), [-1])
         std = b.op("Sqrt", b.op("Add", var, b.ref_float_like("epsilon", s)))
         b.op("Add", b.op("Mul", b.op("Div", d, std), "gamma"), "beta", out="Y")
-    return _function("StofAddLayerNorm", ADDLN_INPUTS, ["Y", "sum"], b, ["epsilon"], "bias" if has_bias else "",
-                     opset, "Residual add + LayerNormalization (docs/nodes.md).")
+    return _function("StofAddLayerNorm", ADDLN_INPUTS, ["Y", "sum"] if has_sum else ["Y"], b, ["epsilon"],
+                     add_layernorm_overload(has_bias, has_sum), opset,
+                     "Residual add + LayerNormalization (docs/nodes.md).")
 
 
 def build_functions(needed: set[tuple[str, str]], opset: int) -> list[onnx.FunctionProto]:
@@ -213,7 +220,7 @@ def build_functions(needed: set[tuple[str, str]], opset: int) -> list[onnx.Funct
         elif op_type == "StofGemmEpilogue":
             out.append(gemm_epilogue_function(opset, overload))
         elif op_type == "StofAddLayerNorm":
-            out.append(add_layernorm_function(opset, overload == "bias"))
+            out.append(add_layernorm_function(opset, "bias" in overload, "sum" in overload))
         else:
             raise ValueError(op_type)
     return out

@@ -39,6 +39,8 @@ def const_value(tensor: gs.Tensor) -> np.ndarray | None:
     if isinstance(tensor, gs.Constant):
         return np.asarray(tensor.values)
     node = producer(tensor)
+    if node is not None and node.op == "Identity":  # exporters alias deduplicated initializers via Identity
+        return const_value(node.inputs[0])
     if node is not None and node.op == "Constant" and not node.inputs:
         attr = node.attrs.get("value")
         if isinstance(attr, gs.Constant):
