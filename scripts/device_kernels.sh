@@ -18,10 +18,12 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.g
 
 if has build; then
   t0=$SECONDS
-  cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=${STOF_ARCHS:-90} \
-        -DSTOF_RESOURCE_USAGE=ON > "$OUT/build.log" 2>&1 &&
+  cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=${STOF_ARCHS:-90a} \
+        -DSTOF_RESOURCE_USAGE=ON -DSTOF_BUILD_ADAPTERS=${STOF_BUILD_ADAPTERS:-OFF} > "$OUT/build.log" 2>&1 &&
     cmake --build build -j 16 >> "$OUT/build.log" 2>&1 || { echo "BUILD FAILED"; tail -50 "$OUT/build.log"; exit 1; }
   echo "build ok in $((SECONDS - t0)) s"
+  lib=build/plugins_cu/libstof_kernels.so
+  command -v cuobjdump >/dev/null && echo "SASS: $(cuobjdump -sass $lib | grep -c HGMMA) HGMMA, $(cuobjdump -sass $lib | grep -c ' HMMA') HMMA, $(cuobjdump -sass $lib | grep -c -E 'LDL|STL') LDL/STL instructions"
   grep -E "registers|spill" "$OUT/build.log" | sed "s/ptxas info *: //" | sort | uniq -c | sort -rn | head -20
 fi
 

@@ -34,7 +34,7 @@ __all__ = [
 STATUS = {0: "SUCCESS", 1: "INVALID_ARGUMENT", 2: "UNSUPPORTED", 3: "INVALID_TACTIC", 4: "CUDA",
           5: "INSUFFICIENT_BUFFER"}
 DTYPE_FP16, DTYPE_BF16 = 0, 1
-FAMILY_BLOCK, FAMILY_ROW = 1, 2
+FAMILY_BLOCK, FAMILY_ROW, FAMILY_HOPPER = 1, 2, 3
 
 
 class StofKernelError(RuntimeError):
@@ -129,7 +129,7 @@ def _check(status: int) -> None:
 class Tactic:
     id: int
     name: str
-    family: int  # FAMILY_BLOCK (tensor cores) or FAMILY_ROW (warp per query row)
+    family: int  # FAMILY_BLOCK (mma.sync), FAMILY_ROW (warp per query row) or FAMILY_HOPPER (wgmma)
     block_m: int
     block_n: int
     num_warps: int

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["TacticSpec", "TACTICS", "valid_tactics", "GpuProps", "H100_SXM", "gpu_props", "TileStats",
+__all__ = ["FAMILY_BLOCK", "FAMILY_ROW", "FAMILY_HOPPER", "TacticSpec", "TACTICS", "valid_tactics", "GpuProps", "H100_SXM", "gpu_props", "TileStats",
            "tile_stats", "predict", "rank", "shortlist"]
 
-FAMILY_BLOCK, FAMILY_ROW = 1, 2
+FAMILY_BLOCK, FAMILY_ROW, FAMILY_HOPPER = 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -40,12 +40,17 @@ class TacticSpec:
     block_n: int
     num_warps: int
     stages: int
+    min_ctas: int = 1       # block family: __launch_bounds__ occupancy target (halved at head dim 128)
+    q_in_smem: bool = False  # block family: Q fragments re-read from shared memory
 
     @property
     def name(self) -> str:
         if self.family == FAMILY_ROW:
             return f"row_w{self.num_warps}"
-        return f"block_m{self.block_m}_n{self.block_n}_w{self.num_warps}_s{self.stages}"
+        if self.family == FAMILY_HOPPER:
+            return f"wgmma_m{self.num_warps // 4}x64_n{self.block_n}_s{self.stages}"
+        return (f"block_m{self.block_m}_n{self.block_n}_w{self.num_warps}_s{self.stages}_occ{self.min_ctas}"
+                f"_q{'smem' if self.q_in_smem else 'reg'}")
 
 
 # Mirror of plugins_cu/src/tactics.h (tests/gpu checks they agree).
@@ -56,18 +61,31 @@ TACTICS = [
     TacticSpec(4, FAMILY_BLOCK, 64, 64, 2, 2),
     TacticSpec(5, FAMILY_BLOCK, 128, 64, 8, 2),
     TacticSpec(6, FAMILY_BLOCK, 128, 64, 4, 2),
-    TacticSpec(7, FAMILY_ROW, 1, 32, 4, 1),
-    TacticSpec(8, FAMILY_ROW, 1, 32, 8, 1),
+    TacticSpec(7, FAMILY_BLOCK, 64, 64, 4, 2, 4, True),
+    TacticSpec(8, FAMILY_BLOCK, 64, 64, 4, 3, 4, True),
+    TacticSpec(9, FAMILY_BLOCK, 128, 64, 8, 2, 2, True),
+    TacticSpec(10, FAMILY_BLOCK, 32, 64, 2, 2, 8, True),
+    TacticSpec(11, FAMILY_ROW, 1, 32, 4, 1),
+    TacticSpec(12, FAMILY_ROW, 1, 32, 8, 1),
+    TacticSpec(13, FAMILY_HOPPER, 64, 64, 4, 2),
+    TacticSpec(14, FAMILY_HOPPER, 64, 64, 4, 3),
+    TacticSpec(15, FAMILY_HOPPER, 128, 64, 8, 2),
 ]
 _BY_ID = {t.id: t for t in TACTICS}
 
 
-def valid_tactics(tile_m: int, tile_n: int, head_dim: int) -> list[int]:
-    """Ids the library accepts for this tile shape and head dim (same rules as stof_attention.cu)."""
+def valid_tactics(tile_m: int, tile_n: int, head_dim: int, hopper: bool | None = None) -> list[int]:
+    """Ids the library accepts for this tile shape and head dim (same rules as stof_attention.cu).
+    hopper: whether the wgmma tactics can run (sm_90 GPU and an sm_90a build); None = ask the current GPU."""
     if head_dim not in (64, 128):
         return []
+    if hopper is None:
+        hopper = gpu_props().sm == 90
     out = []
     for t in TACTICS:
+        if t.family == FAMILY_HOPPER:
+            if not hopper or tile_m % t.block_m or tile_n % t.block_n:
+                continue
         if t.family == FAMILY_BLOCK:
             if tile_m % t.block_m or tile_n % t.block_n:
                 continue
@@ -89,11 +107,13 @@ class GpuProps:
     mma_tflops: float         # whole-chip fp16/bf16 mma.sync rate a well-fed kernel reaches
     dram_bw: float            # bytes/s, read + write
     l2_bw: float              # bytes/s
+    sm: int = 90              # compute capability major*10 + minor
+    wgmma_tflops: float = 0.0  # whole-chip wgmma rate (0: none)
 
 
 # H100 SXM 80GB: 132 SMs, 228 KB smem/SM (227 KB per CTA), 64K regs; measured 3.0 TB/s copy, ~790 TFLOP/s
 # wgmma GEMM; mma.sync reaches about half of that.
-H100_SXM = GpuProps("H100", 132, 228 * 1024, 65536, 2048, 32, 1.755e9, 400e12, 3.0e12, 6.0e12)
+H100_SXM = GpuProps("H100", 132, 228 * 1024, 65536, 2048, 32, 1.755e9, 400e12, 3.0e12, 6.0e12, 90, 700e12)
 
 
 def gpu_props(device=None) -> GpuProps:
@@ -114,7 +134,8 @@ def gpu_props(device=None) -> GpuProps:
         regs_per_sm=int(getattr(p, "regs_per_multiprocessor", H100_SXM.regs_per_sm)),
         max_threads_per_sm=int(getattr(p, "max_threads_per_multi_processor", H100_SXM.max_threads_per_sm)),
         max_ctas_per_sm=32, clock_hz=H100_SXM.clock_hz, mma_tflops=H100_SXM.mma_tflops * scale,
-        dram_bw=H100_SXM.dram_bw, l2_bw=H100_SXM.l2_bw * scale)
+        dram_bw=H100_SXM.dram_bw, l2_bw=H100_SXM.l2_bw * scale, sm=p.major * 10 + p.minor,
+        wgmma_tflops=H100_SXM.wgmma_tflops * scale if p.major == 9 else 0.0)
 
 
 @dataclass
@@ -158,13 +179,18 @@ def tile_stats(layout) -> TileStats:
 
 
 def _block_regs(t: TacticSpec, D: int) -> int:
+    if t.family == FAMILY_HOPPER:  # ptxas report of the sm_90a build
+        return 128 if D == 64 else (169 if t.block_m == 128 else 202)
     mi = t.block_m // t.num_warps // 16
+    if t.min_ctas > 1:
+        min_ctas = t.min_ctas // 2 if D == 128 else t.min_ctas
+        return min(255, 65536 // (min_ctas * 32 * t.num_warps))
     frag = mi * (D // 16) * 4 + mi * (D // 8) * 4 + mi * (t.block_n // 8) * 4  # rQ + rO + rS
     return min(255, int(frag * 1.15) + 48)
 
 
 def _block_smem(t: TacticSpec, D: int) -> int:
-    return t.block_m * D * 2 + 2 * t.stages * t.block_n * D * 2
+    return t.block_m * D * 2 + 2 * t.stages * t.block_n * D * 2 + (1024 if t.family == FAMILY_HOPPER else 0)
 
 
 def occupancy(t: TacticSpec, D: int, gpu: GpuProps) -> int:
@@ -221,8 +247,13 @@ def predict(stats: TileStats, tactic: int, *, batch: int, heads: int, head_dim: 
     per_head = np.repeat(work[:, ::-1], rows_per_tile, axis=1)  # [L, n_cta_rows]
     ctas = np.concatenate([per_head[h % L] for h in range(heads)] * batch)
     warps_res = occ * t.num_warps
-    eff = min(1.0, warps_res / 16.0) * (1.0 + 0.12 * (t.block_m // t.num_warps // 16 - 1))
-    sm_rate = gpu.mma_tflops / gpu.sm_count * eff
+    if t.family == FAMILY_HOPPER:
+        # each warpgroup serialises S-MMA -> softmax -> PV-MMA; other CTAs on the SM fill the gaps
+        eff = min(1.0, warps_res / 16.0)
+        sm_rate = gpu.wgmma_tflops / gpu.sm_count * eff
+    else:
+        eff = min(1.0, warps_res / 16.0) * (1.0 + 0.12 * (t.block_m // t.num_warps // 16 - 1))
+        sm_rate = gpu.mma_tflops / gpu.sm_count * eff
     slot_rate = sm_rate / occ
     t_comp = _makespan(ctas / slot_rate, gpu.sm_count * occ)
     kv_bytes = float(nsub.sum()) * (heads / L) * batch * rows_per_tile * t.block_n * D * 2 * 2
@@ -236,7 +267,8 @@ def rank(layout_or_stats, *, batch: int, heads: int, head_dim: int, seq_q: int |
     stats = layout_or_stats if isinstance(layout_or_stats, TileStats) else tile_stats(layout_or_stats)
     gpu = gpu or gpu_props()
     preds = [(tid, predict(stats, tid, batch=batch, heads=heads, head_dim=head_dim, seq_q=seq_q, seq_k=seq_k,
-                           gpu=gpu)) for tid in valid_tactics(stats.tile_m, stats.tile_n, head_dim)]
+                           gpu=gpu))
+             for tid in valid_tactics(stats.tile_m, stats.tile_n, head_dim, hopper=gpu.wgmma_tflops > 0)]
     return sorted(preds, key=lambda x: x[1])
 
 

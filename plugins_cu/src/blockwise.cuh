@@ -20,7 +20,8 @@
 
 namespace stof {
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_, typename Elem_>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_, int kMinBlocks_, bool kQInSmem_,
+          typename Elem_>
 struct BlockTraits {
     using Elem = Elem_;
     static constexpr int kHeadDim = kHeadDim_;
@@ -28,6 +29,8 @@ struct BlockTraits {
     static constexpr int kBlockN = kBlockN_;
     static constexpr int kNWarps = kNWarps_;
     static constexpr int kStages = kStages_;
+    static constexpr int kMinBlocks = kMinBlocks_;  // __launch_bounds__ min CTAs per SM (caps registers)
+    static constexpr bool kQInSmem = kQInSmem_;     // reload Q fragments from smem each tile (fewer registers)
     static constexpr int kThreads = kNWarps * 32;
     static constexpr int kWarpM = kBlockM / kNWarps;
     static constexpr int kMI = kWarpM / 16;         // m16 tiles per warp
@@ -71,7 +74,7 @@ __device__ __forceinline__ void load_rows_async(uint32_t s_tile, const typename 
 }
 
 template <class KT>
-__global__ void __launch_bounds__(KT::kThreads) block_attn_fwd(const KernelParams p) {
+__global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocks) block_attn_fwd(const KernelParams p) {
     using Elem = typename KT::Elem;
     constexpr int kMI = KT::kMI, kNI = KT::kNI, kKD = KT::kKD, kKN = KT::kKN, kDI = KT::kDI;
     constexpr int kBlockM = KT::kBlockM, kBlockN = KT::kBlockN, kStages = KT::kStages;
@@ -125,7 +128,7 @@ __global__ void __launch_bounds__(KT::kThreads) block_attn_fwd(const KernelParam
         cp_async_commit();
     }
 
-    uint32_t rQ[kMI][kKD][4];
+    uint32_t rQ[KT::kQInSmem ? 1 : kMI][KT::kQInSmem ? 1 : kKD][4];
     float rO[kMI][kDI][4];
     float row_max[kMI][2], row_sum[kMI][2];
 #pragma unroll
@@ -143,13 +146,14 @@ __global__ void __launch_bounds__(KT::kThreads) block_attn_fwd(const KernelParam
     for (int it = 0; it < n_iter; ++it) {
         cp_async_wait<kStages - 2>();
         __syncthreads();
-        if (it == 0) {
+        if (!KT::kQInSmem && it == 0) {
 #pragma unroll
             for (int mi = 0; mi < kMI; ++mi)
 #pragma unroll
                 for (int kk = 0; kk < kKD; ++kk) {
                     const int row = warp_row0 + mi * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-                    ldmatrix_x4(rQ[mi][kk], sQ + swz<KT::kChunks>(row, kk * 2 + (lane >> 4)));
+                    ldmatrix_x4(rQ[KT::kQInSmem ? 0 : mi][KT::kQInSmem ? 0 : kk],
+                                sQ + swz<KT::kChunks>(row, kk * 2 + (lane >> 4)));
                 }
         }
         if (it + kStages - 1 < n_iter) load_kv(it + kStages - 1);
@@ -191,6 +195,14 @@ __global__ void __launch_bounds__(KT::kThreads) block_attn_fwd(const KernelParam
                 for (int c = 0; c < 4; ++c) rS[mi][ni][c] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < kKD; ++kk) {
+            uint32_t rQs[kMI][4];
+            if constexpr (KT::kQInSmem) {
+#pragma unroll
+                for (int mi = 0; mi < kMI; ++mi) {
+                    const int row = warp_row0 + mi * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+                    ldmatrix_x4(rQs[mi], sQ + swz<KT::kChunks>(row, kk * 2 + (lane >> 4)));
+                }
+            }
 #pragma unroll
             for (int np = 0; np < kNI / 2; ++np) {
                 uint32_t rK[4];
@@ -198,8 +210,9 @@ __global__ void __launch_bounds__(KT::kThreads) block_attn_fwd(const KernelParam
                 ldmatrix_x4(rK, sK + swz<KT::kChunks>(key, kk * 2 + ((lane >> 3) & 1)));
 #pragma unroll
                 for (int mi = 0; mi < kMI; ++mi) {
-                    mma_16816<Elem>(rS[mi][2 * np], rQ[mi][kk], rK[0], rK[1]);
-                    mma_16816<Elem>(rS[mi][2 * np + 1], rQ[mi][kk], rK[2], rK[3]);
+                    const uint32_t(&a)[4] = KT::kQInSmem ? rQs[mi] : rQ[KT::kQInSmem ? 0 : mi][KT::kQInSmem ? 0 : kk];
+                    mma_16816<Elem>(rS[mi][2 * np], a, rK[0], rK[1]);
+                    mma_16816<Elem>(rS[mi][2 * np + 1], a, rK[2], rK[3]);
                 }
             }
         }

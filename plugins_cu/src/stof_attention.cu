@@ -28,11 +28,15 @@ struct TacticDesc {
     const char* name;
 };
 
-#define STOF_BLOCK_DESC(id, bm, bn, w, s) {id, 1, bm, bn, w, s, "block_m" #bm "_n" #bn "_w" #w "_s" #s},
+#define STOF_BLOCK_DESC(id, bm, bn, w, s, mb, q) \
+    {id, 1, bm, bn, w, s, "block_m" #bm "_n" #bn "_w" #w "_s" #s "_occ" #mb "_q" #q},
 #define STOF_ROW_DESC(id, w) {id, 2, 1, 32, w, 1, "row_w" #w},
-const TacticDesc kTactics[] = {STOF_BLOCK_TACTICS(STOF_BLOCK_DESC) STOF_ROW_TACTICS(STOF_ROW_DESC)};
+#define STOF_HOPPER_DESC(id, wg, s) {id, 3, 64 * wg, 64, 4 * wg, s, "wgmma_m" #wg "x64_n64_s" #s},
+// Listed (and tried by tactic 0) in this order: Hopper first where it can run, then mma.sync, then row-wise.
+const TacticDesc kTactics[] = {STOF_HOPPER_TACTICS(STOF_HOPPER_DESC) STOF_BLOCK_TACTICS(STOF_BLOCK_DESC)
+                                   STOF_ROW_TACTICS(STOF_ROW_DESC)};
 constexpr int kNumTactics = sizeof(kTactics) / sizeof(kTactics[0]);
-static_assert(kNumTactics == stof::kNumBlockTactics + stof::kNumRowTactics, "catalogue");
+static_assert(kNumTactics == stof::kNumBlockTactics + stof::kNumRowTactics + stof::kNumHopperTactics, "catalogue");
 
 const TacticDesc* find_tactic(int id) {
     for (const auto& t : kTactics)
@@ -40,15 +44,34 @@ const TacticDesc* find_tactic(int id) {
     return nullptr;
 }
 
-// Block tactics come first in kTactics, row tactics after: the position inside the family indexes its table.
+// Ids are consecutive inside a family: the offset from the family's first id indexes its launcher table.
 int family_index(const TacticDesc& t) {
-    const int i = static_cast<int>(&t - kTactics);
-    return t.family == 1 ? i : i - stof::kNumBlockTactics;
+    return t.id - (t.family == 1 ? stof::kFirstBlockId : t.family == 2 ? stof::kFirstRowId : stof::kFirstHopperId);
+}
+
+// Compute capability of the current device (cached per device; -1 when unknown).
+int current_sm() {
+    static int cache[64];
+    static bool init[64];
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return -1;
+    if (!init[dev]) {
+        int major = 0, minor = 0;
+        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+            cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
+            cudaGetLastError();
+            return -1;
+        }
+        cache[dev] = major * 10 + minor;
+        init[dev] = true;
+    }
+    return cache[dev];
 }
 
 LaunchFn launcher_for(const TacticDesc& t, const stof_attn_params_t& p) {
     const int dt = p.dtype, d = p.head_dim == 64 ? 0 : 1;
     if (t.family == 2) return stof::kRowLaunchers[dt][d][family_index(t)];
+    if (t.family == 3) return stof::kHopperLaunchers[dt][d][family_index(t)];
     static const LaunchFn* tables[2][2] = {{stof::kBlockLaunchersF16D64, stof::kBlockLaunchersF16D128},
                                            {stof::kBlockLaunchersBF16D64, stof::kBlockLaunchersBF16D128}};
     return tables[dt][d][family_index(t)];
@@ -99,7 +122,8 @@ stof_status_t validate(const stof_attn_params_t* p) {
 }
 
 bool tactic_valid(const TacticDesc& t, const stof_attn_params_t& p) {
-    if (t.family == 1 && (p.tile_m % t.block_m != 0 || p.tile_n % t.block_n != 0)) return false;
+    if ((t.family == 1 || t.family == 3) && (p.tile_m % t.block_m != 0 || p.tile_n % t.block_n != 0)) return false;
+    if (t.family == 3 && (!stof::kHopperCompiled || current_sm() != 90)) return false;
     return launcher_for(t, p) != nullptr;
 }
 

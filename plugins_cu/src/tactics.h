@@ -3,7 +3,9 @@
 
 #include "common.cuh"
 
-// X(id, block_m, block_n, warps, stages)  -- block-wise family (tensor cores, mma.sync)
+// X(id, block_m, block_n, warps, stages, min_ctas_per_sm, q_frags)  -- block-wise family (tensor cores, mma.sync)
+// q_frags: reg = Q fragments loaded once into registers; smem = re-read from shared memory every tile (fewer
+// registers, so min_ctas_per_sm > 1 fits without spills).
 //  1: the baseline, one 64-row tile row per CTA, 16 rows per warp, double-buffered K/V.
 //  2: as 1 with a 3-deep K/V ring: hides more load latency when tiles of a row are scattered.
 //  3: 32 rows per CTA (2 CTAs per 64-row tile row): twice the CTAs for short sequences / few rows.
@@ -11,23 +13,43 @@
 //     head dim 64 only (registers).
 //  5: 128-row CTAs, 8 warps: needs layouts compiled with tile_m % 128 == 0.
 //  6: 128-row CTAs, 4 warps of 32 rows (FlashAttention-2's hdim-64 shape); tile_m % 128 == 0, head dim 64.
-#define STOF_BLOCK_TACTICS(X) \
-    X(1, 64, 64, 4, 2)        \
-    X(2, 64, 64, 4, 3)        \
-    X(3, 32, 64, 2, 2)        \
-    X(4, 64, 64, 2, 2)        \
-    X(5, 128, 64, 8, 2)       \
-    X(6, 128, 64, 4, 2)
+//  7, 8: as 1 and 2 with <= 128 registers (4 CTAs = 16 warps per SM): latency hiding for rows of few tiles.
+//  9: as 5 with 2 CTAs per SM guaranteed.
+// 10: as 3 with 8 CTAs per SM.
+#define STOF_BLOCK_TACTICS(X)      \
+    X(1, 64, 64, 4, 2, 1, reg)     \
+    X(2, 64, 64, 4, 3, 1, reg)     \
+    X(3, 32, 64, 2, 2, 1, reg)     \
+    X(4, 64, 64, 2, 2, 1, reg)     \
+    X(5, 128, 64, 8, 2, 1, reg)    \
+    X(6, 128, 64, 4, 2, 1, reg)    \
+    X(7, 64, 64, 4, 2, 4, smem)    \
+    X(8, 64, 64, 4, 3, 4, smem)    \
+    X(9, 128, 64, 8, 2, 2, smem)   \
+    X(10, 32, 64, 2, 2, 8, smem)
 
 // X(id, warps)  -- row-wise family (one warp per query row, CUDA cores)
 #define STOF_ROW_TACTICS(X) \
-    X(7, 4)                 \
-    X(8, 8)
+    X(11, 4)                \
+    X(12, 8)
+
+// X(id, warpgroups, stages)  -- block-wise family on Hopper tensor cores (wgmma, sm_90a builds on sm_90 GPUs)
+// 13: one warpgroup = one 64-row tile row per CTA, double-buffered K/V (several CTAs per SM overlap).
+// 14: as 13 with a 3-deep K/V ring.
+// 15: two warpgroups = 128 rows per CTA (K/V tile shared by both); needs tile_m % 128 == 0.
+#define STOF_HOPPER_TACTICS(X) \
+    X(13, 1, 2)                \
+    X(14, 1, 3)                \
+    X(15, 2, 2)
 
 namespace stof {
 
-constexpr int kNumBlockTactics = 6;
+constexpr int kNumBlockTactics = 10;
+constexpr bool kQFrags_reg = false, kQFrags_smem = true;
 constexpr int kNumRowTactics = 2;
+constexpr int kNumHopperTactics = 3;
+// first id of each family (ids are consecutive inside a family; the offset indexes the launcher tables)
+constexpr int kFirstBlockId = 1, kFirstRowId = 11, kFirstHopperId = 13;
 
 extern const LaunchFn kBlockLaunchersF16D64[kNumBlockTactics];
 extern const LaunchFn kBlockLaunchersF16D128[kNumBlockTactics];
@@ -35,5 +57,8 @@ extern const LaunchFn kBlockLaunchersBF16D64[kNumBlockTactics];
 extern const LaunchFn kBlockLaunchersBF16D128[kNumBlockTactics];
 // [dtype][head dim 64/128][row tactic]
 extern const LaunchFn kRowLaunchers[2][2][kNumRowTactics];
+extern const LaunchFn kHopperLaunchers[2][2][kNumHopperTactics];
+// true when this library holds sm_90a code for the Hopper tactics
+extern const bool kHopperCompiled;
 
 }  // namespace stof

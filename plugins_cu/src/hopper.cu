@@ -1,0 +1,25 @@
+// Hopper (wgmma) tactic instantiations, both dtypes and head dims.  The kernels have bodies only in the sm_90a
+// compilation pass (STOF_HAS_SM90A is defined by CMake when CMAKE_CUDA_ARCHITECTURES holds 90a).
+#include "hopper.cuh"
+#include "tactics.h"
+
+namespace stof {
+
+#define STOF_HOPPER_ROW(T, D) {STOF_HOPPER_TACTICS(STOF_HX_##D##_##T)}
+#define STOF_HX_64_F16(id, wg, s) &launch_hopper<HopperTraits<64, wg, s, __half>>,
+#define STOF_HX_128_F16(id, wg, s) &launch_hopper<HopperTraits<128, wg, s, __half>>,
+#define STOF_HX_64_BF16(id, wg, s) &launch_hopper<HopperTraits<64, wg, s, __nv_bfloat16>>,
+#define STOF_HX_128_BF16(id, wg, s) &launch_hopper<HopperTraits<128, wg, s, __nv_bfloat16>>,
+
+extern const LaunchFn kHopperLaunchers[2][2][kNumHopperTactics] = {
+    {STOF_HOPPER_ROW(F16, 64), STOF_HOPPER_ROW(F16, 128)},
+    {STOF_HOPPER_ROW(BF16, 64), STOF_HOPPER_ROW(BF16, 128)},
+};
+
+#if defined(STOF_HAS_SM90A)
+extern const bool kHopperCompiled = true;
+#else
+extern const bool kHopperCompiled = false;
+#endif
+
+}  // namespace stof

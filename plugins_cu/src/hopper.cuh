@@ -1,0 +1,298 @@
+// Block-wise sparse attention forward on Hopper tensor cores (sm_90a wgmma), same semantics as blockwise.cuh.
+//
+// One CTA = kWG warpgroups; warpgroup wg owns query rows [64*wg, 64*wg + 64) of the CTA's kBlockM = 64*kWG rows,
+// which lie in one format tile row (tile_m % kBlockM == 0).  Per non-empty kBlockN(=64)-key sub-block:
+//   S(64x64, f32 regs) = Q(smem) K^T(smem)      wgmma m64n64k16, both operands K-major, 128B-swizzled
+//   mask (PARTIAL bitmap / key bound / padding), online softmax in registers (mma.sync C layout == wgmma C layout)
+//   O(64xD, f32 regs) += P(regs, fp16/bf16) V(smem)   wgmma m64nDk16, V as an MN-major (transposed) operand
+// K/V sub-blocks stream through a kStages-deep cp.async ring (fence.proxy.async before the barrier, since wgmma
+// reads shared memory through the async proxy).  No warp specialisation: several CTAs per SM overlap each
+// other's softmax and MMAs.
+//
+// Shared-memory tiles use the canonical 128B-swizzle K-major layout: 64-element (128-byte) column blocks of
+// kRows rows, 16-byte chunk c of row r at ((c ^ (r & 7)) * 16) inside the row; every tile 1024-byte aligned.
+#pragma once
+
+#include "common.cuh"
+#include "wgmma_ops.cuh"
+
+namespace stof {
+
+template <int kHeadDim_, int kWG_, int kStages_, typename Elem_>
+struct HopperTraits {
+    using Elem = Elem_;
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kWG = kWG_;
+    static constexpr int kStages = kStages_;
+    static constexpr int kBlockM = 64 * kWG;
+    static constexpr int kBlockN = 64;
+    static constexpr int kThreads = 128 * kWG;
+    static constexpr int kNI = kBlockN / 8;       // n8 column groups of S
+    static constexpr int kKD = kHeadDim / 16;     // k16 steps over D
+    static constexpr int kKN = kBlockN / 16;      // k16 steps over keys
+    static constexpr int kDI = kHeadDim / 8;      // n8 column groups of O
+    static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
+    static constexpr int kWordsN = kBlockN / 32;
+    static constexpr int kSmemQ = kBlockM * kHeadDim * 2;
+    static constexpr int kSmemKV = kBlockN * kHeadDim * 2;
+    static constexpr int kSmemSize = kSmemQ + 2 * kStages * kSmemKV + 1024;  // + alignment slack
+    static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim");
+    static_assert(kSmemQ % 1024 == 0 && kSmemKV % 1024 == 0, "1024-byte aligned tiles");
+};
+
+// Byte offset of 16-byte chunk ch of row r in a 128B-swizzled K-major tile of kRows rows.
+template <int kRows>
+__device__ __forceinline__ uint32_t swz128(int r, int ch) {
+    return static_cast<uint32_t>((ch >> 3) * (kRows * 128) + r * 128 + (((ch & 7) ^ (r & 7)) << 4));
+}
+
+// wgmma shared-memory descriptor, 128-byte swizzle.
+__device__ __forceinline__ uint64_t gmma_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+    return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
+           (static_cast<uint64_t>(sbo >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+template <class HT, int kRows>
+__device__ __forceinline__ void load_rows_async128(uint32_t s_tile, const typename HT::Elem* g, int64_t stride_s,
+                                                   int row0, int limit, int tid) {
+    constexpr int kIters = kRows * HT::kChunks / HT::kThreads;
+    static_assert(kRows * HT::kChunks % HT::kThreads == 0, "copy split");
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+        const int c = tid + it * HT::kThreads;
+        const int r = c / HT::kChunks;
+        const int ch = c % HT::kChunks;
+        const int grow = row0 + r;
+        const bool ok = grow < limit;
+        const typename HT::Elem* src = g + (ok ? static_cast<int64_t>(grow) * stride_s + ch * 8 : 0);
+        cp_async16(s_tile + swz128<kRows>(r, ch), src, ok ? 16 : 0);
+    }
+}
+
+template <class HT>
+__global__ void __launch_bounds__(HT::kThreads) hopper_attn_fwd(const KernelParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using Elem = typename HT::Elem;
+    constexpr int kNI = HT::kNI, kKD = HT::kKD, kKN = HT::kKN, kDI = HT::kDI;
+    constexpr int kBlockM = HT::kBlockM, kBlockN = HT::kBlockN, kStages = HT::kStages;
+
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const uint32_t sQ = (smem_u32(smem) + 1023u) & ~1023u;
+    const uint32_t sKV = sQ + HT::kSmemQ;
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, tig = lane & 3;
+    const int wg = warp >> 2;
+    const int qb = gridDim.x - 1 - blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int q0 = qb * kBlockM;
+    const int trow = q0 / p.tile_m;
+    const int a0 = q0 - trow * p.tile_m;
+    const int r = (h % p.num_layouts) * p.tq + trow;
+    const int kv_len = effective_kv_len(p, b);
+
+    const int e_begin = __ldg(p.row_ptr + r);
+    int e_end = __ldg(p.row_ptr + r + 1);
+    while (e_end > e_begin && __ldg(p.col_idx + e_end - 1) * p.tile_n >= kv_len) --e_end;
+    const int nsub = p.tile_n / kBlockN;
+    const int n_iter = (e_end - e_begin) * nsub;
+
+    const Elem* gQ = static_cast<const Elem*>(p.q) + b * p.q_sb + h * p.q_sh;
+    const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_sb + h * p.k_sh;
+    const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_sb + h * p.v_sh;
+    Elem* gO = static_cast<Elem*>(p.o) + b * p.o_sb + h * p.o_sh;
+    const int32_t* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.seq_k : nullptr;
+    const int words_per_tile = p.tile_m * p.tile_n / 32;
+    const int words_per_row = p.tile_n / 32;
+
+    // Prologue
+    load_rows_async128<HT, kBlockM>(sQ, gQ, p.q_ss, q0, p.seq_q, tid);
+    cp_async_commit();
+    auto load_kv = [&](int it) {
+        const int e = e_begin + it / nsub;
+        const int n0 = __ldg(p.col_idx + e) * p.tile_n + (it % nsub) * kBlockN;
+        const uint32_t st = sKV + (it % kStages) * 2 * HT::kSmemKV;
+        load_rows_async128<HT, kBlockN>(st, gK, p.k_ss, n0, kv_len, tid);
+        load_rows_async128<HT, kBlockN>(st + HT::kSmemKV, gV, p.v_ss, n0, kv_len, tid);
+    };
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+        if (s < n_iter) load_kv(s);
+        cp_async_commit();
+    }
+
+    float rO[kDI * 4];
+    float rS[kNI * 4];
+#pragma unroll
+    for (int i = 0; i < kDI * 4; ++i) rO[i] = 0.f;
+#pragma unroll
+    for (int i = 0; i < kNI * 4; ++i) rS[i] = 0.f;
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+    const int warp_row0 = warp * 16;  // == 64*wg + 16*(warp % 4): the wgmma accumulator rows of this warp
+
+    for (int it = 0; it < n_iter; ++it) {
+        cp_async_wait<kStages - 2>();
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+        if (it + kStages - 1 < n_iter) load_kv(it + kStages - 1);
+        cp_async_commit();
+
+        const int e = e_begin + it / nsub;
+        const int sub = it % nsub;
+        const int n0 = __ldg(p.col_idx + e) * p.tile_n + sub * kBlockN;
+        const int bm_idx = __ldg(p.tile_bitmap_index + e);
+        const bool need_mask = bm_idx >= 0 || n0 + kBlockN > kv_len || kpm != nullptr;
+        uint32_t bits[2][HT::kWordsN];
+        if (need_mask) {
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+                for (int w = 0; w < HT::kWordsN; ++w) {
+                    const int a = a0 + warp_row0 + hh * 8 + g;
+                    bits[hh][w] = bm_idx >= 0
+                                      ? static_cast<uint32_t>(__ldg(p.bitmaps + static_cast<int64_t>(bm_idx) *
+                                                                                   words_per_tile +
+                                                                      a * words_per_row + sub * HT::kWordsN + w))
+                                      : 0xffffffffu;
+                }
+        }
+        const uint32_t sK = sKV + (it % kStages) * 2 * HT::kSmemKV;
+        const uint32_t sV = sK + HT::kSmemKV;
+
+        // S = Q K^T
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kKD; ++kk) {
+            const uint64_t da = gmma_desc(sQ + (kk >> 2) * (kBlockM * 128) + wg * 64 * 128 + (kk & 3) * 32, 16, 1024);
+            const uint64_t db = gmma_desc(sK + (kk >> 2) * (kBlockN * 128) + (kk & 3) * 32, 16, 1024);
+            wgmma_ss<64, Elem>(rS, da, db, kk > 0 ? 1 : 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(rS);
+
+#pragma unroll
+        for (int i = 0; i < kNI * 4; ++i) rS[i] *= p.scale_log2;
+        if (need_mask) {
+#pragma unroll
+            for (int ni = 0; ni < kNI; ++ni)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const int col = ni * 8 + tig * 2 + c;
+                    const int key = n0 + col;
+                    bool key_ok = key < kv_len;
+                    if (kpm != nullptr && key_ok) key_ok = __ldg(kpm + key) != 0;
+#pragma unroll
+                    for (int hh = 0; hh < 2; ++hh) {
+                        const bool ok = key_ok && ((bits[hh][ni / 4] >> (col & 31)) & 1u);
+                        if (!ok) rS[ni * 4 + hh * 2 + c] = -INFINITY;
+                    }
+                }
+        }
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            float mx = row_max[hh];
+#pragma unroll
+            for (int ni = 0; ni < kNI; ++ni) mx = fmaxf(mx, fmaxf(rS[ni * 4 + hh * 2], rS[ni * 4 + hh * 2 + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_use = (mx == -INFINITY) ? 0.f : mx;
+            const float alpha = fast_exp2(row_max[hh] - m_use);
+            row_max[hh] = mx;
+            float sum = 0.f;
+#pragma unroll
+            for (int ni = 0; ni < kNI; ++ni)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const float pv = fast_exp2(rS[ni * 4 + hh * 2 + c] - m_use);
+                    rS[ni * 4 + hh * 2 + c] = pv;
+                    sum += pv;
+                }
+            row_sum[hh] = row_sum[hh] * alpha + sum;
+#pragma unroll
+            for (int di = 0; di < kDI; ++di) {
+                rO[di * 4 + hh * 2] *= alpha;
+                rO[di * 4 + hh * 2 + 1] *= alpha;
+            }
+        }
+
+        // O += P V
+        uint32_t rP[kKN][4];
+#pragma unroll
+        for (int kn = 0; kn < kKN; ++kn) {
+            rP[kn][0] = ElemTraits<Elem>::pack(rS[(2 * kn) * 4 + 0], rS[(2 * kn) * 4 + 1]);
+            rP[kn][1] = ElemTraits<Elem>::pack(rS[(2 * kn) * 4 + 2], rS[(2 * kn) * 4 + 3]);
+            rP[kn][2] = ElemTraits<Elem>::pack(rS[(2 * kn + 1) * 4 + 0], rS[(2 * kn + 1) * 4 + 1]);
+            rP[kn][3] = ElemTraits<Elem>::pack(rS[(2 * kn + 1) * 4 + 2], rS[(2 * kn + 1) * 4 + 3]);
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int kn = 0; kn < kKN; ++kn) {
+            const uint64_t db = gmma_desc(sV + kn * 16 * 128, kBlockN * 128, 1024);
+            wgmma_rs<HT::kHeadDim, Elem>(rO, rP[kn], db, 1);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(rO);
+    }
+
+    // Epilogue
+    cp_async_wait<0>();
+    __syncthreads();
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        float l = row_sum[hh];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const int row = warp_row0 + hh * 8 + g;
+#pragma unroll
+        for (int di = 0; di < kDI; ++di) {
+            const uint32_t packed = ElemTraits<Elem>::pack(rO[di * 4 + hh * 2] * inv, rO[di * 4 + hh * 2 + 1] * inv);
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sQ + swz128<kBlockM>(row, di) + tig * 4), "r"(packed));
+        }
+    }
+    __syncthreads();
+    constexpr int kOutIters = kBlockM * HT::kChunks / HT::kThreads;
+#pragma unroll
+    for (int i = 0; i < kOutIters; ++i) {
+        const int c = tid + i * HT::kThreads;
+        const int row = c / HT::kChunks, ch = c % HT::kChunks;
+        if (q0 + row < p.seq_q) {
+            uint4 val;
+            asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
+                         : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
+                         : "r"(sQ + swz128<kBlockM>(row, ch)));
+            *reinterpret_cast<uint4*>(gO + static_cast<int64_t>(q0 + row) * p.o_ss + ch * 8) = val;
+        }
+    }
+#else
+    __trap();  // built without sm_90a: the dispatcher never selects this tactic then
+#endif
+}
+
+template <class HT>
+cudaError_t launch_hopper(const KernelParams& p, cudaStream_t stream) {
+    auto kernel = hopper_attn_fwd<HT>;
+    if (HT::kSmemSize > 48 * 1024) {
+        cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, HT::kSmemSize);
+        if (err != cudaSuccess) return err;
+    }
+    dim3 grid((p.seq_q + HT::kBlockM - 1) / HT::kBlockM, p.heads, p.batch);
+    kernel<<<grid, HT::kThreads, HT::kSmemSize, stream>>>(p);
+    return cudaGetLastError();
+}
+
+}  // namespace stof
