@@ -1,0 +1,99 @@
+// StofAddLayerNorm: Y = LayerNorm(X + bias + residual) * gamma + beta, one CTA per row.
+//
+// The row sum s = x + bias + residual is kept in shared memory as fp32 (n <= kMaxN), so the mean and the
+// variance are two exact passes over on-chip data (no E[x^2] - E[x]^2 cancellation) and global memory is read
+// once and written once: the kernel is bandwidth-bound, like the Add + LayerNorm it replaces.
+#include <cstdint>
+
+#include "epilogueCommon.h"
+#include "typeConvert.cuh"
+
+namespace stof_epi {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int64_t kMaxN = 12288;  // 48 KiB of fp32 shared memory, the default dynamic limit
+
+__device__ __forceinline__ float blockSum(float v, float* sRed) {
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    int const warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    __syncthreads();  // sRed may still be read by a previous reduction
+    if (lane == 0) sRed[warp] = v;
+    __syncthreads();
+    float total = 0.f;
+    for (int w = 0; w < kThreads / 32; ++w) total += sRed[w];
+    return total;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) addLayerNormKernel(T const* __restrict__ x, T const* __restrict__ res,
+                                                               T const* __restrict__ bias,
+                                                               T const* __restrict__ gamma,
+                                                               T const* __restrict__ beta, float eps,
+                                                               T* __restrict__ y, T* __restrict__ sum, int n) {
+    extern __shared__ float sRow[];  // (n)
+    __shared__ float sRed[kThreads / 32];
+    int64_t const base = static_cast<int64_t>(blockIdx.x) * n;
+    // Prologue: s = x + bias + residual
+    float localSum = 0.f;
+    for (int i = threadIdx.x; i < n; i += kThreads) {
+        float s = toFloat(x[base + i]);
+        if (bias != nullptr) s += toFloat(bias[i]);
+        s += toFloat(res[base + i]);
+        if (sum != nullptr) {  // the pre-norm sum in the model's precision, as the graph would hold it
+            T const st = fromFloat<T>(s);
+            sum[base + i] = st;
+            s = toFloat(st);
+        }
+        sRow[i] = s;
+        localSum += s;
+    }
+    float const mean = blockSum(localSum, sRed) / n;
+    float localVar = 0.f;
+    for (int i = threadIdx.x; i < n; i += kThreads) {
+        float d = sRow[i] - mean;
+        localVar += d * d;
+    }
+    float const rstd = rsqrtf(blockSum(localVar, sRed) / n + eps);
+    // Epilogue: normalise, scale, shift
+    for (int i = threadIdx.x; i < n; i += kThreads) {
+        y[base + i] = fromFloat<T>((sRow[i] - mean) * rstd * toFloat(gamma[i]) + toFloat(beta[i]));
+    }
+}
+
+template <typename T>
+stof_epi_status_t launch(int64_t rows, int64_t n, void const* x, void const* res, void const* bias,
+                         void const* gamma, void const* beta, float eps, void* y, void* sum, cudaStream_t stream) {
+    STOF_EPI_CHECK(rows <= 0x7fffffff, STOF_EPI_ERROR_UNSUPPORTED, "too many rows (%lld)",
+                   static_cast<long long>(rows));
+    addLayerNormKernel<T><<<static_cast<unsigned>(rows), kThreads, static_cast<size_t>(n) * sizeof(float), stream>>>(
+        static_cast<T const*>(x), static_cast<T const*>(res), static_cast<T const*>(bias),
+        static_cast<T const*>(gamma), static_cast<T const*>(beta), eps, static_cast<T*>(y), static_cast<T*>(sum), static_cast<int>(n));
+    STOF_EPI_CUDA(cudaGetLastError());
+    return STOF_EPI_SUCCESS;
+}
+
+}  // namespace
+}  // namespace stof_epi
+
+extern "C" int64_t stof_add_layernorm_max_n(void) { return stof_epi::kMaxN; }
+
+extern "C" stof_epi_status_t stof_add_layernorm_run(int32_t dtype, int64_t rows, int64_t n, const void* x,
+                                                    const void* residual, const void* bias, const void* gamma,
+                                                    const void* beta, float epsilon, void* y, void* sum,
+                                                    stof_epi_stream_t stream) {
+    using namespace stof_epi;
+    STOF_EPI_CHECK(x != nullptr && residual != nullptr && gamma != nullptr && beta != nullptr && y != nullptr,
+                   STOF_EPI_ERROR_INVALID_ARGUMENT, "null tensor pointer");
+    STOF_EPI_CHECK(rows > 0 && n > 0, STOF_EPI_ERROR_INVALID_ARGUMENT, "sizes must be positive");
+    STOF_EPI_CHECK(n <= kMaxN, STOF_EPI_ERROR_UNSUPPORTED, "LayerNorm row of %lld elements (max %lld)",
+                   static_cast<long long>(n), static_cast<long long>(kMaxN));
+    STOF_EPI_CHECK(epsilon >= 0.f, STOF_EPI_ERROR_INVALID_ARGUMENT, "negative epsilon");
+    auto cs = reinterpret_cast<cudaStream_t>(stream);
+    switch (dtype) {
+    case STOF_EPI_FP32: return launch<float>(rows, n, x, residual, bias, gamma, beta, epsilon, y, sum, cs);
+    case STOF_EPI_FP16: return launch<__half>(rows, n, x, residual, bias, gamma, beta, epsilon, y, sum, cs);
+    case STOF_EPI_BF16: return launch<__nv_bfloat16>(rows, n, x, residual, bias, gamma, beta, epsilon, y, sum, cs);
+    }
+    STOF_EPI_CHECK(false, STOF_EPI_ERROR_INVALID_ARGUMENT, "unknown dtype %d", dtype);
+}

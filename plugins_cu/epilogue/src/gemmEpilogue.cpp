@@ -1,0 +1,185 @@
+// StofGemmEpilogue on cuBLASLt: Y = act(X . W + bias), row-major, with the bias (and tanh-GELU) fused into the
+// GEMM's epilogue; exact (erf) GELU runs as one extra element-wise pass (activationKernels.cu).
+//
+// Row-major Y[M,N] = X[M,K] . W[K,N] is column-major Y^T[N,M] = W^T[N,K] . X^T[K,M]: cuBLASLt's A is W
+// (N x K, ld N), B is X (K x M, ld K), C = D is Y (N x M, ld N), no transposes; the bias runs along C's rows (N).
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <tuple>
+
+#include "epilogueCommon.h"
+
+namespace stof_epi {
+cudaError_t launchGeluErfInPlace(int32_t dtype, void* y, int64_t count, cudaStream_t stream);
+}  // namespace stof_epi
+
+namespace {
+
+constexpr size_t kWorkspaceBytes = 32u << 20;  // cuBLAS's advice for Hopper
+
+#define STOF_EPI_CUBLAS(call)                                                                                 \
+    do {                                                                                                     \
+        cublasStatus_t s_ = (call);                                                                          \
+        STOF_EPI_CHECK(s_ == CUBLAS_STATUS_SUCCESS, STOF_EPI_ERROR_CUBLAS, "%s: cuBLAS status %d", #call,   \
+                       static_cast<int>(s_));                                                                \
+    } while (0)
+
+using PlanKey = std::tuple<int32_t, int64_t, int64_t, int64_t, int32_t, bool, uint32_t, size_t>;
+
+struct Plan {
+    cublasLtMatmulDesc_t mOp{nullptr};
+    cublasLtMatrixLayout_t mA{nullptr}, mB{nullptr}, mC{nullptr};
+    cublasLtMatmulAlgo_t mAlgo{};
+    ~Plan() {
+        if (mA) cublasLtMatrixLayoutDestroy(mA);
+        if (mB) cublasLtMatrixLayoutDestroy(mB);
+        if (mC) cublasLtMatrixLayoutDestroy(mC);
+        if (mOp) cublasLtMatmulDescDestroy(mOp);
+    }
+};
+
+uint32_t alignmentOf(void const* p) {
+    auto v = reinterpret_cast<uintptr_t>(p);
+    uint32_t a = 256;
+    while (a > 1 && (v % a) != 0) a >>= 1;
+    return a;
+}
+
+}  // namespace
+
+struct stof_gemm_context {
+    cublasLtHandle_t mHandle{nullptr};
+    std::mutex mMutex;
+    std::map<PlanKey, std::unique_ptr<Plan>> mPlans;
+};
+
+namespace {
+
+stof_epi_status_t buildPlan(stof_gemm_context* ctx, PlanKey const& key, Plan& plan) {
+    auto [dtype, m, n, k, act, hasBias, align, wsBytes] = key;
+    cudaDataType_t dt = dtype == STOF_EPI_FP32 ? CUDA_R_32F : dtype == STOF_EPI_FP16 ? CUDA_R_16F : CUDA_R_16BF;
+    STOF_EPI_CUBLAS(cublasLtMatmulDescCreate(&plan.mOp, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    cublasOperation_t opN = CUBLAS_OP_N;
+    STOF_EPI_CUBLAS(cublasLtMatmulDescSetAttribute(plan.mOp, CUBLASLT_MATMUL_DESC_TRANSA, &opN, sizeof(opN)));
+    STOF_EPI_CUBLAS(cublasLtMatmulDescSetAttribute(plan.mOp, CUBLASLT_MATMUL_DESC_TRANSB, &opN, sizeof(opN)));
+    cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_DEFAULT;
+    if (act == STOF_ACT_GELU_TANH) {
+        epi = hasBias ? CUBLASLT_EPILOGUE_GELU_BIAS : CUBLASLT_EPILOGUE_GELU;
+    } else if (hasBias) {
+        epi = CUBLASLT_EPILOGUE_BIAS;
+    }
+    STOF_EPI_CUBLAS(cublasLtMatmulDescSetAttribute(plan.mOp, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
+    if (hasBias) {
+        STOF_EPI_CUBLAS(
+            cublasLtMatmulDescSetAttribute(plan.mOp, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &dt, sizeof(dt)));
+    }
+    STOF_EPI_CUBLAS(cublasLtMatrixLayoutCreate(&plan.mA, dt, n, k, n));
+    STOF_EPI_CUBLAS(cublasLtMatrixLayoutCreate(&plan.mB, dt, k, m, k));
+    STOF_EPI_CUBLAS(cublasLtMatrixLayoutCreate(&plan.mC, dt, n, m, n));
+
+    cublasLtMatmulPreference_t pref = nullptr;
+    STOF_EPI_CUBLAS(cublasLtMatmulPreferenceCreate(&pref));
+    std::unique_ptr<cublasLtMatmulPreferenceOpaque_t, decltype(&cublasLtMatmulPreferenceDestroy)> prefGuard(
+        pref, cublasLtMatmulPreferenceDestroy);
+    STOF_EPI_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsBytes,
+                                                         sizeof(wsBytes)));
+    for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
+        STOF_EPI_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align)));
+    }
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    STOF_EPI_CUBLAS(cublasLtMatmulAlgoGetHeuristic(ctx->mHandle, plan.mOp, plan.mA, plan.mB, plan.mC, plan.mC, pref,
+                                                   1, &result, &found));
+    STOF_EPI_CHECK(found > 0, STOF_EPI_ERROR_CUBLAS,
+                   "cuBLASLt found no algorithm for GEMM M=%lld N=%lld K=%lld dtype %d epilogue %d",
+                   static_cast<long long>(m), static_cast<long long>(n), static_cast<long long>(k), dtype,
+                   static_cast<int>(epi));
+    plan.mAlgo = result.algo;
+    return STOF_EPI_SUCCESS;
+}
+
+}  // namespace
+
+extern "C" stof_epi_status_t stof_gemm_context_create(stof_gemm_context_t* out) {
+    try {
+        STOF_EPI_CHECK(out != nullptr, STOF_EPI_ERROR_INVALID_ARGUMENT, "ctx is NULL");
+        auto ctx = std::make_unique<stof_gemm_context>();
+        STOF_EPI_CUBLAS(cublasLtCreate(&ctx->mHandle));
+        *out = ctx.release();
+        return STOF_EPI_SUCCESS;
+    } catch (std::exception const& e) {
+        stof_epi::setLastError(e.what());
+    } catch (...) {
+        stof_epi::setLastError("unknown exception");
+    }
+    return STOF_EPI_ERROR_CUBLAS;
+}
+
+extern "C" void stof_gemm_context_destroy(stof_gemm_context_t ctx) {
+    if (ctx == nullptr) return;
+    try {
+        ctx->mPlans.clear();
+        if (ctx->mHandle) cublasLtDestroy(ctx->mHandle);
+        delete ctx;
+    } catch (...) {
+    }
+}
+
+extern "C" int32_t stof_gemm_available(void) { return 1; }
+
+extern "C" size_t stof_gemm_workspace_size(void) { return kWorkspaceBytes; }
+
+extern "C" stof_epi_status_t stof_gemm_epilogue_run(stof_gemm_context_t ctx, int32_t dtype, int64_t m, int64_t n,
+                                                    int64_t k, const void* x, const void* w, const void* bias,
+                                                    int32_t activation, void* y, void* workspace,
+                                                    size_t workspaceBytes, stof_epi_stream_t stream) {
+    try {
+        STOF_EPI_CHECK(ctx != nullptr && x != nullptr && w != nullptr && y != nullptr,
+                       STOF_EPI_ERROR_INVALID_ARGUMENT, "null context or tensor pointer");
+        STOF_EPI_CHECK(dtype == STOF_EPI_FP32 || dtype == STOF_EPI_FP16 || dtype == STOF_EPI_BF16,
+                       STOF_EPI_ERROR_INVALID_ARGUMENT, "unknown dtype %d", dtype);
+        STOF_EPI_CHECK(activation >= STOF_ACT_NONE && activation <= STOF_ACT_GELU_TANH,
+                       STOF_EPI_ERROR_INVALID_ARGUMENT, "unknown activation %d", activation);
+        STOF_EPI_CHECK(m > 0 && n > 0 && k > 0, STOF_EPI_ERROR_INVALID_ARGUMENT, "GEMM sizes must be positive");
+        STOF_EPI_CHECK(workspace != nullptr || workspaceBytes == 0, STOF_EPI_ERROR_INVALID_ARGUMENT,
+                       "workspace NULL with %zu bytes", workspaceBytes);
+        uint32_t align = alignmentOf(x);
+        for (void const* p : {static_cast<void const*>(w), static_cast<void const*>(y), bias}) {
+            if (p != nullptr) align = std::min(align, alignmentOf(p));
+        }
+        PlanKey key{dtype, m, n, k, activation, bias != nullptr, align, workspaceBytes};
+        std::lock_guard<std::mutex> lock(ctx->mMutex);
+        auto it = ctx->mPlans.find(key);
+        if (it == ctx->mPlans.end()) {
+            auto plan = std::make_unique<Plan>();
+            stof_epi_status_t s = buildPlan(ctx, key, *plan);
+            if (s != STOF_EPI_SUCCESS) return s;
+            it = ctx->mPlans.emplace(key, std::move(plan)).first;
+        }
+        Plan& plan = *it->second;
+        if (bias != nullptr) {
+            STOF_EPI_CUBLAS(cublasLtMatmulDescSetAttribute(plan.mOp, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
+                                                           sizeof(bias)));
+        }
+        float const alpha = 1.f, beta = 0.f;
+        auto cs = reinterpret_cast<cudaStream_t>(stream);
+        STOF_EPI_CUBLAS(cublasLtMatmul(ctx->mHandle, plan.mOp, &alpha, w, plan.mA, x, plan.mB, &beta, y, plan.mC, y,
+                                       plan.mC, &plan.mAlgo, workspace, workspaceBytes, cs));
+        if (activation == STOF_ACT_GELU_ERF) {
+            STOF_EPI_CUDA(stof_epi::launchGeluErfInPlace(dtype, y, m * n, cs));
+        }
+        return STOF_EPI_SUCCESS;
+    } catch (std::exception const& e) {
+        stof_epi::setLastError(e.what());
+    } catch (...) {
+        stof_epi::setLastError("unknown exception");
+    }
+    return STOF_EPI_ERROR_CUBLAS;
+}

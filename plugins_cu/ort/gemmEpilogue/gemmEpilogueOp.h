@@ -1,0 +1,48 @@
+// StofGemmEpilogue on ONNX Runtime's CUDA EP: Y[...,N] = act(X[...,K] . W[K,N] + bias[N]) through
+// stof_gemm_epilogue_run (cuBLASLt with the bias / GELU in the GEMM epilogue).
+#ifndef STOF_ORT_GEMM_EPILOGUE_OP_H
+#define STOF_ORT_GEMM_EPILOGUE_OP_H
+
+#include "../common/ortCommon.h"
+#include "stof/stof_epilogue.h"
+
+namespace stof_ort {
+
+constexpr char const* kGEMM_EPILOGUE_NAME = "StofGemmEpilogue";
+
+class GemmEpilogueKernel {
+public:
+    GemmEpilogueKernel(OrtKernelInfo const* info, ONNXTensorElementDataType type);
+    ~GemmEpilogueKernel();
+    OrtStatusPtr ComputeV2(OrtKernelContext* context);
+
+private:
+    void compute(Ort::KernelContext& ctx);
+    ONNXTensorElementDataType mType;
+    std::string mName;
+    int32_t mActivation{STOF_ACT_NONE};
+    stof_gemm_context_t mGemm{nullptr};
+};
+
+class GemmEpilogueOp : public Ort::CustomOpBase<GemmEpilogueOp, GemmEpilogueKernel, true> {
+public:
+    explicit GemmEpilogueOp(ONNXTensorElementDataType type);
+    OrtStatusPtr CreateKernelV2(OrtApi const& api, OrtKernelInfo const* info, void** kernel) const;
+    char const* GetName() const { return kGEMM_EPILOGUE_NAME; }
+    char const* GetExecutionProviderType() const { return kCUDA_EP; }
+    size_t GetInputTypeCount() const { return 3; }
+    ONNXTensorElementDataType GetInputType(size_t) const { return mType; }
+    OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
+        return index == 2 ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL
+                          : OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_REQUIRED;
+    }
+    size_t GetOutputTypeCount() const { return 1; }
+    ONNXTensorElementDataType GetOutputType(size_t) const { return mType; }
+
+private:
+    ONNXTensorElementDataType mType;
+};
+
+}  // namespace stof_ort
+
+#endif  // STOF_ORT_GEMM_EPILOGUE_OP_H

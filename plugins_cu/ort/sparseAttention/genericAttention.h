@@ -1,0 +1,40 @@
+// The general sparse-attention kernel of the ORT plugin: any dtype (fp32 / fp16 / bf16, fp32 arithmetic), any
+// head dim up to kGENERIC_MAX_HEAD_DIM, an optional broadcast additive bias.  It serves what the tensor-core
+// kernels of libstof_kernels (include/stof/stof_attention.h) do not: fp32 models, attn_bias, other head dims.
+#ifndef STOF_ORT_GENERIC_ATTENTION_H
+#define STOF_ORT_GENERIC_ATTENTION_H
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace stof_ort {
+
+constexpr int kGENERIC_MAX_HEAD_DIM = 256;
+
+enum class AttnDType : int32_t { kFP32 = 0, kFP16 = 1, kBF16 = 2 };
+
+struct GenericAttnParams {
+    AttnDType dtype{AttnDType::kFP32};
+    int32_t batch{0}, numHeads{0}, seqQ{0}, seqK{0}, headDim{0};
+    float scale{1.f};
+    void const* q{nullptr};  // [B,H,Sq,D] contiguous
+    void const* k{nullptr};  // [B,H,Sk,D] contiguous
+    void const* v{nullptr};  // [B,H,Sk,D] contiguous
+    void* o{nullptr};        // [B,H,Sq,D] contiguous
+    // tile layout (docs/format.md), device pointers
+    int32_t const* rowPtr{nullptr};
+    int32_t const* colIdx{nullptr};
+    int32_t const* tileBitmapIndex{nullptr};
+    int32_t const* bitmaps{nullptr};
+    int32_t tileM{64}, tileN{64}, numLayouts{1}, layoutSeqQ{0};
+    int32_t const* keyPaddingMask{nullptr};  // [B, Sk] or null
+    void const* bias{nullptr};               // same dtype as q; element (b,h,q,k) at b*sb + h*sh + q*sq + k*sk
+    int64_t biasStride[4]{0, 0, 0, 0};
+};
+
+cudaError_t launchGenericSparseAttention(GenericAttnParams const& p, cudaStream_t stream);
+
+}  // namespace stof_ort
+
+#endif  // STOF_ORT_GENERIC_ATTENTION_H

@@ -1,0 +1,74 @@
+// StofSparseAttention on ONNX Runtime's CUDA EP (docs/nodes.md): a thin shell over stof_attn_run (tensor-core
+// kernels, fp16/bf16, head dim 64/128) with the general kernel of genericAttention.cu for the rest.
+#ifndef STOF_ORT_SPARSE_ATTENTION_OP_H
+#define STOF_ORT_SPARSE_ATTENTION_OP_H
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include <cuda_runtime.h>
+
+#include "../common/ortCommon.h"
+#include "../common/tacticCache.h"
+
+namespace stof_ort {
+
+constexpr char const* kSPARSE_ATTENTION_NAME = "StofSparseAttention";
+constexpr size_t kSA_NUM_INPUTS = 9;
+enum SparseAttentionInput : size_t {
+    kQUERY = 0, kKEY, kVALUE, kROW_PTR, kCOL_IDX, kTILE_BITMAP_INDEX, kBITMAPS, kKEY_PADDING_MASK, kATTN_BIAS
+};
+
+class SparseAttentionKernel {
+public:
+    SparseAttentionKernel(OrtKernelInfo const* info, ONNXTensorElementDataType type,
+                          std::shared_ptr<TacticCache const> cache);
+    OrtStatusPtr ComputeV2(OrtKernelContext* context);
+
+private:
+    struct LayoutCheck {  // what the host-side validation of the layout arrays found
+        void const* ptrs[4]{};
+        int64_t sizes[4]{};
+        std::string signature;  // TileLayout.signature()
+    };
+    void compute(Ort::KernelContext& ctx);
+    LayoutCheck const& checkLayout(TensorArg const* arrays, cudaStream_t stream);
+    int32_t chooseTactic(std::string const& nodeSig, std::string const& bucket, std::string const& mask);
+
+    // metadata
+    ONNXTensorElementDataType mType;
+    std::string mName;
+    float mScale;
+    int64_t mTileM, mTileN, mSeqQ, mSeqK, mNumLayouts;
+    std::string mMaskSpec;
+    bool mLayoutConstant{false};
+    std::shared_ptr<TacticCache const> mCache;
+    // lazily filled, guarded by mMutex
+    std::mutex mMutex;
+    std::unique_ptr<LayoutCheck> mChecked;
+    std::string mGpuName, mGpuCc;
+    std::unordered_map<std::string, int32_t> mTacticMemo;
+};
+
+class SparseAttentionOp : public Ort::CustomOpBase<SparseAttentionOp, SparseAttentionKernel, true> {
+public:
+    SparseAttentionOp(ONNXTensorElementDataType type, std::shared_ptr<TacticCache const> cache);
+    OrtStatusPtr CreateKernelV2(OrtApi const& api, OrtKernelInfo const* info, void** kernel) const;
+    char const* GetName() const { return kSPARSE_ATTENTION_NAME; }
+    char const* GetExecutionProviderType() const { return kCUDA_EP; }
+    size_t GetInputTypeCount() const { return kSA_NUM_INPUTS; }
+    ONNXTensorElementDataType GetInputType(size_t index) const;
+    OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const;
+    size_t GetOutputTypeCount() const { return 1; }
+    ONNXTensorElementDataType GetOutputType(size_t) const { return mType; }
+
+private:
+    ONNXTensorElementDataType mType;
+    std::shared_ptr<TacticCache const> mCache;
+};
+
+}  // namespace stof_ort
+
+#endif  // STOF_ORT_SPARSE_ATTENTION_OP_H

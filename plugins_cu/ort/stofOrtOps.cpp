@@ -1,0 +1,92 @@
+// libstof_ort.so entry point: RegisterCustomOps adds domain `stof` with StofSparseAttention, StofGemmEpilogue
+// and StofAddLayerNorm for float, float16 and bfloat16, on the CUDA EP.  Each node keeps its model-local
+// ONNX function, which ORT inlines wherever these kernels do not claim the node (e.g. on the CPU EP).
+//
+// Options (session config entry, else environment variable):
+//   stof.tactic_cache / STOF_TACTIC_CACHE   path of a tactic cache written by `stof tune`
+//   stof.verbose      / STOF_ORT_VERBOSE    "1": print each attention node's tactic choice to stderr
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "addLayerNorm/addLayerNormOp.h"
+#include "common/ortCommon.h"
+#include "common/tacticCache.h"
+#include "gemmEpilogue/gemmEpilogueOp.h"
+#include "sparseAttention/sparseAttentionOp.h"
+
+namespace stof_ort {
+namespace {
+
+constexpr ONNXTensorElementDataType kTYPES[] = {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT,
+                                                ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16,
+                                                ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16};
+
+// ORT keeps raw pointers to the ops and the domain for the sessions' lifetime: they live as long as the library.
+struct Registry {
+    std::mutex mutex;
+    std::vector<std::unique_ptr<SparseAttentionOp>> attention;
+    std::vector<std::unique_ptr<GemmEpilogueOp>> gemm;
+    std::vector<std::unique_ptr<AddLayerNormOp>> layerNorm;
+    std::vector<Ort::CustomOpDomain> domains;
+};
+
+Registry& registry() {
+    static Registry* r = new Registry();  // never destroyed: sessions may outlive static destructors
+    return *r;
+}
+
+std::string configEntry(OrtApi const& api, OrtSessionOptions const* options, char const* key, char const* env) {
+    int has = 0;
+    if (options != nullptr) {
+        Ort::ThrowOnError(api.HasSessionConfigEntry(options, key, &has));
+        if (has) {
+            size_t size = 0;
+            Ort::ThrowOnError(api.GetSessionConfigEntry(options, key, nullptr, &size));
+            std::string value(size, '\0');
+            Ort::ThrowOnError(api.GetSessionConfigEntry(options, key, value.data(), &size));
+            value.resize(size > 0 ? size - 1 : 0);  // size counts the terminating NUL
+            return value;
+        }
+    }
+    char const* v = std::getenv(env);
+    return v ? std::string(v) : std::string();
+}
+
+}  // namespace
+}  // namespace stof_ort
+
+extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
+RegisterCustomOps(OrtSessionOptions* options, OrtApiBase const* apiBase) {
+    using namespace stof_ort;
+    OrtApi const* api = apiBase ? apiBase->GetApi(ORT_API_VERSION) : nullptr;
+    if (api == nullptr) return nullptr;  // an ORT older than the headers: nothing we can report through
+    Ort::InitApi(api);
+    return guarded("RegisterCustomOps", [&] {
+        std::string const verbose = configEntry(*api, options, kCONFIG_VERBOSE, kENV_VERBOSE);
+        setVerbose(!verbose.empty() && verbose != "0");
+        std::string const cachePath = configEntry(*api, options, kCONFIG_TACTIC_CACHE, kENV_TACTIC_CACHE);
+        std::shared_ptr<TacticCache const> cache;
+        if (!cachePath.empty()) cache = TacticCache::load(cachePath);
+        if (verboseEnabled() && cache)
+            std::fprintf(stderr, "[stof] tactic cache %s: %zu entries\n", cache->path().c_str(), cache->size());
+
+        Registry& reg = registry();
+        std::lock_guard<std::mutex> lock(reg.mutex);
+        Ort::CustomOpDomain domain(kDOMAIN);
+        for (auto t : kTYPES) {
+            reg.attention.push_back(std::make_unique<SparseAttentionOp>(t, cache));
+            domain.Add(reg.attention.back().get());
+            if (stof_gemm_available()) {  // else the GEMM nodes run as their ONNX function
+                reg.gemm.push_back(std::make_unique<GemmEpilogueOp>(t));
+                domain.Add(reg.gemm.back().get());
+            }
+            reg.layerNorm.push_back(std::make_unique<AddLayerNormOp>(t));
+            domain.Add(reg.layerNorm.back().get());
+        }
+        Ort::ThrowOnError(api->AddCustomOpDomain(options, domain));
+        reg.domains.push_back(std::move(domain));
+    });
+}

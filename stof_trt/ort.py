@@ -1,0 +1,232 @@
+"""ONNX Runtime sessions with the STOF custom-op library (libstof_ort.so) on the CUDA execution provider.
+
+Typical use::
+
+    from stof_trt import ort as sort
+    sess = sort.session("bert.stof.onnx", tactic_cache="h100.json")       # CUDA EP + STOF kernels
+    out = sess.run(None, feeds)                                           # plain numpy in, numpy out
+    b = sort.Binding(sess, feeds)                                         # inputs/outputs on the GPU
+    b.run(); y = b.outputs()[0]                                           # IO binding, no host copies
+    ms = sort.time_session(sess, feeds, iters=100)                        # latencies (ms) for benchmarks
+
+The library is found at ``$STOF_ORT_LIB``, inside the installed package (``stof_trt/lib``), or in a CMake build
+tree under the repository root (``build*/plugins_cu/ort/libstof_ort.so``).  Without it (or on the CPU EP) STOF
+nodes run as their model-local ONNX functions: same results, dense speed.
+
+Session options the plugin reads (set here from the keyword arguments): ``stof.tactic_cache`` (or
+``$STOF_TACTIC_CACHE``), a cache written by ``stof tune``; ``stof.verbose`` (or ``$STOF_ORT_VERBOSE``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import statistics
+import time
+from pathlib import Path
+
+from .errors import StofError
+
+__all__ = ["library_path", "library_available", "session", "Binding", "time_session", "latency_stats",
+           "CONFIG_TACTIC_CACHE", "CONFIG_VERBOSE"]
+
+CONFIG_TACTIC_CACHE = "stof.tactic_cache"
+CONFIG_VERBOSE = "stof.verbose"
+_LIB_NAME = "libstof_ort.so"
+
+
+def library_path() -> Path | None:
+    """Where libstof_ort.so is: $STOF_ORT_LIB, the package's lib/ folder, or a build tree of the repository."""
+    env = os.environ.get("STOF_ORT_LIB")
+    if env:
+        return Path(env) if Path(env).is_file() else None
+    here = Path(__file__).resolve().parent
+    cands = [here / "lib" / _LIB_NAME]
+    root = here.parent
+    cands += [Path(p) for p in sorted(glob.glob(str(root / "build*" / "plugins_cu" / "ort" / _LIB_NAME)))]
+    for c in cands:
+        if c.is_file():
+            return c
+    return None
+
+
+def library_available() -> bool:
+    return library_path() is not None
+
+
+def _preload_cuda_libs() -> None:
+    """Make libcublasLt (a dependency of libstof_ort) loadable: ORT's own preload, then the nvidia wheels."""
+    import onnxruntime as ort
+
+    if hasattr(ort, "preload_dlls"):
+        try:
+            ort.preload_dlls()
+        except Exception:  # noqa: BLE001 - best effort; the explicit load below reports real failures
+            pass
+    try:
+        ctypes.CDLL("libcublasLt.so.13", mode=ctypes.RTLD_GLOBAL)
+        return
+    except OSError:
+        pass
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia")
+    for base in (spec.submodule_search_locations if spec else []):
+        for sub in ("cu13/lib", "cublas/lib"):
+            for so in sorted(glob.glob(os.path.join(base, sub, "libcublasLt.so*"))):
+                try:
+                    ctypes.CDLL(so, mode=ctypes.RTLD_GLOBAL)
+                    return
+                except OSError:
+                    continue
+
+
+def _providers(providers, device_id: int, cuda_options: dict | None, cuda_graphs: bool):
+    if providers is None or providers == "cuda":
+        opts = {"device_id": str(device_id)}
+        opts.update({k: str(v) for k, v in (cuda_options or {}).items()})
+        if cuda_graphs:
+            opts["enable_cuda_graph"] = "1"
+        return [("CUDAExecutionProvider", opts), "CPUExecutionProvider"]
+    if providers == "cpu":
+        return ["CPUExecutionProvider"]
+    return list(providers)
+
+
+def session(model, *, providers=None, device_id: int = 0, cuda_options: dict | None = None,
+            tactic_cache: str | os.PathLike | None = None, cuda_graphs: bool = False, verbose: bool = False,
+            register: bool | None = None, session_options=None, optimization_level: str | None = None,
+            library: str | os.PathLike | None = None):
+    """An ``onnxruntime.InferenceSession`` for ``model`` (path or ModelProto) with the STOF library registered.
+
+    Args:
+        providers: None or "cuda" (CUDA EP then CPU), "cpu", or an explicit ORT providers list.
+        cuda_options: extra CUDA EP provider options (strings), e.g. {"arena_extend_strategy": "kSameAsRequested"}.
+        tactic_cache: a ``stof tune`` cache (session option ``stof.tactic_cache``); None keeps $STOF_TACTIC_CACHE.
+        cuda_graphs: capture the whole run in a CUDA graph (ORT's ``enable_cuda_graph``); needs IO binding with
+            fixed input/output buffers -- use :class:`Binding`.
+        register: register libstof_ort (default: whenever the CUDA EP is requested).  True without a library
+            found raises StofError.
+        optimization_level: "disable" | "basic" | "extended" | "all" (ORT default: all).
+    """
+    import onnxruntime as ort
+
+    so = session_options or ort.SessionOptions()
+    if optimization_level is not None:
+        levels = {"disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+                  "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+                  "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+                  "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
+        if optimization_level not in levels:
+            raise StofError(f"optimization_level must be one of {sorted(levels)}")
+        so.graph_optimization_level = levels[optimization_level]
+    provs = _providers(providers, device_id, cuda_options, cuda_graphs)
+    wants_cuda = any((p[0] if isinstance(p, tuple) else p) == "CUDAExecutionProvider" for p in provs)
+    if wants_cuda and "CUDAExecutionProvider" not in ort.get_available_providers():
+        raise StofError("the CUDA execution provider is not available in this onnxruntime "
+                        f"({ort.__version__}, providers {ort.get_available_providers()}); install onnxruntime-gpu")
+    if register is None:
+        register = wants_cuda
+    if tactic_cache is not None:
+        if not Path(tactic_cache).is_file():
+            raise StofError(f"tactic cache not found: {tactic_cache}")
+        so.add_session_config_entry(CONFIG_TACTIC_CACHE, str(tactic_cache))
+    if verbose:
+        so.add_session_config_entry(CONFIG_VERBOSE, "1")
+    if register:
+        lib = Path(library) if library else library_path()
+        if lib is None or not lib.is_file():
+            raise StofError("libstof_ort.so not found: build it (`cmake -S . -B build && cmake --build build -j`, "
+                            "or `pip install .` with nvcc present) or set STOF_ORT_LIB")
+        if wants_cuda:
+            _preload_cuda_libs()
+        try:
+            so.register_custom_ops_library(str(lib))
+        except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
+            raise StofError(f"registering {lib} failed: {str(e).splitlines()[0]}") from None
+    src = model.SerializeToString() if hasattr(model, "SerializeToString") else str(model)
+    try:
+        return ort.InferenceSession(src, sess_options=so, providers=provs)
+    except Exception as e:  # noqa: BLE001
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise StofError(f"onnxruntime could not load the model: {msg}") from None
+
+
+class Binding:
+    """IO binding of a session: inputs copied to the device once, outputs preallocated there.
+
+    With ``cuda_graphs=True`` sessions the buffers stay fixed across runs, as ORT's graph replay requires.
+    ``update(feeds)`` copies new host values into the same device buffers.
+    """
+
+    def __init__(self, sess, feeds: dict, device_id: int = 0, device: str | None = None):
+        import numpy as np
+        import onnxruntime as ort
+
+        self.sess = sess
+        on_gpu = "CUDAExecutionProvider" in sess.get_providers()
+        self.device = device or ("cuda" if on_gpu else "cpu")
+        self.device_id = device_id
+        self.binding = sess.io_binding()
+        self._inputs = {}
+        names = [i.name for i in sess.get_inputs()]
+        missing = [n for n in names if n not in feeds]
+        if missing:
+            raise StofError(f"missing inputs: {', '.join(missing)}")
+        for name in names:
+            v = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(feeds[name]), self.device, device_id)
+            self._inputs[name] = v
+            self.binding.bind_ortvalue_input(name, v)
+        self._outputs = None
+        self._output_names = [o.name for o in sess.get_outputs()]
+
+    def update(self, feeds: dict) -> None:
+        import numpy as np
+
+        for name, arr in feeds.items():
+            self._inputs[name].update_inplace(np.ascontiguousarray(arr))
+
+    def run(self) -> None:
+        if self._outputs is None:
+            # First run: ORT allocates the outputs on the device; keep them bound so later runs (and CUDA graph
+            # replays) write to the same buffers.
+            for name in self._output_names:
+                self.binding.bind_output(name, self.device, self.device_id)
+            self.sess.run_with_iobinding(self.binding)
+            self._outputs = self.binding.get_outputs()
+            for name, v in zip(self._output_names, self._outputs):
+                self.binding.bind_ortvalue_output(name, v)
+            return
+        self.sess.run_with_iobinding(self.binding)
+
+    def outputs(self) -> list:
+        """The outputs as numpy arrays (copied to the host)."""
+        if self._outputs is None:
+            self.run()
+        return [v.numpy() for v in self._outputs]
+
+
+def time_session(sess, feeds: dict, *, warmup: int = 10, iters: int = 50, device_id: int = 0,
+                 binding: Binding | None = None) -> list[float]:
+    """Per-run latencies in ms of ``sess`` with IO binding (inputs on the device, outputs preallocated).
+
+    ORT's CUDA EP synchronises its stream at the end of each run, so the host clock around
+    ``run_with_iobinding`` measures the full GPU time of the run plus ORT's launch overhead."""
+    b = binding or Binding(sess, feeds, device_id)
+    for _ in range(max(warmup, 1)):
+        b.run()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        b.run()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def latency_stats(times_ms: list[float]) -> dict:
+    """median, p90, min, mean of a list of latencies (ms)."""
+    s = sorted(times_ms)
+    p90 = s[min(len(s) - 1, int(round(0.9 * (len(s) - 1))))]
+    return {"median_ms": statistics.median(s), "p90_ms": p90, "min_ms": s[0], "mean_ms": statistics.fmean(s),
+            "runs": len(s)}

@@ -1,0 +1,331 @@
+"""libstof_ort on ONNX Runtime: STOF nodes in small hand-made graphs, CUDA EP (plugin kernels) against a float64
+NumPy reference and against ORT CPU running the nodes' model-local functions.
+
+Everything that needs the CUDA EP skips without one; the registration / CPU-fallback tests run wherever
+libstof_ort.so is built (they need no GPU).  Inputs are fresh random values; outputs are poisoned (NaN) before
+each GPU check so that an unwritten output cannot pass.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+
+from graph_rewrite.functions import (DOMAIN, add_layernorm_function, add_layernorm_overload,  # noqa: E402
+                                     attention_overload, gemm_epilogue_function, sparse_attention_function)
+from stof_trt import ort as sort  # noqa: E402
+from stof_trt.format import compile_mask  # noqa: E402
+
+OPSET = 17
+NP2ONNX = {np.float32: TensorProto.FLOAT, np.float16: TensorProto.FLOAT16}
+
+needs_lib = pytest.mark.skipif(not sort.library_available(), reason="libstof_ort.so not built")
+needs_cuda = pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(),
+                                reason="no CUDA execution provider (onnxruntime-gpu)")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# graph builders
+# ---------------------------------------------------------------------------------------------------------------
+def _model(nodes, inputs, outputs, inits, functions):
+    g = helper.make_graph(nodes, "stof_test", inputs, outputs, initializer=inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1)],
+                          functions=functions)
+    m.ir_version = 10
+    return m
+
+
+def attention_model(layout, *, B, H, D, dtype=np.float16, padding=False, bias_shape=None, scale=None,
+                    dynamic=True):
+    """One StofSparseAttention node; q/k/v (and key_padding_mask / attn_bias) are graph inputs."""
+    et = NP2ONNX[dtype]
+    sq = "Sq" if dynamic else layout.seq_q
+    sk = "Sk" if dynamic else layout.seq_k
+    inputs = [helper.make_tensor_value_info("q", et, [B, H, sq, D]),
+              helper.make_tensor_value_info("k", et, [B, H, sk, D]),
+              helper.make_tensor_value_info("v", et, [B, H, sk, D])]
+    arrays = layout.arrays()
+    inits = [numpy_helper.from_array(np.ascontiguousarray(arrays[n], np.int32), n)
+             for n in ("row_ptr", "col_idx", "tile_bitmap_index", "bitmaps")]
+    names = ["q", "k", "v", "row_ptr", "col_idx", "tile_bitmap_index", "bitmaps"]
+    if padding:
+        inputs.append(helper.make_tensor_value_info("kpm", TensorProto.INT32, [B, sk]))
+        names.append("kpm")
+    if bias_shape is not None:
+        if not padding:
+            names.append("")
+        inputs.append(helper.make_tensor_value_info("bias", et, list(bias_shape)))
+        names.append("bias")
+    node = helper.make_node("StofSparseAttention", names, ["o"], domain=DOMAIN, name="attn0",
+                            scale=float(scale if scale is not None else 1.0 / math.sqrt(D)),
+                            tile_m=layout.tile_m, tile_n=layout.tile_n, seq_q=layout.seq_q, seq_k=layout.seq_k,
+                            num_layouts=layout.num_layouts, format_version=1, mask_spec=layout.mask_spec or "")
+    ov = attention_overload(padding, bias_shape is not None)
+    node.overload = ov
+    out = helper.make_tensor_value_info("o", et, None)
+    return _model([node], inputs, [out], inits, [sparse_attention_function(OPSET, padding, bias_shape is not None)])
+
+
+def gemm_model(K, N, activation, dtype=np.float16, seed=0):
+    rng = np.random.default_rng(seed)
+    et = NP2ONNX[dtype]
+    w = (rng.standard_normal((K, N)) / math.sqrt(K)).astype(dtype)
+    b = rng.standard_normal(N).astype(dtype)
+    node = helper.make_node("StofGemmEpilogue", ["x", "W", "b"], ["y"], domain=DOMAIN, name="gemm0",
+                            activation=activation)
+    node.overload = activation
+    m = _model([node], [helper.make_tensor_value_info("x", et, ["B", "S", K])],
+               [helper.make_tensor_value_info("y", et, None)],
+               [numpy_helper.from_array(w, "W"), numpy_helper.from_array(b, "b")],
+               [gemm_epilogue_function(OPSET, activation)])
+    return m, w, b
+
+
+def layernorm_model(N, dtype=np.float16, has_bias=True, has_sum=False, eps=1e-12, seed=0):
+    rng = np.random.default_rng(seed)
+    et = NP2ONNX[dtype]
+    gamma = (1 + 0.1 * rng.standard_normal(N)).astype(dtype)
+    beta = (0.1 * rng.standard_normal(N)).astype(dtype)
+    bias = (0.1 * rng.standard_normal(N)).astype(dtype)
+    ins = ["x", "r", "gamma", "beta"] + (["bias"] if has_bias else [])
+    outs = ["y"] + (["s"] if has_sum else [])
+    node = helper.make_node("StofAddLayerNorm", ins, outs, domain=DOMAIN, name="ln0", epsilon=eps)
+    node.overload = add_layernorm_overload(has_bias, has_sum)
+    inits = [numpy_helper.from_array(gamma, "gamma"), numpy_helper.from_array(beta, "beta")]
+    if has_bias:
+        inits.append(numpy_helper.from_array(bias, "bias"))
+    m = _model([node], [helper.make_tensor_value_info("x", et, ["B", "S", N]),
+                        helper.make_tensor_value_info("r", et, ["B", "S", N])],
+               [helper.make_tensor_value_info(o, et, None) for o in outs], inits,
+               [add_layernorm_function(OPSET, has_bias, has_sum)])
+    return m, gamma, beta, (bias if has_bias else None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# float64 references
+# ---------------------------------------------------------------------------------------------------------------
+def attention_ref(q, k, v, layout, scale, kpm=None, bias=None):
+    q, k, v = (a.astype(np.float64) for a in (q, k, v))
+    B, H, Sq, D = q.shape
+    Sk = k.shape[2]
+    dense = layout.to_dense()[:, :Sq, :Sk]  # [L, Sq, Sk]
+    allowed = np.stack([dense[h % layout.num_layouts] for h in range(H)])[None].repeat(B, 0)
+    if kpm is not None:
+        allowed = allowed & (kpm[:, None, None, :] != 0)
+    s = scale * np.einsum("bhqd,bhkd->bhqk", q, k)
+    if bias is not None:
+        s = s + bias.astype(np.float64)
+    s = np.where(allowed, s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0)
+    p = np.where(allowed, np.exp(s - m), 0)
+    den = p.sum(-1, keepdims=True)
+    p = p / np.where(den == 0, 1, den)
+    return np.einsum("bhqk,bhkd->bhqd", p, v)
+
+
+def _erf(x):
+    return np.vectorize(math.erf)(x)
+
+
+def gemm_ref(x, w, b, activation):
+    y = x.astype(np.float64) @ w.astype(np.float64) + b.astype(np.float64)
+    if activation == "gelu_erf":
+        return 0.5 * y * (1 + _erf(y / math.sqrt(2)))
+    if activation == "gelu_tanh":
+        return 0.5 * y * (1 + np.tanh(math.sqrt(2 / math.pi) * (y + 0.044715 * y ** 3)))
+    return y
+
+
+def layernorm_ref(x, r, gamma, beta, bias, eps):
+    s = x.astype(np.float64) + r.astype(np.float64)
+    if bias is not None:
+        s = s + bias.astype(np.float64)
+    mu = s.mean(-1, keepdims=True)
+    var = ((s - mu) ** 2).mean(-1, keepdims=True)
+    return (s - mu) / np.sqrt(var + eps) * gamma.astype(np.float64) + beta.astype(np.float64), s
+
+
+def _cuda_run(model, feeds, **kw):
+    """Run on the CUDA EP with the plugin, through IO binding with NaN-poisoned preallocated outputs."""
+    sess = sort.session(model, **kw)
+    b = sort.Binding(sess, feeds)
+    b.run()
+    for v in b._outputs:  # poison, then run again into the same buffers
+        v.update_inplace(np.full(v.shape(), np.nan, dtype=v.numpy().dtype))
+    b.run()
+    return b.outputs(), sess
+
+
+def _cpu_run(model, feeds):
+    so = ort.SessionOptions()
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tests that need only the built library (no GPU)
+# ---------------------------------------------------------------------------------------------------------------
+@needs_lib
+def test_library_registers_and_function_fallback_without_it():
+    """The library loads and registers without a GPU.  Its kernels are CUDA-EP kernels: a CPU-only session must not
+    register it (ORT then finds no kernel for the custom schema), and without it the model-local function runs."""
+    layout = compile_mask("sliding:window=16", 96, 96, tile_m=32, tile_n=32)
+    m = attention_model(layout, B=1, H=2, D=16, dtype=np.float32, padding=True)
+    rng = np.random.default_rng(1)
+    feeds = {n: rng.standard_normal((1, 2, 96, 16)).astype(np.float32) for n in "qkv"}
+    feeds["kpm"] = (rng.random((1, 96)) > 0.2).astype(np.int32)
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(str(sort.library_path()))
+    with pytest.raises(Exception, match="implementation"):
+        ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    got = sort.session(m, providers="cpu").run(None, feeds)[0]  # register defaults to False on the CPU EP
+    ref = attention_ref(feeds["q"], feeds["k"], feeds["v"], layout, 1 / 4, feeds["kpm"])
+    np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@needs_lib
+def test_bad_tactic_cache_is_an_error(tmp_path):
+    p = tmp_path / "bad.json"
+    p.write_text('{"format": "stof-tactic-cache", "version": 1, "entries": [ {"gpu": 1} ]}')
+    so = ort.SessionOptions()
+    so.add_session_config_entry(sort.CONFIG_TACTIC_CACHE, str(p))
+    with pytest.raises(Exception, match="tactic cache"):
+        so.register_custom_ops_library(str(sort.library_path()))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CUDA EP
+# ---------------------------------------------------------------------------------------------------------------
+ATTN_CASES = [
+    # spec, S, tile, B, H, D, dtype, padding, bias
+    ("longformer:window=32,global=8", 256, (64, 64), 2, 4, 64, np.float16, True, None),
+    ("causal", 200, (64, 64), 2, 3, 64, np.float16, False, None),
+    ("bigbird:block=64,window=1,global=1,random=0.1,seed=3", 320, (64, 64), 1, 2, 128, np.float16, True, None),
+    ("sliding:window=40", 130, (32, 32), 2, 2, 64, np.float32, True, None),
+    ("causal", 96, (64, 64), 1, 2, 64, np.float32, False, None),
+    ("dilated:window=64,dilation=2", 160, (64, 64), 1, 2, 48, np.float16, False, None),  # D=48: general kernel
+    ("longformer:window=16,global=4", 128, (64, 64), 2, 2, 64, np.float16, False, (2, 1, 128, 128)),
+    ("causal", 128, (64, 64), 2, 2, 32, np.float32, True, (1, 128)),
+]
+
+
+@needs_lib
+@needs_cuda
+@pytest.mark.parametrize("spec,S,tile,B,H,D,dtype,padding,bias", ATTN_CASES)
+def test_sparse_attention_cuda(spec, S, tile, B, H, D, dtype, padding, bias):
+    layout = compile_mask(spec, S, S, tile_m=tile[0], tile_n=tile[1])
+    m = attention_model(layout, B=B, H=H, D=D, dtype=dtype, padding=padding, bias_shape=bias)
+    rng = np.random.default_rng(S + D)
+    feeds = {n: rng.standard_normal((B, H, S, D)).astype(dtype) for n in "qkv"}
+    kpm = None
+    if padding:
+        lengths = rng.integers(S // 2, S + 1, size=B)
+        kpm = (np.arange(S)[None, :] < lengths[:, None]).astype(np.int32)
+        feeds["kpm"] = kpm
+    if bias is not None:
+        feeds["bias"] = (0.5 * rng.standard_normal(bias)).astype(dtype)
+    scale = 1.0 / math.sqrt(D)
+    (got,), _ = _cuda_run(m, feeds)
+    ref = attention_ref(feeds["q"], feeds["k"], feeds["v"], layout, scale, kpm, feeds.get("bias"))
+    tol = 2e-3 if dtype == np.float16 else 2e-5
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got.astype(np.float64), ref, atol=tol, rtol=tol)
+    cpu = _cpu_run(m, feeds)[0]
+    np.testing.assert_allclose(got.astype(np.float64), cpu.astype(np.float64), atol=2 * tol, rtol=2 * tol)
+
+
+@needs_lib
+@needs_cuda
+def test_sparse_attention_shorter_runtime_sequence():
+    layout = compile_mask("longformer:window=32,global=8", 256, 256)
+    m = attention_model(layout, B=2, H=2, D=64, padding=True)
+    rng = np.random.default_rng(5)
+    S = 150  # < compiled 256: the top-left corner of the pattern
+    feeds = {n: rng.standard_normal((2, 2, S, 64)).astype(np.float16) for n in "qkv"}
+    feeds["kpm"] = np.ones((2, S), np.int32)
+    feeds["kpm"][1, 100:] = 0
+    (got,), _ = _cuda_run(m, feeds)
+    ref = attention_ref(feeds["q"], feeds["k"], feeds["v"], layout, 1 / 8, feeds["kpm"])
+    np.testing.assert_allclose(got.astype(np.float64), ref, atol=2e-3, rtol=2e-3)
+
+
+@needs_lib
+@needs_cuda
+@pytest.mark.parametrize("what", ["too_long", "bad_kpm_shape", "bad_layout", "d_mismatch"])
+def test_sparse_attention_errors_are_statuses(what):
+    layout = compile_mask("causal", 128, 128)
+    rng = np.random.default_rng(0)
+    m = attention_model(layout, B=1, H=2, D=64, padding=True)
+    S = 128
+    feeds = {n: rng.standard_normal((1, 2, S, 64)).astype(np.float16) for n in "qkv"}
+    feeds["kpm"] = np.ones((1, S), np.int32)
+    if what == "too_long":
+        feeds = {n: rng.standard_normal((1, 2, 192, 64)).astype(np.float16) for n in "qkv"}
+        feeds["kpm"] = np.ones((1, 192), np.int32)
+    elif what == "bad_kpm_shape":
+        feeds["kpm"] = np.ones((1, 64), np.int32)
+    elif what == "bad_layout":
+        for init in m.graph.initializer:
+            if init.name == "col_idx":
+                arr = numpy_helper.to_array(init).copy()
+                arr[0] = 999
+                init.CopyFrom(numpy_helper.from_array(arr, "col_idx"))
+    elif what == "d_mismatch":
+        feeds["k"] = rng.standard_normal((1, 2, S, 32)).astype(np.float16)
+        feeds["v"] = feeds["k"]
+    with pytest.raises(Exception) as ei:
+        sess = sort.session(m)
+        sess.run(None, feeds)
+    msg = str(ei.value)
+    assert "StofSparseAttention" in msg or "type" in msg.lower() or "shape" in msg.lower(), msg
+
+
+@needs_lib
+@needs_cuda
+@pytest.mark.parametrize("activation", ["none", "gelu_erf", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_gemm_epilogue_cuda(activation, dtype):
+    K, N = 96, 200
+    m, w, b = gemm_model(K, N, activation, dtype)
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((3, 37, K)).astype(dtype)
+    (got,), _ = _cuda_run(m, {"x": x})
+    ref = gemm_ref(x, w, b, activation)
+    tol = 1e-2 if dtype == np.float16 else 1e-4
+    assert got.shape == (3, 37, N)
+    np.testing.assert_allclose(got.astype(np.float64), ref, atol=tol, rtol=tol)
+    np.testing.assert_allclose(got.astype(np.float64), _cpu_run(m, {"x": x})[0].astype(np.float64),
+                               atol=2 * tol, rtol=2 * tol)
+
+
+@needs_lib
+@needs_cuda
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("has_bias,has_sum", [(True, False), (False, False), (True, True)])
+def test_add_layernorm_cuda(dtype, has_bias, has_sum):
+    N = 768
+    m, gamma, beta, bias = layernorm_model(N, dtype, has_bias, has_sum)
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((2, 33, N)).astype(dtype)
+    r = rng.standard_normal((2, 33, N)).astype(dtype)
+    outs, _ = _cuda_run(m, {"x": x, "r": r})
+    ref, s = layernorm_ref(x, r, gamma, beta, bias, 1e-12)
+    tol = 1e-2 if dtype == np.float16 else 1e-4
+    np.testing.assert_allclose(outs[0].astype(np.float64), ref, atol=tol, rtol=tol)
+    if has_sum:
+        np.testing.assert_allclose(outs[1].astype(np.float64), s, atol=tol, rtol=tol)
+
+
+@needs_lib
+@needs_cuda
+def test_epilogue_shape_errors():
+    m, _, _ = gemm_model(64, 32, "none")
+    with pytest.raises(Exception):
+        sort.session(m).run(None, {"x": np.ones((2, 3, 65), np.float16)})
