@@ -112,3 +112,50 @@ def test_inspect_draws_each_distinct_layout(tmp_path, capsys):
     assert len(info["pngs"]) == 2 and all(os.path.getsize(p) > 1000 for p in info["pngs"])
     dens = {a["node"]: a["density"] for a in info["attention"]}
     assert dens["att1"] == pytest.approx(np.tril(np.ones((256, 256))).mean())
+
+
+@pytest.fixture(scope="module")
+def bert_path(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from stof_trt.export import export_bert
+
+    path = str(tmp_path_factory.mktemp("bert") / "bert.onnx")
+    export_bert(path, layers=1, hidden=128, heads=2, intermediate=256, seq_len=96, max_positions=128)
+    return path
+
+
+def test_rewrite_and_inspect_end_to_end_json(bert_path, tmp_path):
+    out = str(tmp_path / "bert.stof.onnx")
+    rc, stdout, stderr = run_cli("rewrite", bert_path, "-o", out, "--mask", "longformer:window=16,global=4",
+                                 "--max-seq-len", "96", "--json")
+    assert rc == 0, stderr
+    info = json.loads(stdout)
+    assert info["patterns"]["attention_core"]["matched"] == 1
+    assert info["attention"][0]["density"] < 0.5
+    onnx.checker.check_model(out)
+    rc, stdout, stderr = run_cli("inspect", out, "--json", "--out-dir", str(tmp_path / "png"))
+    assert rc == 0, stderr
+    ins = json.loads(stdout)
+    assert ins["stof_nodes"]["StofSparseAttention"] == 1 and len(ins["pngs"]) == 1
+    assert "StofSparseAttention" in ins["functions"]
+    rc, stdout, _ = run_cli("rewrite", bert_path, "-o", str(tmp_path / "t.onnx"), "--max-seq-len", "96")
+    assert rc == 0 and "attention_core" in stdout and "StofSparseAttention" in stdout
+
+
+def test_rewrite_mask_that_cannot_fit_the_model(bert_path, tmp_path):
+    np.save(tmp_path / "small.npy", np.ones((32, 32), bool))
+    out = str(tmp_path / "o.onnx")
+    rc, _, stderr = run_cli("rewrite", bert_path, "-o", out, "--mask", f"npy:{tmp_path}/small.npy",
+                            "--max-seq-len", "96")
+    assert rc == 2 and stderr.startswith("stof: error: ") and len(stderr.strip().splitlines()) == 1, stderr
+    assert not os.path.exists(out)
+
+
+def test_demo_matches_original(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("onnxruntime")
+    rc, stdout, stderr = run_cli("demo", "--seq-len", "128", "--layers", "1", "--work-dir", str(tmp_path), "--json")
+    assert rc == 0, stderr
+    info = json.loads(stdout)
+    assert info["match"] is True and info["max_abs_diff"] < 1e-4 and info["max_abs_ref"] > 0.1
+    assert info["patterns"]["attention_core"]["matched"] == 1

@@ -85,10 +85,20 @@ def _all_tensors(model):
 def print_table(rows: list[list], header: list[str], file=sys.stdout) -> None:
     cells = [[str(c) for c in r] for r in [header] + rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    numeric = [all(_is_number(r[i]) for r in cells[1:]) for i in range(len(header))]
     for n, r in enumerate(cells):
-        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))), file=file)
+        print("  ".join(c.rjust(w) if numeric[i] else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip(),
+              file=file)
         if n == 0:
             print("  ".join("-" * w for w in widths), file=file)
+
+
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return s == "-"
 
 
 def print_json(obj) -> None:

@@ -58,24 +58,36 @@ def run(args) -> int:
 
 
 def print_report(info: dict) -> None:
+    """Tables from RewriteReport.to_dict() (graph_rewrite/report.py)."""
     print(f"{info['input']} -> {info['output']}  ({info['seconds']} s)")
     patterns = info.get("patterns", {})
+    removed = sum(p["nodes_removed"] for p in patterns.values())
+    added = sum(p["nodes_added"] for p in patterns.values())
+    print()
     if patterns:
-        print()
-        print_table([[k, v] for k, v in patterns.items()], ["pattern", "matched"])
-    print(f"\nnodes removed: {info.get('nodes_removed', 0)}   nodes added: {info.get('nodes_added', 0)}")
+        print_table([[k, p["fused_op_type"], p["matched"], p["nodes_removed"], p["nodes_added"],
+                      ", ".join(f"{op} {n}" for op, n in sorted(p.get("removed_op_types", {}).items()))]
+                     for k, p in patterns.items()],
+                    ["pattern", "STOF op", "matched", "removed", "added", "ops removed"])
+    else:
+        print("nothing matched: the model comes back equivalent")
+    print(f"\nnodes: {info.get('nodes_before', '?')} -> {info.get('nodes_after', '?')} "
+          f"({removed} removed, {added} added)")
     att = info.get("attention", [])
     if att:
         print()
         rows = []
         for a in att:
             c = a.get("tile_classes", {})
-            rows.append([a.get("name", "?"), a.get("heads", "?"), a.get("head_dim", "?"), a.get("mask_source", "?"),
-                         f"{a['density']:.4f}" if isinstance(a.get("density"), float) else "-",
-                         c.get("full", "-"), c.get("partial", "-"), c.get("empty", "-")])
-        print_table(rows, ["attention node", "heads", "D", "mask", "density", "full", "partial", "empty"])
+            d = a.get("density")
+            rows.append([a.get("name", "?"), a.get("heads", "?"), a.get("head_dim", "?"),
+                         f"{d:.4f}" if isinstance(d, float) else "-", c.get("full", "-"), c.get("partial", "-"),
+                         c.get("empty", "-"), a.get("mask_source", "?")])
+        print_table(rows, ["attention node", "heads", "D", "density", "full", "partial", "empty", "mask"])
     left = info.get("left_alone", [])
     if left:
         print("\nleft alone:")
         for item in left:
-            print(f"  {item.get('node', '?')}: {item.get('reason', '?')}")
+            print(f"  {item.get('node', '?')} ({item.get('op_type', '?')}): {item.get('reason', '?')}")
+    for note in info.get("notes", []):
+        print(f"note: {note}")
