@@ -137,3 +137,128 @@ class AttentionEmitter:
         plan.name = node.name
         new_nodes.append(node)
         return node
+
+
+class AttentionProbe:
+    """Evaluates, once for all attention candidates of a fusion, the tensors their analysis needs.
+
+    Runs the original model (pruned) at the compiled sequence length with all-ones padding and three random 0/1
+    paddings of every [B, S] input a mask depends on, plus once at a shorter length for dynamic models."""
+
+    BATCH = 3
+
+    def __init__(self, ctx, graph: gs.Graph, shape_names: set[str], mask_terms: list, value_names: set[str]):
+        from .probe import Probe, graph_inputs, value_inputs
+
+        model = ctx.options["_original_model"]
+        specs = graph_inputs(model)
+        self.dynamic = any(s.dynamic_seq for s in specs)
+        max_seq = ctx.options.get("max_seq_len")
+        if self.dynamic and max_seq is None:
+            raise StofError("the model has a dynamic sequence axis: pass max_seq_len (the longest sequence the "
+                            "rewritten model will run)")
+        seq = max_seq or 1
+        tensors = graph.tensors()
+        self.pad_of: dict[str, set[str]] = {}
+        for term in mask_terms:
+            if term.tensor not in self.pad_of:
+                self.pad_of[term.tensor] = value_inputs(graph, tensors[term.tensor])
+        pads = sorted({next(iter(v)) for v in self.pad_of.values() if len(v) == 1})
+        values = set(value_names) | {t.tensor for t in mask_terms}
+        probe = Probe(model, sorted(values), sorted(shape_names))
+        spec_by = {s.name: s for s in specs}
+        rng = np.random.default_rng(1234)
+        self.runs = []
+        for k in range(4):
+            overrides = {}
+            for name in pads:
+                shp = spec_by[name].shape(self.BATCH, seq)
+                overrides[name] = (np.ones(shp, np.int64) if k == 0 else
+                                   (rng.random(shp) < (0.3, 0.6, 0.9)[k - 1]).astype(np.int64))
+            vals, shps = probe.run(self.BATCH, seq, overrides)
+            self.runs.append({"values": vals, "shapes": shps, "overrides": overrides})
+        self.short = None
+        if self.dynamic:
+            vals, shps = probe.run(self.BATCH, max(1, (2 * seq) // 3 - 1))
+            self.short = {"values": vals, "shapes": shps}
+
+    def shape(self, name: str) -> tuple:
+        return self.runs[0]["shapes"][name]
+
+    def all_values(self, name: str) -> list[np.ndarray]:
+        return [r["values"][name] for r in self.runs] + ([self.short["values"][name]] if self.short else [])
+
+    def constant_scalar(self, name: str) -> float | None:
+        vals = self.all_values(name)
+        if any(np.asarray(v).size != 1 for v in vals):
+            return None
+        floats = {float(np.asarray(v).reshape(())) for v in vals}
+        return floats.pop() if len(floats) == 1 else None
+
+    def classify(self, term, sq: int, sk: int, heads: int, short_sizes: tuple[str, int, str, int] | None):
+        """GraphMask of ``term``. ``short_sizes``: (tensor, dim, tensor, dim) giving Sq and Sk at the short run."""
+        from .mask_analysis import GraphMask, classify
+
+        vins = self.pad_of[term.tensor]
+        if len(vins) > 1:
+            return GraphMask("bias", reason=f"mask depends on several inputs {sorted(vins)}")
+        pad_input = next(iter(vins)) if vins else None
+        pruns = [{"values": r["values"], "pad": r["overrides"].get(pad_input)} for r in self.runs]
+        srun = None
+        if self.short is not None and short_sizes is not None:
+            qn, qd, kn, kd = short_sizes
+            srun = {"values": self.short["values"], "sq": self.short["shapes"][qn][qd],
+                    "sk": self.short["shapes"][kn][kd]}
+        return classify(term, sq, sk, heads, pruns, pad_input, srun)
+
+
+def to_heads(fusion: Fusion, t: gs.Tensor, heads: int, head_dim: int, new: list[gs.Node]) -> gs.Tensor:
+    """[B, S, H·D] -> Reshape [B, S, H, D] -> Transpose -> [B, H, S, D]."""
+    ctx = fusion.ctx
+    r = fusion.new_var("stof_heads", dtype=t.dtype)
+    out = fusion.new_var("stof_bhsd", dtype=t.dtype)
+    shape = fusion.new_const("stof_heads_shape", np.array([0, 0, heads, head_dim], np.int64))
+    new.append(gs.Node("Reshape", ctx.unique("stof_split_heads"), {}, [t, shape], [r]))
+    new.append(gs.Node("Transpose", ctx.unique("stof_split_heads_t"), {"perm": [0, 2, 1, 3]}, [r], [out]))
+    return out
+
+
+def from_heads(fusion: Fusion, out: gs.Tensor, hidden: int, new: list[gs.Node], dtype=None) -> gs.Tensor:
+    """Returns a fresh [B, H, S, D] tensor whose Transpose + Reshape [B, S, H·D] is written into ``out``."""
+    ctx = fusion.ctx
+    bhsd = fusion.new_var("stof_attn_out", dtype=dtype)
+    t = fusion.new_var("stof_bshd", dtype=dtype)
+    shape = fusion.new_const("stof_merge_shape", np.array([0, 0, hidden], np.int64))
+    new.append(gs.Node("Transpose", ctx.unique("stof_merge_heads_t"), {"perm": [0, 2, 1, 3]}, [bhsd], [t]))
+    new.append(gs.Node("Reshape", ctx.unique("stof_merge_heads"), {}, [t, shape], [out]))
+    return bhsd
+
+
+def lengths_to_padding(fusion: Fusion, lengths: gs.Tensor, key: gs.Tensor, new: list[gs.Node]) -> gs.Tensor:
+    """[B] key lengths -> [B, Sk] int64 0/1 (key k kept iff k < length); Sk from dim 1 of ``key`` [B, Sk, ...]."""
+    ctx = fusion.ctx
+    v = lambda p, dt=np.int64: fusion.new_var(p, dtype=dt)  # noqa: E731
+    c = lambda p, a: fusion.new_const(p, np.array(a, np.int64))  # noqa: E731
+    shape, sk, sk0, rng, l64, l2, keep, out = (v("stof_len_shape"), v("stof_len_sk"), v("stof_len_sk0"),
+                                               v("stof_len_range"), v("stof_len_i64"), v("stof_len_col"),
+                                               v("stof_len_keep", np.bool_), v("stof_len_mask"))
+    new += [gs.Node("Shape", ctx.unique("stof_len"), {"start": 1, "end": 2}, [key], [shape]),
+            gs.Node("Squeeze", ctx.unique("stof_len"), {}, [shape, c("stof_len_axes", [0])], [sk]),
+            gs.Node("Range", ctx.unique("stof_len"), {}, [c("stof_len_zero", 0), sk, c("stof_len_one", 1)], [rng]),
+            gs.Node("Cast", ctx.unique("stof_len"), {"to": 7}, [lengths], [l64]),
+            gs.Node("Unsqueeze", ctx.unique("stof_len"), {}, [l64, c("stof_len_axes1", [1])], [l2]),
+            gs.Node("Less", ctx.unique("stof_len"), {}, [rng, l2], [keep]),
+            gs.Node("Cast", ctx.unique("stof_len"), {"to": 7}, [keep], [out])]
+    del sk0
+    return out
+
+
+def bool_mask_bias(fusion: Fusion, cond: gs.Tensor, allowed_value_true: bool, fill: float,
+                   new: list[gs.Node]) -> gs.Tensor:
+    """Additive float bias from a boolean mask: 0 where allowed, ``fill`` elsewhere."""
+    zero = fusion.new_const("stof_zero", np.zeros((), np.float32))
+    f = fusion.new_const("stof_fill", np.array(fill, np.float32))
+    bias = fusion.new_var("stof_attn_bias", dtype=np.float32)
+    a, b = (zero, f) if allowed_value_true else (f, zero)
+    new.append(gs.Node("Where", fusion.ctx.unique("stof_bias_where"), {}, [cond, a, b], [bias]))
+    return bias

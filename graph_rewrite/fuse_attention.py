@@ -37,13 +37,10 @@ import dataclasses
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from stof_trt.errors import StofError
-
-from .attention_common import AttentionEmitter, AttentionPlan, choose_layout
+from .attention_common import AttentionEmitter, AttentionPlan, AttentionProbe, choose_layout
 from .base import Fusion, Match
-from .mask_analysis import MaskTerm, classify
+from .mask_analysis import MaskTerm
 from .matcher import internal_only, other_input, producer, scalar_value, single_consumer
-from .probe import Probe, graph_inputs, value_inputs
 
 #: Ops that scale the scores by a scalar: op type -> (how the factor combines, which inputs may hold it).
 FLOAT_TYPES = (1, 10, 11, 16)  # TensorProto FLOAT, FLOAT16, DOUBLE, BFLOAT16
@@ -200,51 +197,13 @@ class FuseAttentionCore(Fusion):
     def analyze(self, matches: list[Match]) -> list[Match]:
         if not matches:
             return matches
-        ctx = self.ctx
-        model = ctx.options["_original_model"]
-        specs = graph_inputs(model)
-        dynamic = any(s.dynamic_seq for s in specs)
-        max_seq = ctx.options.get("max_seq_len")
-        if dynamic and max_seq is None:
-            raise StofError("the model has a dynamic sequence axis: pass max_seq_len (the longest sequence the "
-                            "rewritten model will run)")
-        seq = max_seq or 1
         cores = [m.info["core"] for m in matches]
-        values, shapes = set(), set()
-        for c in cores:
-            shapes |= {c.query.name, c.kt.name, c.value.name}
-            if c.mask is not None:
-                values.add(c.mask.tensor)
-            values |= {n for n, _ in c.scale_tensors}
-        # Which graph input (if any) each mask depends on by value.
-        pad_of = {}
-        for c in cores:
-            if c.mask is not None and c.mask.tensor not in pad_of:
-                t = self.graph.tensors()[c.mask.tensor]
-                vins = value_inputs(self.graph, t)
-                pad_of[c.mask.tensor] = vins
-        pads = sorted({next(iter(v)) for v in pad_of.values() if len(v) == 1})
-        probe = Probe(model, sorted(values), sorted(shapes))
-        batch = 3
-        spec_by = {s.name: s for s in specs}
-        rng = np.random.default_rng(1234)
-        runs = []
-        for k in range(4):
-            overrides = {}
-            for name in pads:
-                shp = spec_by[name].shape(batch, seq)
-                overrides[name] = (np.ones(shp, np.int64) if k == 0 else
-                                   (rng.random(shp) < (0.3, 0.6, 0.9)[k - 1]).astype(np.int64))
-            vals, shps = probe.run(batch, seq, overrides)
-            runs.append({"values": vals, "shapes": shps, "overrides": overrides})
-        short = None
-        if dynamic:
-            s2 = max(1, (2 * seq) // 3 - 1)
-            vals, shps = probe.run(batch, s2)
-            short = {"values": vals, "shapes": shps}
+        shapes = {n for c in cores for n in (c.query.name, c.kt.name, c.value.name)}
+        scales = {n for c in cores for n, _ in c.scale_tensors}
+        probe = AttentionProbe(self.ctx, self.graph, shapes, [c.mask for c in cores if c.mask], scales)
         kept = []
         for m, c in zip(matches, cores):
-            plan = self._plan(c, runs, short, pad_of)
+            plan = self._plan(c, probe)
             if plan is None:
                 continue
             m.info = plan.info()
@@ -253,9 +212,8 @@ class FuseAttentionCore(Fusion):
             kept.append(m)
         return kept
 
-    def _plan(self, c: _Core, runs, short, pad_of) -> AttentionPlan | None:
-        shp = runs[0]["shapes"]
-        qs, kts, vs = shp[c.query.name], shp[c.kt.name], shp[c.value.name]
+    def _plan(self, c: _Core, probe: AttentionProbe) -> AttentionPlan | None:
+        qs, kts, vs = probe.shape(c.query.name), probe.shape(c.kt.name), probe.shape(c.value.name)
         if len(qs) != 4 or len(kts) != 4 or len(vs) != 4:
             self.skip(c.softmax, f"Q/Kᵀ/V ranks {len(qs)}/{len(kts)}/{len(vs)}: only 4-D [B,H,S,D] attention is "
                                  "supported")
@@ -268,26 +226,14 @@ class FuseAttentionCore(Fusion):
             return None
         scale = c.scale
         for name, how in c.scale_tensors:
-            vals = [r["values"][name] for r in runs] + ([short["values"][name]] if short else [])
-            if any(np.asarray(v).size != 1 for v in vals) or len({float(np.asarray(v).reshape(())) for v in vals}) != 1:
+            v = probe.constant_scalar(name)
+            if v is None:
                 self.skip(c.softmax, "the score scale is not one constant")
                 return None
-            v = float(np.asarray(vals[0]).reshape(()))
             scale = scale * v if how == "mul" else scale / v
-        gmask, bias, pad_input = None, None, None
+        gmask, bias = None, None
         if c.mask is not None:
-            vins = pad_of[c.mask.tensor]
-            pad_input = next(iter(vins)) if len(vins) == 1 else None
-            if len(vins) > 1:
-                from .mask_analysis import GraphMask
-                gmask = GraphMask("bias", reason=f"mask depends on several inputs {sorted(vins)}")
-            else:
-                pruns = [{"values": r["values"], "pad": r["overrides"].get(pad_input)} for r in runs]
-                srun = None
-                if short is not None:
-                    s_q, s_kt = short["shapes"][c.query.name], short["shapes"][c.kt.name]
-                    srun = {"values": short["values"], "sq": s_q[2], "sk": s_kt[3]}
-                gmask = classify(c.mask, sq, sk, H, pruns, pad_input, srun)
+            gmask = probe.classify(c.mask, sq, sk, H, (c.query.name, 2, c.kt.name, 3))
             if gmask.kind == "bias":
                 bias = c.mask
                 self.ctx.report.notes.append(f"{c.softmax.name}: mask kept as attn_bias: {gmask.reason}")
