@@ -1,0 +1,76 @@
+"""Tactic cache: keys, JSON round trip, validation, and the pre-search fallback (no GPU needed)."""
+
+import json
+
+import pytest
+
+from stof_trt.errors import StofError
+from stof_trt.format import compile_mask
+from stof_trt.tactic_cache import FORMAT, CacheKey, TacticCache, choose, node_signature, shape_bucket
+
+
+def test_shape_bucket_rounds_up_to_powers_of_two():
+    assert shape_bucket(8, 4096, 4096) == "B8|Sq4096|Sk4096"
+    assert shape_bucket(3, 500, 33) == "B4|Sq512|Sk64"
+    assert shape_bucket(1, 1, 1) == "B1|Sq64|Sk64"
+
+
+def test_node_signature_matches_the_plugin_format():
+    # plugins_cu/ort/sparseAttention/sparseAttentionOp.cpp builds the same string
+    assert (node_signature("float16", 12, 64, 64, 64, 1, 4096, 4096, True)
+            == "StofSparseAttention|float16|H12|D64|tile64x64|L1|seq4096x4096|kpm1")
+
+
+def _key(**kw):
+    base = dict(gpu="NVIDIA H100 80GB HBM3", cc="9.0", node=node_signature("float16", 12, 64, 64, 64, 1, 512, 512,
+                                                                           False),
+                bucket=shape_bucket(8, 512, 512), mask="ab" * 20)
+    base.update(kw)
+    return CacheKey(**base)
+
+
+def test_round_trip(tmp_path):
+    c = TacticCache()
+    c.put(_key(), 3, time_ms=0.25, source="measured", candidates={"1": 0.3, "3": 0.25})
+    c.put(_key(bucket="B8|Sq2048|Sk2048"), 1, time_ms=1.0)
+    p = c.save(tmp_path / "cache.json")
+    doc = json.loads(p.read_text())
+    assert doc["format"] == FORMAT and doc["version"] == 1 and len(doc["entries"]) == 2
+    for e in doc["entries"]:
+        assert {"gpu", "cc", "node", "bucket", "mask", "tactic"} <= set(e)
+    d = TacticCache.load(p)
+    assert d.lookup(_key()) == 3 and d.lookup(_key(bucket="B8|Sq2048|Sk2048")) == 1
+    assert d.lookup(_key(gpu="other")) == 0
+    assert d.get(_key())["candidates"] == {"1": 0.3, "3": 0.25}
+
+
+@pytest.mark.parametrize("text,match", [
+    ("not json", "JSON"),
+    ('{"format": "x", "version": 1, "entries": []}', "not a STOF tactic cache"),
+    ('{"format": "stof-tactic-cache", "version": 2, "entries": []}', "version"),
+    ('{"format": "stof-tactic-cache", "version": 1, "entries": [{"gpu": "g"}]}', "lacks"),
+    ('{"format": "stof-tactic-cache", "version": 1, "entries": [{"gpu": "g", "cc": "9.0", "node": "n", '
+     '"bucket": "b", "mask": "m", "tactic": 0}]}', "bad tactic"),
+])
+def test_bad_files_are_user_errors(tmp_path, text, match):
+    p = tmp_path / "c.json"
+    p.write_text(text)
+    with pytest.raises(StofError, match=match):
+        TacticCache.load(p)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(StofError, match="not found"):
+        TacticCache.load(tmp_path / "nope.json")
+    assert len(TacticCache.load_or_new(tmp_path / "nope.json")) == 0
+
+
+def test_choose_cache_then_presearch():
+    layout = compile_mask("longformer:window=256,global=32", 1024, 1024)
+    key = _key(mask=layout.signature())
+    kw = dict(batch=8, heads=12, head_dim=64, seq_q=1024, seq_k=1024)
+    t, src = choose(None, key, layout, **kw)
+    assert src == "presearch" and t >= 1
+    c = TacticCache()
+    c.put(key, 2)
+    assert choose(c, key, layout, **kw) == (2, "cache")
