@@ -199,6 +199,8 @@ class AttentionProbe:
         """GraphMask of ``term``. ``short_sizes``: (tensor, dim, tensor, dim) giving Sq and Sk at the short run."""
         from .mask_analysis import GraphMask, classify
 
+        if term.mode == "additive" and np.asarray(self.runs[0]["values"][term.tensor]).dtype == bool:
+            term.mode = "allowed_bool"  # a boolean attn_mask whose type the graph did not declare
         vins = self.pad_of[term.tensor]
         if len(vins) > 1:
             return GraphMask("bias", reason=f"mask depends on several inputs {sorted(vins)}")

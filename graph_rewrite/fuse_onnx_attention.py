@@ -41,7 +41,7 @@ class FuseOnnxAttention(Fusion):
     pattern = "onnx_attention"
 
     def fuse(self, node: gs.Node) -> Match | None:
-        if node.domain not in ("", "ai.onnx"):
+        if node.domain not in (None, "", "ai.onnx"):
             return None
         outs = self.ctx.graph_outputs
         if any(_present(node, i) for i in (4, 5, 6)):
@@ -60,7 +60,8 @@ class FuseOnnxAttention(Fusion):
         mask = None
         if _present(node, 3):
             m = node.inputs[3]
-            mask = MaskTerm(m.name, "allowed_bool" if m.dtype == np.bool_ else "additive")
+            is_bool = m.dtype is not None and np.dtype(m.dtype) == np.dtype(bool)
+            mask = MaskTerm(m.name, "allowed_bool" if is_bool else "additive")
         return Match(node, [node], lambda: [], {"node": node, "mask": mask})
 
     def analyze(self, matches: list[Match]) -> list[Match]:

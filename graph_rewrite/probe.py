@@ -86,9 +86,12 @@ class Probe:
             if isinstance(t, gs.Variable) and t.dtype is None and t.name in typed:
                 t.dtype = helper.tensor_dtype_to_np_dtype(typed[t.name])
         self.value_names = [n for n in dict.fromkeys(values)]
-        missing = [t.name for t in outs if isinstance(t, gs.Variable) and t.dtype is None]
-        if missing:
-            raise StofError(f"cannot determine the element type of {missing[0]} to probe the model")
+        for i, t in enumerate(outs):  # type unknown (e.g. after contrib ops): read it through a Cast to double
+            if isinstance(t, gs.Variable) and t.dtype is None:
+                as_double = gs.Variable(f"__stof_probe_double_{i}", dtype=np.float64)
+                graph.nodes.append(gs.Node("Cast", attrs={"to": onnx.TensorProto.DOUBLE}, inputs=[t],
+                                           outputs=[as_double]))
+                outs[i] = as_double
         graph.outputs = [t.to_variable(dtype=t.dtype, shape=None) if isinstance(t, gs.Constant) else t for t in outs]
         for t in graph.outputs:
             t.shape = None
