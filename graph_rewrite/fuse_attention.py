@@ -82,7 +82,11 @@ class FuseAttentionCore(Fusion):
             nodes.append(nxt)
             nxt = single_consumer(nxt.outputs[0], outs)
         if nxt is None or nxt.op != "MatMul" or nxt.inputs[0] is not nodes[-1].outputs[0]:
-            self.debug(softmax, "softmax output does not feed a single MatMul(P, V)")
+            probs = nodes[-1].outputs[0]
+            if any(c.op == "MatMul" and c.inputs[0] is probs for c in probs.outputs):
+                self.skip(softmax, "the attention probabilities are used elsewhere (e.g. output_attentions)")
+            else:
+                self.debug(softmax, "softmax output does not feed a single MatMul(P, V)")
             return None
         pv = nxt
         nodes.append(pv)

@@ -72,8 +72,13 @@ class Probe:
         graph = gs.import_onnx(model)
         tensors = graph.tensors()
         outs = []
+        self.constants = {}
         for name in dict.fromkeys(values):
-            outs.append(tensors[name])
+            if isinstance(tensors[name], gs.Constant):  # an initializer: no need to run anything
+                self.constants[name] = np.asarray(tensors[name].values)
+            else:
+                outs.append(tensors[name])
+        values = [n for n in values if n not in self.constants]
         self.shape_names = {}
         for name in dict.fromkeys(shapes):
             shp = gs.Variable(f"__stof_probe_shape_{len(self.shape_names)}", dtype=np.int64)
@@ -92,7 +97,12 @@ class Probe:
                 graph.nodes.append(gs.Node("Cast", attrs={"to": onnx.TensorProto.DOUBLE}, inputs=[t],
                                            outputs=[as_double]))
                 outs[i] = as_double
-        graph.outputs = [t.to_variable(dtype=t.dtype, shape=None) if isinstance(t, gs.Constant) else t for t in outs]
+        self.session = None
+        self.specs = {s.name: s for s in graph_inputs(model)}
+        if not outs:  # only initializers were asked for
+            self.input_names = set()
+            return
+        graph.outputs = list(outs)
         for t in graph.outputs:
             t.shape = None
         graph.cleanup(remove_unused_graph_inputs=False)
@@ -120,6 +130,8 @@ class Probe:
 
     def run(self, batch: int, seq: int, overrides=None) -> tuple[dict[str, np.ndarray], dict[str, tuple]]:
         """Returns ({tensor: value}, {tensor: shape})."""
+        if self.session is None:
+            return dict(self.constants), {}
         try:
             res = self.session.run(None, self.feeds(batch, seq, overrides))
         except Exception as exc:  # noqa: BLE001 - any ORT failure means the model cannot run at this size
@@ -128,6 +140,7 @@ class Probe:
         names = self.value_names + list(self.shape_names)
         vals = dict(zip(names, res))
         values = {n: vals[n] for n in self.value_names}
+        values.update(self.constants)
         shapes = {n: tuple(int(x) for x in vals[n]) for n in self.shape_names}
         return values, shapes
 

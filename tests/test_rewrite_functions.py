@@ -1,0 +1,153 @@
+"""The model-local ONNX functions (the portable fallback) against NumPy references of docs/nodes.md."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from graph_rewrite.functions import (add_layernorm_function, add_layernorm_overload, attention_overload,
+                                     gemm_epilogue_function, sparse_attention_function)
+from models_util import session
+from stof_trt.format import TileLayout, compile_mask
+
+
+def reference_attention(q, k, v, allowed, scale, bias=None):
+    s = q @ np.swapaxes(k, -1, -2) * scale
+    if bias is not None:
+        s = s + bias
+    s = np.where(allowed, s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    m = np.where(np.isinf(m), 0, m)
+    e = np.exp(s - m)
+    d = e.sum(-1, keepdims=True)
+    return (e / np.where(d == 0, 1, d)) @ v
+
+
+def attention_model(layout: TileLayout, opset: int, padding: bool, bias: bool, dtype=TensorProto.FLOAT, H=4, D=8):
+    inits = [numpy_helper.from_array(a, n) for n, a in layout.arrays().items()]
+    ins = ["q", "k", "v", *layout.arrays()] + (["kpm"] if padding else [""] if bias else []) + (["b"] if bias else [])
+    node = helper.make_node("StofSparseAttention", ins, ["o"], domain="stof", scale=0.37, tile_m=layout.tile_m,
+                            tile_n=layout.tile_n, seq_q=layout.seq_q, seq_k=layout.seq_k,
+                            num_layouts=layout.num_layouts, format_version=1, mask_spec=layout.mask_spec)
+    node.overload = attention_overload(padding, bias)
+    gin = [helper.make_tensor_value_info(n, dtype, ["b", H, "s", D]) for n in "qkv"]
+    if padding:
+        gin.append(helper.make_tensor_value_info("kpm", TensorProto.INT32, ["b", "s"]))
+    if bias:
+        gin.append(helper.make_tensor_value_info("b", dtype, ["b", 1, "s", "s"]))
+    graph = helper.make_graph([node], "g", gin, [helper.make_tensor_value_info("o", dtype, ["b", H, "s", D])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("stof", 1)],
+                              functions=[sparse_attention_function(opset, padding, bias)])
+    model.ir_version = 10
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+@pytest.mark.parametrize("opset", [15, 17, 18, 23])
+@pytest.mark.parametrize("spec,tiles", [("causal", (16, 32)), ("sliding:window=5", (32, 32)),
+                                        ("bigbird:block=16,window=1,global=1,random=0.3,seed=1", (16, 64))])
+@pytest.mark.parametrize("padding,bias", [(False, False), (True, False), (False, True), (True, True)])
+def test_sparse_attention_function(opset, spec, tiles, padding, bias):
+    S, B, H, D = 45, 2, 4, 8
+    layout = compile_mask(spec, S, S, tile_m=tiles[0], tile_n=tiles[1])
+    sess = session(attention_model(layout, opset, padding, bias))
+    rng = np.random.default_rng(0)
+    for s in (S, 30):  # run-time length below the compiled one: the top-left corner
+        q, k, v = (rng.standard_normal((B, H, s, D)).astype(np.float32) for _ in range(3))
+        feeds = {"q": q, "k": k, "v": v}
+        allowed = layout.to_dense()[0][:s, :s][None, None]
+        if padding:
+            kpm = (rng.random((B, s)) < 0.7).astype(np.int32) * rng.integers(1, 5, (B, s)).astype(np.int32)
+            kpm[1] = 0  # batch row 1: every key dropped -> zeros, not NaN
+            feeds["kpm"] = kpm
+            allowed = allowed & (kpm[:, None, None, :] != 0)
+        b = None
+        if bias:
+            b = feeds["b"] = rng.standard_normal((B, 1, s, s)).astype(np.float32)
+        out = sess.run(None, feeds)[0]
+        ref = reference_attention(q, k, v, allowed, np.float32(0.37), b)
+        assert np.isfinite(out).all()
+        np.testing.assert_allclose(out, ref, atol=2e-5)
+        if padding:
+            assert not out[1].any()
+
+
+def test_per_head_layouts_and_empty_layout():
+    S, B, H, D = 40, 2, 4, 8
+    rng = np.random.default_rng(1)
+    dense = rng.random((2, S, S)) < 0.3  # two layouts: head h uses layout h % 2
+    dense[0, 5] = False  # a query row with no key at all
+    layout = TileLayout.from_dense(dense, 16, 32)
+    sess = session(attention_model(layout, 17, False, False, H=H))
+    q, k, v = (rng.standard_normal((B, H, S, D)).astype(np.float32) for _ in range(3))
+    out = sess.run(None, {"q": q, "k": k, "v": v})[0]
+    allowed = dense[np.arange(H) % 2][None]
+    np.testing.assert_allclose(out, reference_attention(q, k, v, allowed, np.float32(0.37)), atol=2e-5)
+    assert not out[:, 0, 5].any() and not out[:, 2, 5].any() and out[:, 1, 5].any()
+    empty = TileLayout.from_dense(np.zeros((S, S), bool), 16, 32)
+    assert empty.nnz == 0
+    out = session(attention_model(empty, 17, False, False)).run(None, {"q": q, "k": k, "v": v})[0]
+    assert not out.any()
+
+
+def test_sparse_attention_function_float16():
+    S, B, H, D = 33, 1, 4, 8
+    layout = compile_mask("causal", S, S, tile_m=16, tile_n=32)
+    sess = session(attention_model(layout, 17, True, False, dtype=TensorProto.FLOAT16))
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((B, H, S, D)).astype(np.float16) for _ in range(3))
+    kpm = np.ones((B, S), np.int32)
+    out = sess.run(None, {"q": q, "k": k, "v": v, "kpm": kpm})[0]
+    assert out.dtype == np.float16
+    ref = reference_attention(*(t.astype(np.float32) for t in (q, k, v)), layout.to_dense()[0][None, None],
+                              np.float32(0.37))
+    np.testing.assert_allclose(out.astype(np.float32), ref, atol=5e-3)
+
+
+@pytest.mark.parametrize("activation", ["none", "gelu_erf", "gelu_tanh"])
+def test_gemm_epilogue_function(activation):
+    rng = np.random.default_rng(3)
+    x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((2, 5, 8), (8, 16), (16,)))
+    node = helper.make_node("StofGemmEpilogue", ["x", "w", "b"], ["y"], domain="stof", activation=activation)
+    node.overload = activation
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 5, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 5, 16])],
+                              [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("stof", 1)],
+                              functions=[gemm_epilogue_function(17, activation)])
+    model.ir_version = 10
+    onnx.checker.check_model(model, full_check=True)
+    y = session(model).run(None, {"x": x})[0]
+    z = x @ w + b
+    ref = {"none": z, "gelu_erf": 0.5 * z * (1 + np.vectorize(math.erf)(z / math.sqrt(2))),
+           "gelu_tanh": 0.5 * z * (1 + np.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z ** 3)))}[activation]
+    np.testing.assert_allclose(y, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("opset", [16, 17])
+@pytest.mark.parametrize("has_bias,has_sum", [(False, False), (True, False), (False, True), (True, True)])
+def test_add_layernorm_function(opset, has_bias, has_sum):
+    rng = np.random.default_rng(4)
+    x, r = (rng.standard_normal((2, 5, 8)).astype(np.float32) for _ in range(2))
+    g, be, bi = (rng.standard_normal(8).astype(np.float32) for _ in range(3))
+    ins = ["x", "r", "g", "be"] + (["bi"] if has_bias else [])
+    outs = ["y"] + (["s"] if has_sum else [])
+    node = helper.make_node("StofAddLayerNorm", ins, outs, domain="stof", epsilon=1e-3)
+    node.overload = add_layernorm_overload(has_bias, has_sum)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 5, 8])
+                                            for n in ("x", "r")],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 5, 8]) for n in outs],
+                              [numpy_helper.from_array(a, n) for a, n in ((g, "g"), (be, "be"), (bi, "bi"))])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("stof", 1)],
+                              functions=[add_layernorm_function(opset, has_bias, has_sum)])
+    model.ir_version = 10
+    onnx.checker.check_model(model, full_check=True)
+    res = session(model).run(None, {"x": x, "r": r})
+    s = (x + bi if has_bias else x) + r
+    mu, var = s.mean(-1, keepdims=True), s.var(-1, keepdims=True)
+    np.testing.assert_allclose(res[0], (s - mu) / np.sqrt(var + 1e-3) * g + be, atol=1e-5)
+    if has_sum:
+        np.testing.assert_allclose(res[1], s, atol=1e-6)
