@@ -1,12 +1,14 @@
 """The ``stof`` command line. One module per subcommand (``add_args(parser)`` + ``run(args)``), registered in
 ``SUBCOMMANDS``; heavy imports (onnx, onnxruntime, torch) happen inside ``run``.
 
-Exit status: 0 success, 2 user error (bad file, bad spec, sizes that do not fit; one line on stderr), 1 bug."""
+Exit status: 0 success, 2 user error (bad file, bad spec, sizes that do not fit; one line on stderr), 1 an
+internal error (one line; STOF_DEBUG=1 shows the traceback)."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from ..errors import StofError
@@ -52,6 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("stof: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # a bug, not the user's fault: one line, the traceback on request
+        if os.environ.get("STOF_DEBUG"):
+            raise
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(f"stof: internal error: {type(e).__name__}: {msg} (set STOF_DEBUG=1 for the traceback; please report)",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
