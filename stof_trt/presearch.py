@@ -70,6 +70,7 @@ TACTICS = [
     TacticSpec(13, FAMILY_HOPPER, 64, 64, 4, 2),
     TacticSpec(14, FAMILY_HOPPER, 64, 64, 4, 3),
     TacticSpec(15, FAMILY_HOPPER, 128, 64, 8, 2),
+    TacticSpec(16, FAMILY_HOPPER, 128, 64, 8, 3),
 ]
 _BY_ID = {t.id: t for t in TACTICS}
 
@@ -84,7 +85,7 @@ def valid_tactics(tile_m: int, tile_n: int, head_dim: int, hopper: bool | None =
     out = []
     for t in TACTICS:
         if t.family == FAMILY_HOPPER:
-            if not hopper or tile_m % t.block_m or tile_n % t.block_n:
+            if not hopper or tile_m % 64 or tile_n % t.block_n:
                 continue
         if t.family == FAMILY_BLOCK:
             if tile_m % t.block_m or tile_n % t.block_n:

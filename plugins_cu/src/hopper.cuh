@@ -1,7 +1,10 @@
 // Block-wise sparse attention forward on Hopper tensor cores (sm_90a wgmma), same semantics as blockwise.cuh.
 //
-// One CTA = kWG warpgroups; warpgroup wg owns query rows [64*wg, 64*wg + 64) of the CTA's kBlockM = 64*kWG rows,
-// which lie in one format tile row (tile_m % kBlockM == 0).  Per non-empty kBlockN(=64)-key sub-block:
+// One CTA = kWG warpgroups; warpgroup wg owns query rows [q0 + 64*wg, q0 + 64*wg + 64), inside one format tile row
+// (tile_m % 64 == 0).  The warpgroups of a CTA may own different tile rows (tile_m = 64, kWG = 2): the CTA walks
+// the union of their non-empty columns (a k-way merge of the ascending col_idx lists, uniform across the CTA),
+// loads each K/V sub-block once for all warpgroups (halving L2->SM traffic), and a warpgroup whose own tile row
+// has no tile in that column skips it.  Per non-empty kBlockN(=64)-key sub-block and warpgroup:
 //   S(64x64, f32 regs) = Q(smem) K^T(smem)      wgmma m64n64k16, both operands K-major, 128B-swizzled
 //   mask (PARTIAL bitmap / key bound / padding), online softmax in registers (mma.sync C layout == wgmma C layout)
 //   O(64xD, f32 regs) += P(regs, fp16/bf16) V(smem)   wgmma m64nDk16, V as an MN-major (transposed) operand
@@ -27,6 +30,8 @@ struct HopperTraits {
     static constexpr int kBlockM = 64 * kWG;
     static constexpr int kBlockN = 64;
     static constexpr int kThreads = 128 * kWG;
+    // head dim 64: cap registers at 128 so 4 warpgroups fit per SM (4 CTAs of 1, or 2 of 2)
+    static constexpr int kMinBlocks = kHeadDim == 64 ? 4 / kWG : 1;
     static constexpr int kNI = kBlockN / 8;       // n8 column groups of S
     static constexpr int kKD = kHeadDim / 16;     // k16 steps over D
     static constexpr int kKN = kBlockN / 16;      // k16 steps over keys
@@ -81,8 +86,54 @@ __device__ __forceinline__ void load_rows_async128(uint32_t s_tile, const typena
     }
 }
 
+// The merged walk over the tile rows of the kWG warpgroups: yields (column j, sub-block, entry per warpgroup or -1).
+template <int kWG>
+struct MergedCursor {
+    int e[kWG], end[kWG], c[kWG];  // next entry, end, its column (INT_MAX when exhausted)
+    int sub, nsub;
+
+    __device__ __forceinline__ void init(const KernelParams& p, const int (&rows)[kWG], int kv_len) {
+#pragma unroll
+        for (int w = 0; w < kWG; ++w) {
+            if (rows[w] < 0) {
+                e[w] = end[w] = 0;
+            } else {
+                e[w] = __ldg(p.row_ptr + rows[w]);
+                end[w] = __ldg(p.row_ptr + rows[w] + 1);
+                // tiles entirely past the key bound contribute nothing (columns ascend)
+                while (end[w] > e[w] && __ldg(p.col_idx + end[w] - 1) * p.tile_n >= kv_len) --end[w];
+            }
+            c[w] = e[w] < end[w] ? __ldg(p.col_idx + e[w]) : INT_MAX;
+        }
+        sub = 0;
+        nsub = p.tile_n / 64;
+    }
+    // Current step: returns the column (INT_MAX = done) and each warpgroup's entry (-1 = no tile there).
+    __device__ __forceinline__ int peek(int (&ent)[kWG]) const {
+        int j = INT_MAX;
+#pragma unroll
+        for (int w = 0; w < kWG; ++w) j = min(j, c[w]);
+#pragma unroll
+        for (int w = 0; w < kWG; ++w) ent[w] = (c[w] == j && j != INT_MAX) ? e[w] : -1;
+        return j;
+    }
+    __device__ __forceinline__ void advance(const KernelParams& p) {
+        if (++sub < nsub) return;
+        sub = 0;
+        int j = INT_MAX;
+#pragma unroll
+        for (int w = 0; w < kWG; ++w) j = min(j, c[w]);
+#pragma unroll
+        for (int w = 0; w < kWG; ++w)
+            if (c[w] == j && j != INT_MAX) {
+                ++e[w];
+                c[w] = e[w] < end[w] ? __ldg(p.col_idx + e[w]) : INT_MAX;
+            }
+    }
+};
+
 template <class HT>
-__global__ void __launch_bounds__(HT::kThreads) hopper_attn_fwd(const KernelParams p) {
+__global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(const KernelParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using Elem = typename HT::Elem;
     constexpr int kNI = HT::kNI, kKD = HT::kKD, kKN = HT::kKN, kDI = HT::kDI;
@@ -98,16 +149,12 @@ __global__ void __launch_bounds__(HT::kThreads) hopper_attn_fwd(const KernelPara
     const int qb = gridDim.x - 1 - blockIdx.x;
     const int h = blockIdx.y, b = blockIdx.z;
     const int q0 = qb * kBlockM;
-    const int trow = q0 / p.tile_m;
-    const int a0 = q0 - trow * p.tile_m;
-    const int r = (h % p.num_layouts) * p.tq + trow;
     const int kv_len = effective_kv_len(p, b);
-
-    const int e_begin = __ldg(p.row_ptr + r);
-    int e_end = __ldg(p.row_ptr + r + 1);
-    while (e_end > e_begin && __ldg(p.col_idx + e_end - 1) * p.tile_n >= kv_len) --e_end;
-    const int nsub = p.tile_n / kBlockN;
-    const int n_iter = (e_end - e_begin) * nsub;
+    const int layout_row0 = (h % p.num_layouts) * p.tq;
+    int rows[HT::kWG];  // flattened (layout, tile row) of each warpgroup, -1 when its rows are all >= Sq
+#pragma unroll
+    for (int w = 0; w < HT::kWG; ++w) rows[w] = q0 + 64 * w < p.seq_q ? layout_row0 + (q0 + 64 * w) / p.tile_m : -1;
+    const int my_a0 = (q0 + 64 * wg) % p.tile_m;  // first bitmap row of this warpgroup inside its tile
 
     const Elem* gQ = static_cast<const Elem*>(p.q) + b * p.q_sb + h * p.q_sh;
     const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_sb + h * p.k_sh;
@@ -116,20 +163,30 @@ __global__ void __launch_bounds__(HT::kThreads) hopper_attn_fwd(const KernelPara
     const int32_t* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.seq_k : nullptr;
     const int words_per_tile = p.tile_m * p.tile_n / 32;
     const int words_per_row = p.tile_n / 32;
+    const float sl2 = p.scale_log2;
+    const bool fold = sl2 > 0.f;          // scale folded into the exp2 FFMA (max taken on raw scores)
+    const float mul = fold ? sl2 : 1.f;  // otherwise scores are pre-scaled, then masked
 
-    // Prologue
+    // Prologue: Q, then the first kStages-1 K/V sub-blocks of the merged walk.
     load_rows_async128<HT, kBlockM>(sQ, gQ, p.q_ss, q0, p.seq_q, tid);
     cp_async_commit();
-    auto load_kv = [&](int it) {
-        const int e = e_begin + it / nsub;
-        const int n0 = __ldg(p.col_idx + e) * p.tile_n + (it % nsub) * kBlockN;
-        const uint32_t st = sKV + (it % kStages) * 2 * HT::kSmemKV;
+    MergedCursor<HT::kWG> cur, pre;
+    cur.init(p, rows, kv_len);
+    pre = cur;
+    auto load_kv = [&](int j, int sub, int stage) {
+        const int n0 = j * p.tile_n + sub * kBlockN;
+        const uint32_t st = sKV + stage * 2 * HT::kSmemKV;
         load_rows_async128<HT, kBlockN>(st, gK, p.k_ss, n0, kv_len, tid);
         load_rows_async128<HT, kBlockN>(st + HT::kSmemKV, gV, p.v_ss, n0, kv_len, tid);
     };
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
-        if (s < n_iter) load_kv(s);
+        int ent[HT::kWG];
+        const int j = pre.peek(ent);
+        if (j != INT_MAX) {
+            load_kv(j, pre.sub, s);
+            pre.advance(p);
+        }
         cp_async_commit();
     }
 
@@ -142,17 +199,32 @@ __global__ void __launch_bounds__(HT::kThreads) hopper_attn_fwd(const KernelPara
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
     const int warp_row0 = warp * 16;  // == 64*wg + 16*(warp % 4): the wgmma accumulator rows of this warp
 
-    for (int it = 0; it < n_iter; ++it) {
+    for (int it = 0;; ++it) {
+        int ent[HT::kWG];
+        const int j = cur.peek(ent);
+        if (j == INT_MAX) break;
+        const int sub = cur.sub;
+        cur.advance(p);
         cp_async_wait<kStages - 2>();
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         __syncthreads();
-        if (it + kStages - 1 < n_iter) load_kv(it + kStages - 1);
-        cp_async_commit();
+        {
+            int pent[HT::kWG];
+            const int pj = pre.peek(pent);
+            if (pj != INT_MAX) {
+                load_kv(pj, pre.sub, (it + kStages - 1) % kStages);
+                pre.advance(p);
+            }
+            cp_async_commit();
+        }
+        int my_ent = ent[0];
+#pragma unroll
+        for (int w = 1; w < HT::kWG; ++w)
+            if (wg == w) my_ent = ent[w];
+        if (my_ent < 0) continue;  // this warpgroup's tile row has no tile here (warpgroup-uniform)
 
-        const int e = e_begin + it / nsub;
-        const int sub = it % nsub;
-        const int n0 = __ldg(p.col_idx + e) * p.tile_n + sub * kBlockN;
-        const int bm_idx = __ldg(p.tile_bitmap_index + e);
+        const int n0 = j * p.tile_n + sub * kBlockN;
+        const int bm_idx = __ldg(p.tile_bitmap_index + my_ent);
         const bool need_mask = bm_idx >= 0 || n0 + kBlockN > kv_len || kpm != nullptr;
         uint32_t bits[2][HT::kWordsN];
         if (need_mask) {
@@ -160,7 +232,7 @@ __global__ void __launch_bounds__(HT::kThreads) hopper_attn_fwd(const KernelPara
             for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
                 for (int w = 0; w < HT::kWordsN; ++w) {
-                    const int a = a0 + warp_row0 + hh * 8 + g;
+                    const int a = my_a0 + (warp & 3) * 16 + hh * 8 + g;
                     bits[hh][w] = bm_idx >= 0
                                       ? static_cast<uint32_t>(__ldg(p.bitmaps + static_cast<int64_t>(bm_idx) *
                                                                                    words_per_tile +
@@ -183,8 +255,10 @@ __global__ void __launch_bounds__(HT::kThreads) hopper_attn_fwd(const KernelPara
         wgmma_wait<0>();
         fence_regs(rS);
 
+        if (!fold) {
 #pragma unroll
-        for (int i = 0; i < kNI * 4; ++i) rS[i] *= p.scale_log2;
+            for (int i = 0; i < kNI * 4; ++i) rS[i] *= sl2;
+        }
         if (need_mask) {
 #pragma unroll
             for (int ni = 0; ni < kNI; ++ni)
@@ -208,15 +282,15 @@ __global__ void __launch_bounds__(HT::kThreads) hopper_attn_fwd(const KernelPara
             for (int ni = 0; ni < kNI; ++ni) mx = fmaxf(mx, fmaxf(rS[ni * 4 + hh * 2], rS[ni * 4 + hh * 2 + 1]));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_use = (mx == -INFINITY) ? 0.f : mx;
-            const float alpha = fast_exp2(row_max[hh] - m_use);
+            const float m_use = (mx == -INFINITY) ? 0.f : mx * mul;  // log2 domain
+            const float alpha = fast_exp2(row_max[hh] * mul - m_use);  // -inf * mul = -inf (mul > 0)
             row_max[hh] = mx;
             float sum = 0.f;
 #pragma unroll
             for (int ni = 0; ni < kNI; ++ni)
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
-                    const float pv = fast_exp2(rS[ni * 4 + hh * 2 + c] - m_use);
+                    const float pv = fast_exp2(fmaf(rS[ni * 4 + hh * 2 + c], mul, -m_use));
                     rS[ni * 4 + hh * 2 + c] = pv;
                     sum += pv;
                 }

@@ -122,7 +122,9 @@ stof_status_t validate(const stof_attn_params_t* p) {
 }
 
 bool tactic_valid(const TacticDesc& t, const stof_attn_params_t& p) {
-    if ((t.family == 1 || t.family == 3) && (p.tile_m % t.block_m != 0 || p.tile_n % t.block_n != 0)) return false;
+    if (t.family == 1 && (p.tile_m % t.block_m != 0 || p.tile_n % t.block_n != 0)) return false;
+    // wgmma CTAs: 64 rows per warpgroup, each inside one tile row; a CTA may span several tile rows
+    if (t.family == 3 && (p.tile_m % 64 != 0 || p.tile_n % t.block_n != 0)) return false;
     if (t.family == 3 && (!stof::kHopperCompiled || current_sm() != 90)) return false;
     return launcher_for(t, p) != nullptr;
 }
