@@ -6,12 +6,19 @@ requested tensors need is run, with graph optimizations off so values are exactl
 """
 from __future__ import annotations
 
+import os
+import tempfile
+
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 from onnx import helper
 
 from stof_trt.errors import StofError
+
+#: Protos at or above this size cannot be serialized in one piece (protobuf's 2 GB limit): they go through a
+#: temporary directory with external data instead.
+LARGE_MODEL_BYTES = 2**31 - 2**24
 
 _INT_TYPES = {onnx.TensorProto.INT32, onnx.TensorProto.INT64, onnx.TensorProto.INT8, onnx.TensorProto.UINT8,
               onnx.TensorProto.INT16}
@@ -111,7 +118,14 @@ class Probe:
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         so.log_severity_level = 3
-        self.session = ort.InferenceSession(pruned.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        if pruned.ByteSize() < LARGE_MODEL_BYTES:
+            self.session = ort.InferenceSession(pruned.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        else:  # > 2 GB: ORT reads the weights from external data files, kept until the probe goes away
+            self._tmp = tempfile.TemporaryDirectory(prefix="stof_probe_")
+            path = os.path.join(self._tmp.name, "probe.onnx")
+            onnx.save_model(pruned, path, save_as_external_data=True, all_tensors_to_one_file=True,
+                            location="probe.weights", size_threshold=1024)
+            self.session = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
         self.input_names = {i.name for i in self.session.get_inputs()}
         self.specs = {s.name: s for s in graph_inputs(model)}
 

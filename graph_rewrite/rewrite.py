@@ -89,6 +89,10 @@ def rewrite_model(model: onnx.ModelProto, *, mask=None, epilogues: bool = True, 
     for fusion in _fusions(epilogues):
         fusion(ctx).apply()
     report.nodes_after = len(graph.nodes)
+    if mask is not None and not report.attention:
+        report.notes.append("a mask was given but no attention was rewritten")
+    if max_seq_len is not None and report.attention and all(a["seq_q"] != max_seq_len for a in report.attention):
+        report.notes.append(f"max_seq_len={max_seq_len} not used: the model's attention sizes are fixed")
     if not ctx.functions:
         out = copy.deepcopy(original)
         return out, report
@@ -117,8 +121,24 @@ def rewrite_model(model: onnx.ModelProto, *, mask=None, epilogues: bool = True, 
 
 
 def check(model: onnx.ModelProto) -> None:
-    """onnx.checker with full_check (shape inference) when the model fits in memory as one proto."""
-    try:
+    """onnx.checker with full_check (shape inference). A model over protobuf's 2 GB limit is checked by path:
+    written with external data to a temporary directory (which moves its weights out of the proto), checked,
+    and its weights loaded back, so the proto is unchanged afterwards."""
+    from .probe import LARGE_MODEL_BYTES
+
+    if model.ByteSize() < LARGE_MODEL_BYTES:
         onnx.checker.check_model(model, full_check=True)
-    except ValueError:  # > 2 GB: check by path is the caller's business
-        onnx.checker.check_model(model)
+        return
+    import os
+    import tempfile
+
+    from onnx.external_data_helper import load_external_data_for_model
+
+    with tempfile.TemporaryDirectory(prefix="stof_check_") as tmp:
+        path = os.path.join(tmp, "model.onnx")
+        onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True,
+                        location="model.weights", size_threshold=1024)
+        try:
+            onnx.checker.check_model(path, full_check=True)
+        finally:
+            load_external_data_for_model(model, tmp)

@@ -162,3 +162,26 @@ def test_default_tiles_and_report_is_json():
     assert a["tile_classes"] == {"empty": 6, "full": 6, "partial": 4}
     rows = report.summary_rows()
     assert rows and rows[0]["pattern"] == "attention_core"
+
+
+def test_large_model_paths(monkeypatch):
+    """Models over protobuf's 2 GB limit: probing and checking go through external data (threshold lowered)."""
+    import graph_rewrite.probe as probe
+
+    monkeypatch.setattr(probe, "LARGE_MODEL_BYTES", 1000)
+    model = exported("gpt2")
+    new, report = rewrite_model(model, max_seq_len=S_MAX, **TILE)
+    monkeypatch.undo()
+    assert_fused(new, {"StofSparseAttention": 2, "StofGemmEpilogue": 2})
+    assert all(i.data_location == onnx.TensorProto.DEFAULT for i in new.graph.initializer)
+    rng = np.random.default_rng(8)
+    assert_parity(model, new, token_feeds(rng, 2, 30, mask=padding_mask(rng, 2, 30)))
+
+
+def test_old_opset_is_converted():
+    model = exported("bert", opset=14)
+    new, report = rewrite_model(model, max_seq_len=S_MAX, **TILE)
+    assert report.opset == 17 and any("opset 14" in n for n in report.notes)
+    assert_fused(new, {"StofSparseAttention": 2})
+    rng = np.random.default_rng(9)
+    assert_parity(model, new, token_feeds(rng, 2, 30, mask=padding_mask(rng, 2, 30)))
