@@ -230,3 +230,78 @@ def latency_stats(times_ms: list[float]) -> dict:
     p90 = s[min(len(s) - 1, int(round(0.9 * (len(s) - 1))))]
     return {"median_ms": statistics.median(s), "p90_ms": p90, "min_ms": s[0], "mean_ms": statistics.fmean(s),
             "runs": len(s)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# inputs
+# ---------------------------------------------------------------------------------------------------------------
+_NP_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(double)": "float64",
+             "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(bool)": "bool", "tensor(uint8)": "uint8",
+             "tensor(int8)": "int8", "tensor(bfloat16)": "bfloat16"}
+
+
+def parse_shapes(specs) -> dict:
+    """["input_ids=8x512,attention_mask=8x512", ...] -> {"input_ids": (8, 512), ...}; one spec may list several."""
+    out = {}
+    for spec in specs or []:
+        for part in str(spec).split(","):
+            part = part.strip()
+            if not part:
+                continue
+            if "=" not in part:
+                raise StofError(f"bad shape spec '{part}' (expected NAME=DxDx...)")
+            name, dims = part.split("=", 1)
+            try:
+                shape = tuple(int(d) for d in dims.lower().split("x") if d != "")
+            except ValueError:
+                raise StofError(f"bad shape spec '{part}' (dims must be integers)") from None
+            if not shape or any(d < 0 for d in shape):
+                raise StofError(f"bad shape spec '{part}'")
+            out[name.strip()] = shape
+    return out
+
+
+def input_specs(sess) -> list[tuple[str, list, str]]:
+    """(name, shape with None for symbolic dims, numpy dtype name) of each session input."""
+    res = []
+    for i in sess.get_inputs():
+        shape = [d if isinstance(d, int) else None for d in i.shape]
+        res.append((i.name, shape, _NP_TYPES.get(i.type, i.type)))
+    return res
+
+
+def random_feeds(sess, shapes: dict | None = None, *, seed: int = 0, vocab: int = 100) -> dict:
+    """Random inputs for a session: ids in [0, vocab), masks of ones, token types 0, position ids 0..S-1, floats
+    N(0,1).  Symbolic dims come from `shapes` (name -> tuple); a static input may be given there too."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    shapes = dict(shapes or {})
+    feeds = {}
+    for name, shape, dt in input_specs(sess):
+        if name in shapes:
+            shp = tuple(shapes.pop(name))
+            if len(shp) != len(shape) or any(s is not None and s != d for s, d in zip(shape, shp)):
+                raise StofError(f"input '{name}': shape {shp} does not fit the model's {shape}")
+        elif all(d is not None for d in shape):
+            shp = tuple(shape)
+        else:
+            raise StofError(f"input '{name}' has symbolic dims {shape}: give --shapes {name}=DxD...")
+        lname = name.lower()
+        if dt in ("int64", "int32", "int8", "uint8", "bool"):
+            if "mask" in lname:
+                arr = np.ones(shp, dt)
+            elif "token_type" in lname:
+                arr = np.zeros(shp, dt)
+            elif "position" in lname:
+                arr = np.broadcast_to(np.arange(shp[-1]), shp).astype(dt)
+            else:
+                arr = rng.integers(0, vocab, size=shp).astype(dt)
+        elif dt in ("float32", "float16", "float64"):
+            arr = rng.standard_normal(shp).astype(dt)
+        else:
+            raise StofError(f"input '{name}': cannot make random values of type {dt}")
+        feeds[name] = arr
+    if shapes:
+        raise StofError(f"--shapes names inputs the model does not have: {', '.join(shapes)}")
+    return feeds

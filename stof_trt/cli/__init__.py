@@ -17,6 +17,9 @@ SUBCOMMANDS = [
     ("rewrite", "rewrite", "replace masked attention and epilogues in an ONNX model by STOF nodes"),
     ("inspect", "inspect", "list the STOF nodes of a model and draw their mask layouts"),
     ("demo", "demo", "export a small BERT, rewrite it with a Longformer mask, compare on ONNX Runtime CPU"),
+    ("run", "run", "run a (rewritten) model on ONNX Runtime with the STOF plugin; print or save the outputs"),
+    ("tune", "tune", "time the attention tactics of a rewritten model on this GPU; write a tactic cache"),
+    ("bench", "bench", "latency (median/p90) and max difference: original vs STOF-rewritten model on ORT CUDA"),
 ]
 
 

@@ -31,9 +31,14 @@ OrtStatusPtr inferShapeFromInput(OrtShapeInferContext* ctx, size_t input, ONNXTe
     } while (0)
     try {
         STOF_TRY_API(api.ShapeInferContext_GetInputTypeShape(ctx, input, &in));
+        // One schema serves the float/float16/bfloat16 kernels of an op (ORT builds it from the first registered),
+        // so the output type follows the input's, never the op object's.
+        ONNXTensorElementDataType inType = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+        STOF_TRY_API(api.GetTensorElementType(in, &inType));
+        if (inType != ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED) outType = inType;
         size_t rank = 0;
         STOF_TRY_API(api.GetDimensionsCount(in, &rank));
-        if (rank == 0) {  // unknown or scalar: leave the output to type inference alone
+        if (rank == 0) {  // unknown rank (or scalar): leave the output to ORT's type inference
             cleanup();
             return nullptr;
         }

@@ -1,0 +1,124 @@
+"""Run an ONNX model (typically a STOF-rewritten one) on ONNX Runtime with the STOF plugin on the CUDA EP and print
+(or save) its outputs. Inputs come from .npy files (--input NAME=FILE.npy) or are random (--shapes for symbolic
+dims: ids in [0,100), masks of ones, floats N(0,1)).
+
+examples:
+  stof run bert.stof.onnx --input input_ids=ids.npy --input attention_mask=mask.npy -o outputs/
+  stof run bert.stof.onnx --shapes input_ids=8x4096,attention_mask=8x4096 --tactic-cache h100.json --time 20
+  stof run model.onnx --provider cpu --shapes pixel_values=1x3x224x224 --json
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..errors import StofError
+from .common import print_json, print_table
+
+
+def add_args(p):
+    p.add_argument("model", metavar="MODEL.onnx")
+    p.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy", help="an input from a .npy file")
+    p.add_argument("--shapes", action="append", default=[], metavar="NAME=DxD,...",
+                   help="shapes of random inputs (for symbolic dims)")
+    p.add_argument("--seed", type=int, default=0, help="seed of random inputs")
+    p.add_argument("--provider", choices=["cuda", "cpu"], default="cuda",
+                   help="cuda: CUDA EP + libstof_ort (default); cpu: STOF nodes run as their ONNX functions")
+    p.add_argument("--device", type=int, default=0, help="CUDA device id")
+    p.add_argument("--tactic-cache", metavar="FILE.json", help="tactic cache from `stof tune`")
+    p.add_argument("--cuda-graphs", action="store_true", help="run through a captured CUDA graph (IO binding)")
+    p.add_argument("-o", "--output-dir", metavar="DIR", help="save each output as DIR/<name>.npy")
+    p.add_argument("--time", type=int, default=0, metavar="N", help="also time N runs (IO binding; median/p90)")
+    p.add_argument("--verbose", action="store_true", help="print the plugin's tactic choices")
+    p.add_argument("--json", action="store_true")
+
+
+def load_inputs(specs) -> dict:
+    import numpy as np
+
+    feeds = {}
+    for spec in specs:
+        if "=" not in spec:
+            raise StofError(f"bad --input '{spec}' (expected NAME=FILE.npy)")
+        name, path = spec.split("=", 1)
+        if not os.path.isfile(path):
+            raise StofError(f"no such file: {path}")
+        try:
+            feeds[name] = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise StofError(f"{path} is not a readable .npy file ({e})") from None
+    return feeds
+
+
+def run(args) -> int:
+    import numpy as np
+
+    from .. import ort as sort
+
+    if not os.path.isfile(args.model):
+        raise StofError(f"no such file: {args.model}")
+    if args.output_dir and not os.path.isdir(args.output_dir):
+        raise StofError(f"output directory does not exist: {args.output_dir}")
+    sess = sort.session(args.model, providers=args.provider, device_id=args.device, tactic_cache=args.tactic_cache,
+                        cuda_graphs=args.cuda_graphs, verbose=args.verbose)
+    given = load_inputs(args.input)
+    names = {i.name for i in sess.get_inputs()}
+    unknown = set(given) - names
+    if unknown:
+        raise StofError(f"the model has no input(s) {', '.join(sorted(unknown))} (inputs: {', '.join(sorted(names))})")
+    shapes = sort.parse_shapes(args.shapes)
+    missing = {n: s for n, s in shapes.items() if n not in given}
+    specs = [(n, shp, dt) for n, shp, dt in sort.input_specs(sess) if n not in given]
+    feeds = dict(given)
+    if specs:
+        rnd = sort.random_feeds(_Subset(sess, {n for n, _, _ in specs}), missing, seed=args.seed)
+        feeds.update(rnd)
+    for n, shp, dt in sort.input_specs(sess):
+        if n in given and str(given[n].dtype) != dt:
+            raise StofError(f"input '{n}' is {given[n].dtype}, the model expects {dt}")
+    try:
+        binding = sort.Binding(sess, feeds, device_id=args.device)
+        binding.run()
+        outs = binding.outputs()
+    except StofError:
+        raise
+    except Exception as e:  # noqa: BLE001 - ORT's run errors (bad shapes, ...) are user errors here
+        raise StofError(f"onnxruntime run failed: {str(e).strip().splitlines()[0]}") from None
+    info = {"model": args.model, "provider": args.provider, "outputs": []}
+    for o, arr in zip(sess.get_outputs(), outs):
+        a = arr.astype(np.float64) if arr.dtype.kind == "f" else arr
+        row = {"name": o.name, "shape": list(arr.shape), "dtype": str(arr.dtype)}
+        if arr.size and arr.dtype.kind in "fiu":
+            row.update(min=float(a.min()), max=float(a.max()), mean=float(a.mean()),
+                       finite=bool(np.isfinite(a).all()) if arr.dtype.kind == "f" else True)
+        if args.output_dir:
+            path = os.path.join(args.output_dir, f"{o.name}.npy")
+            np.save(path, arr)
+            row["saved"] = path
+        info["outputs"].append(row)
+    if args.time:
+        times = sort.time_session(sess, feeds, iters=args.time, binding=binding, warmup=3)
+        info["latency"] = sort.latency_stats(times)
+    if args.json:
+        print_json(info)
+        return 0
+    print_table([[r["name"], "x".join(map(str, r["shape"])), r["dtype"], _f(r.get("min")), _f(r.get("max")),
+                  _f(r.get("mean"))] for r in info["outputs"]], ["output", "shape", "dtype", "min", "max", "mean"])
+    if args.time:
+        lat = info["latency"]
+        print(f"\nlatency over {lat['runs']} runs: median {lat['median_ms']:.3f} ms, p90 {lat['p90_ms']:.3f} ms")
+    return 0
+
+
+def _f(v):
+    return "-" if v is None else f"{v:.4g}"
+
+
+class _Subset:
+    """A session view exposing only some inputs (for random_feeds)."""
+
+    def __init__(self, sess, names):
+        self._sess, self._names = sess, names
+
+    def get_inputs(self):
+        return [i for i in self._sess.get_inputs() if i.name in self._names]

@@ -1,0 +1,86 @@
+"""Measure the attention kernels' tactics for a STOF-rewritten model on this GPU and write a tactic cache
+(the second search stage). For each --shapes set the model runs once on the CUDA EP to learn each attention
+node's problem; identical problems (same dtype, heads, head dim, layout, shape bucket) are timed once: the
+pre-search shortlist (or every valid tactic with --all), CUDA events, median of repetitions. The table shows the
+pre-search's first choice, the measured best and the gain. The plugin reads the cache from the session option
+`stof.tactic_cache` (stof run/bench --tactic-cache) or $STOF_TACTIC_CACHE.
+
+examples:
+  stof tune bert.stof.onnx --shapes input_ids=8x4096,attention_mask=8x4096 \\
+      --shapes input_ids=8x512,attention_mask=8x512 -o h100.json
+  stof tune gpt2.stof.onnx --shapes input_ids=8x2048,attention_mask=8x2048 -o h100.json --all --json
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..errors import StofError
+from .common import load_model, print_json, print_table
+
+
+def add_args(p):
+    p.add_argument("model", metavar="MODEL.stof.onnx")
+    p.add_argument("--shapes", action="append", default=[], metavar="NAME=DxD,...",
+                   help="one set of input shapes (repeat for several buckets)")
+    p.add_argument("-o", "--output", required=True, metavar="CACHE.json",
+                   help="tactic cache to create or update (entries for other keys are kept)")
+    p.add_argument("-k", type=int, default=3, help="shortlist length from the pre-search (default 3)")
+    p.add_argument("--all", action="store_true", help="time every valid tactic, not only the shortlist")
+    p.add_argument("--presearch-only", action="store_true",
+                   help="record the pre-search's first choice without timing (a baseline cache)")
+    p.add_argument("--reps", type=int, default=7, help="timed repetitions per tactic (median)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", action="store_true")
+
+
+def run(args) -> int:
+    from .. import ort as sort
+    from ..tactic_cache import TacticCache
+    from ..tune import tune_model
+
+    if not args.shapes:
+        raise StofError("give at least one --shapes set (e.g. --shapes input_ids=8x512,attention_mask=8x512)")
+    if args.k < 1 or args.reps < 1:
+        raise StofError("-k and --reps must be >= 1")
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(out_dir):
+        raise StofError(f"output directory does not exist: {out_dir}")
+    model = load_model(args.model)
+    cache = TacticCache.load_or_new(args.output)
+    sess = sort.session(model)
+    feeds_list = [sort.random_feeds(sess, sort.parse_shapes([s]), seed=args.seed) for s in args.shapes]
+    del sess
+    results = tune_model(model, feeds_list, cache, k=args.k, all_tactics=args.all, presearch_only=args.presearch_only,
+                         reps=args.reps, progress=not args.no_progress and not args.json)
+    if not results:
+        raise StofError(f"{args.model} has no fp16/bf16 StofSparseAttention node to tune")
+    cache.save(args.output)
+    rows = []
+    for r in results:
+        rows.append({"nodes": len(r.nodes), "node": r.key.node, "bucket": r.key.bucket, "mask": r.key.mask[:12],
+                     "presearch": r.presearch_tactic, "best": r.best_tactic, "default": r.default_tactic,
+                     "presearch_ms": r.times_ms.get(r.presearch_tactic), "best_ms": r.times_ms.get(r.best_tactic),
+                     "default_ms": r.times_ms.get(r.default_tactic) if r.default_tactic else None,
+                     "gain": (r.gain if r.times_ms else None), "candidates": r.times_ms})
+    total_pre = sum(x["presearch_ms"] * x["nodes"] for x in rows if x["presearch_ms"])
+    total_best = sum(x["best_ms"] * x["nodes"] for x in rows if x["best_ms"])
+    info = {"cache": args.output, "entries": len(cache), "problems": rows,
+            "attention_ms_presearch": total_pre or None, "attention_ms_measured": total_best or None,
+            "gain": (total_pre / total_best) if total_best else None}
+    if args.json:
+        print_json(info)
+        return 0
+    print_table([[x["bucket"], x["node"].split("|", 1)[1], x["nodes"], x["presearch"], _ms(x["presearch_ms"]),
+                  x["best"], _ms(x["best_ms"]), f"{x['gain']:.3f}x" if x["gain"] else "-"] for x in rows],
+                ["bucket", "problem", "nodes", "pre-search", "ms", "measured best", "ms", "gain"])
+    if info["gain"]:
+        print(f"\nattention time per model run (sum over nodes): pre-search {total_pre:.3f} ms -> measured "
+              f"{total_best:.3f} ms ({info['gain']:.3f}x)")
+    print(f"wrote {args.output} ({len(cache)} entries)")
+    return 0
+
+
+def _ms(v):
+    return "-" if v is None else f"{v:.4f}"

@@ -1,0 +1,318 @@
+"""Measured tactic selection (the second search stage) for the StofSparseAttention nodes of a rewritten model.
+
+For each set of input shapes the model is run once on the CUDA EP (with libstof_ort) to learn each attention
+node's run-time problem -- q/k shapes and the key-padding mask actually fed -- without copying q/k/v to the host
+(IO binding keeps them on the GPU).  Nodes with the same cache key (e.g. the 12 layers of BERT share dtype, heads,
+head dim, layout and shapes) are timed once: the pre-search shortlist (stof_trt.presearch) through the kernels'
+C ABI (stof_trt.kernels) with CUDA events, median of several repetitions.  The fastest goes into the tactic cache
+with the pre-search's first choice and its time, so the gain of measuring over the analytical ranking is on
+record.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import StofError
+from .format import STOF_FORMAT_VERSION, TileLayout
+from .tactic_cache import CacheKey, TacticCache, gpu_identity, node_signature, shape_bucket
+
+__all__ = ["AttentionNode", "attention_nodes", "probe_problems", "Problem", "time_tactics", "tune_model",
+           "TuneResult"]
+
+ONNX_DTYPES = {1: "float", 10: "float16", 16: "bfloat16"}
+_LAYOUT_INPUTS = ("row_ptr", "col_idx", "tile_bitmap_index", "bitmaps")
+
+
+@dataclass
+class AttentionNode:
+    """A StofSparseAttention node of a model: its tensor names, attributes and compiled layout."""
+
+    name: str
+    query: str
+    key: str
+    key_padding_mask: str | None
+    attn_bias: str | None
+    scale: float
+    layout: TileLayout
+
+
+def _attrs(node) -> dict:
+    import onnx
+
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def attention_nodes(model) -> list[AttentionNode]:
+    """Every StofSparseAttention node whose layout arrays are initializers (or Constant nodes)."""
+    from onnx import numpy_helper
+
+    consts = {t.name: t for t in model.graph.initializer}
+    for n in model.graph.node:
+        if n.op_type == "Constant" and n.output:
+            for a in n.attribute:
+                if a.name == "value":
+                    consts[n.output[0]] = a.t
+    out = []
+    for i, n in enumerate(model.graph.node):
+        if n.op_type != "StofSparseAttention" or n.domain != "stof":
+            continue
+        a = _attrs(n)
+        names = list(n.input) + [""] * (9 - len(n.input))
+        arrays = {}
+        for nm, inp in zip(_LAYOUT_INPUTS, names[3:7]):
+            if inp not in consts:
+                raise StofError(f"attention node '{n.name}': layout input '{inp}' is not a constant")
+            arrays[nm] = np.ascontiguousarray(numpy_helper.to_array(consts[inp]), np.int32)
+        if int(a.get("format_version", -1)) != STOF_FORMAT_VERSION:
+            raise StofError(f"attention node '{n.name}': format_version {a.get('format_version')}")
+        mask_spec = a.get("mask_spec", b"")
+        layout = TileLayout(seq_q=int(a["seq_q"]), seq_k=int(a["seq_k"]), tile_m=int(a["tile_m"]),
+                            tile_n=int(a["tile_n"]), num_layouts=int(a["num_layouts"]), mask_spec=(
+                                mask_spec.decode() if isinstance(mask_spec, bytes) else str(mask_spec)), **arrays)
+        out.append(AttentionNode(n.name or f"node{i}", names[0], names[1], names[7] or None, names[8] or None,
+                                 float(a["scale"]), layout))
+    return out
+
+
+@dataclass
+class Problem:
+    """One attention node's run-time problem, as the plugin will see it."""
+
+    node: AttentionNode
+    dtype: str        # ONNX name: float16 / bfloat16 / float
+    batch: int
+    heads: int
+    seq_q: int
+    seq_k: int
+    head_dim: int
+    key_padding_mask: np.ndarray | None
+
+    def key(self, gpu: str, cc: str) -> CacheKey:
+        lay = self.node.layout
+        sig = node_signature(self.dtype, self.heads, self.head_dim, lay.tile_m, lay.tile_n, lay.num_layouts,
+                             lay.seq_q, lay.seq_k, self.key_padding_mask is not None)
+        return CacheKey(gpu, cc, sig, shape_bucket(self.batch, self.seq_q, self.seq_k), lay.signature())
+
+
+def probe_problems(model, feeds: dict, sess_kwargs: dict | None = None) -> list[Problem]:
+    """Run the model once on the CUDA EP with extra outputs (q, k, key padding of each attention node) bound on
+    the device, and read their shapes (and the small padding masks)."""
+    import copy
+
+    import onnx
+    import onnxruntime as ort
+
+    from . import ort as sort
+
+    nodes = attention_nodes(model)
+    if not nodes:
+        return []
+    m = copy.deepcopy(model)
+    existing = {o.name for o in m.graph.output}
+    dtype_of = _value_types(m)
+    extra = []
+    for nd in nodes:
+        for name in (nd.query, nd.key, nd.key_padding_mask):
+            if name and name not in existing and name not in extra:
+                extra.append(name)
+    for name in extra:
+        m.graph.output.append(onnx.helper.make_tensor_value_info(name, dtype_of.get(name, 0), None))
+    sess = sort.session(m, **(sess_kwargs or {}))
+    binding = sess.io_binding()
+    for i in sess.get_inputs():
+        binding.bind_ortvalue_input(i.name, ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(feeds[i.name]),
+                                                                            "cuda", 0))
+    out_names = [o.name for o in sess.get_outputs()]
+    for name in out_names:
+        binding.bind_output(name, "cuda", 0)
+    sess.run_with_iobinding(binding)
+    vals = dict(zip(out_names, binding.get_outputs()))
+    probs = []
+    for nd in nodes:
+        q, k = vals[nd.query], vals[nd.key]
+        qs, ks = q.shape(), k.shape()
+        t = q.data_type()  # e.g. "tensor(float16)"
+        dtype = t[t.index("(") + 1:-1] if "(" in t else t
+        dtype = {"float32": "float"}.get(dtype, dtype)
+        kpm = vals[nd.key_padding_mask].numpy() if nd.key_padding_mask else None
+        probs.append(Problem(nd, dtype, qs[0], qs[1], qs[2], ks[2], qs[3], kpm))
+    return probs
+
+
+def _value_types(model) -> dict:
+    """Element types of named values where the model says (value_info, inputs, outputs, initializers);
+    STOF node outputs and their q/k/v usually come from an onnx shape-inference pass."""
+    import onnx
+
+    types = {}
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # noqa: BLE001 - shape inference is best effort here
+        inferred = model
+    for vi in list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output):
+        if vi.type.tensor_type.elem_type:
+            types[vi.name] = vi.type.tensor_type.elem_type
+    for t in model.graph.initializer:
+        types[t.name] = t.data_type
+    # q/k of fp16 models: fall back to the dominant float initializer type
+    floats = [t.data_type for t in model.graph.initializer if t.data_type in (1, 10, 16)]
+    dominant = max(set(floats), key=floats.count) if floats else 1
+    for n in model.graph.node:
+        if n.op_type == "StofSparseAttention":
+            for name in n.input[:3]:
+                types.setdefault(name, dominant)
+            types.setdefault(n.input[7] if len(n.input) > 7 else "", 6)
+    types.pop("", None)
+    return types
+
+
+def time_tactics(problem: Problem, tactics: list[int], *, reps: int = 7, launches: int = 20,
+                 seed: int = 0) -> dict[int, float]:
+    """ms per launch of each tactic on this problem (random q/k/v, the probed padding), median of `reps`."""
+    import torch
+
+    from . import kernels
+
+    tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(problem.dtype)
+    if tdt is None:
+        raise StofError(f"node '{problem.node.name}': dtype {problem.dtype} runs on the plugin's general kernel "
+                        "(one tactic), nothing to tune")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    B, H, Sq, Sk, D = problem.batch, problem.heads, problem.seq_q, problem.seq_k, problem.head_dim
+    q = torch.randn(B, H, Sq, D, device="cuda", dtype=tdt, generator=g)
+    k = torch.randn(B, H, Sk, D, device="cuda", dtype=tdt, generator=g)
+    v = torch.randn(B, H, Sk, D, device="cuda", dtype=tdt, generator=g)
+    out = torch.empty_like(q)
+    dl = kernels.DeviceLayout(problem.node.layout, device="cuda")
+    kpm = None
+    if problem.key_padding_mask is not None:
+        kpm = torch.as_tensor(np.ascontiguousarray(problem.key_padding_mask, np.int32), device="cuda")
+    res = {}
+    for t in tactics:
+        def launch():
+            kernels.sparse_attention(q, k, v, dl, scale=problem.node.scale, tactic=t, key_padding_mask=kpm, out=out)
+
+        launch()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for _ in range(launches):
+                launch()
+            e1.record()
+            e1.synchronize()
+            times.append(e0.elapsed_time(e1) / launches)
+        res[t] = statistics.median(times)
+    return res
+
+
+@dataclass
+class TuneResult:
+    key: CacheKey
+    nodes: list[str]
+    presearch_tactic: int
+    shortlist: list[int]
+    times_ms: dict[int, float]
+    best_tactic: int
+    default_tactic: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def best_ms(self) -> float:
+        return self.times_ms[self.best_tactic]
+
+    @property
+    def presearch_ms(self) -> float:
+        return self.times_ms[self.presearch_tactic]
+
+    @property
+    def gain(self) -> float:
+        """pre-search first choice time / measured best time (>= 1)."""
+        return self.presearch_ms / self.best_ms if self.best_ms > 0 else math.nan
+
+
+def tune_model(model, feeds_list: list[dict], cache: TacticCache, *, k: int = 3, all_tactics: bool = False,
+               presearch_only: bool = False, reps: int = 7, progress: bool = True,
+               sess_kwargs: dict | None = None) -> list[TuneResult]:
+    """Tune every attention problem of `model` for each feeds dict; update `cache` in place."""
+    from . import kernels, presearch
+
+    gpu, cc = gpu_identity()
+    problems: dict[CacheKey, list[Problem]] = {}
+    for feeds in feeds_list:
+        for p in probe_problems(model, feeds, sess_kwargs):
+            problems.setdefault(p.key(gpu, cc), []).append(p)
+    results = []
+    items = list(problems.items())
+    bar = None
+    if progress:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(items), desc="stof tune", unit="problem")
+        except ImportError:
+            bar = None
+    for key, probs in items:
+        p = probs[0]
+        names = sorted({q.node.name for q in probs})
+        if p.dtype not in ("float16", "bfloat16"):
+            if bar:
+                bar.update(1)
+            continue  # the general kernel (fp32 / bias): nothing to choose
+        ranked = presearch.rank(p.node.layout, batch=p.batch, heads=p.heads, head_dim=p.head_dim, seq_q=p.seq_q,
+                                seq_k=p.seq_k)
+        if not ranked:
+            raise StofError(f"no tactic for node {names[0]} (head dim {p.head_dim})")
+        first = int(ranked[0][0])
+        if all_tactics:
+            cands = [int(t) for t, _ in ranked]
+        else:
+            cands = [int(t) for t in presearch.shortlist(p.node.layout, k=k, batch=p.batch, heads=p.heads,
+                                                        head_dim=p.head_dim, seq_q=p.seq_q, seq_k=p.seq_k)]
+        if first not in cands:
+            cands.insert(0, first)
+        default = None
+        try:
+            import torch
+
+            q = torch.empty(1, 1, 1, p.head_dim, device="cuda",
+                            dtype=torch.float16 if p.dtype == "float16" else torch.bfloat16)
+            lib_valid = kernels.list_tactics(q, q, q, kernels.DeviceLayout(p.node.layout))
+            default = int(lib_valid[0]) if lib_valid else None
+        except Exception:  # noqa: BLE001 - informational only
+            default = None
+        if presearch_only:
+            times = {}
+            best = first
+        else:
+            timed = list(cands) + ([default] if default and default not in cands else [])
+            times = time_tactics(p, timed, reps=reps)
+            best = min(cands, key=lambda t: times[t])
+        r = TuneResult(key, names, first, cands, times, best, default)
+        results.append(r)
+        info = {"tactic_name": _tactic_name(best), "source": "presearch" if presearch_only else "measured",
+                "presearch_tactic": first, "nodes": names}
+        if not presearch_only:
+            info.update(time_ms=round(times[best], 5), presearch_time_ms=round(times[first], 5),
+                        candidates={str(t): round(v, 5) for t, v in times.items()})
+        cache.put(key, best, **info)
+        if bar:
+            bar.update(1)
+    if bar:
+        bar.close()
+    return results
+
+
+def _tactic_name(tid: int) -> str:
+    from . import presearch
+
+    for t in presearch.TACTICS:
+        if t.id == tid:
+            return t.name
+    return f"tactic{tid}"
