@@ -6,6 +6,8 @@ import math
 import numpy as np
 import onnx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
 from graph_rewrite.functions import (add_layernorm_function, add_layernorm_overload, attention_overload,
@@ -151,3 +153,19 @@ def test_add_layernorm_function(opset, has_bias, has_sum):
     np.testing.assert_allclose(res[0], (s - mu) / np.sqrt(var + 1e-3) * g + be, atol=1e-5)
     if has_sum:
         np.testing.assert_allclose(res[1], s, atol=1e-6)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seq=st.integers(1, 70), tile_m=st.sampled_from([16, 32, 48]), tile_n=st.sampled_from([32, 64]),
+       layouts=st.sampled_from([1, 2]), density=st.floats(0.0, 1.0), seed=st.integers(0, 2**16))
+def test_sparse_attention_function_random_masks(seq, tile_m, tile_n, layouts, density, seed):
+    """Property: for any mask and tile size the function decodes the layout exactly (docs/format.md)."""
+    rng = np.random.default_rng(seed)
+    dense = rng.random((layouts, seq, seq)) < density
+    if rng.random() < 0.3:  # whole tiles on / off too
+        dense[:, : seq // 2, : seq // 3] = rng.random() < 0.5
+    layout = TileLayout.from_dense(dense, tile_m, tile_n)
+    q, k, v = (rng.standard_normal((1, 4, seq, 8)).astype(np.float32) for _ in range(3))
+    out = session(attention_model(layout, 18, False, False)).run(None, {"q": q, "k": k, "v": v})[0]
+    allowed = dense[np.arange(4) % layouts][None]
+    np.testing.assert_allclose(out, reference_attention(q, k, v, allowed, np.float32(0.37)), atol=2e-5)

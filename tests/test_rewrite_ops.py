@@ -174,3 +174,23 @@ def test_ort_attention_unidirectional_and_past_left_alone():
     new2, report2 = rewrite_model(model2, **TILE)
     assert op_counts(new2) == op_counts(model2)
     assert any("KV cache" in s["reason"] for s in report2.to_dict()["left_alone"])
+
+
+def test_ort_attention_2d_mask_index():
+    rng = np.random.default_rng(5)
+    hidden, S = H * D, 20
+    w = numpy_helper.from_array(rng.standard_normal((hidden, 3 * hidden)).astype(np.float32) * 0.3, "w")
+    b = numpy_helper.from_array(rng.standard_normal(3 * hidden).astype(np.float32) * 0.1, "b")
+    ins = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", S, hidden]),
+           helper.make_tensor_value_info("mask", TensorProto.INT32, ["batch", S])]
+    node = helper.make_node("Attention", ["x", "w", "b", "mask"], ["y"], domain="com.microsoft", num_heads=H)
+    model = helper.make_model(helper.make_graph([node], "g", ins, [helper.make_tensor_value_info(
+        "y", TensorProto.FLOAT, ["batch", S, hidden])], [w, b]),
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 9
+    new, report = rewrite_model(model, **TILE)
+    assert_fused(new, {"StofSparseAttention": 1})
+    assert "2-D mask" in report.to_dict()["attention"][0]["mask_source"]
+    mask = (rng.random((3, S)) < 0.6).astype(np.int32)
+    mask[:, 0] = 1
+    assert_parity(model, new, {"x": rng.standard_normal((3, S, hidden)).astype(np.float32), "mask": mask})

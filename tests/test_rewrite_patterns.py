@@ -62,6 +62,10 @@ def core_graph(*, key_layout="bshd", scale="mul_scores", mask="add_input", probs
     elif mask == "where_causal":
         c = const("causal", np.tril(np.ones((S, S), bool)))
         x = node("Where", [c, x, const("fill", np.float32(-1e9))], "masked")
+    elif mask == "where_per_head":  # masked_fill style: True = masked, a different band per head
+        rel = np.arange(S)[:, None] - np.arange(S)[None, :]
+        banned = np.stack([np.abs(rel) > h + 1 for h in range(H)])[None]
+        x = node("Where", [const("banned", banned), const("fill", np.float32(-np.inf)), x], "masked")
     p = node("Softmax", [x], "probs", axis=softmax_axis)
     node("MatMul", [p, "v"], "out")
     outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, qshape)]
@@ -103,6 +107,15 @@ def test_where_causal_constant_becomes_static_layout():
     assert_fused(new, {"StofSparseAttention": 1, "Where": 0})
     a = report.to_dict()["attention"][0]
     assert a["mask_source"] == "graph causal" and not a["attn_bias"]
+    assert_parity(model, new, _feeds(model))
+
+
+def test_per_head_static_pattern_gives_one_layout_per_head():
+    model = core_graph(mask="where_per_head")
+    new, report = rewrite_model(model, **TILE)
+    assert_fused(new, {"StofSparseAttention": 1, "Where": 0})
+    a = report.to_dict()["attention"][0]
+    assert a["num_layouts"] == H and "per-head" in a["mask_source"] and not a["attn_bias"]
     assert_parity(model, new, _feeds(model))
 
 
