@@ -42,13 +42,14 @@ class TacticSpec:
     stages: int
     min_ctas: int = 1       # block family: __launch_bounds__ occupancy target (halved at head dim 128)
     q_in_smem: bool = False  # block family: Q fragments re-read from shared memory
+    pipelined: bool = False  # Hopper family: S_{i+1} MMA overlapped with the softmax of S_i
 
     @property
     def name(self) -> str:
         if self.family == FAMILY_ROW:
             return f"row_w{self.num_warps}"
         if self.family == FAMILY_HOPPER:
-            return f"wgmma_m{self.num_warps // 4}x64_n{self.block_n}_s{self.stages}"
+            return f"wgmma_m{self.num_warps // 4}x64_n{self.block_n}_s{self.stages}" + ("_pipe" if self.pipelined else "")
         return (f"block_m{self.block_m}_n{self.block_n}_w{self.num_warps}_s{self.stages}_occ{self.min_ctas}"
                 f"_q{'smem' if self.q_in_smem else 'reg'}")
 
@@ -71,6 +72,8 @@ TACTICS = [
     TacticSpec(14, FAMILY_HOPPER, 64, 64, 4, 3),
     TacticSpec(15, FAMILY_HOPPER, 128, 64, 8, 2),
     TacticSpec(16, FAMILY_HOPPER, 128, 64, 8, 3),
+    TacticSpec(17, FAMILY_HOPPER, 64, 64, 4, 3, pipelined=True),
+    TacticSpec(18, FAMILY_HOPPER, 64, 64, 4, 4, pipelined=True),
 ]
 _BY_ID = {t.id: t for t in TACTICS}
 
@@ -86,6 +89,8 @@ def valid_tactics(tile_m: int, tile_n: int, head_dim: int, hopper: bool | None =
     for t in TACTICS:
         if t.family == FAMILY_HOPPER:
             if not hopper or tile_m % 64 or tile_n % t.block_n:
+                continue
+            if t.pipelined and head_dim == 128 and t.stages > 3:
                 continue
         if t.family == FAMILY_BLOCK:
             if tile_m % t.block_m or tile_n % t.block_n:

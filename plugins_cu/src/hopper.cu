@@ -6,10 +6,23 @@
 namespace stof {
 
 #define STOF_HOPPER_ROW(T, D) {STOF_HOPPER_TACTICS(STOF_HX_##D##_##T)}
-#define STOF_HX_64_F16(id, wg, s) &launch_hopper<HopperTraits<64, wg, s, __half>>,
-#define STOF_HX_128_F16(id, wg, s) &launch_hopper<HopperTraits<128, wg, s, __half>>,
-#define STOF_HX_64_BF16(id, wg, s) &launch_hopper<HopperTraits<64, wg, s, __nv_bfloat16>>,
-#define STOF_HX_128_BF16(id, wg, s) &launch_hopper<HopperTraits<128, wg, s, __nv_bfloat16>>,
+template <int D, int WG, int S, int PIPE, class T>
+constexpr LaunchFn hopper_launcher() {
+    if constexpr (PIPE) {
+        if constexpr (D == 128 && S > 3) {
+            return nullptr;  // 16 KB Q + 4 x 32 KB K/V: one CTA per SM
+        } else {
+            return &launch_hopper_pipe<HopperTraits<D, WG, S, T>>;
+        }
+    } else {
+        return &launch_hopper<HopperTraits<D, WG, S, T>>;
+    }
+}
+
+#define STOF_HX_64_F16(id, wg, s, pipe) hopper_launcher<64, wg, s, pipe, __half>(),
+#define STOF_HX_128_F16(id, wg, s, pipe) hopper_launcher<128, wg, s, pipe, __half>(),
+#define STOF_HX_64_BF16(id, wg, s, pipe) hopper_launcher<64, wg, s, pipe, __nv_bfloat16>(),
+#define STOF_HX_128_BF16(id, wg, s, pipe) hopper_launcher<128, wg, s, pipe, __nv_bfloat16>(),
 
 extern const LaunchFn kHopperLaunchers[2][2][kNumHopperTactics] = {
     {STOF_HOPPER_ROW(F16, 64), STOF_HOPPER_ROW(F16, 128)},

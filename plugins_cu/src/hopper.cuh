@@ -357,6 +357,240 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
 #endif
 }
 
+// Pipelined variant (one warpgroup per CTA): S_{i+1} = Q K_{i+1}^T is issued on the tensor cores before the
+// softmax of S_i runs on the ALU/MUFU, then O += P_i V_i (FlashAttention-3's intra-warpgroup overlap).  Two S
+// register tiles; the K/V ring is kStages >= 3 deep (tile i+1 must be resident while V_i is still read).
+template <class HT>
+__global__ void __launch_bounds__(HT::kThreads, HT::kHeadDim == 64 ? 3 : 2) hopper_attn_fwd_pipe(const KernelParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using Elem = typename HT::Elem;
+    constexpr int kNI = HT::kNI, kKD = HT::kKD, kKN = HT::kKN, kDI = HT::kDI;
+    constexpr int kBlockM = HT::kBlockM, kBlockN = HT::kBlockN, kStages = HT::kStages;
+    static_assert(HT::kWG == 1 && kStages >= 3, "pipelined variant: one warpgroup, >= 3 stages");
+
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const uint32_t sQ = (smem_u32(smem) + 1023u) & ~1023u;
+    const uint32_t sKV = sQ + HT::kSmemQ;
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, tig = lane & 3;
+    const int qb = gridDim.x - 1 - blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int q0 = qb * kBlockM;
+    const int kv_len = effective_kv_len(p, b);
+    const int trow = q0 / p.tile_m;
+    const int a0 = q0 - trow * p.tile_m;
+    const int r = (h % p.num_layouts) * p.tq + trow;
+    const int e_begin = __ldg(p.row_ptr + r);
+    int e_end = __ldg(p.row_ptr + r + 1);
+    while (e_end > e_begin && __ldg(p.col_idx + e_end - 1) * p.tile_n >= kv_len) --e_end;
+    const int nsub = p.tile_n / kBlockN;
+    const int n_iter = (e_end - e_begin) * nsub;
+
+    const Elem* gQ = static_cast<const Elem*>(p.q) + b * p.q_sb + h * p.q_sh;
+    const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_sb + h * p.k_sh;
+    const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_sb + h * p.v_sh;
+    Elem* gO = static_cast<Elem*>(p.o) + b * p.o_sb + h * p.o_sh;
+    const int32_t* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.seq_k : nullptr;
+    const int words_per_tile = p.tile_m * p.tile_n / 32;
+    const int words_per_row = p.tile_n / 32;
+    const float sl2 = p.scale_log2;
+    const bool fold = sl2 > 0.f;
+    const float mul = fold ? sl2 : 1.f;
+
+    auto key_start = [&](int it) {
+        return __ldg(p.col_idx + e_begin + it / nsub) * p.tile_n + (it % nsub) * kBlockN;
+    };
+    auto load_kv = [&](int it) {
+        const int n0 = key_start(it);
+        const uint32_t st = sKV + (it % kStages) * 2 * HT::kSmemKV;
+        load_rows_async128<HT, kBlockN>(st, gK, p.k_ss, n0, kv_len, tid);
+        load_rows_async128<HT, kBlockN>(st + HT::kSmemKV, gV, p.v_ss, n0, kv_len, tid);
+    };
+    auto issue_s = [&](float (&acc)[kNI * 4], int it) {
+        const uint32_t sK = sKV + (it % kStages) * 2 * HT::kSmemKV;
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kKD; ++kk) {
+            const uint64_t da = gmma_desc(sQ + (kk >> 2) * (kBlockM * 128) + (kk & 3) * 32, 16, 1024);
+            const uint64_t db = gmma_desc(sK + (kk >> 2) * (kBlockN * 128) + (kk & 3) * 32, 16, 1024);
+            wgmma_ss<64, Elem>(acc, da, db, kk > 0 ? 1 : 0);
+        }
+        wgmma_commit();
+        fence_regs(acc);
+    };
+
+    load_rows_async128<HT, kBlockM>(sQ, gQ, p.q_ss, q0, p.seq_q, tid);
+    cp_async_commit();
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+        if (s < n_iter) load_kv(s);
+        cp_async_commit();
+    }
+
+    float rO[kDI * 4];
+    float rS0[kNI * 4], rS1[kNI * 4];
+#pragma unroll
+    for (int i = 0; i < kDI * 4; ++i) rO[i] = 0.f;
+#pragma unroll
+    for (int i = 0; i < kNI * 4; ++i) rS0[i] = rS1[i] = 0.f;
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+    const int warp_row0 = warp * 16;
+
+    if (n_iter > 0) {
+        cp_async_wait<kStages - 2>();  // Q and tile 0
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+        issue_s(rS0, 0);
+    }
+
+    // One pipeline step on tile `it`: S_it is in flight in `cur`; `nxt` receives S_{it+1}.
+    auto step = [&](int it, float (&cur)[kNI * 4], float (&nxt)[kNI * 4]) {
+        wgmma_wait<0>();  // S_it and PV_{it-1} done
+        fence_regs(cur);
+        fence_regs(rO);
+        if (it + 1 < n_iter) {
+            cp_async_wait<kStages - 3>();  // tile it+1 resident
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            __syncthreads();  // ... for every thread; and stage (it-1) % kStages is free (PV_{it-1} done)
+            if (it + kStages - 1 < n_iter) load_kv(it + kStages - 1);
+            cp_async_commit();
+            issue_s(nxt, it + 1);
+        }
+        const int e = e_begin + it / nsub;
+        const int sub = it % nsub;
+        const int n0 = __ldg(p.col_idx + e) * p.tile_n + sub * kBlockN;
+        const int bm_idx = __ldg(p.tile_bitmap_index + e);
+        const bool need_mask = bm_idx >= 0 || n0 + kBlockN > kv_len || kpm != nullptr;
+        if (!fold) {
+#pragma unroll
+            for (int i = 0; i < kNI * 4; ++i) cur[i] *= sl2;
+        }
+        if (need_mask) {
+            uint32_t bits[2][HT::kWordsN];
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+                for (int w = 0; w < HT::kWordsN; ++w) {
+                    const int a = a0 + warp_row0 + hh * 8 + g;
+                    bits[hh][w] = bm_idx >= 0
+                                      ? static_cast<uint32_t>(__ldg(p.bitmaps + static_cast<int64_t>(bm_idx) *
+                                                                                   words_per_tile +
+                                                                      a * words_per_row + sub * HT::kWordsN + w))
+                                      : 0xffffffffu;
+                }
+#pragma unroll
+            for (int ni = 0; ni < kNI; ++ni)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const int col = ni * 8 + tig * 2 + c;
+                    const int key = n0 + col;
+                    bool key_ok = key < kv_len;
+                    if (kpm != nullptr && key_ok) key_ok = __ldg(kpm + key) != 0;
+#pragma unroll
+                    for (int hh = 0; hh < 2; ++hh) {
+                        const bool ok = key_ok && ((bits[hh][ni / 4] >> (col & 31)) & 1u);
+                        if (!ok) cur[ni * 4 + hh * 2 + c] = -INFINITY;
+                    }
+                }
+        }
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            float mx = row_max[hh];
+#pragma unroll
+            for (int ni = 0; ni < kNI; ++ni) mx = fmaxf(mx, fmaxf(cur[ni * 4 + hh * 2], cur[ni * 4 + hh * 2 + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_use = (mx == -INFINITY) ? 0.f : mx * mul;
+            const float alpha = fast_exp2(row_max[hh] * mul - m_use);
+            row_max[hh] = mx;
+            float sum = 0.f;
+#pragma unroll
+            for (int ni = 0; ni < kNI; ++ni)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const float pv = fast_exp2(fmaf(cur[ni * 4 + hh * 2 + c], mul, -m_use));
+                    cur[ni * 4 + hh * 2 + c] = pv;
+                    sum += pv;
+                }
+            row_sum[hh] = row_sum[hh] * alpha + sum;
+#pragma unroll
+            for (int di = 0; di < kDI; ++di) {
+                rO[di * 4 + hh * 2] *= alpha;
+                rO[di * 4 + hh * 2 + 1] *= alpha;
+            }
+        }
+        uint32_t rP[kKN][4];
+#pragma unroll
+        for (int kn = 0; kn < kKN; ++kn) {
+            rP[kn][0] = ElemTraits<Elem>::pack(cur[(2 * kn) * 4 + 0], cur[(2 * kn) * 4 + 1]);
+            rP[kn][1] = ElemTraits<Elem>::pack(cur[(2 * kn) * 4 + 2], cur[(2 * kn) * 4 + 3]);
+            rP[kn][2] = ElemTraits<Elem>::pack(cur[(2 * kn + 1) * 4 + 0], cur[(2 * kn + 1) * 4 + 1]);
+            rP[kn][3] = ElemTraits<Elem>::pack(cur[(2 * kn + 1) * 4 + 2], cur[(2 * kn + 1) * 4 + 3]);
+        }
+        const uint32_t sV = sKV + (it % kStages) * 2 * HT::kSmemKV + HT::kSmemKV;
+        wgmma_fence();
+#pragma unroll
+        for (int kn = 0; kn < kKN; ++kn) {
+            const uint64_t db = gmma_desc(sV + kn * 16 * 128, kBlockN * 128, 1024);
+            wgmma_rs<HT::kHeadDim, Elem>(rO, rP[kn], db, 1);
+        }
+        wgmma_commit();
+        fence_regs(rO);
+    };
+
+    for (int it = 0; it < n_iter; it += 2) {
+        step(it, rS0, rS1);
+        if (it + 1 < n_iter) step(it + 1, rS1, rS0);
+    }
+    wgmma_wait<0>();
+    fence_regs(rO);
+
+    // Epilogue
+    cp_async_wait<0>();
+    __syncthreads();
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        float l = row_sum[hh];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const int row = warp_row0 + hh * 8 + g;
+#pragma unroll
+        for (int di = 0; di < kDI; ++di) {
+            const uint32_t packed = ElemTraits<Elem>::pack(rO[di * 4 + hh * 2] * inv, rO[di * 4 + hh * 2 + 1] * inv);
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sQ + swz128<kBlockM>(row, di) + tig * 4), "r"(packed));
+        }
+    }
+    __syncthreads();
+    constexpr int kOutIters = kBlockM * HT::kChunks / HT::kThreads;
+#pragma unroll
+    for (int i = 0; i < kOutIters; ++i) {
+        const int c = tid + i * HT::kThreads;
+        const int row = c / HT::kChunks, ch = c % HT::kChunks;
+        if (q0 + row < p.seq_q) {
+            uint4 val;
+            asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
+                         : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
+                         : "r"(sQ + swz128<kBlockM>(row, ch)));
+            *reinterpret_cast<uint4*>(gO + static_cast<int64_t>(q0 + row) * p.o_ss + ch * 8) = val;
+        }
+    }
+#else
+    __trap();
+#endif
+}
+
+template <class HT>
+cudaError_t launch_hopper_pipe(const KernelParams& p, cudaStream_t stream) {
+    auto kernel = hopper_attn_fwd_pipe<HT>;
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, HT::kSmemSize);
+    if (err != cudaSuccess) return err;
+    dim3 grid((p.seq_q + HT::kBlockM - 1) / HT::kBlockM, p.heads, p.batch);
+    kernel<<<grid, HT::kThreads, HT::kSmemSize, stream>>>(p);
+    return cudaGetLastError();
+}
+
 template <class HT>
 cudaError_t launch_hopper(const KernelParams& p, cudaStream_t stream) {
     auto kernel = hopper_attn_fwd<HT>;

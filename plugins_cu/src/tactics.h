@@ -33,25 +33,30 @@
     X(11, 4)                \
     X(12, 8)
 
-// X(id, warpgroups, stages)  -- block-wise family on Hopper tensor cores (wgmma, sm_90a builds on sm_90 GPUs)
+// block-wise family on Hopper tensor cores (wgmma, sm_90a builds on sm_90 GPUs)
 // All need tile_m % 64 == 0 (64 rows per warpgroup inside one tile row).
 // 13: one warpgroup = 64 rows per CTA, double-buffered K/V (several CTAs per SM overlap each other).
 // 14: as 13 with a 3-deep K/V ring.
 // 15: two warpgroups = 128 rows per CTA walking the union of their tile rows' columns: every K/V sub-block is
 //     loaded once for 128 rows (half the L2->SM traffic of 13, which measured L2-bound on causal S=4096).
 // 16: as 15 with a 3-deep K/V ring.
+// 17, 18: one warpgroup, pipelined: S_{i+1} on the tensor cores while the softmax of S_i runs (two S tiles in
+//     registers); K/V ring 3 (17) or 4 (18, head dim 64 only: 4 x 32 KB at 128 would leave 1 CTA per SM).
+// X(id, warpgroups, stages, pipelined)
 #define STOF_HOPPER_TACTICS(X) \
-    X(13, 1, 2)                \
-    X(14, 1, 3)                \
-    X(15, 2, 2)                \
-    X(16, 2, 3)
+    X(13, 1, 2, 0)             \
+    X(14, 1, 3, 0)             \
+    X(15, 2, 2, 0)             \
+    X(16, 2, 3, 0)             \
+    X(17, 1, 3, 1)             \
+    X(18, 1, 4, 1)
 
 namespace stof {
 
 constexpr int kNumBlockTactics = 10;
 constexpr bool kQFrags_reg = false, kQFrags_smem = true;
 constexpr int kNumRowTactics = 2;
-constexpr int kNumHopperTactics = 4;
+constexpr int kNumHopperTactics = 6;
 // first id of each family (ids are consecutive inside a family; the offset indexes the launcher tables)
 constexpr int kFirstBlockId = 1, kFirstRowId = 11, kFirstHopperId = 13;
 
