@@ -142,8 +142,11 @@ class AttentionEmitter:
 class AttentionProbe:
     """Evaluates, once for all attention candidates of a fusion, the tensors their analysis needs.
 
-    Runs the original model (pruned) at the compiled sequence length with all-ones padding and three random 0/1
-    paddings of every [B, S] input a mask depends on, plus once at a shorter length for dynamic models."""
+    Two pruned copies of the original model: the *mask* probe (mask tensors only; usually a small subgraph) runs at
+    the compiled sequence length with all-ones padding and three random 0/1 paddings of every [B, S] input a mask
+    depends on, plus once at a shorter length for dynamic models; the *shape* probe (Q/K/V shapes and computed
+    scale factors; the model up to the last attention) runs once at batch 1 (and at the shorter length when a
+    scale factor must be shown constant)."""
 
     BATCH = 3
 
@@ -158,38 +161,44 @@ class AttentionProbe:
             raise StofError("the model has a dynamic sequence axis: pass max_seq_len (the longest sequence the "
                             "rewritten model will run)")
         seq = max_seq or 1
+        short_seq = max(1, (2 * seq) // 3 - 1)
         tensors = graph.tensors()
         self.pad_of: dict[str, set[str]] = {}
         for term in mask_terms:
             if term.tensor not in self.pad_of:
                 self.pad_of[term.tensor] = value_inputs(graph, tensors[term.tensor])
-        pads = sorted({next(iter(v)) for v in self.pad_of.values() if len(v) == 1})
-        values = set(value_names) | {t.tensor for t in mask_terms}
-        probe = Probe(model, sorted(values), sorted(shape_names))
-        spec_by = {s.name: s for s in specs}
-        rng = np.random.default_rng(1234)
-        self.runs = []
-        for k in range(4):
-            overrides = {}
-            for name in pads:
-                shp = spec_by[name].shape(self.BATCH, seq)
-                overrides[name] = (np.ones(shp, np.int64) if k == 0 else
-                                   (rng.random(shp) < (0.3, 0.6, 0.9)[k - 1]).astype(np.int64))
-            vals, shps = probe.run(self.BATCH, seq, overrides)
-            self.runs.append({"values": vals, "shapes": shps, "overrides": overrides})
-        self.short = None
-        if self.dynamic:
-            vals, shps = probe.run(self.BATCH, max(1, (2 * seq) // 3 - 1))
-            self.short = {"values": vals, "shapes": shps}
+        self.runs = [{"values": {}, "shapes": {}, "overrides": {}} for _ in range(4)]
+        self.short = {"values": {}, "shapes": {}} if self.dynamic else None
+        if self.pad_of:
+            pads = sorted({next(iter(v)) for v in self.pad_of.values() if len(v) == 1})
+            mask_probe = Probe(model, sorted(self.pad_of), [])
+            spec_by = {s.name: s for s in specs}
+            rng = np.random.default_rng(1234)
+            for k, run in enumerate(self.runs):
+                for name in pads:
+                    shp = spec_by[name].shape(self.BATCH, seq)
+                    run["overrides"][name] = (np.ones(shp, np.int64) if k == 0 else
+                                              (rng.random(shp) < (0.3, 0.6, 0.9)[k - 1]).astype(np.int64))
+                run["values"].update(mask_probe.run(self.BATCH, seq, run["overrides"])[0])
+            if self.short is not None:
+                self.short["values"].update(mask_probe.run(self.BATCH, short_seq)[0])
+        shape_probe = Probe(model, sorted(value_names), sorted(shape_names))
+        values, shapes = shape_probe.run(1, seq)
+        self.runs[0]["values"].update(values)
+        self.runs[0]["shapes"].update(shapes)
+        self.scale_values = {n: [v] for n, v in values.items()}
+        if self.short is not None:
+            values, shapes = shape_probe.run(1, short_seq) if (value_names or self.pad_of) else ({}, {})
+            self.short["shapes"].update(shapes)
+            for n, v in values.items():
+                self.scale_values[n].append(v)
 
     def shape(self, name: str) -> tuple:
         return self.runs[0]["shapes"][name]
 
-    def all_values(self, name: str) -> list[np.ndarray]:
-        return [r["values"][name] for r in self.runs] + ([self.short["values"][name]] if self.short else [])
-
     def constant_scalar(self, name: str) -> float | None:
-        vals = self.all_values(name)
+        """The value of a computed scale factor when it is one number at both probed lengths."""
+        vals = self.scale_values[name]
         if any(np.asarray(v).size != 1 for v in vals):
             return None
         floats = {float(np.asarray(v).reshape(())) for v in vals}
@@ -241,9 +250,9 @@ def lengths_to_padding(fusion: Fusion, lengths: gs.Tensor, key: gs.Tensor, new: 
     ctx = fusion.ctx
     v = lambda p, dt=np.int64: fusion.new_var(p, dtype=dt)  # noqa: E731
     c = lambda p, a: fusion.new_const(p, np.array(a, np.int64))  # noqa: E731
-    shape, sk, sk0, rng, l64, l2, keep, out = (v("stof_len_shape"), v("stof_len_sk"), v("stof_len_sk0"),
-                                               v("stof_len_range"), v("stof_len_i64"), v("stof_len_col"),
-                                               v("stof_len_keep", np.bool_), v("stof_len_mask"))
+    shape, sk, rng, l64, l2, keep, out = (v("stof_len_shape"), v("stof_len_sk"), v("stof_len_range"),
+                                          v("stof_len_i64"), v("stof_len_col"), v("stof_len_keep", np.bool_),
+                                          v("stof_len_mask"))
     new += [gs.Node("Shape", ctx.unique("stof_len"), {"start": 1, "end": 2}, [key], [shape]),
             gs.Node("Squeeze", ctx.unique("stof_len"), {}, [shape, c("stof_len_axes", [0])], [sk]),
             gs.Node("Range", ctx.unique("stof_len"), {}, [c("stof_len_zero", 0), sk, c("stof_len_one", 1)], [rng]),
@@ -251,7 +260,6 @@ def lengths_to_padding(fusion: Fusion, lengths: gs.Tensor, key: gs.Tensor, new: 
             gs.Node("Unsqueeze", ctx.unique("stof_len"), {}, [l64, c("stof_len_axes1", [1])], [l2]),
             gs.Node("Less", ctx.unique("stof_len"), {}, [rng, l2], [keep]),
             gs.Node("Cast", ctx.unique("stof_len"), {"to": 7}, [keep], [out])]
-    del sk0
     return out
 
 

@@ -35,7 +35,7 @@ import onnx_graphsurgeon as gs
 from .base import Fusion, Match
 from .functions import add_layernorm_overload
 from .matcher import const_value, match_parent_path, producer, scalar_value, single_consumer
-from .probe import Probe, graph_inputs
+from .probe import Probe
 
 
 class FuseLayerNormDecomposed(Fusion):
@@ -174,8 +174,7 @@ class FuseAddLayerNorm(Fusion):
         model = self.ctx.options["_original_model"]
         known = {t for n in model.graph.node for t in n.output} | {i.name for i in model.graph.input}
         names = sorted({n for m in matches for n in m.info["_shapes"] if n in known})
-        specs = graph_inputs(model)
-        seq = self.ctx.options.get("max_seq_len") or 8
+        seq = min(self.ctx.options.get("max_seq_len") or 8, 8)  # any length shows a broadcast; short is cheap
         try:
             probe = Probe(model, [], names)
             runs = [probe.run(2, seq)[1], probe.run(3, max(1, seq - 3))[1]]
@@ -183,7 +182,6 @@ class FuseAddLayerNorm(Fusion):
             for m in matches:
                 self.skip(m.anchor, f"cannot check residual shapes: {str(exc)[:100]}")
             return []
-        del specs
         kept = []
         for m in matches:
             a, b = m.info.pop("_shapes")

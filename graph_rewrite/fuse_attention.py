@@ -40,10 +40,11 @@ import onnx_graphsurgeon as gs
 from .attention_common import AttentionEmitter, AttentionPlan, AttentionProbe, choose_layout
 from .base import Fusion, Match
 from .mask_analysis import MaskTerm
-from .matcher import internal_only, other_input, producer, scalar_value, single_consumer
+from .matcher import internal_only, producer, scalar_value, single_consumer
 
+#: Cast targets allowed between Softmax and P·V: TensorProto FLOAT, FLOAT16, DOUBLE, BFLOAT16.
+FLOAT_TYPES = (1, 10, 11, 16)
 #: Ops that scale the scores by a scalar: op type -> (how the factor combines, which inputs may hold it).
-FLOAT_TYPES = (1, 10, 11, 16)  # TensorProto FLOAT, FLOAT16, DOUBLE, BFLOAT16
 SCALE_OPS = {"Mul": ("mul", (0, 1)), "Div": ("div", (1,))}
 
 

@@ -2,7 +2,8 @@
 
 The rewrite uses this to learn what a graph-built mask really is (by evaluating it for chosen padding masks and
 sequence lengths), the run-time shapes of Q/K/V and scale factors computed from shapes. Only the subgraph the
-requested tensors need is run, with graph optimizations off so values are exactly the graph's.
+requested tensors need is run (basic graph optimizations only: constant folding and redundancy elimination,
+which keep values exact). Output types are left to ORT, so untyped intermediates (after contrib ops) work.
 """
 from __future__ import annotations
 
@@ -92,18 +93,7 @@ class Probe:
             graph.nodes.append(gs.Node("Shape", inputs=[tensors[name]], outputs=[shp]))
             self.shape_names[name] = shp.name
             outs.append(shp)
-        # Graph outputs need a type for ORT; types of intermediate tensors come from shape inference.
-        typed = {vi.name: vi.type.tensor_type.elem_type for vi in _inferred_value_infos(model)}
-        for t in outs:
-            if isinstance(t, gs.Variable) and t.dtype is None and t.name in typed:
-                t.dtype = helper.tensor_dtype_to_np_dtype(typed[t.name])
         self.value_names = [n for n in dict.fromkeys(values)]
-        for i, t in enumerate(outs):  # type unknown (e.g. after contrib ops): read it through a Cast to double
-            if isinstance(t, gs.Variable) and t.dtype is None:
-                as_double = gs.Variable(f"__stof_probe_double_{i}", dtype=np.float64)
-                graph.nodes.append(gs.Node("Cast", attrs={"to": onnx.TensorProto.DOUBLE}, inputs=[t],
-                                           outputs=[as_double]))
-                outs[i] = as_double
         self.session = None
         self.specs = {s.name: s for s in graph_inputs(model)}
         if not outs:  # only initializers were asked for
@@ -116,7 +106,7 @@ class Probe:
         pruned = gs.export_onnx(graph, do_type_check=False)
         pruned.ir_version = model.ir_version
         so = ort.SessionOptions()
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
         so.log_severity_level = 3
         if pruned.ByteSize() < LARGE_MODEL_BYTES:
             self.session = ort.InferenceSession(pruned.SerializeToString(), so, providers=["CPUExecutionProvider"])
@@ -158,11 +148,3 @@ class Probe:
         shapes = {n: tuple(int(x) for x in vals[n]) for n in self.shape_names}
         return values, shapes
 
-
-def _inferred_value_infos(model: onnx.ModelProto):
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
-    except Exception:  # noqa: BLE001 - shape inference is best effort
-        inferred = model
-    g = inferred.graph
-    return list(g.value_info) + list(g.input) + list(g.output)
