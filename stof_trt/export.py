@@ -68,7 +68,8 @@ def _wrap(model, names, mask_dims=2):
                 kwargs["attention_mask"] = torch.ones_like(kwargs["input_ids"])
             if mask_dims == 3:  # [B, S, S] (non-zero = attend) -> additive [B, 1, S, S]
                 m = kwargs["attention_mask"]
-                kwargs["attention_mask"] = (1.0 - m[:, None].to(torch.float32)) * torch.finfo(torch.float32).min
+                dtype = next(model.parameters()).dtype
+                kwargs["attention_mask"] = (1.0 - m[:, None].to(dtype)) * torch.finfo(dtype).min
             return self.model(**kwargs, use_cache=False).last_hidden_state if _uses_cache(model) else \
                 self.model(**kwargs).last_hidden_state
 
@@ -80,10 +81,11 @@ def _uses_cache(model) -> bool:
 
 
 def export_bert(path, *, layers=2, hidden=128, heads=4, intermediate=512, seq_len=128, max_positions=512,
-                mask_dims=2, dynamic_axes=True, seed=0, vocab_size=1000, batch=2, opset=OPSET) -> ExportInfo:
+                mask_dims=2, dynamic_axes=True, seed=0, vocab_size=1000, batch=2, opset=OPSET,
+                half=False) -> ExportInfo:
     """BERT encoder. Inputs ``input_ids`` [B,S] int64 and ``attention_mask``: [B,S] (``mask_dims=2``, the standard
     padding mask) or [B,S,S] (``mask_dims=3``: any mask, non-zero = query may attend key). Output
-    ``last_hidden_state`` [B,S,hidden]."""
+    ``last_hidden_state`` [B,S,hidden] (float16 weights and activations with ``half=True``)."""
     import torch
     from transformers import BertConfig, BertModel
 
@@ -94,6 +96,8 @@ def export_bert(path, *, layers=2, hidden=128, heads=4, intermediate=512, seq_le
                      intermediate_size=intermediate, max_position_embeddings=max_positions,
                      attn_implementation="eager")
     model = BertModel(cfg, add_pooling_layer=False).eval()
+    if half:
+        model = model.half()
     ids = torch.randint(0, vocab_size, (batch, seq_len))
     mask = torch.ones((batch, seq_len) if mask_dims == 2 else (batch, seq_len, seq_len), dtype=torch.int64)
     names = ["input_ids", "attention_mask"]
@@ -105,7 +109,7 @@ def export_bert(path, *, layers=2, hidden=128, heads=4, intermediate=512, seq_le
     _export(_wrap(model, names, mask_dims), (ids, mask), path, names, ["last_hidden_state"], dyn, opset)
     return ExportInfo(str(path), _shapes((ids, mask), names, dyn), ["last_hidden_state"],
                       dict(layers=layers, hidden=hidden, heads=heads, seq_len=seq_len, mask_dims=mask_dims,
-                           vocab_size=vocab_size, dynamic_axes=dynamic_axes))
+                           vocab_size=vocab_size, dynamic_axes=dynamic_axes, half=half))
 
 
 def export_gpt2(path, *, layers=2, hidden=128, heads=4, seq_len=128, max_positions=512, padding_mask=True,

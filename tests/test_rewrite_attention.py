@@ -185,3 +185,15 @@ def test_old_opset_is_converted():
     assert_fused(new, {"StofSparseAttention": 2})
     rng = np.random.default_rng(9)
     assert_parity(model, new, token_feeds(rng, 2, 30, mask=padding_mask(rng, 2, 30)))
+
+
+def test_float16_bert():
+    model = exported("bert", half=True)
+    assert model.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+    new, report = rewrite_model(model, max_seq_len=S_MAX, **TILE)
+    assert_fused(new, {"StofSparseAttention": 2, "StofGemmEpilogue": 2, "StofAddLayerNorm": 4})
+    rng = np.random.default_rng(10)
+    feeds = token_feeds(rng, 2, 40, mask=padding_mask(rng, 2, 40))
+    from models_util import run
+    a, b = (run(m, feeds)[0].astype(np.float32) for m in (model, new))
+    assert np.isfinite(b).all() and np.abs(a - b).max() <= 2e-2 * max(1.0, np.abs(a).max())
