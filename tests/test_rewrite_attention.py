@@ -197,3 +197,46 @@ def test_float16_bert():
     from models_util import run
     a, b = (run(m, feeds)[0].astype(np.float32) for m in (model, new))
     assert np.isfinite(b).all() and np.abs(a - b).max() <= 2e-2 * max(1.0, np.abs(a).max())
+
+
+def _layouts(model):
+    """TileLayout of every StofSparseAttention node, read back from the initializers."""
+    from stof_trt.format import TileLayout
+
+    inits = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+    out = []
+    for n in model.graph.node:
+        if n.op_type == "StofSparseAttention":
+            a = {x.name: onnx.helper.get_attribute_value(x) for x in n.attribute}
+            out.append(TileLayout.from_arrays(seq_q=a["seq_q"], seq_k=a["seq_k"], tile_m=a["tile_m"],
+                                              tile_n=a["tile_n"], num_layouts=a["num_layouts"],
+                                              row_ptr=inits[n.input[3]], col_idx=inits[n.input[4]],
+                                              tile_bitmap_index=inits[n.input[5]], bitmaps=inits[n.input[6]]))
+    return out
+
+
+def test_user_mask_intersects_graph_causal():
+    spec = parse_mask("sliding:window=5")
+    new, report = rewrite_model(exported("gpt2"), mask=spec, max_seq_len=S_MAX, **TILE)
+    layouts = _layouts(new)
+    assert len(layouts) == 2 and layouts[0].signature() == layouts[1].signature()
+    expected = spec.dense(S_MAX, S_MAX) & np.tril(np.ones((S_MAX, S_MAX), bool))
+    assert np.array_equal(layouts[0].to_dense()[0], expected)
+    # shared initializers: one set of layout arrays for both layers
+    names = [tuple(n.input[3:7]) for n in new.graph.node if n.op_type == "StofSparseAttention"]
+    assert names[0] == names[1]
+
+
+def test_user_errors():
+    model = exported("bert")
+    with pytest.raises(StofError, match="max_seq_len"):
+        rewrite_model(model, max_seq_len=0)
+    with pytest.raises(StofError):
+        rewrite_model(model, max_seq_len=S_MAX, tile_m=20)
+    with pytest.raises(StofError):
+        rewrite_model(model, max_seq_len=S_MAX, mask="no-such-mask")
+    with pytest.raises(StofError, match="sequence length 600"):
+        rewrite_model(model, max_seq_len=600)  # beyond the 512 position embeddings
+    new, _ = rewrite_model(model, max_seq_len=S_MAX)
+    with pytest.raises(StofError, match="already contains STOF"):
+        rewrite_model(new, max_seq_len=S_MAX)
