@@ -168,27 +168,33 @@ class FuseAddLayerNorm(Fusion):
                                          "_shapes": (x.name, residual.name)})
 
     def analyze(self, matches: list[Match]) -> list[Match]:
-        """Keep matches whose X and residual have the same run-time shape at two different sizes."""
-        if not matches:
-            return matches
-        model = self.ctx.options["_original_model"]
-        known = {t for n in model.graph.node for t in n.output} | {i.name for i in model.graph.input}
-        names = sorted({n for m in matches for n in m.info["_shapes"] if n in known})
-        seq = min(self.ctx.options.get("max_seq_len") or 8, 8)  # any length shows a broadcast; short is cheap
-        try:
-            probe = Probe(model, [], names)
-            runs = [probe.run(2, seq)[1], probe.run(3, max(1, seq - 3))[1]]
-        except Exception as exc:  # noqa: BLE001 - cannot prove the shapes: leave every match alone
-            for m in matches:
-                self.skip(m.anchor, f"cannot check residual shapes: {str(exc)[:100]}")
-            return []
-        kept = []
+        return keep_same_shapes(self, matches)
+
+
+def keep_same_shapes(fusion: Fusion, matches: list[Match]) -> list[Match]:
+    """Keep the matches whose two tensors ``info["_shapes"]`` (X, residual) have the same run-time shape, evaluated
+    on the original model at two batch sizes and lengths (so kernels never have to broadcast)."""
+    if not matches:
+        return matches
+    ctx = fusion.ctx
+    model = ctx.options["_original_model"]
+    known = {t for n in model.graph.node for t in n.output} | {i.name for i in model.graph.input}
+    names = sorted({n for m in matches for n in m.info["_shapes"] if n in known})
+    seq = min(ctx.options.get("max_seq_len") or 8, 8)  # any length shows a broadcast; short is cheap
+    try:
+        probe = Probe(model, [], names)
+        runs = [probe.run(2, seq)[1], probe.run(3, max(1, seq - 3))[1]]
+    except Exception as exc:  # noqa: BLE001 - cannot prove the shapes: leave every match alone
         for m in matches:
-            a, b = m.info.pop("_shapes")
-            if a not in known or b not in known:
-                self.skip(m.anchor, "X / residual not in the original model: shapes cannot be checked")
-            elif all(r[a] == r[b] for r in runs):
-                kept.append(m)
-            else:
-                self.skip(m.anchor, f"X {runs[0][a]} and residual {runs[0][b]} differ in shape (broadcast add)")
-        return kept
+            fusion.skip(m.anchor, f"cannot check residual shapes: {str(exc)[:100]}")
+        return []
+    kept = []
+    for m in matches:
+        a, b = m.info.pop("_shapes")
+        if a not in known or b not in known:
+            fusion.skip(m.anchor, "X / residual not in the original model: shapes cannot be checked")
+        elif all(r[a] == r[b] for r in runs):
+            kept.append(m)
+        else:
+            fusion.skip(m.anchor, f"X {runs[0][a]} and residual {runs[0][b]} differ in shape (broadcast add)")
+    return kept

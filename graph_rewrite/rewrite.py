@@ -1,7 +1,8 @@
 """``rewrite_model``: the entry point. Runs the fusions in a fixed order and adds the model-local functions.
 
 Order: attention cores (decomposed, then the ONNX ``Attention`` op, then ORT contrib Attention /
-MultiHeadAttention), then epilogues (MatMul + bias + GELU, then residual Add + LayerNorm). Attention runs first
+MultiHeadAttention), then epilogues (MatMul + bias + GELU and ORT's BiasGelu / FastGelu, decomposed LayerNorm,
+residual Add + LayerNorm and ORT's SkipLayerNormalization). Attention runs first
 because it probes the *original* model, whose tensor names it still shares.
 """
 from __future__ import annotations
@@ -24,10 +25,11 @@ def _fusions(epilogues: bool):
     from .fuse_gemm_gelu import FuseGemmGelu
     from .fuse_onnx_attention import FuseOnnxAttention
     from .fuse_ort_attention import FuseOrtAttention, FuseOrtMultiHeadAttention
+    from .fuse_ort_epilogues import FuseOrtBiasGelu, FuseOrtSkipLayerNorm
 
     order = [FuseAttentionCore, FuseOnnxAttention, FuseOrtAttention, FuseOrtMultiHeadAttention]
     if epilogues:
-        order += [FuseGemmGelu, FuseLayerNormDecomposed, FuseAddLayerNorm]
+        order += [FuseGemmGelu, FuseOrtBiasGelu, FuseLayerNormDecomposed, FuseAddLayerNorm, FuseOrtSkipLayerNorm]
     return order
 
 
