@@ -187,6 +187,8 @@ def main():
                       f"causal {cell.get('sdpa_causal_ms', float('nan')):.3f} | x_flex {cell['x_flex']:.2f} "
                       f"err_flex {cell.get('err_vs_flex', float('nan')):.1e} [{time.time() - t0:.0f}s]", flush=True)
                 del outs, o_stof
+                # keep what is measured so far (a killed run still leaves its cells)
+                (out_dir / f"bench_attention{args.tag}.partial.json").write_text(json.dumps(cells))
             del q, k, v
             torch.cuda.empty_cache()
 
@@ -207,6 +209,7 @@ def main():
     res = {"summary": summary, "cells": cells, "argv": sys.argv}
     name = f"bench_attention{args.tag}"
     (out_dir / f"{name}.json").write_text(json.dumps(res, indent=1))
+    (out_dir / f"{name}.partial.json").unlink(missing_ok=True)
 
     # table (markdown)
     lines = ["| D | S | mask | density | STOF pick ms | STOF best ms (tactic) | Flex ms | SDPA ms | SDPA+mask ms | "

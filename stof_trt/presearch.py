@@ -159,6 +159,8 @@ class TileStats:
     allowed: int             # allowed (query, key) pairs over all layouts (in range)
     nnz: int
     num_partial: int
+    row_cols: list = None     # [L][Tq] ascending tile columns of each tile row
+    row_pcols: list = None    # [L][Tq] the PARTIAL ones among them
 
     @property
     def partial_fraction(self) -> float:
@@ -180,11 +182,50 @@ def tile_stats(layout) -> TileStats:
     n_full = int(layout.nnz) - int(layout.num_partial)
     words_full = n_full * layout.tile_m * wpr
     allowed = bits_partial + n_full * layout.tile_m * layout.tile_n  # full tiles in tails slightly over-counted
+    col = np.asarray(layout.col_idx)[: int(layout.nnz)]
+    row_cols = [[col[rp[l * Tq + i]: rp[l * Tq + i + 1]] for i in range(Tq)] for l in range(L)]
+    row_pcols = [[col[rp[l * Tq + i]: rp[l * Tq + i + 1]][tbi[rp[l * Tq + i]: rp[l * Tq + i + 1]] >= 0]
+                  for i in range(Tq)] for l in range(L)]
     return TileStats(layout.tile_m, layout.tile_n, int(layout.seq_q), int(layout.seq_k), L, nnz_row, part_row,
-                     words_partial + words_full, allowed, int(layout.nnz), int(layout.num_partial))
+                     words_partial + words_full, allowed, int(layout.nnz), int(layout.num_partial), row_cols,
+                     row_pcols)
+
+
+def cta_work(stats: TileStats, t: TacticSpec, seq_q: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per CTA of one (batch, head) of each layout, in launch order: (full, partial) K/V sub-block iterations.
+    Shape [L, n_cta].  A CTA spanning several tile rows (wgmma, 2 warpgroups, tile_m 64) walks their union."""
+    nsub = stats.tile_n // t.block_n
+    n_cta = math.ceil(seq_q / t.block_m)
+    full = np.zeros((stats.num_layouts, n_cta))
+    part = np.zeros((stats.num_layouts, n_cta))
+    for l in range(stats.num_layouts):
+        for c in range(n_cta):
+            q0 = (n_cta - 1 - c) * t.block_m  # reversed launch order
+            rows = sorted({(q0 + r) // stats.tile_m for r in range(0, t.block_m, 64 if t.family == FAMILY_HOPPER
+                                                                     else t.block_m) if q0 + r < seq_q})
+            if len(rows) == 1:
+                n_all, n_p = len(stats.row_cols[l][rows[0]]), len(stats.row_pcols[l][rows[0]])
+            else:
+                n_all = len(np.union1d(*[stats.row_cols[l][i] for i in rows[:2]]))
+                n_p = len(np.union1d(*[stats.row_pcols[l][i] for i in rows[:2]]))
+            full[l, c] = (n_all - n_p) * nsub
+            part[l, c] = n_p * nsub
+    return full, part
+
+
+# Registers per thread from ptxas (sm_90a build, fp16; bf16 is within a few registers), used for occupancy.
+PTXAS_REGS = {
+    (1, 64): 187, (2, 64): 185, (3, 64): 195, (4, 64): 255, (5, 64): 183, (6, 64): 255, (7, 64): 128, (8, 64): 128,
+    (9, 64): 128, (10, 64): 128, (1, 128): 255, (2, 128): 255, (3, 128): 255, (5, 128): 243, (7, 128): 238,
+    (8, 128): 239, (9, 128): 222, (10, 128): 254, (11, 64): 127, (12, 64): 128, (11, 128): 168, (12, 128): 206,
+    (13, 64): 128, (14, 64): 128, (15, 64): 128, (16, 64): 128, (17, 64): 168, (18, 64): 168,
+    (13, 128): 228, (14, 128): 232, (15, 128): 214, (16, 128): 214, (17, 128): 248,
+}
 
 
 def _block_regs(t: TacticSpec, D: int) -> int:
+    if (t.id, D) in PTXAS_REGS:
+        return PTXAS_REGS[(t.id, D)]
     if t.family == FAMILY_HOPPER:  # ptxas report of the sm_90a build
         return 128 if D == 64 else (169 if t.block_m == 128 else 202)
     mi = t.block_m // t.num_warps // 16
@@ -202,7 +243,7 @@ def _block_smem(t: TacticSpec, D: int) -> int:
 def occupancy(t: TacticSpec, D: int, gpu: GpuProps) -> int:
     threads = 32 * t.num_warps
     if t.family == FAMILY_ROW:
-        regs = 128 if D == 64 else 208
+        regs = PTXAS_REGS.get((t.id, D), 128 if D == 64 else 208)
         smem = 0
     else:
         regs, smem = _block_regs(t, D), _block_smem(t, D)
@@ -221,9 +262,52 @@ def _makespan(durations: np.ndarray, slots: int) -> float:
     return max(heap)
 
 
+# Calibrated per-CTA costs (µs of one occupancy slot): a per FULL sub-block, b per PARTIAL sub-block, c per CTA,
+# and d per launch, fitted by calibrate() on scripts/bench_attention.py measurements (H100, B=8, H=12, fp16,
+# S in {1024, 4096}, the 5 benchmark masks).  Tactics without an entry use the uncalibrated rate model below.
+COEF = {
+    (1, 64): (1.28583, 1.56674, 3.62224, 9.16329),
+    (1, 128): (2.17396, 2.32958, 5.10941, 11.27149),
+    (2, 64): (1.30288, 1.57168, 3.48398, 8.85129),
+    (2, 128): (2.18048, 2.32691, 5.23054, 10.08654),
+    (3, 64): (1.79409, 1.98225, 5.8007, 9.10186),
+    (3, 128): (2.82488, 2.80362, 2.55502, 9.00851),
+    (4, 64): (2.25908, 2.32814, 10.12889, 10.57681),
+    (7, 64): (2.4504, 2.79793, 6.29627, 11.97168),
+    (7, 128): (2.14296, 2.33828, 4.65627, 11.55686),
+    (8, 64): (2.4182, 2.72143, 6.88899, 11.25711),
+    (8, 128): (2.16415, 2.34561, 4.74748, 11.53943),
+    (10, 64): (2.32323, 2.42293, 6.64156, 11.08432),
+    (10, 128): (2.65464, 2.63701, 2.58731, 9.10532),
+    (13, 64): (1.66394, 2.70649, 6.66087, 11.87471),
+    (13, 128): (1.49971, 2.12742, 5.25318, 11.88539),
+    (14, 64): (1.372, 2.26038, 5.25732, 10.32878),
+    (14, 128): (1.52488, 2.17849, 5.67814, 9.00068),
+    (15, 64): (1.98298, 3.47225, 0.0, 15.47607),
+    (15, 128): (1.69544, 2.82079, 0.53735, 23.13003),
+    (16, 64): (1.98827, 3.48223, 0.0, 16.15741),
+    (16, 128): (1.79352, 2.85652, 0.0, 23.52857),
+    (17, 64): (1.47993, 2.19303, 5.54607, 8.56497),
+    (17, 128): (1.77011, 2.22002, 6.25494, 9.15448),
+    (18, 64): (1.47869, 2.12888, 5.82312, 8.20166),
+}
+
+
 def predict(stats: TileStats, tactic: int, *, batch: int, heads: int, head_dim: int, seq_q: int | None = None,
             seq_k: int | None = None, gpu: GpuProps | None = None) -> float:
     """Predicted seconds for one forward call."""
+    t0 = _BY_ID[tactic]
+    if (tactic, head_dim) in COEF and t0.family != FAMILY_ROW:
+        gpu = gpu or H100_SXM
+        occ = occupancy(t0, head_dim, gpu)
+        if occ == 0:
+            return math.inf
+        a, b, c, d = COEF[(tactic, head_dim)]
+        full, part = cta_work(stats, t0, seq_q or stats.seq_q)
+        dur = a * full + b * part + c  # [L, n_cta] µs
+        L = stats.num_layouts
+        ctas = np.concatenate([dur[h % L] for h in range(heads)] * batch)
+        return (_makespan(ctas, gpu.sm_count * occ) + d) * 1e-6
     gpu = gpu or H100_SXM
     t = _BY_ID[tactic]
     D = head_dim
@@ -265,6 +349,41 @@ def predict(stats: TileStats, tactic: int, *, batch: int, heads: int, head_dim: 
     kv_bytes = float(nsub.sum()) * (heads / L) * batch * rows_per_tile * t.block_n * D * 2 * 2
     t_l2 = kv_bytes / gpu.l2_bw
     return max(t_comp, t_l2, t_dram) + 4e-6
+
+
+def calibrate(bench_json: str, gpu: GpuProps | None = None) -> dict:
+    """Fit COEF from a scripts/bench_attention.py JSON: per (tactic, head dim), non-negative least squares of
+    measured ms against [sum full / slots, sum partial / slots, CTAs / slots, 1] (the makespan of a large grid)."""
+    import json
+
+    from scipy.optimize import nnls
+
+    from .format import compile_mask
+    from .masks import parse_mask
+
+    gpu = gpu or H100_SXM
+    res = json.load(open(bench_json))
+    B, H = res["summary"]["batch"], res["summary"]["heads"]
+    rows: dict = {}
+    for cell in res["cells"]:
+        layout = compile_mask(parse_mask(cell["spec"]), cell["S"], cell["S"])
+        stats = tile_stats(layout)
+        for t in TACTICS:
+            if t.name not in cell["measured_ms"] or t.family == FAMILY_ROW:
+                continue
+            occ = occupancy(t, cell["D"], gpu)
+            slots = gpu.sm_count * occ
+            full, part = cta_work(stats, t, cell["S"])
+            reps = B * H / stats.num_layouts
+            x = [full.sum() * reps / slots, part.sum() * reps / slots, full.size * reps / slots, 1.0]
+            rows.setdefault((t.id, cell["D"]), []).append((x, cell["measured_ms"][t.name] * 1e3))
+    coef = {}
+    for key, pts in rows.items():
+        A = np.array([p[0] for p in pts])
+        y = np.array([p[1] for p in pts])
+        sol, _ = nnls(A, y)
+        coef[key] = tuple(float(round(v, 5)) for v in sol)
+    return coef
 
 
 def rank(layout_or_stats, *, batch: int, heads: int, head_dim: int, seq_q: int | None = None,
