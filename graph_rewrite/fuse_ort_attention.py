@@ -76,9 +76,17 @@ class _OrtAttentionBase(Fusion):
         for m in matches:
             node, H, hidden = m.anchor, m.info["heads"], m.info["hidden"]
             qs, ks = probe.shape(m.info["q_shape"]), probe.shape(m.info["k_shape"])
-            if len(qs) != 3 or len(ks) != 3:
+            vs = probe.shape(m.info["v_shape"]) if m.info.get("v_shape") else qs
+            if len(qs) != 3 or len(ks) != 3 or len(vs) != 3:
                 self.skip(node, f"inputs of rank {len(qs)} / {len(ks)}: only [B, S, hidden] is supported")
                 continue
+            if hidden is None:  # MultiHeadAttention: from the run-time shapes
+                hidden = qs[2]
+                if ks[2] != hidden or vs[2] != hidden or hidden % H:
+                    self.skip(node, f"Q{qs} K{ks} V{vs}: only equal hidden sizes divisible by num_heads are "
+                                    "supported")
+                    continue
+                m.info["hidden"] = hidden
             B, sq, sk, D = qs[0], qs[1], ks[1], hidden // H
             padding = None
             if _present(node, self.MASK_INPUT):
@@ -191,25 +199,8 @@ class FuseOrtMultiHeadAttention(_OrtAttentionBase):
         q, k, v = node.inputs[:3]
         names = [q.name, k.name, v.name] + ([node.inputs[4].name] if _present(node, 4) else [])
         info = {"heads": H, "hidden": None, "bias": bias, "q_shape": q.name, "k_shape": k.name,
-                "shape_names": names}
-        m = Match(node, [node], lambda: [], info)
-        return m
-
-    def analyze(self, matches):
-        # the hidden size comes from the run-time shapes; fill it in before the common analysis
-        if matches:
-            probe_names = {n for m in matches for n in m.info["shape_names"]}
-            probe = AttentionProbe(self.ctx, self.graph, probe_names, [], set())
-            keep = []
-            for m in matches:
-                qs, ks, vs = (probe.shape(t.name) for t in m.anchor.inputs[:3])
-                if len(qs) != 3 or qs[2] != ks[2] or qs[2] != vs[2] or qs[2] % m.info["heads"]:
-                    self.skip(m.anchor, f"Q{qs} K{ks} V{vs}: only 3-D inputs with equal hidden sizes are supported")
-                    continue
-                m.info["hidden"] = qs[2]
-                keep.append(m)
-            matches = keep
-        return super().analyze(matches)
+                "v_shape": v.name, "shape_names": names}
+        return Match(node, [node], lambda: [], info)
 
     def project(self, ins, info, new):
         q, k, v = ins[:3]
