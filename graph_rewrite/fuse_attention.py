@@ -77,11 +77,12 @@ class FuseAttentionCore(Fusion):
             self.debug(softmax, f"softmax axis {axis} is not the last axis")
             return None
         nodes = [softmax]
-        # -- downstream: [Cast] -> MatMul(P, V)
-        nxt = single_consumer(softmax.outputs[0], outs)
-        while nxt is not None and nxt.op == "Cast" and nxt.attrs.get("to") in FLOAT_TYPES:
-            nodes.append(nxt)
-            nxt = single_consumer(nxt.outputs[0], outs)
+        # -- downstream: [Cast]* [Where(IsNaN(P), 0, P)] [Cast]* -> MatMul(P, V)
+        nxt = self._skip_casts(softmax.outputs[0], nodes)
+        guard = self._nan_guard(nodes[-1].outputs[0])
+        if guard is not None:  # torch's SDPA export zeroes NaN rows (all keys masked): our semantics exactly
+            nodes += guard
+            nxt = self._skip_casts(guard[-1].outputs[0], nodes)
         if nxt is None or nxt.op != "MatMul" or nxt.inputs[0] is not nodes[-1].outputs[0]:
             probs = nodes[-1].outputs[0]
             if any(c.op == "MatMul" and c.inputs[0] is probs for c in probs.outputs):
@@ -135,6 +136,31 @@ class FuseAttentionCore(Fusion):
         return Match(softmax, nodes, build=lambda: [], info={"core": core})
 
     # -- matching helpers --------------------------------------------------------------------------------------------
+    def _skip_casts(self, t: gs.Tensor, nodes: list[gs.Node]) -> gs.Node | None:
+        """Follow float Casts from ``t`` (appending them to ``nodes``); returns the next single consumer."""
+        nxt = single_consumer(t, self.ctx.graph_outputs)
+        while nxt is not None and nxt.op == "Cast" and nxt.attrs.get("to") in FLOAT_TYPES:
+            nodes.append(nxt)
+            nxt = single_consumer(nxt.outputs[0], self.ctx.graph_outputs)
+        return nxt
+
+    def _nan_guard(self, p: gs.Tensor) -> list[gs.Node] | None:
+        """``Where(IsNaN(p), 0, p)`` on the probabilities: returns [IsNaN, Where] or None.
+
+              P --> IsNaN --> Where(cond, 0, P) --> P'
+              '-------------------------^
+        """
+        if p.name in self.ctx.graph_outputs or len(p.outputs) != 2:
+            return None
+        isnan = next((c for c in p.outputs if c.op == "IsNaN"), None)
+        where = next((c for c in p.outputs if c.op == "Where"), None)
+        if isnan is None or where is None or len(isnan.outputs[0].outputs) != 1 \
+                or isnan.outputs[0].outputs[0] is not where:
+            return None
+        if where.inputs[0] is not isnan.outputs[0] or where.inputs[2] is not p or scalar_value(where.inputs[1]) != 0.0:
+            return None
+        return [isnan, where]
+
     def _find_qk(self, t: gs.Tensor):
         """MatMul(Q, Kᵀ) behind up to two scalar scale ops; returns (matmul, scale_nodes, scale, probed)."""
         outs = self.ctx.graph_outputs

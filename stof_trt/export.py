@@ -5,7 +5,8 @@ exported with ``mask_dims=2`` and ``mask_dims=3`` has identical weights: the dem
 mask fed through the 3-D mask input and the rewritten 2-D export with a static layout + padding, and compares.
 
 Each function writes ``path`` and returns an :class:`ExportInfo` (input names, shapes with symbolic dims as
-strings, output names, the config values).
+strings, output names, the config values). The transformers models use ``attn_implementation="eager"`` by
+default (the plainest graph); ``"sdpa"`` exports torch's scaled_dot_product_attention decomposition instead.
 """
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ def _uses_cache(model) -> bool:
 
 def export_bert(path, *, layers=2, hidden=128, heads=4, intermediate=512, seq_len=128, max_positions=512,
                 mask_dims=2, dynamic_axes=True, seed=0, vocab_size=1000, batch=2, opset=OPSET,
-                half=False) -> ExportInfo:
+                half=False, attn_implementation="eager") -> ExportInfo:
     """BERT encoder. Inputs ``input_ids`` [B,S] int64 and ``attention_mask``: [B,S] (``mask_dims=2``, the standard
     padding mask) or [B,S,S] (``mask_dims=3``: any mask, non-zero = query may attend key). Output
     ``last_hidden_state`` [B,S,hidden] (float16 weights and activations with ``half=True``)."""
@@ -94,7 +95,7 @@ def export_bert(path, *, layers=2, hidden=128, heads=4, intermediate=512, seq_le
     torch.manual_seed(seed)
     cfg = BertConfig(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                      intermediate_size=intermediate, max_position_embeddings=max_positions,
-                     attn_implementation="eager")
+                     attn_implementation=attn_implementation)
     model = BertModel(cfg, add_pooling_layer=False).eval()
     if half:
         model = model.half()
@@ -113,7 +114,8 @@ def export_bert(path, *, layers=2, hidden=128, heads=4, intermediate=512, seq_le
 
 
 def export_gpt2(path, *, layers=2, hidden=128, heads=4, seq_len=128, max_positions=512, padding_mask=True,
-                dynamic_axes=True, seed=0, vocab_size=1000, batch=2, opset=OPSET) -> ExportInfo:
+                dynamic_axes=True, seed=0, vocab_size=1000, batch=2, opset=OPSET,
+                attn_implementation="eager") -> ExportInfo:
     """GPT-2 decoder (causal), no KV cache. Inputs ``input_ids`` [B,S] and, with ``padding_mask``,
     ``attention_mask`` [B,S]. Output ``last_hidden_state``."""
     import torch
@@ -121,7 +123,7 @@ def export_gpt2(path, *, layers=2, hidden=128, heads=4, seq_len=128, max_positio
 
     torch.manual_seed(seed)
     cfg = GPT2Config(vocab_size=vocab_size, n_embd=hidden, n_layer=layers, n_head=heads, n_positions=max_positions,
-                     bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+                     bos_token_id=0, eos_token_id=0, attn_implementation=attn_implementation)
     model = GPT2Model(cfg).eval()
     ids = torch.randint(0, vocab_size, (batch, seq_len))
     args = [ids]
@@ -137,7 +139,7 @@ def export_gpt2(path, *, layers=2, hidden=128, heads=4, seq_len=128, max_positio
 
 
 def export_vit(path, *, layers=2, hidden=128, heads=4, intermediate=512, image_size=64, patch_size=16,
-               dynamic_axes=True, seed=0, batch=2, opset=OPSET) -> ExportInfo:
+               dynamic_axes=True, seed=0, batch=2, opset=OPSET, attn_implementation="eager") -> ExportInfo:
     """ViT encoder (no mask). Input ``pixel_values`` [B,3,image,image]; sequence = (image/patch)² + 1."""
     import torch
     from transformers import ViTConfig, ViTModel
@@ -145,7 +147,7 @@ def export_vit(path, *, layers=2, hidden=128, heads=4, intermediate=512, image_s
     torch.manual_seed(seed)
     cfg = ViTConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                     intermediate_size=intermediate, image_size=image_size, patch_size=patch_size,
-                    attn_implementation="eager")
+                    attn_implementation=attn_implementation)
     model = ViTModel(cfg, add_pooling_layer=False).eval()
     px = torch.randn(batch, 3, image_size, image_size)
     names = ["pixel_values"]

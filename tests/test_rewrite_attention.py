@@ -240,3 +240,17 @@ def test_user_errors():
     new, _ = rewrite_model(model, max_seq_len=S_MAX)
     with pytest.raises(StofError, match="already contains STOF"):
         rewrite_model(new, max_seq_len=S_MAX)
+
+
+@pytest.mark.parametrize("kind", ["bert", "gpt2"])
+def test_sdpa_exports(kind):
+    """attn_implementation="sdpa": scale on Q and K, Where(IsNaN(P), 0, P) after the softmax."""
+    model = exported(kind, attn_implementation="sdpa")
+    assert "IsNaN" in {n.op_type for n in model.graph.node}
+    new, report = rewrite_model(model, max_seq_len=S_MAX, **TILE)
+    assert_fused(new, {"StofSparseAttention": 2, "Softmax": 0, "IsNaN": 0})
+    src = _attention(report)[0]["mask_source"]
+    assert ("causal" in src) == (kind == "gpt2") and "padding" in src
+    rng = np.random.default_rng(11)
+    for seq in (S_MAX, 21):
+        assert_parity(model, new, token_feeds(rng, 3, seq, mask=padding_mask(rng, 3, seq)))
