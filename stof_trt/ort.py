@@ -41,10 +41,16 @@ def library_path() -> Path | None:
     env = os.environ.get("STOF_ORT_LIB")
     if env:
         return Path(env) if Path(env).is_file() else None
+    import sysconfig
+
     here = Path(__file__).resolve().parent
     cands = [here / "lib" / _LIB_NAME]
+    # editable installs keep the package in the source tree and the libraries in site-packages/stof_trt/lib
+    cands += [Path(sysconfig.get_paths()[k]) / "stof_trt" / "lib" / _LIB_NAME for k in ("platlib", "purelib")]
     root = here.parent
     cands += [Path(p) for p in sorted(glob.glob(str(root / "build*" / "plugins_cu" / "ort" / _LIB_NAME)))]
+    # editable installs (scikit-build-core, build-dir = build/{wheel_tag}): the packaging build tree
+    cands += [Path(p) for p in sorted(glob.glob(str(root / "build" / "*" / "native" / "plugins_cu" / "ort" / _LIB_NAME)))]
     for c in cands:
         if c.is_file():
             return c
