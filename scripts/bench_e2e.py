@@ -195,8 +195,8 @@ def tune(paths: dict, models: list[str], seqs: list[int], out: Path) -> dict:
         model = onnx.load(str(c["stof"]))
         t0 = time.perf_counter()
         res = tune_model(model, [feeds2], cache, k=3, progress=False)
-        tune_model(model, [feeds2], pre, presearch_only=True, progress=False)
         for r in res:
+            pre.put(r.key, r.presearch_tactic, source="presearch", nodes=r.nodes)
             rows.append(dict(model=c["model"], mask=c["mask"], S=c["S"], bucket=r.key.bucket, nodes=len(r.nodes),
                              presearch=r.presearch_tactic, presearch_ms=r.presearch_ms, best=r.best_tactic,
                              best_ms=r.best_ms, default=r.default_tactic,
