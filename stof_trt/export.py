@@ -7,6 +7,7 @@ mask fed through the 3-D mask input and the rewritten 2-D export with a static l
 Each function writes ``path`` and returns an :class:`ExportInfo` (input names, shapes with symbolic dims as
 strings, output names, the config values). The transformers models use ``attn_implementation="eager"`` by
 default (the plainest graph); ``"sdpa"`` exports torch's scaled_dot_product_attention decomposition instead.
+``dynamo=True`` uses torch's dynamo-based exporter instead of the TorchScript one.
 """
 from __future__ import annotations
 
@@ -32,16 +33,40 @@ class ExportInfo:
         return list(self.inputs)
 
 
-def _export(module, args, path, input_names, output_names, dynamic_axes, opset):
+def _export(module, args, path, input_names, output_names, dynamic_axes, opset, dynamo=False):
+    """torch.onnx.export with the TorchScript exporter (default), or the dynamo exporter (``dynamo=True``, opset
+    >= 18; dynamic axes become torch.export.Dim objects shared by label)."""
+    import logging
+
     import torch
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(module, args, str(path), input_names=input_names, output_names=output_names,
-                          dynamic_axes=dynamic_axes or None, opset_version=opset, dynamo=False,
-                          do_constant_folding=True)
+        if not dynamo:
+            torch.onnx.export(module, args, str(path), input_names=input_names, output_names=output_names,
+                              dynamic_axes=dynamic_axes or None, opset_version=opset, dynamo=False,
+                              do_constant_folding=True)
+            return str(path)
+        dims: dict = {}
+        shapes = tuple({axis: dims.setdefault(label, torch.export.Dim(label, min=1, max=4096))
+                        for axis, label in (dynamic_axes or {}).get(name, {}).items()} or None
+                       for name in input_names)
+        import inspect
+
+        params = inspect.signature(module.forward).parameters.values()
+        if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):  # forward(*args): one entry
+            shapes = (shapes,)
+        level = logging.getLogger("torch").level
+        logging.getLogger("torch").setLevel(logging.ERROR)
+        try:
+            program = torch.onnx.export(module, args, input_names=input_names, output_names=output_names,
+                                        dynamic_shapes=shapes if dynamic_axes else None,
+                                        opset_version=max(opset, 18), dynamo=True, verbose=False)
+        finally:
+            logging.getLogger("torch").setLevel(level)
+        program.save(str(path))
     return str(path)
 
 
@@ -83,7 +108,7 @@ def _uses_cache(model) -> bool:
 
 def export_bert(path, *, layers=2, hidden=128, heads=4, intermediate=512, seq_len=128, max_positions=512,
                 mask_dims=2, dynamic_axes=True, seed=0, vocab_size=1000, batch=2, opset=OPSET,
-                half=False, attn_implementation="eager") -> ExportInfo:
+                half=False, attn_implementation="eager", dynamo=False) -> ExportInfo:
     """BERT encoder. Inputs ``input_ids`` [B,S] int64 and ``attention_mask``: [B,S] (``mask_dims=2``, the standard
     padding mask) or [B,S,S] (``mask_dims=3``: any mask, non-zero = query may attend key). Output
     ``last_hidden_state`` [B,S,hidden] (float16 weights and activations with ``half=True``)."""
@@ -107,7 +132,7 @@ def export_bert(path, *, layers=2, hidden=128, heads=4, intermediate=512, seq_le
         dyn = {"input_ids": {0: "batch", 1: "seq"},
                "attention_mask": {0: "batch", 1: "seq"} if mask_dims == 2 else {0: "batch", 1: "seq", 2: "seq"},
                "last_hidden_state": {0: "batch", 1: "seq"}}
-    _export(_wrap(model, names, mask_dims), (ids, mask), path, names, ["last_hidden_state"], dyn, opset)
+    _export(_wrap(model, names, mask_dims), (ids, mask), path, names, ["last_hidden_state"], dyn, opset, dynamo)
     return ExportInfo(str(path), _shapes((ids, mask), names, dyn), ["last_hidden_state"],
                       dict(layers=layers, hidden=hidden, heads=heads, seq_len=seq_len, mask_dims=mask_dims,
                            vocab_size=vocab_size, dynamic_axes=dynamic_axes, half=half))
@@ -115,7 +140,7 @@ def export_bert(path, *, layers=2, hidden=128, heads=4, intermediate=512, seq_le
 
 def export_gpt2(path, *, layers=2, hidden=128, heads=4, seq_len=128, max_positions=512, padding_mask=True,
                 dynamic_axes=True, seed=0, vocab_size=1000, batch=2, opset=OPSET,
-                attn_implementation="eager") -> ExportInfo:
+                attn_implementation="eager", dynamo=False) -> ExportInfo:
     """GPT-2 decoder (causal), no KV cache. Inputs ``input_ids`` [B,S] and, with ``padding_mask``,
     ``attention_mask`` [B,S]. Output ``last_hidden_state``."""
     import torch
@@ -132,14 +157,15 @@ def export_gpt2(path, *, layers=2, hidden=128, heads=4, seq_len=128, max_positio
         args.append(torch.ones((batch, seq_len), dtype=torch.int64))
         names.append("attention_mask")
     dyn = {n: {0: "batch", 1: "seq"} for n in names + ["last_hidden_state"]} if dynamic_axes else {}
-    _export(_wrap(model, names), tuple(args), path, names, ["last_hidden_state"], dyn, opset)
+    _export(_wrap(model, names), tuple(args), path, names, ["last_hidden_state"], dyn, opset, dynamo)
     return ExportInfo(str(path), _shapes(args, names, dyn), ["last_hidden_state"],
                       dict(layers=layers, hidden=hidden, heads=heads, seq_len=seq_len, vocab_size=vocab_size,
                            dynamic_axes=dynamic_axes))
 
 
 def export_vit(path, *, layers=2, hidden=128, heads=4, intermediate=512, image_size=64, patch_size=16,
-               dynamic_axes=True, seed=0, batch=2, opset=OPSET, attn_implementation="eager") -> ExportInfo:
+               dynamic_axes=True, seed=0, batch=2, opset=OPSET, attn_implementation="eager",
+               dynamo=False) -> ExportInfo:
     """ViT encoder (no mask). Input ``pixel_values`` [B,3,image,image]; sequence = (image/patch)² + 1."""
     import torch
     from transformers import ViTConfig, ViTModel
@@ -152,7 +178,7 @@ def export_vit(path, *, layers=2, hidden=128, heads=4, intermediate=512, image_s
     px = torch.randn(batch, 3, image_size, image_size)
     names = ["pixel_values"]
     dyn = {"pixel_values": {0: "batch"}, "last_hidden_state": {0: "batch"}} if dynamic_axes else {}
-    _export(_wrap(model, names), (px,), path, names, ["last_hidden_state"], dyn, opset)
+    _export(_wrap(model, names), (px,), path, names, ["last_hidden_state"], dyn, opset, dynamo)
     return ExportInfo(str(path), _shapes((px,), names, dyn), ["last_hidden_state"],
                       dict(layers=layers, hidden=hidden, heads=heads, seq_len=(image_size // patch_size) ** 2 + 1,
                            dynamic_axes=dynamic_axes))
@@ -213,7 +239,7 @@ def _local_attention_model(layers, hidden, heads, window, causal, vocab_size, ma
 
 def export_local_attention(path, *, layers=2, hidden=128, heads=4, window=8, causal=False, seq_len=128,
                            max_positions=512, dynamic_axes=True, seed=0, vocab_size=1000, batch=2,
-                           opset=OPSET) -> ExportInfo:
+                           opset=OPSET, dynamo=False) -> ExportInfo:
     """A small encoder whose sliding-window mask (|q-k| <= window, or 0 <= q-k <= window when ``causal``) and
     key padding are built inside the graph (masked_fill -> Where). Inputs ``input_ids``, ``attention_mask``."""
     import torch
@@ -224,7 +250,7 @@ def export_local_attention(path, *, layers=2, hidden=128, heads=4, window=8, cau
     mask = torch.ones((batch, seq_len), dtype=torch.int64)
     names = ["input_ids", "attention_mask"]
     dyn = {n: {0: "batch", 1: "seq"} for n in names + ["last_hidden_state"]} if dynamic_axes else {}
-    _export(model, (ids, mask), path, names, ["last_hidden_state"], dyn, opset)
+    _export(model, (ids, mask), path, names, ["last_hidden_state"], dyn, opset, dynamo)
     return ExportInfo(str(path), _shapes((ids, mask), names, dyn), ["last_hidden_state"],
                       dict(layers=layers, hidden=hidden, heads=heads, window=window, causal=causal, seq_len=seq_len,
                            vocab_size=vocab_size, dynamic_axes=dynamic_axes))

@@ -254,3 +254,16 @@ def test_sdpa_exports(kind):
     rng = np.random.default_rng(11)
     for seq in (S_MAX, 21):
         assert_parity(model, new, token_feeds(rng, 3, seq, mask=padding_mask(rng, 3, seq)))
+
+
+@pytest.mark.parametrize("kind", ["bert", "local_attention"])
+def test_dynamo_exporter(kind):
+    model = exported(kind, dynamo=True)
+    new, report = rewrite_model(model, max_seq_len=S_MAX, **TILE)
+    assert_fused(new, {"StofSparseAttention": 2, "Softmax": 0, "StofGemmEpilogue": 2})
+    assert all("padding" in a["mask_source"] for a in _attention(report))
+    rng = np.random.default_rng(12)
+    for seq in (S_MAX, 26):
+        pad = padding_mask(rng, 3, seq)
+        pad[:, ::3] = 1  # the local model masks with -inf: keep a key in every window
+        assert_parity(model, new, token_feeds(rng, 3, seq, mask=pad))
