@@ -39,7 +39,7 @@ import onnx_graphsurgeon as gs
 
 from .attention_common import AttentionEmitter, AttentionPlan, AttentionProbe, choose_layout
 from .base import Fusion, Match
-from .mask_analysis import MaskTerm
+from .mask_analysis import GraphMask, MaskTerm, name_pattern
 from .matcher import internal_only, producer, scalar_value, single_consumer
 
 #: Cast targets allowed between Softmax and P·V: TensorProto FLOAT, FLOAT16, DOUBLE, BFLOAT16.
@@ -60,8 +60,7 @@ class _Core:
     value: gs.Tensor
     scale: float
     scale_tensors: list[tuple[str, str]]  # non-constant scale factors: (tensor, "mul"|"div"), probed
-    mask: MaskTerm | None
-    mask_fill: gs.Tensor | None  # Where fill value (for a kept bias)
+    masks: list[MaskTerm]       # outermost first: a Where mask, then additive terms
     nodes: list[gs.Node]
 
 
@@ -92,30 +91,35 @@ class FuseAttentionCore(Fusion):
             return None
         pv = nxt
         nodes.append(pv)
-        # -- upstream: [Add mask | Where] -> [scale] -> MatMul(Q, Kᵀ)
-        x = softmax.inputs[0]
-        mask, fill = None, None
-        p = producer(x)
-        scores = x
-        if p is not None and p.op == "Add":
-            for i in (0, 1):
-                if self._find_qk(p.inputs[i]) is not None:
-                    scores, mask = p.inputs[i], MaskTerm(p.inputs[1 - i].name, "additive")
-                    break
-            else:
-                self.debug(softmax, "Add before softmax has no Q·Kᵀ operand")
-                return None
-            nodes.append(p)
-        elif p is not None and p.op == "Where":
+        # -- upstream: [Where(mask, ·, fill)] [Add(·, mask or bias)]* -> [scale] -> MatMul(Q, Kᵀ)
+        masks: list[MaskTerm] = []
+        scores = softmax.inputs[0]
+        p = producer(scores)
+        if p is not None and p.op == "Where":
             cond, a, b = p.inputs
-            if self._find_qk(a) is not None and scalar_value(b) is not None:
-                scores, mask, fill = a, MaskTerm(cond.name, "allowed_bool"), b
-            elif self._find_qk(b) is not None and scalar_value(a) is not None:
-                scores, mask, fill = b, MaskTerm(cond.name, "masked_bool"), a
+            if self._scores_side(a) and scalar_value(b) is not None:
+                scores = a
+                masks.append(MaskTerm(cond.name, "allowed_bool", b))
+            elif self._scores_side(b) and scalar_value(a) is not None:
+                scores = b
+                masks.append(MaskTerm(cond.name, "masked_bool", a))
             else:
                 self.debug(softmax, "Where before softmax is not Where(mask, scores, fill)")
                 return None
             nodes.append(p)
+        for _ in range(4):  # additive terms: a mask, a position bias (T5), ...
+            p = producer(scores)
+            if p is None or p.op != "Add" or self._find_qk(scores) is not None:
+                break
+            side = next((i for i in (0, 1) if self._find_qk(p.inputs[i]) is not None), None)
+            if side is None:
+                side = next((i for i in (0, 1) if self._scores_side(p.inputs[i])), None)
+            if side is None:
+                self.debug(softmax, "Add before softmax has no Q·Kᵀ operand")
+                return None
+            masks.append(MaskTerm(p.inputs[1 - side].name, "additive"))
+            nodes.append(p)
+            scores = p.inputs[side]
         found = self._find_qk(scores)
         if found is None:
             self.debug(softmax, "no MatMul(Q, Kᵀ) (with an optional scalar scale) feeds the softmax")
@@ -131,11 +135,25 @@ class FuseAttentionCore(Fusion):
         if not internal_only(nodes, {id(pv)}, outs):
             self.skip(softmax, "an intermediate of the attention core (scores or probabilities) is used elsewhere")
             return None
-        core = _Core(softmax, qk, pv, query, key_source, key_perm, kt, pv.inputs[1], scale, scale_tensors, mask,
-                     fill, nodes)
+        core = _Core(softmax, qk, pv, query, key_source, key_perm, kt, pv.inputs[1], scale, scale_tensors, masks,
+                     nodes)
         return Match(softmax, nodes, build=lambda: [], info={"core": core})
 
     # -- matching helpers --------------------------------------------------------------------------------------------
+    def _scores_side(self, t: gs.Tensor) -> bool:
+        """``t`` is (an Add chain over) the scaled Q·Kᵀ."""
+        for _ in range(4):
+            if self._find_qk(t) is not None:
+                return True
+            p = producer(t)
+            if p is None or p.op != "Add" or len(t.outputs) != 1:
+                return False
+            t = next((i for i in p.inputs if self._find_qk(i) is not None or
+                      (producer(i) is not None and producer(i).op == "Add")), None)
+            if t is None:
+                return False
+        return False
+
     def _skip_casts(self, t: gs.Tensor, nodes: list[gs.Node]) -> gs.Node | None:
         """Follow float Casts from ``t`` (appending them to ``nodes``); returns the next single consumer."""
         nxt = single_consumer(t, self.ctx.graph_outputs)
@@ -231,7 +249,7 @@ class FuseAttentionCore(Fusion):
         cores = [m.info["core"] for m in matches]
         shapes = {n for c in cores for n in (c.query.name, c.kt.name, c.value.name)}
         scales = {n for c in cores for n, _ in c.scale_tensors}
-        probe = AttentionProbe(self.ctx, self.graph, shapes, [c.mask for c in cores if c.mask], scales)
+        probe = AttentionProbe(self.ctx, self.graph, shapes, [t for c in cores for t in c.masks], scales)
         kept = []
         for m, c in zip(matches, cores):
             plan = self._plan(c, probe)
@@ -262,18 +280,36 @@ class FuseAttentionCore(Fusion):
                 self.skip(c.softmax, "the score scale is not one constant")
                 return None
             scale = scale * v if how == "mul" else scale / v
-        gmask, bias = None, None
-        if c.mask is not None:
-            gmask = probe.classify(c.mask, sq, sk, H, (c.query.name, 2, c.kt.name, 3))
-            if gmask.kind == "bias":
-                bias = c.mask
-                self.ctx.report.notes.append(f"{c.softmax.name}: mask kept as attn_bias: {gmask.reason}")
+        gmask, bias_terms = self._combine_masks(c, probe, sq, sk, H)
         layout, source = choose_layout(self.ctx.options, gmask, sq, sk, H)
+        if bias_terms:
+            source += " + graph bias (kept as attn_bias)"
         plan = AttentionPlan(name=c.softmax.name, heads=H, head_dim=D, seq_q=sq, seq_k=sk, scale=scale,
-                             layout=layout, mask_source=source,
-                             padding_input=gmask.padding_input if gmask is not None and gmask.kind != "bias" else None)
-        plan.bias_term = bias
+                             layout=layout, mask_source=source.replace("none (full layout) + ", ""),
+                             padding_input=gmask.padding_input if gmask is not None else None)
+        plan.bias_term = bias_terms or None
         return plan
+
+    def _combine_masks(self, c: _Core, probe: AttentionProbe, sq: int, sk: int, H: int):
+        """Classify every mask term; intersect the static parts, keep one key padding input, and return the
+        terms that stay biases (general biases, or a second padding input)."""
+        if not c.masks:
+            return None, []
+        static, pad, bias_terms = None, None, []
+        for term in c.masks:
+            g = probe.classify(term, sq, sk, H, (c.query.name, 2, c.kt.name, 3))
+            if g.kind == "bias" or (g.padding_input and pad and g.padding_input != pad):
+                bias_terms.append(term)
+                self.ctx.report.notes.append(f"{c.softmax.name}: {term.tensor} kept as attn_bias: "
+                                             f"{g.reason or 'a second padding input'}")
+                continue
+            if g.static is not None:
+                static = g.static if static is None else np.logical_and(static, g.static)
+            pad = pad or g.padding_input
+        if static is None and pad is None:
+            return GraphMask("none"), bias_terms
+        kind = ("static+padding" if pad else "static") if static is not None else "padding"
+        return GraphMask(kind, static, pad, name_pattern(static) if static is not None else ""), bias_terms
 
     def _builder(self, c: _Core, plan: AttentionPlan, info: dict):
         def build() -> list[gs.Node]:
@@ -284,17 +320,22 @@ class FuseAttentionCore(Fusion):
                 key = self.new_var("stof_key", dtype=c.key_source.dtype)
                 new.append(gs.Node("Transpose", self.ctx.unique("stof_key_transpose"), {"perm": c.key_perm},
                                    [c.key_source], [key]))
-            term = plan.bias_term
-            if term is not None:
+            biases = []
+            for term in plan.bias_term or []:
                 mask_t = self.graph.tensors()[term.tensor]
                 if term.mode == "additive":
-                    plan.bias = mask_t
+                    biases.append(mask_t)
                 else:
                     zero = self.new_const("stof_zero", np.zeros((), np.float32))
                     bias = self.new_var("stof_attn_bias", dtype=np.float32)
-                    a, b = (zero, c.mask_fill) if term.mode == "allowed_bool" else (c.mask_fill, zero)
+                    a, b = (zero, term.fill) if term.mode == "allowed_bool" else (term.fill, zero)
                     new.append(gs.Node("Where", self.ctx.unique("stof_bias_where"), {}, [mask_t, a, b], [bias]))
-                    plan.bias = bias
+                    biases.append(bias)
+            while len(biases) > 1:  # several kept terms: one summed bias
+                total = self.new_var("stof_attn_bias_sum", dtype=biases[0].dtype)
+                new.append(gs.Node("Add", self.ctx.unique("stof_bias_add"), {}, biases[:2], [total]))
+                biases = [total] + biases[2:]
+            plan.bias = biases[0] if biases else None
             emitter.node(plan, c.query, key, c.value, output, new)
             info["name"] = plan.name
             return new

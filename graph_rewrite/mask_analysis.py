@@ -30,6 +30,7 @@ class MaskTerm:
 
     tensor: str
     mode: str
+    fill: object = None  # for a Where mask: the fill tensor (to rebuild an exact bias if it is kept)
 
 
 @dataclasses.dataclass

@@ -16,7 +16,8 @@ import math
 import warnings
 from pathlib import Path
 
-__all__ = ["ExportInfo", "export_bert", "export_gpt2", "export_vit", "export_local_attention"]
+__all__ = ["ExportInfo", "export_bert", "export_gpt2", "export_vit", "export_local_attention", "export_t5_encoder",
+           "export_llama"]
 
 OPSET = 17
 
@@ -103,7 +104,7 @@ def _wrap(model, names, mask_dims=2):
 
 
 def _uses_cache(model) -> bool:
-    return type(model).__name__.startswith("GPT2")
+    return type(model).__name__.startswith(("GPT2", "Llama"))
 
 
 def export_bert(path, *, layers=2, hidden=128, heads=4, intermediate=512, seq_len=128, max_positions=512,
@@ -254,3 +255,51 @@ def export_local_attention(path, *, layers=2, hidden=128, heads=4, window=8, cau
     return ExportInfo(str(path), _shapes((ids, mask), names, dyn), ["last_hidden_state"],
                       dict(layers=layers, hidden=hidden, heads=heads, window=window, causal=causal, seq_len=seq_len,
                            vocab_size=vocab_size, dynamic_axes=dynamic_axes))
+
+
+def _export_token_model(path, model, *, seq_len, vocab_size, batch, dynamic_axes, opset, dynamo, config):
+    import torch
+
+    ids = torch.randint(0, vocab_size, (batch, seq_len))
+    mask = torch.ones((batch, seq_len), dtype=torch.int64)
+    names = ["input_ids", "attention_mask"]
+    dyn = {n: {0: "batch", 1: "seq"} for n in names + ["last_hidden_state"]} if dynamic_axes else {}
+    _export(_wrap(model, names), (ids, mask), path, names, ["last_hidden_state"], dyn, opset, dynamo)
+    return ExportInfo(str(path), _shapes((ids, mask), names, dyn), ["last_hidden_state"], config)
+
+
+def export_t5_encoder(path, *, layers=2, hidden=128, heads=4, intermediate=512, seq_len=128, dynamic_axes=True,
+                      seed=0, vocab_size=1000, batch=2, opset=OPSET, dynamo=False) -> ExportInfo:
+    """T5 encoder: relative position bias added to the scores (kept as attn_bias) plus the padding mask; RMS
+    norm and ReLU MLP (no STOF epilogue). Inputs ``input_ids``, ``attention_mask`` [B,S]."""
+    import torch
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(seed)
+    cfg = T5Config(vocab_size=vocab_size, d_model=hidden, num_layers=layers, num_heads=heads,
+                   d_kv=hidden // heads, d_ff=intermediate)
+    cfg._attn_implementation = "eager"
+    model = T5EncoderModel(cfg).eval()
+    return _export_token_model(path, model, seq_len=seq_len, vocab_size=vocab_size, batch=batch,
+                               dynamic_axes=dynamic_axes, opset=opset, dynamo=dynamo,
+                               config=dict(layers=layers, hidden=hidden, heads=heads, seq_len=seq_len))
+
+
+def export_llama(path, *, layers=2, hidden=128, heads=4, kv_heads=None, intermediate=256, seq_len=128,
+                 max_positions=512, dynamic_axes=True, seed=0, vocab_size=1000, batch=2, opset=OPSET,
+                 dynamo=False) -> ExportInfo:
+    """Llama decoder (causal, rotary, RMS norm, SwiGLU), no KV cache. ``kv_heads`` < ``heads`` gives grouped-query
+    attention (K/V repeated to all heads inside the graph). Inputs ``input_ids``, ``attention_mask`` [B,S]."""
+    import torch
+    from transformers import LlamaConfig, LlamaModel
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads or heads,
+                      intermediate_size=intermediate, max_position_embeddings=max_positions)
+    cfg._attn_implementation = "eager"
+    model = LlamaModel(cfg).eval()
+    return _export_token_model(path, model, seq_len=seq_len, vocab_size=vocab_size, batch=batch,
+                               dynamic_axes=dynamic_axes, opset=opset, dynamo=dynamo,
+                               config=dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads or heads,
+                                           seq_len=seq_len))

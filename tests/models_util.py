@@ -27,9 +27,10 @@ def _export(kind: str, items: tuple) -> str:
 
 
 def exported(kind: str, **kwargs) -> onnx.ModelProto:
-    """Export (once per argument set) and load a tiny model: kind in bert, gpt2, vit, local_attention."""
+    """Export (once per argument set) and load a tiny model: kind in bert, gpt2, vit, local_attention, t5_encoder,
+    llama."""
     defaults = dict(TINY)
-    if kind in ("bert", "vit"):
+    if kind in ("bert", "vit", "t5_encoder", "llama"):
         defaults["intermediate"] = 64
     if kind == "vit":
         defaults.update(image_size=32, patch_size=8)

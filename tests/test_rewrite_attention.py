@@ -267,3 +267,27 @@ def test_dynamo_exporter(kind):
         pad = padding_mask(rng, 3, seq)
         pad[:, ::3] = 1  # the local model masks with -inf: keep a key in every window
         assert_parity(model, new, token_feeds(rng, 3, seq, mask=pad))
+
+
+def test_t5_encoder_position_bias_kept_with_padding():
+    model = exported("t5_encoder")
+    new, report = rewrite_model(model, max_seq_len=S_MAX, **TILE)
+    assert_fused(new, {"StofSparseAttention": 2, "Softmax": 0})
+    for a in _attention(report):
+        assert a["key_padding"] and a["attn_bias"] and "padding" in a["mask_source"]
+    rng = np.random.default_rng(13)
+    for seq in (S_MAX, 19):
+        assert_parity(model, new, token_feeds(rng, 3, seq, mask=padding_mask(rng, 3, seq)))
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_llama_causal_rotary_and_grouped_kv(kv_heads):
+    model = exported("llama", kv_heads=kv_heads)
+    new, report = rewrite_model(model, max_seq_len=S_MAX, **TILE)
+    assert_fused(new, {"StofSparseAttention": 2, "Softmax": 0})
+    for a in _attention(report):
+        assert a["mask_source"].startswith("graph causal") and a["key_padding"] and not a["attn_bias"]
+        assert a["heads"] == 4
+    rng = np.random.default_rng(14)
+    for seq in (S_MAX, 27):
+        assert_parity(model, new, token_feeds(rng, 3, seq, mask=padding_mask(rng, 3, seq)))
