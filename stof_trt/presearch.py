@@ -43,13 +43,15 @@ class TacticSpec:
     min_ctas: int = 1       # block family: __launch_bounds__ occupancy target (halved at head dim 128)
     q_in_smem: bool = False  # block family: Q fragments re-read from shared memory
     pipelined: bool = False  # Hopper family: S_{i+1} MMA overlapped with the softmax of S_i
+    defer_pv: bool = False   # Hopper family: P V completion awaited with the next S MMA
 
     @property
     def name(self) -> str:
         if self.family == FAMILY_ROW:
             return f"row_w{self.num_warps}"
         if self.family == FAMILY_HOPPER:
-            return f"wgmma_m{self.num_warps // 4}x64_n{self.block_n}_s{self.stages}" + ("_pipe" if self.pipelined else "")
+            return (f"wgmma_m{self.num_warps // 4}x64_n{self.block_n}_s{self.stages}"
+                    + ("_pipe" if self.pipelined else "_defer" if self.defer_pv else ""))
         return (f"block_m{self.block_m}_n{self.block_n}_w{self.num_warps}_s{self.stages}_occ{self.min_ctas}"
                 f"_q{'smem' if self.q_in_smem else 'reg'}")
 
@@ -74,6 +76,8 @@ TACTICS = [
     TacticSpec(16, FAMILY_HOPPER, 128, 64, 8, 3),
     TacticSpec(17, FAMILY_HOPPER, 64, 64, 4, 3, pipelined=True),
     TacticSpec(18, FAMILY_HOPPER, 64, 64, 4, 4, pipelined=True),
+    TacticSpec(19, FAMILY_HOPPER, 64, 64, 4, 2, defer_pv=True),
+    TacticSpec(20, FAMILY_HOPPER, 64, 64, 4, 3, defer_pv=True),
 ]
 _BY_ID = {t.id: t for t in TACTICS}
 
@@ -220,6 +224,7 @@ PTXAS_REGS = {
     (8, 128): 239, (9, 128): 222, (10, 128): 254, (11, 64): 127, (12, 64): 128, (11, 128): 168, (12, 128): 206,
     (13, 64): 128, (14, 64): 128, (15, 64): 128, (16, 64): 128, (17, 64): 168, (18, 64): 168,
     (13, 128): 228, (14, 128): 232, (15, 128): 214, (16, 128): 214, (17, 128): 248,
+    (19, 64): 127, (20, 64): 127, (19, 128): 246, (20, 128): 246,
 }
 
 

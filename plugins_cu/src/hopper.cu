@@ -8,7 +8,9 @@ namespace stof {
 #define STOF_HOPPER_ROW(T, D) {STOF_HOPPER_TACTICS(STOF_HX_##D##_##T)}
 template <int D, int WG, int S, int PIPE, class T>
 constexpr LaunchFn hopper_launcher() {
-    if constexpr (PIPE) {
+    if constexpr (PIPE == 2) {
+        return &launch_hopper<HopperTraits<D, WG, S, T, true>>;
+    } else if constexpr (PIPE == 1) {
         if constexpr (D == 128 && S > 3) {
             return nullptr;  // 16 KB Q + 4 x 32 KB K/V: one CTA per SM
         } else {

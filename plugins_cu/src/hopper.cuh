@@ -21,9 +21,12 @@
 
 namespace stof {
 
-template <int kHeadDim_, int kWG_, int kStages_, typename Elem_>
+template <int kHeadDim_, int kWG_, int kStages_, typename Elem_, bool kDeferPV_ = false>
 struct HopperTraits {
     using Elem = Elem_;
+    // kDeferPV (one warpgroup): O += P V is not waited for at the end of the step; its completion is awaited
+    // together with the next S = Q K^T, so the two MMAs run back to back (the K/V prefetch moves after that wait).
+    static constexpr bool kDeferPV = kDeferPV_;
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kWG = kWG_;
     static constexpr int kStages = kStages_;
@@ -43,6 +46,7 @@ struct HopperTraits {
     static constexpr int kSmemSize = kSmemQ + 2 * kStages * kSmemKV + 1024;  // + alignment slack
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim");
     static_assert(kSmemQ % 1024 == 0 && kSmemKV % 1024 == 0, "1024-byte aligned tiles");
+    static_assert(!kDeferPV || kWG == 1, "deferred PV wait: one warpgroup per CTA");
 };
 
 // Byte offset of 16-byte chunk ch of row r in a 128B-swizzled K-major tile of kRows rows.
@@ -208,7 +212,7 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
         cp_async_wait<kStages - 2>();
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         __syncthreads();
-        {
+        auto prefetch = [&]() {
             int pent[HT::kWG];
             const int pj = pre.peek(pent);
             if (pj != INT_MAX) {
@@ -216,7 +220,8 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
                 pre.advance(p);
             }
             cp_async_commit();
-        }
+        };
+        if constexpr (!HT::kDeferPV) prefetch();
         int my_ent = ent[0];
 #pragma unroll
         for (int w = 1; w < HT::kWG; ++w)
@@ -252,8 +257,13 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
             wgmma_ss<64, Elem>(rS, da, db, kk > 0 ? 1 : 0);
         }
         wgmma_commit();
-        wgmma_wait<0>();
+        wgmma_wait<0>();  // S (and, deferred, the previous step's P V)
         fence_regs(rS);
+        if constexpr (HT::kDeferPV) {
+            fence_regs(rO);
+            __syncthreads();  // every warp's P V of the previous step is done: its K/V stage may be refilled
+            prefetch();
+        }
 
         if (!fold) {
 #pragma unroll
@@ -318,9 +328,15 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
             wgmma_rs<HT::kHeadDim, Elem>(rO, rP[kn], db, 1);
         }
         wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(rO);
+        if constexpr (!HT::kDeferPV) {
+            wgmma_wait<0>();
+            fence_regs(rO);
+        } else {
+            fence_regs(rO);
+        }
     }
+    wgmma_wait<0>();
+    fence_regs(rO);
 
     // Epilogue
     cp_async_wait<0>();

@@ -32,7 +32,10 @@ struct TacticDesc {
     {id, 1, bm, bn, w, s, "block_m" #bm "_n" #bn "_w" #w "_s" #s "_occ" #mb "_q" #q},
 #define STOF_ROW_DESC(id, w) {id, 2, 1, 32, w, 1, "row_w" #w},
 #define STOF_HOPPER_DESC(id, wg, s, pipe) \
-    {id, 3, 64 * wg, 64, 4 * wg, s, pipe ? "wgmma_m" #wg "x64_n64_s" #s "_pipe" : "wgmma_m" #wg "x64_n64_s" #s},
+    {id, 3, 64 * wg, 64, 4 * wg, s,                                                                       \
+     pipe == 1   ? "wgmma_m" #wg "x64_n64_s" #s "_pipe"                                                 \
+     : pipe == 2 ? "wgmma_m" #wg "x64_n64_s" #s "_defer"                                                \
+                 : "wgmma_m" #wg "x64_n64_s" #s},
 // Listed (and tried by tactic 0) in this order: Hopper first where it can run, then mma.sync, then row-wise.
 const TacticDesc kTactics[] = {STOF_HOPPER_TACTICS(STOF_HOPPER_DESC) STOF_BLOCK_TACTICS(STOF_BLOCK_DESC)
                                    STOF_ROW_TACTICS(STOF_ROW_DESC)};

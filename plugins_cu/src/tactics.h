@@ -42,21 +42,25 @@
 // 16: as 15 with a 3-deep K/V ring.
 // 17, 18: one warpgroup, pipelined: S_{i+1} on the tensor cores while the softmax of S_i runs (two S tiles in
 //     registers); K/V ring 3 (17) or 4 (18, head dim 64 only: 4 x 32 KB at 128 would leave 1 CTA per SM).
-// X(id, warpgroups, stages, pipelined)
+// 19, 20: as 13 and 14, with the P V MMA's completion awaited together with the next S MMA (back to back on the
+//     tensor cores) instead of at the end of each step.
+// X(id, warpgroups, stages, variant: 0 plain, 1 pipelined, 2 deferred P V wait)
 #define STOF_HOPPER_TACTICS(X) \
     X(13, 1, 2, 0)             \
     X(14, 1, 3, 0)             \
     X(15, 2, 2, 0)             \
     X(16, 2, 3, 0)             \
     X(17, 1, 3, 1)             \
-    X(18, 1, 4, 1)
+    X(18, 1, 4, 1)             \
+    X(19, 1, 2, 2)             \
+    X(20, 1, 3, 2)
 
 namespace stof {
 
 constexpr int kNumBlockTactics = 10;
 constexpr bool kQFrags_reg = false, kQFrags_smem = true;
 constexpr int kNumRowTactics = 2;
-constexpr int kNumHopperTactics = 6;
+constexpr int kNumHopperTactics = 8;
 // first id of each family (ids are consecutive inside a family; the offset indexes the launcher tables)
 constexpr int kFirstBlockId = 1, kFirstRowId = 11, kFirstHopperId = 13;
 
