@@ -263,12 +263,19 @@ def lengths_to_padding(fusion: Fusion, lengths: gs.Tensor, key: gs.Tensor, new: 
     return out
 
 
-def bool_mask_bias(fusion: Fusion, cond: gs.Tensor, allowed_value_true: bool, fill: float,
+def bool_mask_bias(fusion: Fusion, cond: gs.Tensor, allowed_value_true: bool, fill, like: gs.Tensor,
                    new: list[gs.Node]) -> gs.Tensor:
-    """Additive float bias from a boolean mask: 0 where allowed, ``fill`` elsewhere."""
+    """Additive bias from a boolean mask: 0 where allowed, ``fill`` (a float or a scalar tensor) elsewhere, cast
+    like ``like`` (the query) so an fp16 model gets an fp16 bias."""
     zero = fusion.new_const("stof_zero", np.zeros((), np.float32))
-    f = fusion.new_const("stof_fill", np.array(fill, np.float32))
-    bias = fusion.new_var("stof_attn_bias", dtype=np.float32)
+    f = fill if isinstance(fill, gs.Tensor) else fusion.new_const("stof_fill", np.array(fill, np.float32))
+    if isinstance(fill, gs.Tensor):
+        zero = fusion.new_var("stof_zero_like", dtype=None)
+        new.append(gs.Node("CastLike", fusion.ctx.unique("stof_zero_like"), {},
+                           [fusion.new_const("stof_zero", np.zeros((), np.float32)), fill], [zero]))
+    raw = fusion.new_var("stof_attn_bias_raw")
+    bias = fusion.new_var("stof_attn_bias")
     a, b = (zero, f) if allowed_value_true else (f, zero)
-    new.append(gs.Node("Where", fusion.ctx.unique("stof_bias_where"), {}, [cond, a, b], [bias]))
+    new.append(gs.Node("Where", fusion.ctx.unique("stof_bias_where"), {}, [cond, a, b], [raw]))
+    new.append(gs.Node("CastLike", fusion.ctx.unique("stof_bias_cast"), {}, [raw, like], [bias]))
     return bias

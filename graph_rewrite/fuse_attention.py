@@ -37,7 +37,7 @@ import dataclasses
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from .attention_common import AttentionEmitter, AttentionPlan, AttentionProbe, choose_layout
+from .attention_common import AttentionEmitter, AttentionPlan, AttentionProbe, bool_mask_bias, choose_layout
 from .base import Fusion, Match
 from .mask_analysis import GraphMask, MaskTerm, name_pattern
 from .matcher import internal_only, producer, scalar_value, single_consumer
@@ -326,11 +326,7 @@ class FuseAttentionCore(Fusion):
                 if term.mode == "additive":
                     biases.append(mask_t)
                 else:
-                    zero = self.new_const("stof_zero", np.zeros((), np.float32))
-                    bias = self.new_var("stof_attn_bias", dtype=np.float32)
-                    a, b = (zero, term.fill) if term.mode == "allowed_bool" else (term.fill, zero)
-                    new.append(gs.Node("Where", self.ctx.unique("stof_bias_where"), {}, [mask_t, a, b], [bias]))
-                    biases.append(bias)
+                    biases.append(bool_mask_bias(self, mask_t, term.mode == "allowed_bool", term.fill, c.query, new))
             while len(biases) > 1:  # several kept terms: one summed bias
                 total = self.new_var("stof_attn_bias_sum", dtype=biases[0].dtype)
                 new.append(gs.Node("Add", self.ctx.unique("stof_bias_add"), {}, biases[:2], [total]))

@@ -116,7 +116,7 @@ class FuseOnnxAttention(Fusion):
             emitter = AttentionEmitter(self)
             if plan.bias_term is not None:
                 plan.bias = mask_t if plan.bias_term.mode == "additive" else \
-                    bool_mask_bias(self, mask_t, True, -math.inf, new)
+                    bool_mask_bias(self, mask_t, True, -math.inf, q, new)
             if split:
                 qq, kk, vv = (to_heads(self, t, plan.heads, plan.head_dim, new) for t in (q, k, v))
                 out = from_heads(self, y, plan.heads * plan.head_dim, new, dtype=y.dtype)

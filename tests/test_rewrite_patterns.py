@@ -62,6 +62,9 @@ def core_graph(*, key_layout="bshd", scale="mul_scores", mask="add_input", probs
     elif mask == "where_causal":
         c = const("causal", np.tril(np.ones((S, S), bool)))
         x = node("Where", [c, x, const("fill", np.float32(-1e9))], "masked")
+    elif mask == "where_input":  # a general boolean mask input, masked_fill style with a finite fill
+        inputs.append(helper.make_tensor_value_info("banned", TensorProto.BOOL, [B, 1, S, S]))
+        x = node("Where", ["banned", const("fill", np.float32(-1e9)), x], "masked")
     elif mask == "where_per_head":  # masked_fill style: True = masked, a different band per head
         rel = np.arange(S)[:, None] - np.arange(S)[None, :]
         banned = np.stack([np.abs(rel) > h + 1 for h in range(H)])[None]
@@ -84,6 +87,8 @@ def _feeds(model, seed=0):
     for vi in model.graph.input:
         shape = [d.dim_value for d in vi.type.tensor_type.shape.dim]
         feeds[vi.name] = rng.standard_normal(shape).astype(np.float32)
+    if "banned" in feeds:
+        feeds["banned"] = (rng.random((B, 1, S, S)) < 0.5) & ~np.eye(S, dtype=bool)
     if "bias" in feeds:
         feeds["bias"] = np.where(rng.random(feeds["bias"].shape) < 0.3, -1e9, feeds["bias"]).astype(np.float32)
     return feeds
@@ -107,6 +112,15 @@ def test_where_causal_constant_becomes_static_layout():
     assert_fused(new, {"StofSparseAttention": 1, "Where": 0})
     a = report.to_dict()["attention"][0]
     assert a["mask_source"] == "graph causal" and not a["attn_bias"]
+    assert_parity(model, new, _feeds(model))
+
+
+def test_general_boolean_where_mask_kept_as_bias():
+    model = core_graph(mask="where_input")
+    new, report = rewrite_model(model, **TILE)
+    assert_fused(new, {"StofSparseAttention": 1})
+    a = report.to_dict()["attention"][0]
+    assert a["attn_bias"] and not a["key_padding"] and a["density"] == 1.0
     assert_parity(model, new, _feeds(model))
 
 
