@@ -169,3 +169,18 @@ def test_sparse_attention_function_random_masks(seq, tile_m, tile_n, layouts, de
     out = session(attention_model(layout, 18, False, False)).run(None, {"q": q, "k": k, "v": v})[0]
     allowed = dense[np.arange(4) % layouts][None]
     np.testing.assert_allclose(out, reference_attention(q, k, v, allowed, np.float32(0.37)), atol=2e-5)
+
+
+def test_sparse_attention_function_cross_lengths():
+    """Sq != Sk (cross attention): the top-left [Sq, Sk] corner of a rectangular layout."""
+    rng = np.random.default_rng(5)
+    dense = rng.random((30, 50)) < 0.4
+    layout = TileLayout.from_dense(dense, 16, 32)
+    sess = session(attention_model(layout, 17, True, False))
+    q = rng.standard_normal((2, 4, 20, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 4, 45, 8)).astype(np.float32) for _ in range(2))
+    kpm = np.ones((2, 45), np.int32)
+    kpm[1, 30:] = 0
+    out = sess.run(None, {"q": q, "k": k, "v": v, "kpm": kpm})[0]
+    allowed = dense[:20, :45][None, None] & (kpm[:, None, None, :] != 0)
+    np.testing.assert_allclose(out, reference_attention(q, k, v, allowed, np.float32(0.37)), atol=2e-5)
