@@ -114,9 +114,11 @@ def prepare(work: Path, models: list[str]) -> dict:
         paths["bert3d"] = to_fp16(b3, work / "bert3d.fp16.onnx")
         paths["bert2d_opt"] = ort_optimize(b2, work / "bert2d.ortopt.fp16.onnx", "bert")
         paths["bert3d_opt"] = ort_optimize(b3, work / "bert3d.ortopt.fp16.onnx", "bert")
-        paths["bert_padding_stof"] = rewrite(b2, work / "bert.padding.stof.fp16.onnx", None, 4096)
+        if MASK_FILTER is None or "padding" in MASK_FILTER:
+            paths["bert_padding_stof"] = rewrite(b2, work / "bert.padding.stof.fp16.onnx", None, 4096)
         for name, spec in MASKS.items():
-            paths[f"bert_{name}_stof"] = rewrite(b2, work / f"bert.{name}.stof.fp16.onnx", spec, 4096)
+            if MASK_FILTER is None or name in MASK_FILTER:
+                paths[f"bert_{name}_stof"] = rewrite(b2, work / f"bert.{name}.stof.fp16.onnx", spec, 4096)
     if "gpt2" in models:
         g = work / "gpt2.onnx"
         if not g.exists():
@@ -136,15 +138,21 @@ def prepare(work: Path, models: list[str]) -> dict:
     return paths
 
 
+MASK_FILTER: set | None = None  # --masks
+
+
 def cases(paths: dict, models: list[str], seqs: list[int]) -> list[dict]:
     out = []
+    keep = (lambda m: MASK_FILTER is None or m in MASK_FILTER)
     for S in seqs:
         if "bert" in models:
-            out.append(dict(model="bert", mask="padding", S=S, original=paths["bert2d"], opt=paths["bert2d_opt"],
-                            stof=paths["bert_padding_stof"], spec=None))
+            if keep("padding"):
+                out.append(dict(model="bert", mask="padding", S=S, original=paths["bert2d"], opt=paths["bert2d_opt"],
+                                stof=paths["bert_padding_stof"], spec=None))
             for name, spec in MASKS.items():
-                out.append(dict(model="bert", mask=name, S=S, original=paths["bert3d"], opt=paths["bert3d_opt"],
-                                stof=paths[f"bert_{name}_stof"], spec=spec))
+                if keep(name):
+                        out.append(dict(model="bert", mask=name, S=S, original=paths["bert3d"],
+                                    opt=paths["bert3d_opt"], stof=paths[f"bert_{name}_stof"], spec=spec))
         if "gpt2" in models:
             out.append(dict(model="gpt2", mask="causal", S=S, original=paths["gpt2"], opt=paths["gpt2_opt"],
                             stof=paths["gpt2_stof"], spec=None))
@@ -316,6 +324,7 @@ def main():
     ap.add_argument("--prepare-only", action="store_true")
     ap.add_argument("--tune-only", action="store_true")
     ap.add_argument("--no-tune", action="store_true", help="bench with the existing OUT/tactic_cache*.json")
+    ap.add_argument("--masks", help="BERT masks to run (padding,longformer,bigbird; default all)")
     ap.add_argument("--tiny", action="store_true", help="2-layer, 128-wide models (a smoke test of the flow)")
     args = ap.parse_args()
     if args.tiny:
@@ -323,6 +332,8 @@ def main():
             cfg.update(layers=2)
         BERT.update(vocab_size=1000)
         GPT2.update(vocab_size=1000)
+    global MASK_FILTER
+    MASK_FILTER = set(args.masks.split(",")) if args.masks else None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     models = [m for m in args.models.split(",") if m]
