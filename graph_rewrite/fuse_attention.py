@@ -91,35 +91,32 @@ class FuseAttentionCore(Fusion):
             return None
         pv = nxt
         nodes.append(pv)
-        # -- upstream: [Where(mask, ·, fill)] [Add(·, mask or bias)]* -> [scale] -> MatMul(Q, Kᵀ)
-        masks: list[MaskTerm] = []
+        # -- upstream: {Where(mask, ·, fill) | Add(·, mask or bias)}* -> [scale] -> MatMul(Q, Kᵀ)
+        masks: list[MaskTerm] = []  # outermost first
         scores = softmax.inputs[0]
-        p = producer(scores)
-        if p is not None and p.op == "Where":
-            cond, a, b = p.inputs
-            if self._scores_side(a) and scalar_value(b) is not None:
-                scores = a
-                masks.append(MaskTerm(cond.name, "allowed_bool", b))
-            elif self._scores_side(b) and scalar_value(a) is not None:
-                scores = b
-                masks.append(MaskTerm(cond.name, "masked_bool", a))
-            else:
-                self.debug(softmax, "Where before softmax is not Where(mask, scores, fill)")
-                return None
-            nodes.append(p)
-        for _ in range(4):  # additive terms: a mask, a position bias (T5), ...
+        for _ in range(6):
             p = producer(scores)
-            if p is None or p.op != "Add" or self._find_qk(scores) is not None:
+            if p is None or p.op not in ("Add", "Where") or self._find_qk(scores) is not None:
                 break
-            side = next((i for i in (0, 1) if self._find_qk(p.inputs[i]) is not None), None)
-            if side is None:
-                side = next((i for i in (0, 1) if self._scores_side(p.inputs[i])), None)
-            if side is None:
-                self.debug(softmax, "Add before softmax has no Q·Kᵀ operand")
-                return None
-            masks.append(MaskTerm(p.inputs[1 - side].name, "additive"))
+            if p.op == "Where":
+                cond, a, b = p.inputs
+                if self._scores_side(a) and scalar_value(b) is not None:
+                    scores, term = a, MaskTerm(cond.name, "allowed_bool", b)
+                elif self._scores_side(b) and scalar_value(a) is not None:
+                    scores, term = b, MaskTerm(cond.name, "masked_bool", a)
+                else:
+                    self.debug(softmax, "Where before softmax is not Where(mask, scores, fill)")
+                    return None
+            else:  # additive terms: a mask, a position bias (T5), ...
+                side = next((i for i in (0, 1) if self._find_qk(p.inputs[i]) is not None), None)
+                if side is None:
+                    side = next((i for i in (0, 1) if self._scores_side(p.inputs[i])), None)
+                if side is None:
+                    self.debug(softmax, "Add before softmax has no Q·Kᵀ operand")
+                    return None
+                scores, term = p.inputs[side], MaskTerm(p.inputs[1 - side].name, "additive")
+            masks.append(term)
             nodes.append(p)
-            scores = p.inputs[side]
         found = self._find_qk(scores)
         if found is None:
             self.debug(softmax, "no MatMul(Q, Kᵀ) (with an optional scalar scale) feeds the softmax")
@@ -140,19 +137,15 @@ class FuseAttentionCore(Fusion):
         return Match(softmax, nodes, build=lambda: [], info={"core": core})
 
     # -- matching helpers --------------------------------------------------------------------------------------------
-    def _scores_side(self, t: gs.Tensor) -> bool:
-        """``t`` is (an Add chain over) the scaled Q·Kᵀ."""
-        for _ in range(4):
-            if self._find_qk(t) is not None:
-                return True
-            p = producer(t)
-            if p is None or p.op != "Add" or len(t.outputs) != 1:
-                return False
-            t = next((i for i in p.inputs if self._find_qk(i) is not None or
-                      (producer(i) is not None and producer(i).op == "Add")), None)
-            if t is None:
-                return False
-        return False
+    def _scores_side(self, t: gs.Tensor, depth: int = 6) -> bool:
+        """``t`` is the scaled Q·Kᵀ, possibly behind further mask Adds / Wheres (single-consumer chain)."""
+        if self._find_qk(t) is not None:
+            return True
+        p = producer(t)
+        if depth == 0 or p is None or p.op not in ("Add", "Where") or len(t.outputs) != 1:
+            return False
+        candidates = p.inputs if p.op == "Add" else p.inputs[1:]
+        return any(self._scores_side(i, depth - 1) for i in candidates)
 
     def _skip_casts(self, t: gs.Tensor, nodes: list[gs.Node]) -> gs.Node | None:
         """Follow float Casts from ``t`` (appending them to ``nodes``); returns the next single consumer."""

@@ -17,7 +17,7 @@ import warnings
 from pathlib import Path
 
 __all__ = ["ExportInfo", "export_bert", "export_gpt2", "export_vit", "export_local_attention", "export_t5_encoder",
-           "export_llama"]
+           "export_llama", "export_gpt_neo"]
 
 OPSET = 17
 
@@ -104,7 +104,7 @@ def _wrap(model, names, mask_dims=2):
 
 
 def _uses_cache(model) -> bool:
-    return type(model).__name__.startswith(("GPT2", "Llama"))
+    return type(model).__name__.startswith(("GPT2", "Llama", "GPTNeo"))
 
 
 def export_bert(path, *, layers=2, hidden=128, heads=4, intermediate=512, seq_len=128, max_positions=512,
@@ -303,3 +303,23 @@ def export_llama(path, *, layers=2, hidden=128, heads=4, kv_heads=None, intermed
                                dynamic_axes=dynamic_axes, opset=opset, dynamo=dynamo,
                                config=dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads or heads,
                                            seq_len=seq_len))
+
+
+def export_gpt_neo(path, *, layers=2, hidden=128, heads=4, window=256, seq_len=128, max_positions=512,
+                   dynamic_axes=True, seed=0, vocab_size=1000, batch=2, opset=OPSET, dynamo=False) -> ExportInfo:
+    """GPT-Neo: layers alternate global (causal) and local (causal sliding window of ``window`` keys) attention,
+    both masks built in the graph. Inputs ``input_ids``, ``attention_mask`` [B,S]."""
+    import torch
+    from transformers import GPTNeoConfig, GPTNeoModel
+
+    torch.manual_seed(seed)
+    cfg = GPTNeoConfig(vocab_size=vocab_size, hidden_size=hidden, num_layers=layers, num_heads=heads,
+                       attention_types=[[["global", "local"], (layers + 1) // 2]], window_size=window,
+                       max_position_embeddings=max_positions, bos_token_id=0, eos_token_id=0)
+    cfg.num_layers = layers
+    cfg.attention_layers = cfg.attention_layers[:layers]
+    cfg._attn_implementation = "eager"
+    model = GPTNeoModel(cfg).eval()
+    return _export_token_model(path, model, seq_len=seq_len, vocab_size=vocab_size, batch=batch,
+                               dynamic_axes=dynamic_axes, opset=opset, dynamo=dynamo,
+                               config=dict(layers=layers, hidden=hidden, heads=heads, window=window, seq_len=seq_len))

@@ -291,3 +291,22 @@ def test_llama_causal_rotary_and_grouped_kv(kv_heads):
     rng = np.random.default_rng(14)
     for seq in (S_MAX, 27):
         assert_parity(model, new, token_feeds(rng, 3, seq, mask=padding_mask(rng, 3, seq)))
+
+
+def test_gpt_neo_alternating_global_and_local_layers():
+    model = exported("gpt_neo", window=5)
+    new, report = rewrite_model(model, max_seq_len=S_MAX, **TILE)
+    assert_fused(new, {"StofSparseAttention": 2, "Softmax": 0})
+    sources = [a["mask_source"] for a in _attention(report)]
+    assert sources[0].startswith("graph causal +") and sources[1].startswith("graph causal sliding window 5")
+    assert len({a["layout_signature"] for a in _attention(report)}) == 2
+    rng = np.random.default_rng(15)
+    assert_parity(model, new, token_feeds(rng, 2, S_MAX))
+    # with padding, compare the kept positions: a padded query whose whole window is padding has no allowed key
+    # (zeros by contract; the original averages garbage there)
+    pad = padding_mask(rng, 3, 40, min_len=6)
+    feeds = token_feeds(rng, 3, 40, mask=pad)
+    from models_util import run
+    a, b = run(model, feeds)[0], run(new, feeds)[0]
+    keep = pad.astype(bool)
+    assert np.abs(a - b)[keep].max() <= 1e-4 * max(1.0, np.abs(a).max())
