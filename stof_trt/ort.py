@@ -140,23 +140,28 @@ def session(model, *, providers=None, device_id: int = 0, cuda_options: dict | N
         so.add_session_config_entry(CONFIG_TACTIC_CACHE, str(tactic_cache))
     if verbose:
         so.add_session_config_entry(CONFIG_VERBOSE, "1")
+    if wants_cuda:
+        _preload_cuda_libs()
     if register:
         lib = Path(library) if library else library_path()
         if lib is None or not lib.is_file():
             raise StofError("libstof_ort.so not found: build it (`cmake -S . -B build && cmake --build build -j`, "
                             "or `pip install .` with nvcc present) or set STOF_ORT_LIB")
-        if wants_cuda:
-            _preload_cuda_libs()
         try:
             so.register_custom_ops_library(str(lib))
         except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
             raise StofError(f"registering {lib} failed: {str(e).splitlines()[0]}") from None
     src = model.SerializeToString() if hasattr(model, "SerializeToString") else str(model)
     try:
-        return ort.InferenceSession(src, sess_options=so, providers=provs)
+        sess = ort.InferenceSession(src, sess_options=so, providers=provs)
     except Exception as e:  # noqa: BLE001
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise StofError(f"onnxruntime could not load the model: {msg}") from None
+    if wants_cuda and "CUDAExecutionProvider" not in sess.get_providers():
+        # ORT falls back to the CPU EP when the CUDA EP cannot load (missing CUDA/cuDNN libraries): never time that
+        raise StofError(f"the CUDA execution provider did not load (session providers: {sess.get_providers()}); "
+                        "check the CUDA/cuDNN libraries (onnxruntime.preload_dlls())")
+    return sess
 
 
 class Binding:
