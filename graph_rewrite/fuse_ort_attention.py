@@ -102,7 +102,8 @@ class _OrtAttentionBase(Fusion):
             causal = np.tril(np.ones((sq, sk), bool))[None] if node.attrs.get("unidirectional", 0) else None
             layout, source = choose_layout(self.ctx.options, None, sq, sk, H, causal, "causal (unidirectional)")
             if padding:
-                source += f" & key padding ({'lengths' if padding == 'lengths' else '2-D mask'})"
+                what = "key padding from " + ("[B] key lengths" if padding == "lengths" else "a 2-D [B, Sk] mask")
+                source = what if source.startswith("none") else f"{source} & {what}"
             has_bias = _present(node, self.BIAS_INPUT)
             plan = AttentionPlan(name=node.name, heads=H, head_dim=D, seq_q=sq, seq_k=sk, scale=scale,
                                  layout=layout, mask_source=source,
