@@ -196,7 +196,7 @@ def test_ort_attention_2d_mask_index():
     model.ir_version = 9
     new, report = rewrite_model(model, **TILE)
     assert_fused(new, {"StofSparseAttention": 1})
-    assert "2-D mask" in report.to_dict()["attention"][0]["mask_source"]
+    assert "2-D [B, Sk] mask" in report.to_dict()["attention"][0]["mask_source"]
     mask = (rng.random((3, S)) < 0.6).astype(np.int32)
     mask[:, 0] = 1
     assert_parity(model, new, {"x": rng.standard_normal((3, S, hidden)).astype(np.float32), "mask": mask})
