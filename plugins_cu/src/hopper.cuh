@@ -41,6 +41,7 @@ struct HopperTraits {
     static constexpr int kDI = kHeadDim / 8;      // n8 column groups of O
     static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
     static constexpr int kWordsN = kBlockN / 32;
+    static_assert(kWordsN == 2, "bitmap words are loaded as one uint2 per row");
     static constexpr int kSmemQ = kBlockM * kHeadDim * 2;
     static constexpr int kSmemKV = kBlockN * kHeadDim * 2;
     static constexpr int kSmemSize = kSmemQ + 2 * kStages * kSmemKV + 1024;  // + alignment slack
@@ -71,6 +72,44 @@ template <int N>
 __device__ __forceinline__ void fence_regs(float (&r)[N]) {
 #pragma unroll
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+// Masks one warp's two score rows (g and g + 8; wgmma/mma C layout, kNI groups of 8 columns) for a kBlockN-key
+// sub-block starting at key n0.  bits[hh][w]: the two 32-key bitmap words of the row (all ones for a FULL tile).
+// The thread's 2*kNI columns are gathered into one 16-bit mask per row (bit 2*ni + c = column ni*8 + 2*tig + c),
+// the key bound / padding applied to it only when `bound`, and each score tested against a constant bit.
+template <int kNI>
+__device__ __forceinline__ void mask_scores(float (&s)[kNI * 4], const uint32_t (&bits)[2][kNI / 4], bool bound,
+                                            int n0, int kv_len, const int32_t* kpm, int tig) {
+    uint32_t colok = 0xffffffffu;
+    if (bound) {
+        colok = 0u;
+#pragma unroll
+        for (int ni = 0; ni < kNI; ++ni)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int key = n0 + ni * 8 + tig * 2 + c;
+                bool ok = key < kv_len;
+                if (kpm != nullptr && ok) ok = __ldg(kpm + key) != 0;
+                colok |= static_cast<uint32_t>(ok) << (2 * ni + c);
+            }
+    }
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        uint32_t m = 0u;
+#pragma unroll
+        for (int w = 0; w < kNI / 4; ++w) {
+            const uint32_t x = bits[hh][w] >> (tig * 2);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) m |= ((x >> (q * 8)) & 3u) << (2 * (w * 4 + q));
+        }
+        m &= colok;
+#pragma unroll
+        for (int ni = 0; ni < kNI; ++ni)
+#pragma unroll
+            for (int c = 0; c < 2; ++c)
+                if ((m & (1u << (2 * ni + c))) == 0u) s[ni * 4 + hh * 2 + c] = -INFINITY;
+    }
 }
 
 template <class HT, int kRows>
@@ -233,17 +272,17 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
         const bool need_mask = bm_idx >= 0 || n0 + kBlockN > kv_len || kpm != nullptr;
         uint32_t bits[2][HT::kWordsN];
         if (need_mask) {
+            // the two words of a row are contiguous and 8-byte aligned (tile_n % 64 == 0): one 64-bit load each
 #pragma unroll
-            for (int hh = 0; hh < 2; ++hh)
-#pragma unroll
-                for (int w = 0; w < HT::kWordsN; ++w) {
-                    const int a = my_a0 + (warp & 3) * 16 + hh * 8 + g;
-                    bits[hh][w] = bm_idx >= 0
-                                      ? static_cast<uint32_t>(__ldg(p.bitmaps + static_cast<int64_t>(bm_idx) *
-                                                                                   words_per_tile +
-                                                                      a * words_per_row + sub * HT::kWordsN + w))
-                                      : 0xffffffffu;
-                }
+            for (int hh = 0; hh < 2; ++hh) {
+                const int a = my_a0 + (warp & 3) * 16 + hh * 8 + g;
+                uint2 wv = make_uint2(0xffffffffu, 0xffffffffu);
+                if (bm_idx >= 0)
+                    wv = __ldg(reinterpret_cast<const uint2*>(p.bitmaps + static_cast<int64_t>(bm_idx) * words_per_tile +
+                                                              a * words_per_row + sub * HT::kWordsN));
+                bits[hh][0] = wv.x;
+                bits[hh][1] = wv.y;
+            }
         }
         const uint32_t sK = sKV + (it % kStages) * 2 * HT::kSmemKV;
         const uint32_t sV = sK + HT::kSmemKV;
@@ -269,22 +308,7 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
 #pragma unroll
             for (int i = 0; i < kNI * 4; ++i) rS[i] *= sl2;
         }
-        if (need_mask) {
-#pragma unroll
-            for (int ni = 0; ni < kNI; ++ni)
-#pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    const int col = ni * 8 + tig * 2 + c;
-                    const int key = n0 + col;
-                    bool key_ok = key < kv_len;
-                    if (kpm != nullptr && key_ok) key_ok = __ldg(kpm + key) != 0;
-#pragma unroll
-                    for (int hh = 0; hh < 2; ++hh) {
-                        const bool ok = key_ok && ((bits[hh][ni / 4] >> (col & 31)) & 1u);
-                        if (!ok) rS[ni * 4 + hh * 2 + c] = -INFINITY;
-                    }
-                }
-        }
+        if (need_mask) mask_scores<kNI>(rS, bits, n0 + kBlockN > kv_len || kpm != nullptr, n0, kv_len, kpm, tig);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             float mx = row_max[hh];
@@ -484,31 +508,18 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kHeadDim == 64 ? 3 : 2) hopp
         }
         if (need_mask) {
             uint32_t bits[2][HT::kWordsN];
+            // the two words of a row are contiguous and 8-byte aligned (tile_n % 64 == 0): one 64-bit load each
 #pragma unroll
-            for (int hh = 0; hh < 2; ++hh)
-#pragma unroll
-                for (int w = 0; w < HT::kWordsN; ++w) {
-                    const int a = a0 + warp_row0 + hh * 8 + g;
-                    bits[hh][w] = bm_idx >= 0
-                                      ? static_cast<uint32_t>(__ldg(p.bitmaps + static_cast<int64_t>(bm_idx) *
-                                                                                   words_per_tile +
-                                                                      a * words_per_row + sub * HT::kWordsN + w))
-                                      : 0xffffffffu;
-                }
-#pragma unroll
-            for (int ni = 0; ni < kNI; ++ni)
-#pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    const int col = ni * 8 + tig * 2 + c;
-                    const int key = n0 + col;
-                    bool key_ok = key < kv_len;
-                    if (kpm != nullptr && key_ok) key_ok = __ldg(kpm + key) != 0;
-#pragma unroll
-                    for (int hh = 0; hh < 2; ++hh) {
-                        const bool ok = key_ok && ((bits[hh][ni / 4] >> (col & 31)) & 1u);
-                        if (!ok) cur[ni * 4 + hh * 2 + c] = -INFINITY;
-                    }
-                }
+            for (int hh = 0; hh < 2; ++hh) {
+                const int a = a0 + warp_row0 + hh * 8 + g;
+                uint2 wv = make_uint2(0xffffffffu, 0xffffffffu);
+                if (bm_idx >= 0)
+                    wv = __ldg(reinterpret_cast<const uint2*>(p.bitmaps + static_cast<int64_t>(bm_idx) * words_per_tile +
+                                                              a * words_per_row + sub * HT::kWordsN));
+                bits[hh][0] = wv.x;
+                bits[hh][1] = wv.y;
+            }
+            mask_scores<kNI>(cur, bits, n0 + kBlockN > kv_len || kpm != nullptr, n0, kv_len, kpm, tig);
         }
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
