@@ -12,11 +12,15 @@ reads both.
 """
 from __future__ import annotations
 
+import contextvars
 import logging
 
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
+import onnx.numpy_helper
+
+from stof_trt.errors import StofError
 
 logger = logging.getLogger("graph_rewrite")
 
@@ -34,10 +38,37 @@ def consumers(tensor: gs.Tensor) -> list[gs.Node]:
     return list(tensor.outputs)
 
 
+#: Directory that external-data locations of the model being rewritten are relative to (set by rewrite_model).
+EXTERNAL_DATA_DIR: contextvars.ContextVar[str | None] = contextvars.ContextVar("stof_external_data_dir",
+                                                                              default=None)
+
+
+def _lazy_tensor(c: gs.Constant):
+    """The TensorProto behind a constant whose values are not loaded yet, else None."""
+    v = c._values
+    return getattr(v, "tensor", None) if type(v).__name__ == "LazyValues" else None
+
+
+def is_external(c: gs.Constant) -> bool:
+    t = _lazy_tensor(c)
+    return t is not None and t.data_location == onnx.TensorProto.EXTERNAL
+
+
+def constant_array(c: gs.Constant) -> np.ndarray:
+    """An initializer's values. Weights kept in external data files are read (relative to EXTERNAL_DATA_DIR)
+    without loading them into the graph, so the exported model still refers to the files."""
+    if is_external(c):
+        try:
+            return onnx.numpy_helper.to_array(_lazy_tensor(c), base_dir=EXTERNAL_DATA_DIR.get() or "")
+        except Exception as exc:  # noqa: BLE001 - missing or short data file
+            raise StofError(f"cannot read external data of initializer '{c.name}': {str(exc)[:150]}") from None
+    return np.asarray(c.values)
+
+
 def const_value(tensor: gs.Tensor) -> np.ndarray | None:
     """The value of ``tensor`` if it is an initializer or the output of a ``Constant`` node, else None."""
     if isinstance(tensor, gs.Constant):
-        return np.asarray(tensor.values)
+        return constant_array(tensor)
     node = producer(tensor)
     if node is not None and node.op == "Identity":  # exporters alias deduplicated initializers via Identity
         return const_value(node.inputs[0])

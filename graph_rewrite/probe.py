@@ -12,10 +12,13 @@ import tempfile
 
 import numpy as np
 import onnx
+import onnx.numpy_helper
 import onnx_graphsurgeon as gs
 from onnx import helper
 
 from stof_trt.errors import StofError
+
+from .matcher import constant_array, is_external
 
 #: Protos at or above this size cannot be serialized in one piece (protobuf's 2 GB limit): they go through a
 #: temporary directory with external data instead.
@@ -81,9 +84,10 @@ class Probe:
         tensors = graph.tensors()
         outs = []
         self.constants = {}
+        self.fed_constants: dict[str, np.ndarray] = {}
         for name in dict.fromkeys(values):
             if isinstance(tensors[name], gs.Constant):  # an initializer: no need to run anything
-                self.constants[name] = np.asarray(tensors[name].values)
+                self.constants[name] = constant_array(tensors[name])
             else:
                 outs.append(tensors[name])
         values = [n for n in values if n not in self.constants]
@@ -103,6 +107,7 @@ class Probe:
         for t in graph.outputs:
             t.shape = None
         graph.cleanup(remove_unused_graph_inputs=False)
+        self._feed_large_constants(graph)
         pruned = gs.export_onnx(graph, do_type_check=False)
         pruned.ir_version = model.ir_version
         so = ort.SessionOptions()
@@ -119,10 +124,29 @@ class Probe:
         self.input_names = {i.name for i in self.session.get_inputs()}
         self.specs = {s.name: s for s in graph_inputs(model)}
 
+    def _feed_large_constants(self, graph: gs.Graph) -> None:
+        """Turn large or external initializers into graph inputs fed from numpy at run time: the pruned proto stays
+        small (a single tensor over 2 GB cannot be serialized at all) and weights in external data files are read
+        wherever the probe runs (matcher.EXTERNAL_DATA_DIR)."""
+        for t in list(graph.tensors().values()):
+            if not isinstance(t, gs.Constant) or not _large_or_external(t):
+                continue
+            values = constant_array(t)
+            var = gs.Variable(t.name, dtype=values.dtype, shape=list(values.shape))
+            for node in list(t.outputs):
+                for i, x in enumerate(node.inputs):
+                    if x is t:
+                        node.inputs[i] = var
+            graph.inputs.append(var)
+            self.fed_constants[t.name] = values
+
     def feeds(self, batch: int, seq: int, overrides: dict[str, np.ndarray] | None = None, seed: int = 0):
         rng = np.random.default_rng(seed)
         out = {}
         for name in self.input_names:
+            if name in self.fed_constants:
+                out[name] = self.fed_constants[name]
+                continue
             spec = self.specs[name]
             if overrides and name in overrides:
                 out[name] = overrides[name].astype(spec.np_dtype)
@@ -148,3 +172,12 @@ class Probe:
         shapes = {n: tuple(int(x) for x in vals[n]) for n in self.shape_names}
         return values, shapes
 
+
+
+
+#: Initializers at least this large are fed to the probe as inputs instead of being copied into its proto.
+_FEED_BYTES = 1 << 26
+
+
+def _large_or_external(c: gs.Constant) -> bool:
+    return is_external(c) or int(np.prod(c.shape, dtype=np.int64)) * np.dtype(c.dtype).itemsize >= _FEED_BYTES

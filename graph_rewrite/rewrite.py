@@ -16,6 +16,7 @@ from stof_trt.errors import StofError
 
 from .base import RewriteContext
 from .functions import DOMAIN, DOMAIN_VERSION, MIN_OPSET, build_functions
+from .matcher import EXTERNAL_DATA_DIR
 from .report import RewriteReport
 
 
@@ -41,7 +42,8 @@ def default_opset(model: onnx.ModelProto) -> int:
 
 
 def rewrite_model(model: onnx.ModelProto, *, mask=None, epilogues: bool = True, tile_m: int = 64, tile_n: int = 64,
-                  max_seq_len: int | None = None) -> tuple[onnx.ModelProto, RewriteReport]:
+                  max_seq_len: int | None = None,
+                  external_data_dir: str | None = None) -> tuple[onnx.ModelProto, RewriteReport]:
     """Rewrite masked attention cores and epilogues of ``model`` into STOF nodes (domain ``stof``).
 
     Args:
@@ -52,11 +54,23 @@ def rewrite_model(model: onnx.ModelProto, *, mask=None, epilogues: bool = True, 
         tile_m, tile_n: tile size of the compiled layouts (docs/format.md).
         max_seq_len: the compiled sequence length for models with a dynamic sequence axis (run-time lengths
             must be <= it; the layout's top-left corner is used).
+        external_data_dir: for a model loaded with ``onnx.load(..., load_external_data=False)`` (needed when a
+            single tensor is over 2 GB): the directory its external data locations are relative to. Those
+            weights are read where a value is needed and stay external in the returned model.
 
     Returns:
         (rewritten model, RewriteReport). Patterns that are not supported are left untouched and listed in the
         report with the reason.
     """
+    token = EXTERNAL_DATA_DIR.set(external_data_dir)
+    try:
+        return _rewrite_model(model, mask=mask, epilogues=epilogues, tile_m=tile_m, tile_n=tile_n,
+                              max_seq_len=max_seq_len)
+    finally:
+        EXTERNAL_DATA_DIR.reset(token)
+
+
+def _rewrite_model(model, *, mask, epilogues, tile_m, tile_n, max_seq_len):
     from stof_trt.format import check_tile_shape
     from stof_trt.masks import parse_mask
 
@@ -126,15 +140,30 @@ def check(model: onnx.ModelProto) -> None:
     """onnx.checker with full_check (shape inference). A model over protobuf's 2 GB limit is checked by path:
     written with external data to a temporary directory (which moves its weights out of the proto), checked,
     and its weights loaded back, so the proto is unchanged afterwards."""
-    from .probe import LARGE_MODEL_BYTES
-
-    if model.ByteSize() < LARGE_MODEL_BYTES:
-        onnx.checker.check_model(model, full_check=True)
-        return
     import os
     import tempfile
 
-    from onnx.external_data_helper import load_external_data_for_model
+    from onnx.external_data_helper import load_external_data_for_model, uses_external_data
+
+    from .probe import LARGE_MODEL_BYTES
+
+    external = [t for t in model.graph.initializer if uses_external_data(t)]
+    if external:
+        # Weights still in the input's data files (their storage is checked when they are read and written):
+        # check a copy in which they are typed graph inputs, so the checker does not look for the files.
+        probe = onnx.ModelProto()
+        probe.CopyFrom(model)
+        names = {t.name for t in external}
+        kept = [t for t in probe.graph.initializer if t.name not in names]
+        del probe.graph.initializer[:]
+        probe.graph.initializer.extend(kept)
+        have = {i.name for i in probe.graph.input}
+        probe.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                                 for t in external if t.name not in have)
+        model = probe
+    if model.ByteSize() < LARGE_MODEL_BYTES:
+        onnx.checker.check_model(model, full_check=True)
+        return
 
     with tempfile.TemporaryDirectory(prefix="stof_check_") as tmp:
         path = os.path.join(tmp, "model.onnx")

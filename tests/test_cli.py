@@ -159,3 +159,37 @@ def test_demo_matches_original(tmp_path):
     info = json.loads(stdout)
     assert info["match"] is True and info["max_abs_diff"] < 1e-4 and info["max_abs_ref"] > 0.1
     assert info["patterns"]["attention_core"]["matched"] == 1
+
+
+def test_rewrite_model_with_external_data_into_another_directory(bert_path, tmp_path):
+    """Weights in an external data file stay external while rewriting (a >2 GB single tensor cannot be held in a
+    proto that is copied); the output gets its own data file; outputs equal the original's."""
+    ort = pytest.importorskip("onnxruntime")
+    src_dir, out_dir = tmp_path / "src", tmp_path / "out"
+    src_dir.mkdir()
+    out_dir.mkdir()
+    src = str(src_dir / "bert.onnx")
+    onnx.save_model(onnx.load(bert_path), src, save_as_external_data=True, location="weights.bin",
+                    size_threshold=1024)
+    out = str(out_dir / "bert.stof.onnx")
+    rc, _, stderr = run_cli("rewrite", src, "-o", out, "--max-seq-len", "96")
+    assert rc == 0, stderr
+    assert sorted(os.listdir(src_dir)) == ["bert.onnx", "weights.bin"]
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    a = ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
+    b = ort.InferenceSession(out, so, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(7)
+    feeds = {"input_ids": rng.integers(0, 1000, (2, 96)).astype(np.int64),
+             "attention_mask": (np.arange(96)[None] < np.array([[96], [50]])).astype(np.int64)}
+    ra, rb = a.run(None, feeds)[0], b.run(None, feeds)[0]
+    assert np.abs(ra).max() > 0.1 and np.abs(ra - rb).max() < 1e-4
+
+
+def test_rewrite_reports_missing_external_data(bert_path, tmp_path):
+    src = str(tmp_path / "bert.onnx")
+    onnx.save_model(onnx.load(bert_path), src, save_as_external_data=True, location="weights.bin",
+                    size_threshold=1024)
+    os.unlink(tmp_path / "weights.bin")
+    rc, _, stderr = run_cli("rewrite", src, "-o", str(tmp_path / "o.onnx"), "--max-seq-len", "96")
+    assert rc == 2 and "external data file missing" in stderr

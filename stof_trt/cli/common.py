@@ -13,8 +13,13 @@ from ..errors import StofError
 _PROTO_LIMIT = 2**31 - 1
 
 
-def load_model(path: str):
-    """Load an ONNX model (with its external data) or raise a one-line StofError."""
+def load_model(path: str, *, keep_external_data: bool = False):
+    """Load an ONNX model or raise a one-line StofError.
+
+    With ``keep_external_data`` the weights of a model stored with external data stay in their files, read
+    relative to the model's directory when needed (``graph_rewrite.rewrite_model(external_data_dir=...)``,
+    ``save_model(external_data_dir=...)``): a single tensor over 2 GB cannot live in a proto that is copied or
+    serialised."""
     import onnx
 
     if not os.path.exists(path):
@@ -22,7 +27,9 @@ def load_model(path: str):
     if not os.path.isfile(path):
         raise StofError(f"not a file: {path}")
     try:
-        model = onnx.load(path, load_external_data=True)
+        model = onnx.load(path, load_external_data=not keep_external_data)
+        if keep_external_data:
+            _check_external_files(model, os.path.dirname(os.path.abspath(path)))
     except Exception as e:  # protobuf DecodeError, missing external data, ...
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise StofError(f"{path} is not a readable ONNX model ({msg})") from None
@@ -39,11 +46,20 @@ def check_output_path(inp: str, out: str) -> None:
         raise StofError(f"output directory does not exist: {d}")
 
 
-def save_model(model, out: str) -> None:
-    """Write atomically (temp file + rename); external data when the model is over protobuf's 2 GiB limit."""
+def save_model(model, out: str, external_data_dir: str | None = None) -> None:
+    """Write atomically (temp file + rename); external data when the model is over protobuf's 2 GiB limit.
+    Weights still in external files (``load_model(keep_external_data=True)``) are read from
+    ``external_data_dir`` first."""
     import onnx
 
     d = os.path.dirname(os.path.abspath(out))
+    if _has_external(model):
+        from onnx.external_data_helper import load_external_data_for_model
+
+        try:
+            load_external_data_for_model(model, external_data_dir or d)
+        except Exception as e:  # noqa: BLE001 - a data file went missing meanwhile
+            raise StofError(f"cannot read the model's external data: {str(e).splitlines()[0][:150]}") from None
     big = _model_bytes(model) > _PROTO_LIMIT
     fd, tmp = tempfile.mkstemp(prefix=".stof-", suffix=".onnx", dir=d)
     os.close(fd)
@@ -52,6 +68,7 @@ def save_model(model, out: str) -> None:
             data_name = os.path.basename(out) + ".data"
             onnx.save_model(model, tmp, save_as_external_data=True, all_tensors_to_one_file=True,
                             location=data_name + ".tmp", size_threshold=1024)
+            os.chmod(os.path.join(d, data_name + ".tmp"), _file_mode())
             os.replace(os.path.join(d, data_name + ".tmp"), os.path.join(d, data_name))
             # The model file names its data file: rewrite the name without the .tmp suffix.
             m = onnx.load(tmp, load_external_data=False)
@@ -62,11 +79,34 @@ def save_model(model, out: str) -> None:
             onnx.save_model(m, tmp)
         else:
             onnx.save_model(model, tmp)
+        os.chmod(tmp, _file_mode())   # mkstemp creates 0600; give the usual permissions
         os.replace(tmp, out)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _file_mode() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def _check_external_files(model, base_dir: str) -> None:
+    from onnx.external_data_helper import uses_external_data
+
+    for t in _all_tensors(model):
+        if uses_external_data(t):
+            for e in t.external_data:
+                if e.key == "location" and not os.path.isfile(os.path.join(base_dir, e.value)):
+                    raise StofError(f"external data file missing: {os.path.join(base_dir, e.value)}")
+
+
+def _has_external(model) -> bool:
+    from onnx.external_data_helper import uses_external_data
+
+    return any(uses_external_data(t) for t in _all_tensors(model))
 
 
 def _model_bytes(model) -> int:

@@ -11,6 +11,7 @@ examples:
 
 from __future__ import annotations
 
+import os
 import time
 
 from ..errors import StofError
@@ -41,13 +42,14 @@ def run(args) -> int:
     if args.max_seq_len is not None and args.max_seq_len < 1:
         raise StofError("--max-seq-len must be positive")
     t0 = time.perf_counter()
-    model = load_model(args.input)
+    model = load_model(args.input, keep_external_data=True)
+    data_dir = os.path.dirname(os.path.abspath(args.input))
     import graph_rewrite
 
     new_model, report = graph_rewrite.rewrite_model(model, mask=mask, epilogues=not args.no_epilogue,
                                                      tile_m=args.tile[0], tile_n=args.tile[1],
-                                                     max_seq_len=args.max_seq_len)
-    save_model(new_model, args.output)
+                                                     max_seq_len=args.max_seq_len, external_data_dir=data_dir)
+    save_model(new_model, args.output, external_data_dir=data_dir)
     info = report.to_dict()
     info.update(input=args.input, output=args.output, seconds=round(time.perf_counter() - t0, 3))
     if args.json:
