@@ -158,8 +158,8 @@ class AttentionProbe:
         self.dynamic = any(s.dynamic_seq for s in specs)
         max_seq = ctx.options.get("max_seq_len")
         if self.dynamic and max_seq is None:
-            raise StofError("the model has a dynamic sequence axis: pass max_seq_len (the longest sequence the "
-                            "rewritten model will run)")
+            raise StofError("the model has a dynamic sequence axis: pass max_seq_len (stof rewrite --max-seq-len S), "
+                            "the longest sequence the rewritten model will run")
         seq = max_seq or 1
         short_seq = max(1, (2 * seq) // 3 - 1)
         tensors = graph.tensors()
