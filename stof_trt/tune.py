@@ -265,28 +265,28 @@ def tune_model(model, feeds_list: list[dict], cache: TacticCache, *, k: int = 3,
             if bar:
                 bar.update(1)
             continue  # the general kernel (fp32 / bias): nothing to choose
-        ranked = presearch.rank(p.node.layout, batch=p.batch, heads=p.heads, head_dim=p.head_dim, seq_q=p.seq_q,
-                                seq_k=p.seq_k)
+        # the library's valid tactics for this exact problem (the pre-search may know tactics this build lacks)
+        import torch
+
+        tdt = torch.float16 if p.dtype == "float16" else torch.bfloat16
+        qt = torch.empty(p.batch, p.heads, p.seq_q, p.head_dim, device="cuda", dtype=tdt)
+        kt = torch.empty(p.batch, p.heads, p.seq_k, p.head_dim, device="cuda", dtype=tdt)
+        lib_valid = [int(t) for t in kernels.list_tactics(qt, kt, kt, kernels.DeviceLayout(p.node.layout))]
+        del qt, kt
+        default = lib_valid[0] if lib_valid else None
+        ranked = [(int(t), tp) for t, tp in presearch.rank(p.node.layout, batch=p.batch, heads=p.heads,
+                                                             head_dim=p.head_dim, seq_q=p.seq_q, seq_k=p.seq_k)
+                  if int(t) in lib_valid]
         if not ranked:
             raise StofError(f"no tactic for node {names[0]} (head dim {p.head_dim})")
-        first = int(ranked[0][0])
+        first = ranked[0][0]
         if all_tactics:
-            cands = [int(t) for t, _ in ranked]
+            cands = [t for t, _ in ranked]
         else:
-            cands = [int(t) for t in presearch.shortlist(p.node.layout, k=k, batch=p.batch, heads=p.heads,
-                                                        head_dim=p.head_dim, seq_q=p.seq_q, seq_k=p.seq_k)]
+            best_pred = ranked[0][1]
+            cands = [t for t, tp in ranked[:k] if tp <= best_pred * 1.5]
         if first not in cands:
             cands.insert(0, first)
-        default = None
-        try:
-            import torch
-
-            q = torch.empty(1, 1, 1, p.head_dim, device="cuda",
-                            dtype=torch.float16 if p.dtype == "float16" else torch.bfloat16)
-            lib_valid = kernels.list_tactics(q, q, q, kernels.DeviceLayout(p.node.layout))
-            default = int(lib_valid[0]) if lib_valid else None
-        except Exception:  # noqa: BLE001 - informational only
-            default = None
         if presearch_only:
             times = {}
             best = first

@@ -65,6 +65,14 @@ OrtStatusPtr inferShapeFromInput(OrtShapeInferContext* ctx, size_t input, ONNXTe
             dims[rank - 1] = d;
             symStore[rank - 1] = dsym;
         }
+        // ORT turns an unnamed unknown dim into a *static* -1 (dim_value), which constant folding of a later
+        // Shape node then bakes into Reshape targets: leave such shapes unknown rather than wrong.
+        for (size_t i = 0; i < rank; ++i) {
+            if (dims[i] < 0 && symStore[i].empty()) {
+                cleanup();
+                return nullptr;
+            }
+        }
         std::vector<char const*> symOut(rank);
         for (size_t i = 0; i < rank; ++i) symOut[i] = symStore[i].c_str();
         STOF_TRY_API(api.CreateTensorTypeAndShapeInfo(&out));
