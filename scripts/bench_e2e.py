@@ -139,6 +139,7 @@ def prepare(work: Path, models: list[str]) -> dict:
 
 
 MASK_FILTER: set | None = None  # --masks
+CASE_FILTER: set | None = None  # --cases model:mask:S,...
 
 
 def cases(paths: dict, models: list[str], seqs: list[int]) -> list[dict]:
@@ -159,6 +160,8 @@ def cases(paths: dict, models: list[str], seqs: list[int]) -> list[dict]:
     if "vit" in models:
         out.append(dict(model="vit", mask="none", S=197, original=paths["vit"], opt=paths["vit_opt"],
                         stof=paths["vit_stof"], spec=None))
+    if CASE_FILTER is not None:
+        out = [c for c in out if f"{c['model']}:{c['mask']}:{c['S']}" in CASE_FILTER]
     return out
 
 
@@ -324,6 +327,7 @@ def main():
     ap.add_argument("--prepare-only", action="store_true")
     ap.add_argument("--tune-only", action="store_true")
     ap.add_argument("--no-tune", action="store_true", help="bench with the existing OUT/tactic_cache*.json")
+    ap.add_argument("--cases", help="only these cases, e.g. bert:padding:512,bert:longformer:4096")
     ap.add_argument("--masks", help="BERT masks to run (padding,longformer,bigbird; default all)")
     ap.add_argument("--tiny", action="store_true", help="2-layer, 128-wide models (a smoke test of the flow)")
     args = ap.parse_args()
@@ -332,8 +336,9 @@ def main():
             cfg.update(layers=2)
         BERT.update(vocab_size=1000)
         GPT2.update(vocab_size=1000)
-    global MASK_FILTER
+    global MASK_FILTER, CASE_FILTER
     MASK_FILTER = set(args.masks.split(",")) if args.masks else None
+    CASE_FILTER = set(args.cases.split(",")) if args.cases else None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     models = [m for m in args.models.split(",") if m]
