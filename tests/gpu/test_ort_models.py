@@ -72,11 +72,14 @@ def _cpu(path, feeds):
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
 
 
+NO_TF32 = {"use_tf32": 0}  # fp32 comparisons: ORT's own fp32 MatMuls default to TF32 on the CUDA EP
+
+
 def _stof_nodes_on_cuda(path):
     """Every STOF node of the model is assigned to the CUDA EP (not inlined, not on CPU)."""
     so = ort.SessionOptions()
     so.log_severity_level = 3
-    sess = sort.session(str(path), session_options=so)
+    sess = sort.session(str(path), session_options=so, cuda_options=NO_TF32)
     assert sess.get_providers()[0] == "CUDAExecutionProvider"
     return sess
 
@@ -110,13 +113,13 @@ def test_gpt2_causal_and_vit(tmp_path):
     am[1, 200:] = 0
     feeds = {"input_ids": rng.integers(0, 1000, (B, S)).astype(np.int64), "attention_mask": am}
     ref = _cpu(tmp_path / "g.onnx", feeds)
-    got = sort.session(str(tmp_path / "g.stof.onnx")).run(None, feeds)[0]
+    got = sort.session(str(tmp_path / "g.stof.onnx"), cuda_options=NO_TF32).run(None, feeds)[0]
     np.testing.assert_allclose(got, ref, atol=2e-4, rtol=2e-4)
 
     export_vit(str(tmp_path / "v.onnx"), layers=2, hidden=128, heads=2, image_size=64, patch_size=16)
     _rewrite(tmp_path / "v.onnx", tmp_path / "v.stof.onnx", None, None)
     x = {"pixel_values": rng.standard_normal((B, 3, 64, 64)).astype(np.float32)}
-    np.testing.assert_allclose(sort.session(str(tmp_path / "v.stof.onnx")).run(None, x)[0],
+    np.testing.assert_allclose(sort.session(str(tmp_path / "v.stof.onnx"), cuda_options=NO_TF32).run(None, x)[0],
                                _cpu(tmp_path / "v.onnx", x), atol=2e-4, rtol=2e-4)
 
 
