@@ -4,13 +4,13 @@
 #   bash scripts/device_ort.sh [STAGE ...]        stages: env build test tune bench  (default: all)
 #
 # Needs onnxruntime-gpu importable (on the device: /work/shared/device/stage-wheels.sh, then PYTHONPATH=/tmp/site).
-# Environment knobs: ARCH (CUDA arch, default 90), BUILD (build dir, default /tmp/stof-build),
+# Environment knobs: ARCH (CUDA arch, default 90a: the wgmma tactics need it), BUILD (build dir, default /tmp/stof-build),
 #   BENCH_ARGS (extra arguments for scripts/bench_e2e.py), TUNE_ARGS (for `stof tune`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
-ARCH=${ARCH:-90}
+ARCH=${ARCH:-90a}
 BUILD=${BUILD:-/tmp/stof-build}
 export PYTHONUNBUFFERED=1
 stages=("$@")
