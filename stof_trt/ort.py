@@ -38,23 +38,9 @@ _LIB_NAME = "libstof_ort.so"
 
 def library_path() -> Path | None:
     """Where libstof_ort.so is: $STOF_ORT_LIB, the package's lib/ folder, or a build tree of the repository."""
-    env = os.environ.get("STOF_ORT_LIB")
-    if env:
-        return Path(env) if Path(env).is_file() else None
-    import sysconfig
+    from ._libs import find_library
 
-    here = Path(__file__).resolve().parent
-    cands = [here / "lib" / _LIB_NAME]
-    # editable installs keep the package in the source tree and the libraries in site-packages/stof_trt/lib
-    cands += [Path(sysconfig.get_paths()[k]) / "stof_trt" / "lib" / _LIB_NAME for k in ("platlib", "purelib")]
-    root = here.parent
-    cands += [Path(p) for p in sorted(glob.glob(str(root / "build*" / "plugins_cu" / "ort" / _LIB_NAME)))]
-    # editable installs (scikit-build-core, build-dir = build/{wheel_tag}): the packaging build tree
-    cands += [Path(p) for p in sorted(glob.glob(str(root / "build" / "*" / "native" / "plugins_cu" / "ort" / _LIB_NAME)))]
-    for c in cands:
-        if c.is_file():
-            return c
-    return None
+    return find_library(_LIB_NAME, "STOF_ORT_LIB", "plugins_cu/ort")
 
 
 def library_available() -> bool:
@@ -103,7 +89,7 @@ def _providers(providers, device_id: int, cuda_options: dict | None, cuda_graphs
 def session(model, *, providers=None, device_id: int = 0, cuda_options: dict | None = None,
             tactic_cache: str | os.PathLike | None = None, cuda_graphs: bool = False, verbose: bool = False,
             register: bool | None = None, session_options=None, optimization_level: str | None = None,
-            library: str | os.PathLike | None = None):
+            library: str | os.PathLike | None = None, presearch_shapes=None):
     """An ``onnxruntime.InferenceSession`` for ``model`` (path or ModelProto) with the STOF library registered.
 
     Args:
@@ -115,6 +101,9 @@ def session(model, *, providers=None, device_id: int = 0, cuda_options: dict | N
         register: register libstof_ort (default: whenever the CUDA EP is requested).  True without a library
             found raises StofError.
         optimization_level: "disable" | "basic" | "extended" | "all" (ORT default: all).
+        presearch_shapes: [(batch, seq), ...]: for these problem sizes, attention nodes the tactic cache has no
+            entry for get the pre-search's first choice (a temporary cache merged over `tactic_cache`) instead of
+            the kernel library's default.
     """
     import onnxruntime as ort
 
@@ -134,9 +123,11 @@ def session(model, *, providers=None, device_id: int = 0, cuda_options: dict | N
                         f"({ort.__version__}, providers {ort.get_available_providers()}); install onnxruntime-gpu")
     if register is None:
         register = wants_cuda
+    if tactic_cache is not None and not Path(tactic_cache).is_file():
+        raise StofError(f"tactic cache not found: {tactic_cache}")
+    if presearch_shapes:
+        tactic_cache = _with_presearch(model, tactic_cache, presearch_shapes, device_id)
     if tactic_cache is not None:
-        if not Path(tactic_cache).is_file():
-            raise StofError(f"tactic cache not found: {tactic_cache}")
         so.add_session_config_entry(CONFIG_TACTIC_CACHE, str(tactic_cache))
     if verbose:
         so.add_session_config_entry(CONFIG_VERBOSE, "1")
@@ -162,6 +153,24 @@ def session(model, *, providers=None, device_id: int = 0, cuda_options: dict | N
         raise StofError(f"the CUDA execution provider did not load (session providers: {sess.get_providers()}); "
                         "check the CUDA/cuDNN libraries (onnxruntime.preload_dlls())")
     return sess
+
+
+def _with_presearch(model, tactic_cache, shapes, device_id: int) -> str:
+    """A temporary cache file: `tactic_cache`'s entries plus pre-search first choices for the missing keys."""
+    import tempfile
+
+    import onnx
+
+    from .tactic_cache import TacticCache, add_presearch_entries, gpu_identity
+
+    proto = model if hasattr(model, "graph") else onnx.load(str(model), load_external_data=False)
+    cache = TacticCache.load(tactic_cache) if tactic_cache is not None else TacticCache()
+    gpu, cc = gpu_identity(device_id)
+    add_presearch_entries(cache, proto, shapes, gpu, cc)
+    fd, path = tempfile.mkstemp(prefix="stof-tactics-", suffix=".json")
+    os.close(fd)
+    cache.save(path)
+    return path
 
 
 class Binding:

@@ -169,3 +169,72 @@ def choose(cache: TacticCache | None, key: CacheKey, layout, *, batch: int, head
     if not ranked:
         raise StofError(f"no tactic supports head_dim {head_dim} with tile {layout.tile_m}x{layout.tile_n}")
     return int(ranked[0][0]), "presearch"
+
+
+def attention_problem_dims(model) -> dict:
+    """{node name: (onnx dtype name, heads, head_dim)} for the StofSparseAttention nodes whose query shape ONNX
+    shape inference can fix (heads and head dim are static in exported transformers)."""
+    import onnx
+
+    names = {1: "float", 10: "float16", 16: "bfloat16"}
+    try:  # data propagation resolves Reshape targets computed from Shape/Gather/Concat
+        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    except Exception:  # noqa: BLE001 - best effort
+        inferred = model
+    vis = {vi.name: vi for vi in list(inferred.graph.value_info) + list(inferred.graph.input)}
+    producer = {o: p for p in model.graph.node for o in p.output}
+
+    def static_dims(name):
+        vi = vis.get(name)
+        if vi is None:
+            return None, None
+        tt = vi.type.tensor_type
+        return [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim], tt.elem_type
+
+    out = {}
+    for n in model.graph.node:
+        if n.op_type != "StofSparseAttention" or n.domain != "stof":
+            continue
+        dims, et = static_dims(n.input[0])
+        if not dims or len(dims) != 4 or not dims[3] or et not in names:
+            continue
+        heads = dims[1]
+        if not heads:  # q = Transpose(Reshape(x, [B, S, H, D])): H = x's static last dim (hidden) / D
+            t = producer.get(n.input[0])
+            r = producer.get(t.input[0]) if t is not None and t.op_type == "Transpose" else None
+            if r is not None and r.op_type == "Reshape":
+                xd, _ = static_dims(r.input[0])
+                if xd and xd[-1] and xd[-1] % dims[3] == 0:
+                    heads = xd[-1] // dims[3]
+        if heads:
+            out[n.name] = (names[et], int(heads), int(dims[3]))
+    return out
+
+
+def add_presearch_entries(cache: TacticCache, model, shapes, gpu: str, cc: str) -> int:
+    """Add the pre-search's first choice for every attention node of `model` and every (batch, seq) in `shapes`
+    whose key the cache lacks (measured entries are kept).  Returns the number of entries added; nodes whose
+    heads / head dim are not static are skipped."""
+    from . import presearch
+    from .tune import attention_nodes
+
+    dims = attention_problem_dims(model)
+    added = 0
+    for nd in attention_nodes(model):
+        if nd.name not in dims:
+            continue
+        dtype, heads, head_dim = dims[nd.name]
+        lay = nd.layout
+        stats = presearch.tile_stats(lay)
+        for batch, seq in shapes:
+            sq, sk = min(int(seq), lay.seq_q), min(int(seq), lay.seq_k)
+            key = CacheKey(gpu, cc, node_signature(dtype, heads, head_dim, lay.tile_m, lay.tile_n, lay.num_layouts,
+                                                   lay.seq_q, lay.seq_k, nd.key_padding_mask is not None),
+                           shape_bucket(batch, sq, sk), lay.signature())
+            if cache.get(key) is not None:
+                continue
+            ranked = presearch.rank(stats, batch=int(batch), heads=heads, head_dim=head_dim, seq_q=sq, seq_k=sk)
+            if ranked:
+                cache.put(key, int(ranked[0][0]), source="presearch", nodes=[nd.name])
+                added += 1
+    return added

@@ -74,3 +74,31 @@ def test_choose_cache_then_presearch():
     c = TacticCache()
     c.put(key, 2)
     assert choose(c, key, layout, **kw) == (2, "cache")
+
+
+def test_presearch_entries_for_a_model():
+    """Pre-search first choices for a model's attention nodes (no GPU: GPU name given), measured entries kept."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    from stof_trt.tactic_cache import add_presearch_entries, attention_problem_dims
+
+    lay = compile_mask("longformer:window=64,global=8", 512, 512)
+    inits = [numpy_helper.from_array(np.ascontiguousarray(a, np.int32), n) for n, a in lay.arrays().items()]
+    node = helper.make_node("StofSparseAttention", ["q", "k", "v", "row_ptr", "col_idx", "tile_bitmap_index",
+                                                    "bitmaps", "kpm"], ["o"], domain="stof", name="a0", scale=0.125,
+                            tile_m=64, tile_n=64, seq_q=512, seq_k=512, num_layouts=1, format_version=1,
+                            mask_spec=lay.mask_spec)
+    ins = [helper.make_tensor_value_info(n, TensorProto.FLOAT16, ["B", 12, "S", 64]) for n in "qkv"]
+    ins.append(helper.make_tensor_value_info("kpm", TensorProto.INT32, ["B", "S"]))
+    g = helper.make_graph([node], "g", ins, [helper.make_tensor_value_info("o", TensorProto.FLOAT16, None)], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("stof", 1)])
+    assert attention_problem_dims(m) == {"a0": ("float16", 12, 64)}
+    c = TacticCache()
+    key = CacheKey("GPU", "9.0", node_signature("float16", 12, 64, 64, 64, 1, 512, 512, True),
+                   shape_bucket(8, 512, 512), lay.signature())
+    c.put(key, 2, source="measured")
+    assert add_presearch_entries(c, m, [(8, 512), (1, 256)], "GPU", "9.0") == 1
+    assert c.lookup(key) == 2  # the measured entry stays
+    key2 = CacheKey("GPU", "9.0", key.node, shape_bucket(1, 256, 256), lay.signature())
+    assert c.get(key2)["source"] == "presearch" and c.lookup(key2) >= 1

@@ -26,6 +26,9 @@ def add_args(p):
                    help="cuda: CUDA EP + libstof_ort (default); cpu: STOF nodes run as their ONNX functions")
     p.add_argument("--device", type=int, default=0, help="CUDA device id")
     p.add_argument("--tactic-cache", metavar="FILE.json", help="tactic cache from `stof tune`")
+    p.add_argument("--presearch", action="store_true",
+                   help="attention nodes without a tactic-cache entry use the pre-search's first choice for this "
+                        "run's (batch, seq) instead of the kernel library's default")
     p.add_argument("--cuda-graphs", action="store_true", help="run through a captured CUDA graph (IO binding)")
     p.add_argument("-o", "--output-dir", metavar="DIR", help="save each output as DIR/<name>.npy")
     p.add_argument("--time", type=int, default=0, metavar="N", help="also time N runs (IO binding; median/p90)")
@@ -59,9 +62,16 @@ def run(args) -> int:
         raise StofError(f"no such file: {args.model}")
     if args.output_dir and not os.path.isdir(args.output_dir):
         raise StofError(f"output directory does not exist: {args.output_dir}")
-    sess = sort.session(args.model, providers=args.provider, device_id=args.device, tactic_cache=args.tactic_cache,
-                        cuda_graphs=args.cuda_graphs, verbose=args.verbose)
     given = load_inputs(args.input)
+    pre = None
+    if args.presearch:
+        dims = [tuple(a.shape[:2]) for a in given.values() if a.ndim >= 2]
+        dims += [tuple(s[:2]) for s in sort.parse_shapes(args.shapes).values() if len(s) >= 2]
+        if not dims:
+            raise StofError("--presearch needs an input of rank >= 2 (batch, seq) from --input or --shapes")
+        pre = [dims[0]]
+    sess = sort.session(args.model, providers=args.provider, device_id=args.device, tactic_cache=args.tactic_cache,
+                        cuda_graphs=args.cuda_graphs, verbose=args.verbose, presearch_shapes=pre)
     names = {i.name for i in sess.get_inputs()}
     unknown = set(given) - names
     if unknown:
