@@ -78,10 +78,13 @@ def load_library(path: str | os.PathLike | None = None) -> ctypes.CDLL:
     global _LIB
     if _LIB is not None and path is None:
         return _LIB
+    from ._libs import find_library
+
     candidates = [Path(path)] if path else []
     if not candidates and os.environ.get("STOF_KERNELS_LIB"):
         candidates = [Path(os.environ["STOF_KERNELS_LIB"])]
-    candidates = candidates or _default_paths()
+    found = None if candidates else find_library("libstof_kernels.so", "STOF_KERNELS_LIB", "plugins_cu")
+    candidates = candidates or ([found] if found else _default_paths())
     for cand in candidates:
         if cand.is_file():
             lib = ctypes.CDLL(str(cand))
