@@ -37,7 +37,8 @@ _LIB_NAME = "libstof_ort.so"
 
 
 def library_path() -> Path | None:
-    """Where libstof_ort.so is: $STOF_ORT_LIB, the package's lib/ folder, or a build tree of the repository."""
+    """Where libstof_ort.so is: $STOF_ORT_LIB, the package's lib/ folder, the site-packages copy of an editable
+    install, or a CMake build tree of the repository (stof_trt._libs.find_library)."""
     from ._libs import find_library
 
     return find_library(_LIB_NAME, "STOF_ORT_LIB", "plugins_cu/ort")
