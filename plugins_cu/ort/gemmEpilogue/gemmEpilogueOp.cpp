@@ -97,12 +97,18 @@ void GemmEpilogueKernel::compute(Ort::KernelContext& ctx) {
                      ORT_RUNTIME_EXCEPTION, "cudaMemsetAsync failed");
         return;
     }
-    if (mGemm == nullptr) {
-        stof_epi_status_t s = stof_gemm_context_create(&mGemm);
-        STOF_REQUIRE(s == STOF_EPI_SUCCESS, ORT_RUNTIME_EXCEPTION, "cuBLASLt init: ", stof_epi_last_error_message());
+    stof_gemm_context_t gemm = nullptr;
+    {
+        std::lock_guard<std::mutex> lock(mInitMutex);
+        if (mGemm == nullptr) {
+            stof_epi_status_t s = stof_gemm_context_create(&mGemm);
+            STOF_REQUIRE(s == STOF_EPI_SUCCESS, ORT_RUNTIME_EXCEPTION, "cuBLASLt init: ",
+                         stof_epi_last_error_message());
+        }
+        gemm = mGemm;
     }
     ScopedScratch ws(ctx, stof_gemm_workspace_size());
-    stof_epi_status_t s = stof_gemm_epilogue_run(mGemm, epiDType(mType), M, N, K, x.data, w.data,
+    stof_epi_status_t s = stof_gemm_epilogue_run(gemm, epiDType(mType), M, N, K, x.data, w.data,
                                                  bias.present ? bias.data : nullptr, mActivation, yData, ws.data(),
                                                  ws.bytes(), reinterpret_cast<stof_epi_stream_t>(stream));
     STOF_REQUIRE(s == STOF_EPI_SUCCESS, s == STOF_EPI_ERROR_INVALID_ARGUMENT ? ORT_INVALID_ARGUMENT : ORT_FAIL,

@@ -3,6 +3,8 @@
 #ifndef STOF_ORT_GEMM_EPILOGUE_OP_H
 #define STOF_ORT_GEMM_EPILOGUE_OP_H
 
+#include <mutex>
+
 #include "../common/ortCommon.h"
 #include "stof/stof_epilogue.h"
 
@@ -21,6 +23,7 @@ private:
     ONNXTensorElementDataType mType;
     std::string mName;
     int32_t mActivation{STOF_ACT_NONE};
+    std::mutex mInitMutex;  // ORT may run one kernel instance from several threads (concurrent Run calls)
     stof_gemm_context_t mGemm{nullptr};
 };
 
