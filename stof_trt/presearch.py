@@ -44,11 +44,15 @@ class TacticSpec:
     q_in_smem: bool = False  # block family: Q fragments re-read from shared memory
     pipelined: bool = False  # Hopper family: S_{i+1} MMA overlapped with the softmax of S_i
     defer_pv: bool = False   # Hopper family: P V completion awaited with the next S MMA
+    warp_specialized: bool = False  # Hopper family: producer warpgroup + 2 consumer warpgroups (hopper_ws.cuh)
+    key_step: int = 64       # keys per softmax step (warp-specialised: 64 or 128 = two sub-blocks of the walk)
 
     @property
     def name(self) -> str:
         if self.family == FAMILY_ROW:
             return f"row_w{self.num_warps}"
+        if self.family == FAMILY_HOPPER and self.warp_specialized:
+            return f"wgmma_ws_m2x64_n{self.key_step}_s{self.stages}"
         if self.family == FAMILY_HOPPER:
             return (f"wgmma_m{self.num_warps // 4}x64_n{self.block_n}_s{self.stages}"
                     + ("_pipe" if self.pipelined else "_defer" if self.defer_pv else ""))
@@ -78,6 +82,10 @@ TACTICS = [
     TacticSpec(18, FAMILY_HOPPER, 64, 64, 4, 4, pipelined=True),
     TacticSpec(19, FAMILY_HOPPER, 64, 64, 4, 2, defer_pv=True),
     TacticSpec(20, FAMILY_HOPPER, 64, 64, 4, 3, defer_pv=True),
+    TacticSpec(21, FAMILY_HOPPER, 128, 64, 12, 2, warp_specialized=True),
+    TacticSpec(22, FAMILY_HOPPER, 128, 64, 12, 3, warp_specialized=True),
+    TacticSpec(23, FAMILY_HOPPER, 128, 64, 12, 2, warp_specialized=True, key_step=128),
+    TacticSpec(24, FAMILY_HOPPER, 128, 64, 12, 3, warp_specialized=True, key_step=128),
 ]
 _BY_ID = {t.id: t for t in TACTICS}
 
@@ -225,6 +233,9 @@ PTXAS_REGS = {
     (13, 64): 128, (14, 64): 128, (15, 64): 128, (16, 64): 128, (17, 64): 168, (18, 64): 168,
     (13, 128): 228, (14, 128): 232, (15, 128): 214, (16, 128): 214, (17, 128): 248,
     (19, 64): 127, (20, 64): 127, (19, 128): 246, (20, 128): 246,
+    # warp-specialised: the launch count (384 threads, one CTA per SM); setmaxnreg moves registers to consumers
+    (21, 64): 168, (22, 64): 168, (23, 64): 168, (24, 64): 168,
+    (21, 128): 168, (22, 128): 168, (23, 128): 168, (24, 128): 168,
 }
 
 
@@ -242,7 +253,8 @@ def _block_regs(t: TacticSpec, D: int) -> int:
 
 
 def _block_smem(t: TacticSpec, D: int) -> int:
-    return t.block_m * D * 2 + 2 * t.stages * t.block_n * D * 2 + (1024 if t.family == FAMILY_HOPPER else 0)
+    step = t.key_step if t.warp_specialized else t.block_n
+    return t.block_m * D * 2 + 2 * t.stages * step * D * 2 + (1024 if t.family == FAMILY_HOPPER else 0)
 
 
 def occupancy(t: TacticSpec, D: int, gpu: GpuProps) -> int:

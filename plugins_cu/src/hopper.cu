@@ -1,6 +1,6 @@
 // Hopper (wgmma) tactic instantiations, both dtypes and head dims.  The kernels have bodies only in the sm_90a
 // compilation pass (STOF_HAS_SM90A is defined by CMake when CMAKE_CUDA_ARCHITECTURES holds 90a).
-#include "hopper.cuh"
+#include "hopper_ws.cuh"
 #include "tactics.h"
 
 namespace stof {
@@ -8,7 +8,9 @@ namespace stof {
 #define STOF_HOPPER_ROW(T, D) {STOF_HOPPER_TACTICS(STOF_HX_##D##_##T)}
 template <int D, int WG, int S, int PIPE, class T>
 constexpr LaunchFn hopper_launcher() {
-    if constexpr (PIPE == 2) {
+    if constexpr (PIPE == 3 || PIPE == 4) {
+        return &launch_hopper_ws<WsTraits<D, S, PIPE == 4 ? 2 : 1, T>>;
+    } else if constexpr (PIPE == 2) {
         return &launch_hopper<HopperTraits<D, WG, S, T, true>>;
     } else if constexpr (PIPE == 1) {
         if constexpr (D == 128 && S > 3) {

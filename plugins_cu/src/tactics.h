@@ -44,7 +44,12 @@
 //     registers); K/V ring 3 (17) or 4 (18, head dim 64 only: 4 x 32 KB at 128 would leave 1 CTA per SM).
 // 19, 20: as 13 and 14, with the P V MMA's completion awaited together with the next S MMA (back to back on the
 //     tensor cores) instead of at the end of each step.
-// X(id, warpgroups, stages, variant: 0 plain, 1 pipelined, 2 deferred P V wait)
+// 21-24: warp-specialised (hopper_ws.cuh, FlashAttention-3's structure): a producer warpgroup streams K/V with
+//     cp.async into an mbarrier ring, two consumer warpgroups (128 rows per CTA, one CTA per SM) each overlap
+//     their softmax with their own P V MMA and with the other consumer's MMAs.  21/22: 64-key steps, 2/3 stages;
+//     23/24: 128-key steps (two 64-key sub-blocks of the walk per step), 2/3 stages.
+// X(id, warpgroups (consumers for 21+), stages, variant: 0 plain, 1 pipelined, 2 deferred P V wait,
+//   3 warp-specialised with 64-key steps, 4 warp-specialised with 128-key steps)
 #define STOF_HOPPER_TACTICS(X) \
     X(13, 1, 2, 0)             \
     X(14, 1, 3, 0)             \
@@ -53,14 +58,18 @@
     X(17, 1, 3, 1)             \
     X(18, 1, 4, 1)             \
     X(19, 1, 2, 2)             \
-    X(20, 1, 3, 2)
+    X(20, 1, 3, 2)             \
+    X(21, 2, 2, 3)             \
+    X(22, 2, 3, 3)             \
+    X(23, 2, 2, 4)             \
+    X(24, 2, 3, 4)
 
 namespace stof {
 
 constexpr int kNumBlockTactics = 10;
 constexpr bool kQFrags_reg = false, kQFrags_smem = true;
 constexpr int kNumRowTactics = 2;
-constexpr int kNumHopperTactics = 8;
+constexpr int kNumHopperTactics = 12;
 // first id of each family (ids are consecutive inside a family; the offset indexes the launcher tables)
 constexpr int kFirstBlockId = 1, kFirstRowId = 11, kFirstHopperId = 13;
 

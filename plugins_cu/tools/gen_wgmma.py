@@ -52,7 +52,8 @@ def main():
     print("template <int N, typename T>\n__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b, int scale_d);\n")
     print("#if defined(__CUDA_ARCH_FEAT_SM90_ALL)")
     for ctype, ptx in TYPES.items():
-        print(ss(64, ctype, ptx))
+        for N in (64, 128):
+            print(ss(N, ctype, ptx))
         for N in (64, 128):
             print(rs(N, ctype, ptx))
     print("#endif  // __CUDA_ARCH_FEAT_SM90_ALL\n\n}  // namespace stof")
