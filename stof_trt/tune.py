@@ -293,7 +293,8 @@ def tune_model(model, feeds_list: list[dict], cache: TacticCache, *, k: int = 3,
         else:
             timed = list(cands) + ([default] if default and default not in cands else [])
             times = time_tactics(p, timed, reps=reps)
-            best = min(cands, key=lambda t: times[t])
+            # the library default is timed anyway: never record a measured choice slower than it
+            best = min(timed, key=lambda t: times[t])
         r = TuneResult(key, names, first, cands, times, best, default)
         results.append(r)
         info = {"tactic_name": _tactic_name(best), "source": "presearch" if presearch_only else "measured",
