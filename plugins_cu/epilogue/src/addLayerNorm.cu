@@ -61,11 +61,119 @@ __global__ void __launch_bounds__(kThreads) addLayerNormKernel(T const* __restri
     }
 }
 
+// Rows of at most 32 lanes x kMaxVecs 16-byte vectors (fp16/bf16: n <= 1024, fp32: n <= 512) with n a multiple
+// of the vector width: one warp per row, the row in registers, warp-shuffle reductions (no shared memory, no
+// __syncthreads), 16-byte loads and stores.  Same arithmetic as addLayerNormKernel (fp32 sum, two exact passes).
+constexpr int kWarpRowsPerCta = 4;
+constexpr int kMaxVecs = 4;
+
+__device__ __forceinline__ float warpSum(float v) {
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
+
+template <typename T>
+struct Vec {
+    static constexpr int kN = 16 / sizeof(T);
+    union {
+        uint4 raw;
+        T v[16 / sizeof(T)];
+    };
+};
+
+template <typename T, int kVecs>
+__global__ void __launch_bounds__(32 * kWarpRowsPerCta) addLayerNormWarpKernel(
+    T const* __restrict__ x, T const* __restrict__ res, T const* __restrict__ bias, T const* __restrict__ gamma,
+    T const* __restrict__ beta, float eps, T* __restrict__ y, T* __restrict__ sum, int64_t rows, int n) {
+    constexpr int V = Vec<T>::kN;
+    int const lane = threadIdx.x % 32;
+    int64_t const row = static_cast<int64_t>(blockIdx.x) * kWarpRowsPerCta + threadIdx.x / 32;
+    if (row >= rows) return;
+    int64_t const base = row * n;
+    float s[kVecs][V];
+    float localSum = 0.f;
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+        int const col = (j * 32 + lane) * V;
+        if (col < n) {
+            Vec<T> xv, rv, bv;
+            xv.raw = *reinterpret_cast<uint4 const*>(x + base + col);
+            rv.raw = *reinterpret_cast<uint4 const*>(res + base + col);
+            if (bias != nullptr) bv.raw = *reinterpret_cast<uint4 const*>(bias + col);
+            Vec<T> sv;
+#pragma unroll
+            for (int e = 0; e < V; ++e) {
+                float t = toFloat(xv.v[e]);
+                if (bias != nullptr) t += toFloat(bv.v[e]);
+                t += toFloat(rv.v[e]);
+                if (sum != nullptr) {
+                    sv.v[e] = fromFloat<T>(t);
+                    t = toFloat(sv.v[e]);
+                }
+                s[j][e] = t;
+                localSum += t;
+            }
+            if (sum != nullptr) *reinterpret_cast<uint4*>(sum + base + col) = sv.raw;
+        }
+    }
+    float const mean = warpSum(localSum) / n;
+    float localVar = 0.f;
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+        if ((j * 32 + lane) * V < n) {
+#pragma unroll
+            for (int e = 0; e < V; ++e) {
+                float const d = s[j][e] - mean;
+                localVar += d * d;
+            }
+        }
+    }
+    float const rstd = rsqrtf(warpSum(localVar) / n + eps);
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+        int const col = (j * 32 + lane) * V;
+        if (col < n) {
+            Vec<T> gv, bv, yv;
+            gv.raw = *reinterpret_cast<uint4 const*>(gamma + col);
+            bv.raw = *reinterpret_cast<uint4 const*>(beta + col);
+#pragma unroll
+            for (int e = 0; e < V; ++e)
+                yv.v[e] = fromFloat<T>((s[j][e] - mean) * rstd * toFloat(gv.v[e]) + toFloat(bv.v[e]));
+            *reinterpret_cast<uint4*>(y + base + col) = yv.raw;
+        }
+    }
+}
+
+bool aligned16(void const* p) { return p == nullptr || (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+template <typename T, int kVecs>
+void launchWarp(int64_t rows, int64_t n, void const* x, void const* res, void const* bias, void const* gamma,
+                void const* beta, float eps, void* y, void* sum, cudaStream_t stream) {
+    auto const grid = static_cast<unsigned>((rows + kWarpRowsPerCta - 1) / kWarpRowsPerCta);
+    addLayerNormWarpKernel<T, kVecs><<<grid, 32 * kWarpRowsPerCta, 0, stream>>>(
+        static_cast<T const*>(x), static_cast<T const*>(res), static_cast<T const*>(bias),
+        static_cast<T const*>(gamma), static_cast<T const*>(beta), eps, static_cast<T*>(y), static_cast<T*>(sum),
+        rows, static_cast<int>(n));
+}
+
 template <typename T>
 stof_epi_status_t launch(int64_t rows, int64_t n, void const* x, void const* res, void const* bias,
                          void const* gamma, void const* beta, float eps, void* y, void* sum, cudaStream_t stream) {
     STOF_EPI_CHECK(rows <= 0x7fffffff, STOF_EPI_ERROR_UNSUPPORTED, "too many rows (%lld)",
                    static_cast<long long>(rows));
+    constexpr int V = Vec<T>::kN;
+    int64_t const vecs = (n + 32 * V - 1) / (32 * V);
+    if (n % V == 0 && vecs <= kMaxVecs && aligned16(x) && aligned16(res) && aligned16(bias) && aligned16(gamma) &&
+        aligned16(beta) && aligned16(y) && aligned16(sum)) {
+        switch (vecs) {
+        case 1: launchWarp<T, 1>(rows, n, x, res, bias, gamma, beta, eps, y, sum, stream); break;
+        case 2: launchWarp<T, 2>(rows, n, x, res, bias, gamma, beta, eps, y, sum, stream); break;
+        case 3: launchWarp<T, 3>(rows, n, x, res, bias, gamma, beta, eps, y, sum, stream); break;
+        default: launchWarp<T, 4>(rows, n, x, res, bias, gamma, beta, eps, y, sum, stream); break;
+        }
+        STOF_EPI_CUDA(cudaGetLastError());
+        return STOF_EPI_SUCCESS;
+    }
     addLayerNormKernel<T><<<static_cast<unsigned>(rows), kThreads, static_cast<size_t>(n) * sizeof(float), stream>>>(
         static_cast<T const*>(x), static_cast<T const*>(res), static_cast<T const*>(bias),
         static_cast<T const*>(gamma), static_cast<T const*>(beta), eps, static_cast<T*>(y), static_cast<T*>(sum), static_cast<int>(n));
