@@ -104,6 +104,8 @@ def valid_tactics(tile_m: int, tile_n: int, head_dim: int, hopper: bool | None =
                 continue
             if t.pipelined and head_dim == 128 and t.stages > 3:
                 continue
+            if t.warp_specialized and head_dim == 128 and t.key_step > 64:
+                continue
         if t.family == FAMILY_BLOCK:
             if tile_m % t.block_m or tile_n % t.block_n:
                 continue

@@ -8,7 +8,9 @@ namespace stof {
 #define STOF_HOPPER_ROW(T, D) {STOF_HOPPER_TACTICS(STOF_HX_##D##_##T)}
 template <int D, int WG, int S, int PIPE, class T>
 constexpr LaunchFn hopper_launcher() {
-    if constexpr (PIPE == 3 || PIPE == 4) {
+    if constexpr (PIPE == 4 && D == 128) {
+        return nullptr;  // S, P and O of a 128-key step at head dim 128 exceed the consumers' 216 registers
+    } else if constexpr (PIPE == 3 || PIPE == 4) {
         return &launch_hopper_ws<WsTraits<D, S, PIPE == 4 ? 2 : 1, T>>;
     } else if constexpr (PIPE == 2) {
         return &launch_hopper<HopperTraits<D, WG, S, T, true>>;

@@ -33,8 +33,8 @@ struct WsTraits {
     static constexpr int kBlockM = 64 * kConsumers;
     static constexpr int kBlockN = 64 * kSub;
     static constexpr int kThreads = 128 * (kConsumers + 1);
-    static constexpr int kProducerRegs = 56;
-    static constexpr int kConsumerRegs = 224;  // 128 * 56 + 256 * 224 <= 64K registers
+    static constexpr int kProducerRegs = 72;  // the unrolled cp.async address arithmetic spills below ~72
+    static constexpr int kConsumerRegs = 216;  // 128 * 72 + 256 * 216 <= 64K registers
     static constexpr int kNI = kBlockN / 8;
     static constexpr int kKD = kHeadDim / 16;
     static constexpr int kKN = kBlockN / 16;
@@ -219,113 +219,124 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const Kern
 #pragma unroll
     for (int i = 0; i < kDI * 4; ++i) rO[i] = 0.f;
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
-    bool have_p = false;  // rP holds the previous step's P, its P V not yet issued
     int prev_stage = 0;
 
-    auto issue_pv = [&](int stage) {
-        const uint32_t sV = sKV + stage * 2 * WT::kSmemKV + WT::kSmemKV;
+    auto issue_s = [&](int stage) {  // S = Q K^T
+        const uint32_t sK = sKV + stage * 2 * WT::kSmemKV;
         wgmma_fence();
 #pragma unroll
-        for (int kn = 0; kn < kKN; ++kn) {
-            const uint64_t db = gmma_desc(sV + kn * 16 * 128, kBlockN * 128, 1024);
-            wgmma_rs<WT::kHeadDim, Elem>(rO, rP[kn], db, 1);
+        for (int kk = 0; kk < kKD; ++kk) {
+            const uint64_t da = gmma_desc(sQ + (kk >> 2) * (kBlockM * 128) + w * 64 * 128 + (kk & 3) * 32, 16, 1024);
+            const uint64_t db = gmma_desc(sK + (kk >> 2) * (kBlockN * 128) + (kk & 3) * 32, 16, 1024);
+            wgmma_ss<kBlockN, Elem>(rS, da, db, kk > 0 ? 1 : 0);
         }
         wgmma_commit();
     };
-
-    for (int it = 0; ws_take_step<kSub>(cur, p, w, st); ++it) {
-        const int stage = it % kStages;
-        mbar_wait(full_bar(stage), (it / kStages) & 1);
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async writes -> wgmma reads
-        bool mine = false;
+    auto issue_pv = [&](int stage) {  // O += P V
+        const uint32_t sV = sKV + stage * 2 * WT::kSmemKV + WT::kSmemKV;
+        wgmma_fence();
 #pragma unroll
-        for (int hh = 0; hh < kSub; ++hh) mine |= st.ent[hh] >= 0;  // warpgroup-uniform
-
-        if (mine) {  // S = Q K^T
-            const uint32_t sK = sKV + stage * 2 * WT::kSmemKV;
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < kKD; ++kk) {
-                const uint64_t da = gmma_desc(sQ + (kk >> 2) * (kBlockM * 128) + w * 64 * 128 + (kk & 3) * 32, 16, 1024);
-                const uint64_t db = gmma_desc(sK + (kk >> 2) * (kBlockN * 128) + (kk & 3) * 32, 16, 1024);
-                wgmma_ss<kBlockN, Elem>(rS, da, db, kk > 0 ? 1 : 0);
-            }
-            wgmma_commit();
+        for (int kk = 0; kk < kKN; ++kk) {
+            const uint64_t db = gmma_desc(sV + kk * 16 * 128, kBlockN * 128, 1024);
+            wgmma_rs<WT::kHeadDim, Elem>(rO, rP[kk], db, 1);
         }
-        if (have_p) issue_pv(prev_stage);  // O += P_{i-1} V_{i-1}, overlapping this step's softmax
-
-        float alpha[2] = {1.f, 1.f};
-        if (mine) {
-            if (have_p) {
-                wgmma_wait<1>();
+        wgmma_commit();
+    };
+    // Mask (sub-blocks this consumer's tile row lacks are -inf: the MMAs of a step run for both consumers, so
+    // no wgmma sits under a data-dependent branch, which would make ptxas serialise them), online softmax;
+    // leaves P in rS and the O rescale factors in alpha.
+    auto softmax = [&](float (&alpha)[2]) {
+        if (!fold) {
+#pragma unroll
+            for (int i = 0; i < kNI * 4; ++i) rS[i] *= sl2;
+        }
+#pragma unroll
+        for (int hh = 0; hh < kSub; ++hh) {
+            float part[32];
+#pragma unroll
+            for (int i = 0; i < 32; ++i) part[i] = rS[hh * 32 + i];
+            const int e = st.ent[hh];
+            if (e < 0) {
+#pragma unroll
+                for (int i = 0; i < 32; ++i) part[i] = -INFINITY;
             } else {
-                wgmma_wait<0>();
-            }
-            fence_regs(rS);
-            if (!fold) {
+                const int n0 = st.n0[hh];
+                const int bm_idx = __ldg(p.tile_bitmap_index + e);
+                const bool bound = n0 + 64 > kv_len || kpm != nullptr;
+                if (bm_idx >= 0 || bound) {
+                    uint32_t bits[2][2];
 #pragma unroll
-                for (int i = 0; i < kNI * 4; ++i) rS[i] *= sl2;
-            }
-#pragma unroll
-            for (int hh = 0; hh < kSub; ++hh) {
-                float part[32];
-#pragma unroll
-                for (int i = 0; i < 32; ++i) part[i] = rS[hh * 32 + i];
-                const int e = st.ent[hh];
-                if (e < 0) {
-#pragma unroll
-                    for (int i = 0; i < 32; ++i) part[i] = -INFINITY;
-                } else {
-                    const int n0 = st.n0[hh];
-                    const int bm_idx = __ldg(p.tile_bitmap_index + e);
-                    const bool bound = n0 + 64 > kv_len || kpm != nullptr;
-                    if (bm_idx >= 0 || bound) {
-                        uint32_t bits[2][2];
-#pragma unroll
-                        for (int r2 = 0; r2 < 2; ++r2) {
-                            const int a = my_a0 + warp * 16 + r2 * 8 + g;
-                            uint2 wv = make_uint2(0xffffffffu, 0xffffffffu);
-                            if (bm_idx >= 0)
-                                wv = __ldg(reinterpret_cast<const uint2*>(
-                                    p.bitmaps + static_cast<int64_t>(bm_idx) * words_per_tile + a * words_per_row +
-                                    st.sub[hh] * 2));
-                            bits[r2][0] = wv.x;
-                            bits[r2][1] = wv.y;
-                        }
-                        mask_scores<8>(part, bits, bound, n0, kv_len, kpm, tig);
+                    for (int r2 = 0; r2 < 2; ++r2) {
+                        const int a = my_a0 + warp * 16 + r2 * 8 + g;
+                        uint2 wv = make_uint2(0xffffffffu, 0xffffffffu);
+                        if (bm_idx >= 0)
+                            wv = __ldg(reinterpret_cast<const uint2*>(p.bitmaps +
+                                                                      static_cast<int64_t>(bm_idx) * words_per_tile +
+                                                                      a * words_per_row + st.sub[hh] * 2));
+                        bits[r2][0] = wv.x;
+                        bits[r2][1] = wv.y;
                     }
+                    mask_scores<8>(part, bits, bound, n0, kv_len, kpm, tig);
                 }
-#pragma unroll
-                for (int i = 0; i < 32; ++i) rS[hh * 32 + i] = part[i];
             }
 #pragma unroll
-            for (int r2 = 0; r2 < 2; ++r2) {
-                float mx = row_max[r2];
-#pragma unroll
-                for (int ni = 0; ni < kNI; ++ni) mx = fmaxf(mx, fmaxf(rS[ni * 4 + r2 * 2], rS[ni * 4 + r2 * 2 + 1]));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                const float m_use = (mx == -INFINITY) ? 0.f : mx * mul;  // log2 domain
-                alpha[r2] = fast_exp2(row_max[r2] * mul - m_use);        // -inf * mul = -inf (mul > 0)
-                row_max[r2] = mx;
-                float sum = 0.f;
-#pragma unroll
-                for (int ni = 0; ni < kNI; ++ni)
-#pragma unroll
-                    for (int c = 0; c < 2; ++c) {
-                        const float pv = fast_exp2(fmaf(rS[ni * 4 + r2 * 2 + c], mul, -m_use));
-                        rS[ni * 4 + r2 * 2 + c] = pv;
-                        sum += pv;
-                    }
-                row_sum[r2] = row_sum[r2] * alpha[r2] + sum;
-            }
+            for (int i = 0; i < 32; ++i) rS[hh * 32 + i] = part[i];
         }
-        if (have_p) {
-            wgmma_wait<0>();  // P_{i-1} V_{i-1} done: O and rP free, stage i-1 no longer read
+#pragma unroll
+        for (int r2 = 0; r2 < 2; ++r2) {
+            float mx = row_max[r2];
+#pragma unroll
+            for (int ni = 0; ni < kNI; ++ni) mx = fmaxf(mx, fmaxf(rS[ni * 4 + r2 * 2], rS[ni * 4 + r2 * 2 + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_use = (mx == -INFINITY) ? 0.f : mx * mul;  // log2 domain
+            alpha[r2] = fast_exp2(row_max[r2] * mul - m_use);        // -inf * mul = -inf (mul > 0)
+            row_max[r2] = mx;
+            float sum = 0.f;
+#pragma unroll
+            for (int ni = 0; ni < kNI; ++ni)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const float pv = fast_exp2(fmaf(rS[ni * 4 + r2 * 2 + c], mul, -m_use));
+                    rS[ni * 4 + r2 * 2 + c] = pv;
+                    sum += pv;
+                }
+            row_sum[r2] = row_sum[r2] * alpha[r2] + sum;
+        }
+    };
+    auto pack_p = [&]() {
+#pragma unroll
+        for (int kn = 0; kn < kKN; ++kn) {
+            rP[kn][0] = ElemTraits<Elem>::pack(rS[(2 * kn) * 4 + 0], rS[(2 * kn) * 4 + 1]);
+            rP[kn][1] = ElemTraits<Elem>::pack(rS[(2 * kn) * 4 + 2], rS[(2 * kn) * 4 + 3]);
+            rP[kn][2] = ElemTraits<Elem>::pack(rS[(2 * kn + 1) * 4 + 0], rS[(2 * kn + 1) * 4 + 1]);
+            rP[kn][3] = ElemTraits<Elem>::pack(rS[(2 * kn + 1) * 4 + 2], rS[(2 * kn + 1) * 4 + 3]);
+        }
+    };
+
+    // First step: S_0 and its softmax (nothing to overlap with yet).
+    if (ws_take_step<kSub>(cur, p, w, st)) {
+        mbar_wait(full_bar(0), 0);
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async writes -> wgmma reads
+        issue_s(0);
+        wgmma_wait<0>();
+        fence_regs(rS);
+        float alpha[2];
+        softmax(alpha);
+        pack_p();
+        // Steady state, step i: S_i and P_{i-1} V_{i-1} in flight together; softmax of S_i while P V runs.
+        for (int it = 1; ws_take_step<kSub>(cur, p, w, st); ++it) {
+            const int stage = it % kStages;
+            mbar_wait(full_bar(stage), (it / kStages) & 1);
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            issue_s(stage);
+            issue_pv(prev_stage);
+            wgmma_wait<1>();  // S_i
+            fence_regs(rS);
+            softmax(alpha);
+            wgmma_wait<0>();  // P_{i-1} V_{i-1}: O and rP free, stage i-1 no longer read
             fence_regs(rO);
             mbar_arrive(empty_bar(prev_stage));
-        }
-        if (mine) {
 #pragma unroll
             for (int r2 = 0; r2 < 2; ++r2)
 #pragma unroll
@@ -333,21 +344,9 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const Kern
                     rO[di * 4 + r2 * 2] *= alpha[r2];
                     rO[di * 4 + r2 * 2 + 1] *= alpha[r2];
                 }
-#pragma unroll
-            for (int kn = 0; kn < kKN; ++kn) {
-                rP[kn][0] = ElemTraits<Elem>::pack(rS[(2 * kn) * 4 + 0], rS[(2 * kn) * 4 + 1]);
-                rP[kn][1] = ElemTraits<Elem>::pack(rS[(2 * kn) * 4 + 2], rS[(2 * kn) * 4 + 3]);
-                rP[kn][2] = ElemTraits<Elem>::pack(rS[(2 * kn + 1) * 4 + 0], rS[(2 * kn + 1) * 4 + 1]);
-                rP[kn][3] = ElemTraits<Elem>::pack(rS[(2 * kn + 1) * 4 + 2], rS[(2 * kn + 1) * 4 + 3]);
-            }
-            have_p = true;
+            pack_p();
             prev_stage = stage;
-        } else {
-            have_p = false;
-            mbar_arrive(empty_bar(stage));
         }
-    }
-    if (have_p) {
         issue_pv(prev_stage);
         wgmma_wait<0>();
         fence_regs(rO);
