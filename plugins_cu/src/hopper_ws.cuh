@@ -70,6 +70,9 @@ __device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 
 // One step of the merged walk: up to kSub sub-blocks; n0 = first key (-1: absent), ent[h] = the format entry of
 // the calling consumer's tile row there (-1: none; w = 0 or 1; the producer passes 0 and ignores it).
@@ -314,11 +317,18 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const Kern
         }
     };
 
+    // The consumers take turns issuing their MMAs (FlashAttention-3's ping-pong, named barriers 3 and 4): while
+    // one runs its softmax the other's MMAs own the tensor cores.  Both run the same steps (the walk's union),
+    // so the turns always pair up; consumer 1 hands the first turn to consumer 0.
+    if (w == 1) named_barrier_arrive(3, 256);
+
     // First step: S_0 and its softmax (nothing to overlap with yet).
     if (ws_take_step<kSub>(cur, p, w, st)) {
         mbar_wait(full_bar(0), 0);
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async writes -> wgmma reads
+        named_barrier_sync(3 + w, 256);  // my turn on the tensor cores
         issue_s(0);
+        named_barrier_arrive(3 + (1 - w), 256);  // the other consumer's turn
         wgmma_wait<0>();
         fence_regs(rS);
         float alpha[2];
@@ -329,8 +339,10 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const Kern
             const int stage = it % kStages;
             mbar_wait(full_bar(stage), (it / kStages) & 1);
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            named_barrier_sync(3 + w, 256);
             issue_s(stage);
             issue_pv(prev_stage);
+            named_barrier_arrive(3 + (1 - w), 256);
             wgmma_wait<1>();  // S_i
             fence_regs(rS);
             softmax(alpha);
