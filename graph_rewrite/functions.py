@@ -22,13 +22,17 @@ MIN_OPSET = 15
 
 ATTENTION_INPUTS = ["query", "key", "value", "row_ptr", "col_idx", "tile_bitmap_index", "bitmaps",
                     "key_padding_mask", "attn_bias"]
-ATTENTION_ATTRS = ["scale", "tile_m", "tile_n", "seq_q", "seq_k", "num_layouts", "format_version", "mask_spec"]
+ATTENTION_ATTRS = ["scale", "tile_m", "tile_n", "seq_q", "seq_k", "num_layouts", "format_version", "mask_spec",
+                   "qkv_format"]
+#: StofSparseAttention ``qkv_format`` values: "bhsd" (default: query/key/value [B,H,S,D], output [B,H,Sq,D]) and
+#: "bs3hd" (packed: query is [B,S,3,H,D] = Q,K,V of one projection, key/value absent, output [B,S,H,D]).
+QKV_FORMATS = ("bhsd", "bs3hd")
 GEMM_INPUTS = ["X", "W", "bias"]
 ADDLN_INPUTS = ["X", "residual", "gamma", "beta", "bias"]
 
 
-def attention_overload(has_padding: bool, has_bias: bool) -> str:
-    return "_".join(p for p, on in (("padding", has_padding), ("bias", has_bias)) if on)
+def attention_overload(has_padding: bool, has_bias: bool, packed: bool = False) -> str:
+    return "_".join(p for p, on in (("packed", packed), ("padding", has_padding), ("bias", has_bias)) if on)
 
 
 class _Body:
@@ -83,7 +87,8 @@ def _function(name, inputs, outputs, body: _Body, attrs, overload: str, opset: i
 
 
 # -- StofSparseAttention --------------------------------------------------------------------------------------------
-def sparse_attention_function(opset: int, has_padding: bool, has_bias: bool) -> onnx.FunctionProto:
+def sparse_attention_function(opset: int, has_padding: bool, has_bias: bool,
+                              packed: bool = False) -> onnx.FunctionProto:
     """O = softmax(scale·Q·Kᵀ + bias, masked by the tile layout ∧ key padding)·V; rows with no allowed key -> 0.
 
     The layout arrays are decoded into a dense [L, Sq, Sk] mask exactly as docs/format.md "Dense reconstruction":
@@ -93,6 +98,11 @@ def sparse_attention_function(opset: int, has_padding: bool, has_bias: bool) -> 
     b = _Body(opset)
     i64 = TensorProto.INT64
     zero, one = b.const(np.int64(0)), b.const(np.int64(1))
+    if packed:  # query [B, S, 3, H, D] -> Q, K, V [B, H, S, D]
+        q_in, k_in, v_in = (b.op("Transpose", b.op("Gather", "query", b.const(np.int64(i)), axis=2), perm=[0, 2, 1, 3])
+                            for i in range(3))
+    else:
+        q_in, k_in, v_in = "query", "key", "value"
     tm, tn, sq, sk, L = (b.ref_int(a) for a in ("tile_m", "tile_n", "seq_q", "seq_k", "num_layouts"))
     Tq = b.op("Div", b.op("Sub", b.op("Add", sq, tm), one), tm)
     Tk = b.op("Div", b.op("Sub", b.op("Add", sk, tn), one), tn)
@@ -133,7 +143,7 @@ def sparse_attention_function(opset: int, has_padding: bool, has_bias: bool) -> 
     dense = b.op("Reshape", grid, b.op("Concat", unsq(L), unsq(b.op("Mul", Tq, tm)), unsq(b.op("Mul", Tk, tn)),
                                        axis=0))                              # [L, Tq·tm, Tk·tn]
     # Top-left corner at the run-time sizes; head h uses layout h % L.
-    qshape, kshape = b.op("Shape", "query"), b.op("Shape", "key")
+    qshape, kshape = b.op("Shape", q_in), b.op("Shape", k_in)
     Sq = b.op("Slice", qshape, ax2, b.const(np.array([3], np.int64)))
     Sk = b.op("Slice", kshape, ax2, b.const(np.array([3], np.int64)))
     H = b.op("Squeeze", b.op("Slice", qshape, ax1, ax2), ax0)
@@ -147,7 +157,7 @@ def sparse_attention_function(opset: int, has_padding: bool, has_bias: bool) -> 
         kp = b.op("Unsqueeze", kp, b.const(np.array([1, 2], np.int64)))       # [B, 1, 1, Sk]
         allowed = b.op("And", allowed, kp)
     # Masked softmax: masked pairs exactly 0; a row with no allowed key gives 0, not NaN.
-    s = b.op("MatMul", "query", b.op("Transpose", "key", perm=[0, 1, 3, 2]))  # [B, H, Sq, Sk]
+    s = b.op("MatMul", q_in, b.op("Transpose", k_in, perm=[0, 1, 3, 2]))    # [B, H, Sq, Sk]
     s = b.op("Mul", s, b.ref_float_like("scale", s))
     if has_bias:
         s = b.op("Add", s, "attn_bias")
@@ -158,9 +168,12 @@ def sparse_attention_function(opset: int, has_padding: bool, has_bias: bool) -> 
     ex = b.op("Exp", b.op("Sub", s, m))
     den = b.reduce("ReduceSum", ex, [-1])
     den = b.op("Where", b.op("Equal", den, zero_t), one_t, den)
-    b.op("MatMul", b.op("Div", ex, den), "value", out="output")
+    if packed:  # [B, H, Sq, D] -> [B, Sq, H, D]
+        b.op("Transpose", b.op("MatMul", b.op("Div", ex, den), v_in), perm=[0, 2, 1, 3], out="output")
+    else:
+        b.op("MatMul", b.op("Div", ex, den), v_in, out="output")
     return _function("StofSparseAttention", ATTENTION_INPUTS, ["output"], b, ATTENTION_ATTRS,
-                     attention_overload(has_padding, has_bias), opset,
+                     attention_overload(has_padding, has_bias, packed), opset,
                      "Masked sparse attention (docs/nodes.md). Portable fallback of the STOF kernels.")
 
 
@@ -216,7 +229,8 @@ def build_functions(needed: set[tuple[str, str]], opset: int) -> list[onnx.Funct
     out = []
     for op_type, overload in sorted(needed):
         if op_type == "StofSparseAttention":
-            out.append(sparse_attention_function(opset, "padding" in overload, "bias" in overload))
+            out.append(sparse_attention_function(opset, "padding" in overload, "bias" in overload,
+                                                 "packed" in overload))
         elif op_type == "StofGemmEpilogue":
             out.append(gemm_epilogue_function(opset, overload))
         elif op_type == "StofAddLayerNorm":

@@ -20,15 +20,18 @@ from .matcher import EXTERNAL_DATA_DIR
 from .report import RewriteReport
 
 
-def _fusions(epilogues: bool):
+def _fusions(epilogues: bool, packed_qkv: bool = True):
     from .fuse_add_layernorm import FuseAddLayerNorm, FuseLayerNormDecomposed
     from .fuse_attention import FuseAttentionCore
     from .fuse_gemm_gelu import FuseGemmGelu
     from .fuse_onnx_attention import FuseOnnxAttention
     from .fuse_ort_attention import FuseOrtAttention, FuseOrtMultiHeadAttention
     from .fuse_ort_epilogues import FuseOrtBiasGelu, FuseOrtSkipLayerNorm
+    from .fuse_packed_qkv import FusePackedQkv
 
     order = [FuseAttentionCore, FuseOnnxAttention, FuseOrtAttention, FuseOrtMultiHeadAttention]
+    if packed_qkv:
+        order.append(FusePackedQkv)
     if epilogues:
         order += [FuseGemmGelu, FuseOrtBiasGelu, FuseLayerNormDecomposed, FuseAddLayerNorm, FuseOrtSkipLayerNorm]
     return order
@@ -42,8 +45,8 @@ def default_opset(model: onnx.ModelProto) -> int:
 
 
 def rewrite_model(model: onnx.ModelProto, *, mask=None, epilogues: bool = True, tile_m: int = 64, tile_n: int = 64,
-                  max_seq_len: int | None = None,
-                  external_data_dir: str | None = None) -> tuple[onnx.ModelProto, RewriteReport]:
+                  max_seq_len: int | None = None, external_data_dir: str | None = None,
+                  packed_qkv: bool = True) -> tuple[onnx.ModelProto, RewriteReport]:
     """Rewrite masked attention cores and epilogues of ``model`` into STOF nodes (domain ``stof``).
 
     Args:
@@ -54,6 +57,8 @@ def rewrite_model(model: onnx.ModelProto, *, mask=None, epilogues: bool = True, 
         tile_m, tile_n: tile size of the compiled layouts (docs/format.md).
         max_seq_len: the compiled sequence length for models with a dynamic sequence axis (run-time lengths
             must be <= it; the layout's top-left corner is used).
+        packed_qkv: feed attention nodes whose Q, K, V are projections of one input (three MatMul + bias, or one
+            Split into thirds) from one packed GEMM, read in place (``qkv_format="bs3hd"``, no transposes).
         external_data_dir: for a model loaded with ``onnx.load(..., load_external_data=False)`` (needed when a
             single tensor is over 2 GB): the directory its external data locations are relative to. Those
             weights are read where a value is needed and stay external in the returned model.
@@ -65,12 +70,12 @@ def rewrite_model(model: onnx.ModelProto, *, mask=None, epilogues: bool = True, 
     token = EXTERNAL_DATA_DIR.set(external_data_dir)
     try:
         return _rewrite_model(model, mask=mask, epilogues=epilogues, tile_m=tile_m, tile_n=tile_n,
-                              max_seq_len=max_seq_len)
+                              max_seq_len=max_seq_len, packed_qkv=packed_qkv)
     finally:
         EXTERNAL_DATA_DIR.reset(token)
 
 
-def _rewrite_model(model, *, mask, epilogues, tile_m, tile_n, max_seq_len):
+def _rewrite_model(model, *, mask, epilogues, tile_m, tile_n, max_seq_len, packed_qkv=True):
     from stof_trt.format import check_tile_shape
     from stof_trt.masks import parse_mask
 
@@ -98,11 +103,11 @@ def _rewrite_model(model, *, mask, epilogues, tile_m, tile_n, max_seq_len):
     graph = gs.import_onnx(model)
     report.nodes_before = len(graph.nodes)
     ctx = RewriteContext(graph=graph, report=report, opset=opset,
-                         options={"mask": mask, "tile_m": tile_m, "tile_n": tile_n, "max_seq_len": max_seq_len,
+                         options={"mask": mask, "epilogues": epilogues, "tile_m": tile_m, "tile_n": tile_n, "max_seq_len": max_seq_len,
                                   "_original_model": model})
     if opset != default_opset(original):
         report.notes.append(f"model converted from opset {default_opset(original)} to {opset}")
-    for fusion in _fusions(epilogues):
+    for fusion in _fusions(epilogues, packed_qkv):
         fusion(ctx).apply()
     report.nodes_after = len(graph.nodes)
     if mask is not None and not report.attention:

@@ -196,6 +196,9 @@ def attention_problem_dims(model) -> dict:
         if n.op_type != "StofSparseAttention" or n.domain != "stof":
             continue
         dims, et = static_dims(n.input[0])
+        if dims and len(dims) == 5 and dims[3] and dims[4] and et in names:  # packed [B, S, 3, H, D]
+            out[n.name] = (names[et], int(dims[3]), int(dims[4]))
+            continue
         if not dims or len(dims) != 4 or not dims[3] or et not in names:
             continue
         heads = dims[1]

@@ -39,6 +39,7 @@ class AttentionNode:
     attn_bias: str | None
     scale: float
     layout: TileLayout
+    packed: bool = False  # qkv_format "bs3hd": query is [B,S,3,H,D], key/value absent
 
 
 def _attrs(node) -> dict:
@@ -74,8 +75,10 @@ def attention_nodes(model) -> list[AttentionNode]:
         layout = TileLayout(seq_q=int(a["seq_q"]), seq_k=int(a["seq_k"]), tile_m=int(a["tile_m"]),
                             tile_n=int(a["tile_n"]), num_layouts=int(a["num_layouts"]), mask_spec=(
                                 mask_spec.decode() if isinstance(mask_spec, bytes) else str(mask_spec)), **arrays)
-        out.append(AttentionNode(n.name or f"node{i}", names[0], names[1], names[7] or None, names[8] or None,
-                                 float(a["scale"]), layout))
+        fmt = a.get("qkv_format", b"bhsd")
+        packed = (fmt.decode() if isinstance(fmt, bytes) else str(fmt)) == "bs3hd"
+        out.append(AttentionNode(n.name or f"node{i}", names[0], names[0] if packed else names[1], names[7] or None,
+                                 names[8] or None, float(a["scale"]), layout, packed))
     return out
 
 
@@ -140,7 +143,10 @@ def probe_problems(model, feeds: dict, sess_kwargs: dict | None = None) -> list[
         dtype = t[t.index("(") + 1:-1] if "(" in t else t
         dtype = {"float32": "float"}.get(dtype, dtype)
         kpm = vals[nd.key_padding_mask].numpy() if nd.key_padding_mask else None
-        probs.append(Problem(nd, dtype, qs[0], qs[1], qs[2], ks[2], qs[3], kpm))
+        if nd.packed:  # [B, S, 3, H, D]
+            probs.append(Problem(nd, dtype, qs[0], qs[3], qs[1], qs[1], qs[4], kpm))
+        else:
+            probs.append(Problem(nd, dtype, qs[0], qs[1], qs[2], ks[2], qs[3], kpm))
     return probs
 
 
@@ -165,7 +171,8 @@ def _value_types(model) -> dict:
     for n in model.graph.node:
         if n.op_type == "StofSparseAttention":
             for name in n.input[:3]:
-                types.setdefault(name, dominant)
+                if name:
+                    types.setdefault(name, dominant)
             types.setdefault(n.input[7] if len(n.input) > 7 else "", 6)
     types.pop("", None)
     return types

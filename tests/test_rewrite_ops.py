@@ -130,7 +130,7 @@ def test_ort_optimizer_bert(tmp_path, mha):
     op = "MultiHeadAttention" if mha else "Attention"
     assert op_counts(model)[op] == 2
     assert op_counts(model)["SkipLayerNormalization"] == 4 and op_counts(model)["BiasGelu"] == 2
-    new, report = rewrite_model(model, **TILE)
+    new, report = rewrite_model(model, packed_qkv=False, **TILE)  # packing: tests/test_rewrite_packed_qkv.py
     assert_fused(new, {"StofSparseAttention": 2, op: 0, "StofGemmEpilogue": 2, "BiasGelu": 0,
                        "StofAddLayerNorm": 4, "SkipLayerNormalization": 0})
     assert report.count("ort_multihead_attention" if mha else "ort_attention") == 2

@@ -102,3 +102,26 @@ def test_presearch_entries_for_a_model():
     assert c.lookup(key) == 2  # the measured entry stays
     key2 = CacheKey("GPU", "9.0", key.node, shape_bucket(1, 256, 256), lay.signature())
     assert c.get(key2)["source"] == "presearch" and c.lookup(key2) >= 1
+
+
+def test_packed_attention_nodes():
+    """qkv_format "bs3hd" nodes (query [B,S,3,H,D], no key/value): heads and head dim for the pre-search, and
+    tune.attention_nodes reads the packed query as key too."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    from stof_trt.tactic_cache import attention_problem_dims
+    from stof_trt.tune import attention_nodes
+
+    lay = compile_mask("causal", 256, 256)
+    inits = [numpy_helper.from_array(np.ascontiguousarray(a, np.int32), n) for n, a in lay.arrays().items()]
+    node = helper.make_node("StofSparseAttention", ["qkv", "", "", "row_ptr", "col_idx", "tile_bitmap_index",
+                                                    "bitmaps"], ["o"], domain="stof", name="p0", scale=0.125,
+                            tile_m=64, tile_n=64, seq_q=256, seq_k=256, num_layouts=1, format_version=1,
+                            mask_spec=lay.mask_spec, qkv_format="bs3hd")
+    ins = [helper.make_tensor_value_info("qkv", TensorProto.FLOAT16, ["B", "S", 3, 12, 64])]
+    g = helper.make_graph([node], "g", ins, [helper.make_tensor_value_info("o", TensorProto.FLOAT16, None)], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("stof", 1)])
+    assert attention_problem_dims(m) == {"p0": ("float16", 12, 64)}
+    (nd,) = attention_nodes(m)
+    assert nd.packed and nd.query == nd.key == "qkv"

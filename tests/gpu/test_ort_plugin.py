@@ -241,6 +241,55 @@ def test_sparse_attention_cuda(spec, S, tile, B, H, D, dtype, padding, bias):
     np.testing.assert_allclose(got.astype(np.float64), cpu.astype(np.float64), atol=2 * tol, rtol=2 * tol)
 
 
+def packed_attention_model(layout, *, B, H, D, dtype=np.float16, padding=False):
+    """One StofSparseAttention node with qkv_format "bs3hd": query [B,S,3,H,D], no key/value, output [B,S,H,D]."""
+    et = NP2ONNX[dtype]
+    inputs = [helper.make_tensor_value_info("qkv", et, [B, "S", 3, H, D])]
+    arrays = layout.arrays()
+    inits = [numpy_helper.from_array(np.ascontiguousarray(arrays[n], np.int32), n)
+             for n in ("row_ptr", "col_idx", "tile_bitmap_index", "bitmaps")]
+    names = ["qkv", "", "", "row_ptr", "col_idx", "tile_bitmap_index", "bitmaps"]
+    if padding:
+        inputs.append(helper.make_tensor_value_info("kpm", TensorProto.INT32, [B, "S"]))
+        names.append("kpm")
+    node = helper.make_node("StofSparseAttention", names, ["o"], domain=DOMAIN, name="attn0",
+                            scale=float(1.0 / math.sqrt(D)), tile_m=layout.tile_m, tile_n=layout.tile_n,
+                            seq_q=layout.seq_q, seq_k=layout.seq_k, num_layouts=layout.num_layouts, format_version=1,
+                            mask_spec=layout.mask_spec or "", qkv_format="bs3hd")
+    node.overload = attention_overload(padding, False, packed=True)
+    out = helper.make_tensor_value_info("o", et, None)
+    return _model([node], inputs, [out], inits, [sparse_attention_function(OPSET, padding, False, packed=True)])
+
+
+@needs_lib
+@needs_cuda
+@pytest.mark.parametrize("spec,S,B,H,D,dtype,padding", [
+    ("causal", 200, 2, 3, 64, np.float16, True),             # tensor-core kernels, strided q/k/v/o
+    ("longformer:window=32,global=8", 256, 2, 2, 128, np.float16, False),
+    ("sliding:window=40", 130, 2, 2, 64, np.float32, True),  # general kernel (fp32), strided
+    ("full", 96, 1, 2, 48, np.float16, True),                # general kernel (D=48)
+])
+def test_sparse_attention_packed_qkv(spec, S, B, H, D, dtype, padding):
+    layout = compile_mask(spec, S, S)
+    m = packed_attention_model(layout, B=B, H=H, D=D, dtype=dtype, padding=padding)
+    rng = np.random.default_rng(S + 7 * D)
+    qkv = rng.standard_normal((B, S, 3, H, D)).astype(dtype)
+    feeds = {"qkv": qkv}
+    kpm = None
+    if padding:
+        lengths = rng.integers(S // 2, S + 1, size=B)
+        kpm = (np.arange(S)[None, :] < lengths[:, None]).astype(np.int32)
+        feeds["kpm"] = kpm
+    (got,), _ = _cuda_run(m, feeds)
+    assert got.shape == (B, S, H, D) and np.isfinite(got).all()
+    q, k, v = (np.ascontiguousarray(qkv[:, :, i].transpose(0, 2, 1, 3)) for i in range(3))
+    ref = attention_ref(q, k, v, layout, 1.0 / math.sqrt(D), kpm).transpose(0, 2, 1, 3)
+    tol = 2e-3 if dtype == np.float16 else 2e-5
+    np.testing.assert_allclose(got.astype(np.float64), ref, atol=tol, rtol=tol)
+    cpu = _cpu_run(m, feeds)[0]  # the packed overload of the model-local function
+    np.testing.assert_allclose(got.astype(np.float64), cpu.astype(np.float64), atol=2 * tol, rtol=2 * tol)
+
+
 @needs_lib
 @needs_cuda
 def test_sparse_attention_shorter_runtime_sequence():

@@ -12,7 +12,8 @@ bool verboseEnabled() { return gVerbose.load(); }
 void setVerbose(bool on) { gVerbose.store(on); }
 
 OrtStatusPtr inferShapeFromInput(OrtShapeInferContext* ctx, size_t input, ONNXTensorElementDataType outType,
-                                 int64_t lastDimFromInput, int lastDimInputAxis, size_t nbOutputs) noexcept {
+                                 int64_t lastDimFromInput, int lastDimInputAxis, size_t nbOutputs,
+                                 size_t dropAxisForRank, size_t dropAxis) noexcept {
     OrtApi const& api = Ort::GetApi();
     OrtTensorTypeAndShapeInfo* in = nullptr;
     OrtTensorTypeAndShapeInfo* other = nullptr;
@@ -48,6 +49,11 @@ OrtStatusPtr inferShapeFromInput(OrtShapeInferContext* ctx, size_t input, ONNXTe
         STOF_TRY_API(api.GetSymbolicDimensions(in, sym.data(), rank));
         std::vector<std::string> symStore(rank);
         for (size_t i = 0; i < rank; ++i) symStore[i] = sym[i] ? sym[i] : "";
+        if (dropAxisForRank != 0 && rank == dropAxisForRank && dropAxis < rank) {
+            dims.erase(dims.begin() + static_cast<std::ptrdiff_t>(dropAxis));
+            symStore.erase(symStore.begin() + static_cast<std::ptrdiff_t>(dropAxis));
+            --rank;
+        }
         if (lastDimFromInput >= 0) {
             STOF_TRY_API(api.ShapeInferContext_GetInputTypeShape(ctx, static_cast<size_t>(lastDimFromInput), &other));
             size_t orank = 0;

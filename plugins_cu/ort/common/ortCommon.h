@@ -127,10 +127,12 @@ inline void expectRank(TensorArg const& a, size_t rank, char const* name) {
 bool verboseEnabled();
 void setVerbose(bool on);
 
-// Output shape = a copy of one input's (symbolic) shape, optionally with the last dim replaced; used by the
-// InferOutputShapeFn of every op (written against the C API so that no exception crosses into ORT).
+// Output shape = a copy of one input's (symbolic) shape, optionally with the last dim replaced, and with axis
+// `dropAxis` removed when the input has rank `dropAxisForRank` (packed [B,S,3,H,D] query -> [B,S,H,D] output);
+// used by the InferOutputShapeFn of every op (written against the C API so that no exception crosses into ORT).
 OrtStatusPtr inferShapeFromInput(OrtShapeInferContext* ctx, size_t input, ONNXTensorElementDataType outType,
-                                 int64_t lastDimFromInput, int lastDimInputAxis, size_t nbOutputs = 1) noexcept;
+                                 int64_t lastDimFromInput, int lastDimInputAxis, size_t nbOutputs = 1,
+                                 size_t dropAxisForRank = 0, size_t dropAxis = 0) noexcept;
 
 }  // namespace stof_ort
 

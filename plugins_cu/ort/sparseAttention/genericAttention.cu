@@ -47,11 +47,10 @@ __global__ void __launch_bounds__(kWARPS * 32) genericSparseAttentionKernel(Gene
     int const h = blockIdx.y, b = blockIdx.z;
     if (qi >= p.seqQ) return;  // warp-uniform; no CTA-wide barrier below
     int const D = p.headDim;
-    int64_t const bh = static_cast<int64_t>(b) * p.numHeads + h;
-    T const* gQ = static_cast<T const*>(p.q) + (bh * p.seqQ + qi) * D;  // (D)
-    T const* gK = static_cast<T const*>(p.k) + bh * p.seqK * D;         // (Sk, D)
-    T const* gV = static_cast<T const*>(p.v) + bh * p.seqK * D;         // (Sk, D)
-    T* gO = static_cast<T*>(p.o) + (bh * p.seqQ + qi) * D;              // (D)
+    T const* gQ = static_cast<T const*>(p.q) + b * p.qStride[0] + h * p.qStride[1] + qi * p.qStride[2];  // (D)
+    T const* gK = static_cast<T const*>(p.k) + b * p.kStride[0] + h * p.kStride[1];  // (Sk, D) rows kStride[2]
+    T const* gV = static_cast<T const*>(p.v) + b * p.vStride[0] + h * p.vStride[1];  // (Sk, D) rows vStride[2]
+    T* gO = static_cast<T*>(p.o) + b * p.oStride[0] + h * p.oStride[1] + qi * p.oStride[2];  // (D)
     T const* gBias = static_cast<T const*>(p.bias);
     int64_t const biasRow = gBias ? b * p.biasStride[0] + h * p.biasStride[1] + qi * p.biasStride[2] : 0;
     int32_t const* gPad = p.keyPaddingMask ? p.keyPaddingMask + static_cast<int64_t>(b) * p.seqK : nullptr;
@@ -89,7 +88,7 @@ __global__ void __launch_bounds__(kWARPS * 32) genericSparseAttentionKernel(Gene
             if (allowed && gPad) allowed = gPad[key] != 0;
             float s = -INFINITY;
             if (allowed) {
-                T const* kRow = gK + static_cast<int64_t>(key) * D;
+                T const* kRow = gK + static_cast<int64_t>(key) * p.kStride[2];
                 float dot = 0.f;
                 for (int d = 0; d < D; ++d) dot += sQ[warp][d] * toF(kRow[d]);
                 s = dot;
@@ -107,7 +106,7 @@ __global__ void __launch_bounds__(kWARPS * 32) genericSparseAttentionKernel(Gene
             for (int j = 0; j < 32; ++j) {
                 float const pj = __shfl_sync(kFULL, prob, j);
                 if (pj == 0.f) continue;  // warp-uniform (broadcast value)
-                T const* vRow = gV + static_cast<int64_t>(k0 + j) * D;
+                T const* vRow = gV + static_cast<int64_t>(k0 + j) * p.vStride[2];
 #pragma unroll
                 for (int c = 0; c < kCOLS; ++c) {
                     int const d = lane + 32 * c;
@@ -150,7 +149,19 @@ cudaError_t launchCols(GenericAttnParams const& p, cudaStream_t stream) {
 
 }  // namespace
 
-cudaError_t launchGenericSparseAttention(GenericAttnParams const& p, cudaStream_t stream) {
+cudaError_t launchGenericSparseAttention(GenericAttnParams const& params, cudaStream_t stream) {
+    GenericAttnParams p = params;
+    auto contiguous = [&](int64_t* st, int64_t seq) {
+        if (st[0] == 0 && st[1] == 0 && st[2] == 0) {
+            st[2] = p.headDim;
+            st[1] = seq * p.headDim;
+            st[0] = p.numHeads * st[1];
+        }
+    };
+    contiguous(p.qStride, p.seqQ);
+    contiguous(p.kStride, p.seqK);
+    contiguous(p.vStride, p.seqK);
+    contiguous(p.oStride, p.seqQ);
     if (p.headDim < 1 || p.headDim > kGENERIC_MAX_HEAD_DIM || p.batch < 1 || p.numHeads < 1 || p.seqQ < 1 ||
         p.seqK < 1 || p.batch > 65535 || p.numHeads > 65535)
         return cudaErrorInvalidValue;

@@ -18,10 +18,12 @@ struct GenericAttnParams {
     AttnDType dtype{AttnDType::kFP32};
     int32_t batch{0}, numHeads{0}, seqQ{0}, seqK{0}, headDim{0};
     float scale{1.f};
-    void const* q{nullptr};  // [B,H,Sq,D] contiguous
-    void const* k{nullptr};  // [B,H,Sk,D] contiguous
-    void const* v{nullptr};  // [B,H,Sk,D] contiguous
-    void* o{nullptr};        // [B,H,Sq,D] contiguous
+    void const* q{nullptr};  // [B,H,Sq,D] (element strides below; D contiguous)
+    void const* k{nullptr};  // [B,H,Sk,D]
+    void const* v{nullptr};  // [B,H,Sk,D]
+    void* o{nullptr};        // [B,H,Sq,D]
+    // element strides (batch, head, sequence) of q, k, v, o; all zero = contiguous [B,H,S,D]
+    int64_t qStride[3]{0, 0, 0}, kStride[3]{0, 0, 0}, vStride[3]{0, 0, 0}, oStride[3]{0, 0, 0};
     // tile layout (docs/format.md), device pointers
     int32_t const* rowPtr{nullptr};
     int32_t const* colIdx{nullptr};

@@ -69,6 +69,15 @@ SparseAttentionKernel::SparseAttentionKernel(OrtKernelInfo const* info, ONNXTens
     } catch (Ort::Exception const&) {
         mMaskSpec.clear();
     }
+    std::string qkvFormat = "bhsd";
+    try {
+        qkvFormat = ki.GetAttribute<std::string>("qkv_format");
+    } catch (Ort::Exception const&) {
+        qkvFormat = "bhsd";
+    }
+    STOF_VALIDATE(qkvFormat == "bhsd" || qkvFormat == "bs3hd", "qkv_format '", qkvFormat,
+                  "' (must be 'bhsd' or 'bs3hd')");
+    mPacked = qkvFormat == "bs3hd";
     STOF_VALIDATE(version == kFORMAT_VERSION, "format_version ", version, " (this plugin reads ", kFORMAT_VERSION,
                   ")");
     STOF_VALIDATE(std::isfinite(mScale), "scale is not finite");
@@ -176,20 +185,48 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
     for (size_t i = 0; i < kSA_NUM_INPUTS; ++i) in[i] = getInput(ctx, i);
     static char const* kNames[kSA_NUM_INPUTS] = {"query", "key", "value", "row_ptr", "col_idx",
                                                  "tile_bitmap_index", "bitmaps", "key_padding_mask", "attn_bias"};
-    for (size_t i = 0; i <= kBITMAPS; ++i) STOF_VALIDATE(in[i].present, "missing input '", kNames[i], "'");
+    for (size_t i = 0; i <= kBITMAPS; ++i) {
+        if (mPacked && (i == kKEY || i == kVALUE)) {
+            STOF_VALIDATE(!in[i].present, "qkv_format 'bs3hd' reads K and V from the packed query: input '",
+                          kNames[i], "' must be absent");
+            continue;
+        }
+        STOF_VALIDATE(in[i].present, "missing input '", kNames[i], "'");
+    }
     for (size_t i : {kQUERY, kKEY, kVALUE}) {
+        if (mPacked && i != kQUERY) continue;
         expectType(in[i], mType, kNames[i]);
-        expectRank(in[i], 4, kNames[i]);
+        expectRank(in[i], mPacked ? 5 : 4, kNames[i]);
     }
     for (size_t i = kROW_PTR; i <= kKEY_PADDING_MASK; ++i)
         if (in[i].present) expectType(in[i], ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32, kNames[i]);
     auto const& qs = in[kQUERY].shape;
-    auto const& ks = in[kKEY].shape;
-    int64_t const B = qs[0], H = qs[1], Sq = qs[2], D = qs[3], Sk = ks[2];
-    STOF_VALIDATE(ks[0] == B && ks[1] == H && ks[3] == D, "key shape ", shapeStr(ks), " does not match query ",
-                  shapeStr(qs), " ([B,H,Sk,D] vs [B,H,Sq,D])");
-    STOF_VALIDATE(in[kVALUE].shape == ks, "value shape ", shapeStr(in[kVALUE].shape), " != key shape ",
-                  shapeStr(ks));
+    int64_t B, H, Sq, D, Sk;
+    // element strides (batch, head, sequence) of q, k, v and o, and the K / V offsets in the query tensor
+    int64_t qSt[3], kSt[3], vSt[3], oSt[3], kOff = 0, vOff = 0;
+    std::vector<int64_t> outShape;
+    if (mPacked) {
+        STOF_VALIDATE(qs[2] == 3, "packed query shape ", shapeStr(qs), " is not [B,S,3,H,D]");
+        B = qs[0], Sq = Sk = qs[1], H = qs[3], D = qs[4];
+        int64_t const row = 3 * H * D;
+        qSt[0] = kSt[0] = vSt[0] = Sq * row;
+        qSt[1] = kSt[1] = vSt[1] = D;
+        qSt[2] = kSt[2] = vSt[2] = row;
+        kOff = H * D;
+        vOff = 2 * H * D;
+        oSt[0] = Sq * H * D, oSt[1] = D, oSt[2] = H * D;
+        outShape = {B, Sq, H, D};
+    } else {
+        auto const& ks = in[kKEY].shape;
+        B = qs[0], H = qs[1], Sq = qs[2], D = qs[3], Sk = ks[2];
+        STOF_VALIDATE(ks[0] == B && ks[1] == H && ks[3] == D, "key shape ", shapeStr(ks), " does not match query ",
+                      shapeStr(qs), " ([B,H,Sk,D] vs [B,H,Sq,D])");
+        STOF_VALIDATE(in[kVALUE].shape == ks, "value shape ", shapeStr(in[kVALUE].shape), " != key shape ",
+                      shapeStr(ks));
+        qSt[0] = oSt[0] = H * Sq * D, qSt[1] = oSt[1] = Sq * D, qSt[2] = oSt[2] = D;
+        kSt[0] = vSt[0] = H * Sk * D, kSt[1] = vSt[1] = Sk * D, kSt[2] = vSt[2] = D;
+        outShape = qs;
+    }
     STOF_VALIDATE(Sq <= mSeqQ && Sk <= mSeqK, "run-time Sq=", Sq, ", Sk=", Sk,
                   " exceed the compiled layout's seq_q=", mSeqQ, ", seq_k=", mSeqK);
     STOF_VALIDATE(B <= kMAX_GRID_YZ && H <= kMAX_GRID_YZ, "batch ", B, " or heads ", H, " above ", kMAX_GRID_YZ);
@@ -231,7 +268,7 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
         }
     }
 
-    Ort::UnownedValue out = ctx.GetOutput(0, qs);
+    Ort::UnownedValue out = ctx.GetOutput(0, outShape);
     void* o = out.GetTensorMutableRawData();
     if (B == 0 || H == 0 || Sq == 0 || D == 0) return;
     size_t const elemBytes = mType == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? 4 : 2;
@@ -243,6 +280,10 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
 
     std::string maskSig;
     int32_t tactic = 0;
+    size_t const elem = mType == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? 4 : 2;
+    char const* const qBase = static_cast<char const*>(in[kQUERY].data);
+    void const* const kData = mPacked ? static_cast<void const*>(qBase + kOff * elem) : in[kKEY].data;
+    void const* const vData = mPacked ? static_cast<void const*>(qBase + vOff * elem) : in[kVALUE].data;
     std::string const nodeSig = strCat(kSPARSE_ATTENTION_NAME, "|", typeName(mType), "|H", H, "|D", D, "|tile",
                                        mTileM, "x", mTileN, "|L", mNumLayouts, "|seq", mSeqQ, "x", mSeqK, "|kpm",
                                        kpm.present ? 1 : 0);
@@ -264,14 +305,13 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
         p.head_dim = static_cast<int32_t>(D);
         p.scale = mScale;
         p.q = in[kQUERY].data;
-        p.k = in[kKEY].data;
-        p.v = in[kVALUE].data;
+        p.k = kData;
+        p.v = vData;
         p.o = o;
-        p.q_stride_b = p.o_stride_b = H * Sq * D;
-        p.k_stride_b = p.v_stride_b = H * Sk * D;
-        p.q_stride_h = p.o_stride_h = Sq * D;
-        p.k_stride_h = p.v_stride_h = Sk * D;
-        p.q_stride_s = p.k_stride_s = p.v_stride_s = p.o_stride_s = D;
+        p.q_stride_b = qSt[0], p.q_stride_h = qSt[1], p.q_stride_s = qSt[2];
+        p.k_stride_b = kSt[0], p.k_stride_h = kSt[1], p.k_stride_s = kSt[2];
+        p.v_stride_b = vSt[0], p.v_stride_h = vSt[1], p.v_stride_s = vSt[2];
+        p.o_stride_b = oSt[0], p.o_stride_h = oSt[1], p.o_stride_s = oSt[2];
         p.row_ptr = static_cast<int32_t const*>(in[kROW_PTR].data);
         p.col_idx = static_cast<int32_t const*>(in[kCOL_IDX].data);
         p.tile_bitmap_index = static_cast<int32_t const*>(in[kTILE_BITMAP_INDEX].data);
@@ -303,9 +343,10 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
     g.headDim = static_cast<int32_t>(D);
     g.scale = mScale;
     g.q = in[kQUERY].data;
-    g.k = in[kKEY].data;
-    g.v = in[kVALUE].data;
+    g.k = kData;
+    g.v = vData;
     g.o = o;
+    for (int d = 0; d < 3; ++d) g.qStride[d] = qSt[d], g.kStride[d] = kSt[d], g.vStride[d] = vSt[d], g.oStride[d] = oSt[d];
     g.rowPtr = static_cast<int32_t const*>(in[kROW_PTR].data);
     g.colIdx = static_cast<int32_t const*>(in[kCOL_IDX].data);
     g.tileBitmapIndex = static_cast<int32_t const*>(in[kTILE_BITMAP_INDEX].data);
@@ -326,7 +367,8 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
 SparseAttentionOp::SparseAttentionOp(ONNXTensorElementDataType type, std::shared_ptr<TacticCache const> cache)
     : mType(type), mCache(std::move(cache)) {
     OrtCustomOp::InferOutputShapeFn = [](OrtCustomOp const* op, OrtShapeInferContext* ctx) -> OrtStatusPtr {
-        return inferShapeFromInput(ctx, kQUERY, static_cast<SparseAttentionOp const*>(op)->mType, -1, 0);
+        // a rank-5 query is the packed [B,S,3,H,D] form: output [B,S,H,D]
+        return inferShapeFromInput(ctx, kQUERY, static_cast<SparseAttentionOp const*>(op)->mType, -1, 0, 1, 5, 2);
     };
 }
 
@@ -345,8 +387,10 @@ ONNXTensorElementDataType SparseAttentionOp::GetInputType(size_t index) const {
 }
 
 OrtCustomOpInputOutputCharacteristic SparseAttentionOp::GetInputCharacteristic(size_t index) const {
-    return index >= kKEY_PADDING_MASK ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL
-                                      : OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_REQUIRED;
+    // key and value are absent in the packed form (qkv_format "bs3hd")
+    return index >= kKEY_PADDING_MASK || index == kKEY || index == kVALUE
+               ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL
+               : OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_REQUIRED;
 }
 
 }  // namespace stof_ort

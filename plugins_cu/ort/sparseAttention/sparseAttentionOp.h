@@ -43,6 +43,7 @@ private:
     float mScale;
     int64_t mTileM, mTileN, mSeqQ, mSeqK, mNumLayouts;
     std::string mMaskSpec;
+    bool mPacked{false};  // qkv_format "bs3hd": query [B,S,3,H,D], key/value absent, output [B,S,H,D]
     bool mLayoutConstant{false};
     std::shared_ptr<TacticCache const> mCache;
     // lazily filled, guarded by mMutex

@@ -1,0 +1,99 @@
+"""FusePackedQkv: attention fed from one packed Q/K/V projection (qkv_format "bs3hd"), compared with the original
+model (and the unpacked rewrite) on ONNX Runtime CPU on fresh random inputs."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from graph_rewrite import rewrite_model
+from models_util import (TILE, assert_fused, assert_parity, exported, op_counts, padding_mask, run,
+                         token_feeds)
+
+
+def _attention_nodes(model):
+    return [n for n in model.graph.node if n.op_type == "StofSparseAttention"]
+
+
+def _attrs(node):
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _packed(model):
+    return [n for n in _attention_nodes(model) if _attrs(n).get("qkv_format") == b"bs3hd"]
+
+
+@pytest.mark.parametrize("kind", ["bert", "gpt2"])
+def test_packed_matches_original(kind):
+    model = exported(kind)
+    new, report = rewrite_model(model, max_seq_len=32, **TILE)
+    assert report.count("packed_qkv") == 2
+    assert len(_packed(new)) == 2
+    for n in _packed(new):
+        assert n.input[1] == "" and n.input[2] == "" and n.overload.startswith("packed")
+    # no transposes are left around the attention: q/k/v/output ones are all gone
+    assert op_counts(new).get("Transpose", 0) == 0
+    if kind == "bert":  # three MatMul + bias -> one GEMM with the bias in its epilogue
+        gemms = [n for n in new.graph.node if n.op_type == "StofGemmEpilogue" and n.overload == "none"]
+        assert len(gemms) == 2
+    else:  # GPT-2's c_attn already is one projection: only the Split goes
+        assert op_counts(new).get("Split", 0) == 0
+    rng = np.random.default_rng(31)
+    for seq in (32, 19):
+        assert_parity(model, new, token_feeds(rng, 3, seq, mask=padding_mask(rng, 3, seq)))
+
+
+def test_packed_equals_unpacked_rewrite():
+    model = exported("bert")
+    packed, _ = rewrite_model(model, max_seq_len=32, **TILE)
+    plain, rep = rewrite_model(model, max_seq_len=32, packed_qkv=False, **TILE)
+    assert rep.count("packed_qkv") == 0 and not _packed(plain)
+    assert all("qkv_format" not in _attrs(n) for n in _attention_nodes(plain))
+    rng = np.random.default_rng(32)
+    feeds = token_feeds(rng, 2, 27, mask=padding_mask(rng, 2, 27))
+    a, b = run(packed, feeds)[0], run(plain, feeds)[0]
+    assert np.abs(a).max() > 0.1
+    assert np.abs(a - b).max() <= 1e-5 * max(1.0, float(np.abs(a).max()))
+
+
+def test_packed_with_static_mask_against_3d_original():
+    """BERT with a user Longformer mask: the 2-D export rewritten (packed) vs the 3-D-mask export fed the dense
+    mask AND the padding."""
+    from stof_trt.format import compile_mask
+    from stof_trt.masks import parse_mask
+
+    spec = "longformer:window=8,global=2"
+    m2, m3 = exported("bert", mask_dims=2), exported("bert", mask_dims=3)
+    new, report = rewrite_model(m2, mask=spec, max_seq_len=32, **TILE)
+    assert report.count("packed_qkv") == 2
+    rng = np.random.default_rng(33)
+    S = 32
+    pad = padding_mask(rng, 2, S, min_len=4)
+    feeds = token_feeds(rng, 2, S, mask=pad)
+    dense = compile_mask(parse_mask(spec), S, S).to_dense()[0]
+    feeds3 = dict(feeds)
+    feeds3["attention_mask"] = (dense[None] & (pad[:, None, :] != 0)).astype(np.int64)
+    ref, got = run(m3, feeds3)[0], run(new, feeds)[0]
+    assert np.abs(ref).max() > 0.1
+    assert np.abs(ref - got).max() <= 1e-4 * max(1.0, float(np.abs(ref).max()))
+
+
+def test_no_epilogues_keeps_matmuls():
+    """epilogues=False emits no StofGemmEpilogue, so the three MatMul + bias projections are not packed."""
+    new, report = rewrite_model(exported("bert"), max_seq_len=32, epilogues=False, **TILE)
+    assert "StofGemmEpilogue" not in op_counts(new) and report.count("packed_qkv") == 0
+
+
+def test_shared_projection_left_alone():
+    """A K projection that is also a graph output cannot be removed: that attention stays unpacked."""
+    model = exported("bert")
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    key_mm = next(n for n in m.graph.node if n.op_type == "MatMul" and "key" in n.name)
+    m.graph.output.append(onnx.helper.make_tensor_value_info(key_mm.output[0], onnx.TensorProto.FLOAT,
+                                                          ["b", "s", 32]))
+    new, report = rewrite_model(m, max_seq_len=32, **TILE)
+    assert report.count("packed_qkv") == 1
+    assert_fused(new, {"StofSparseAttention": 2})
+    rng = np.random.default_rng(34)
+    assert_parity(m, new, token_feeds(rng, 2, 32, mask=padding_mask(rng, 2, 32)))
