@@ -114,6 +114,49 @@ STOF_API const char* stof_last_error_message(void);
 
 STOF_API int32_t stof_abi_version(void);
 
+/* --- analytical pre-search (host only; plugins_cu/src/presearch.cc, the C++ port of stof_trt/presearch.py) --- */
+
+/* GPU properties the pre-search model reads (stof_trt.presearch.GpuProps). */
+typedef struct {
+    int32_t sm_count;
+    int32_t smem_per_sm;        /* bytes usable by CTAs on one SM */
+    int32_t regs_per_sm;
+    int32_t max_threads_per_sm;
+    int32_t max_ctas_per_sm;
+    int32_t sm;                 /* compute capability major*10 + minor */
+    double clock_hz;
+    double mma_tflops;          /* whole-chip mma.sync rate (FLOP/s) */
+    double dram_bw;             /* bytes/s */
+    double l2_bw;               /* bytes/s */
+    double wgmma_tflops;        /* whole-chip wgmma rate (FLOP/s); 0 = no wgmma tactics */
+} stof_gpu_props_t;
+
+/* A tile layout in HOST memory (docs/format.md arrays). */
+typedef struct {
+    const int32_t* row_ptr;            /* [L*Tq + 1] */
+    const int32_t* col_idx;            /* [max(nnz,1)] */
+    const int32_t* tile_bitmap_index;  /* [max(nnz,1)] */
+    const int32_t* bitmaps;            /* [num_bitmaps, tile_m*tile_n/32] */
+    int32_t num_bitmaps;
+    int32_t tile_m, tile_n, num_layouts, layout_seq_q, layout_seq_k;
+} stof_host_layout_t;
+
+/* The H100 SXM constants of stof_trt.presearch.H100_SXM. */
+STOF_API void stof_presearch_h100_props(stof_gpu_props_t* out);
+
+/* Properties of a CUDA device (cudaGetDeviceProperties; rates scaled from the H100's by SM count, as
+ * stof_trt.presearch.gpu_props()). */
+STOF_API stof_status_t stof_presearch_gpu_props(int32_t device, stof_gpu_props_t* out);
+
+/* Rank the tactics the pre-search considers valid for (layout, tile shape, head_dim, GPU) by predicted time,
+ * fastest first (= stof_trt.presearch.rank()).  seq_q/seq_k <= 0 mean the layout's sizes.  Host only: no GPU
+ * needed.  Writes min(cap, *n) ids and predicted seconds (either pointer may be NULL); *n = number ranked;
+ * STOF_ERROR_INSUFFICIENT_BUFFER when *n > cap.  The library's own valid set for a concrete problem
+ * (stof_attn_list_tactics) may be smaller (e.g. no sm_90a code): intersect with it. */
+STOF_API stof_status_t stof_presearch_rank(const stof_gpu_props_t* gpu, const stof_host_layout_t* layout,
+                                           int32_t batch, int32_t heads, int32_t head_dim, int32_t seq_q,
+                                           int32_t seq_k, int32_t* ids, double* seconds, int32_t cap, int32_t* n);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -5,8 +5,10 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <vector>
 
@@ -118,7 +120,7 @@ SparseAttentionKernel::LayoutCheck const& SparseAttentionKernel::checkLayout(Ten
         if (same) return *mChecked;
     }
     auto check = std::make_unique<LayoutCheck>();
-    std::vector<int32_t> host[4];
+    auto& host = check->host;
     for (int i = 0; i < 4; ++i) {
         check->ptrs[i] = arrays[i].data;
         check->sizes[i] = numel(arrays[i].shape);
@@ -156,12 +158,64 @@ SparseAttentionKernel::LayoutCheck const& SparseAttentionKernel::checkLayout(Ten
     return *mChecked;
 }
 
+int32_t SparseAttentionKernel::presearchTactic(stof_attn_params_t const& p, std::string const& maskSig,
+                                               std::string const& memoKey) {
+    std::lock_guard<std::mutex> lock(mMutex);
+    auto it = mPresearchMemo.find(memoKey);
+    if (it != mPresearchMemo.end()) return it->second;
+    int32_t choice = 0;
+    char const* env = std::getenv("STOF_ORT_PRESEARCH");
+    bool const enabled = env == nullptr || std::string(env) != "0";
+    // the host copy of the layout this call checked (another thread may have replaced a non-constant one)
+    if (enabled && mChecked && mChecked->signature == maskSig) {
+        LayoutCheck const& layout = *mChecked;
+        if (!mHavePresearchGpu) {
+            int dev = 0;
+            STOF_CUDA_THROW(cudaGetDevice(&dev));
+            STOF_REQUIRE(stof_presearch_gpu_props(dev, &mPresearchGpu) == STOF_SUCCESS, ORT_FAIL,
+                         "stof_presearch_gpu_props failed");
+            mHavePresearchGpu = true;
+        }
+        stof_host_layout_t hl{};
+        hl.row_ptr = layout.host[0].data();
+        hl.col_idx = layout.host[1].data();
+        hl.tile_bitmap_index = layout.host[2].data();
+        hl.bitmaps = layout.host[3].data();
+        hl.num_bitmaps = static_cast<int32_t>(layout.host[3].size() / static_cast<size_t>(mTileM * mTileN / 32));
+        hl.tile_m = static_cast<int32_t>(mTileM), hl.tile_n = static_cast<int32_t>(mTileN);
+        hl.num_layouts = static_cast<int32_t>(mNumLayouts);
+        hl.layout_seq_q = static_cast<int32_t>(mSeqQ), hl.layout_seq_k = static_cast<int32_t>(mSeqK);
+        int32_t ranked[64], n = 0, nValid = 0, valid[64];
+        stof_status_t const s = stof_presearch_rank(&mPresearchGpu, &hl, p.batch, p.num_heads, p.head_dim, p.seq_q,
+                                                    p.seq_k, ranked, nullptr, 64, &n);
+        stof_status_t const v = stof_attn_list_tactics(&p, valid, 64, &nValid);
+        if ((s == STOF_SUCCESS || s == STOF_ERROR_INSUFFICIENT_BUFFER) &&
+            (v == STOF_SUCCESS || v == STOF_ERROR_INSUFFICIENT_BUFFER)) {
+            for (int32_t i = 0; i < std::min<int32_t>(n, 64) && choice == 0; ++i)
+                for (int32_t j = 0; j < std::min<int32_t>(nValid, 64); ++j)
+                    if (valid[j] == ranked[i]) {
+                        choice = ranked[i];
+                        break;
+                    }
+        }
+    }
+    if (verboseEnabled()) {
+        std::fprintf(stderr, "[stof] %s: no tactic-cache entry for %s -> %s %d\n", mName.c_str(), memoKey.c_str(),
+                     choice ? "pre-search first choice" : "library default", choice);
+    }
+    mPresearchMemo[memoKey] = choice;
+    return choice;
+}
+
 int32_t SparseAttentionKernel::chooseTactic(std::string const& nodeSig, std::string const& bucket,
-                                            std::string const& mask) {
+                                            std::string const& mask, bool* fromCache) {
     // caller holds mMutex
     std::string const memoKey = bucket + "|" + mask;
     auto it = mTacticMemo.find(memoKey);
-    if (it != mTacticMemo.end()) return it->second;
+    if (it != mTacticMemo.end()) {
+        *fromCache = it->second != 0;
+        return it->second;
+    }
     if (mGpuName.empty()) {
         int dev = 0;
         cudaDeviceProp prop{};
@@ -171,7 +225,8 @@ int32_t SparseAttentionKernel::chooseTactic(std::string const& nodeSig, std::str
         mGpuCc = strCat(prop.major, ".", prop.minor);
     }
     int32_t tactic = mCache ? mCache->lookup(mGpuName, mGpuCc, nodeSig, bucket, mask) : 0;
-    if (verboseEnabled()) {
+    *fromCache = tactic != 0;
+    if (verboseEnabled() && tactic != 0) {
         std::fprintf(stderr, "[stof] %s: %s %s mask %.12s -> tactic %d (%s)\n", mName.c_str(), nodeSig.c_str(),
                      bucket.c_str(), mask.c_str(), tactic, tactic ? "tactic cache" : "library default");
     }
@@ -280,6 +335,7 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
 
     std::string maskSig;
     int32_t tactic = 0;
+    bool fromCache = false;
     size_t const elem = mType == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? 4 : 2;
     char const* const qBase = static_cast<char const*>(in[kQUERY].data);
     void const* const kData = mPacked ? static_cast<void const*>(qBase + kOff * elem) : in[kKEY].data;
@@ -290,7 +346,7 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
     {
         std::lock_guard<std::mutex> lock(mMutex);
         maskSig = checkLayout(&in[kROW_PTR], stream).signature;
-        tactic = chooseTactic(nodeSig, shapeBucket(B, Sq, Sk), maskSig);
+        tactic = chooseTactic(nodeSig, shapeBucket(B, Sq, Sk), maskSig, &fromCache);
     }
 
     bool const tensorCore = mType != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && (D == 64 || D == 128) && !bias.present;
@@ -322,6 +378,10 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
         p.layout_seq_q = static_cast<int32_t>(mSeqQ);
         p.layout_seq_k = static_cast<int32_t>(mSeqK);
         p.key_padding_mask = kpm.present ? static_cast<int32_t const*>(kpm.data) : nullptr;
+        if (!fromCache) {  // no tactic-cache entry: the pre-search's first choice (memoised per shape bucket)
+            // the layout check stays valid while the layout inputs are constant (it is re-made otherwise)
+            tactic = presearchTactic(p, maskSig, shapeBucket(B, Sq, Sk) + "|" + maskSig);
+        }
         stof_status_t s = stof_attn_run(&p, tactic, reinterpret_cast<stof_stream_t>(stream));
         if (s == STOF_ERROR_INVALID_TACTIC && tactic != 0) {  // a stale cache entry: the library's choice
             if (verboseEnabled())

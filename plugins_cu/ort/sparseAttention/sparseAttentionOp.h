@@ -7,11 +7,13 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include <cuda_runtime.h>
 
 #include "../common/ortCommon.h"
 #include "../common/tacticCache.h"
+#include "stof/stof_attention.h"
 
 namespace stof_ort {
 
@@ -32,10 +34,14 @@ private:
         void const* ptrs[4]{};
         int64_t sizes[4]{};
         std::string signature;  // TileLayout.signature()
+        std::vector<int32_t> host[4];  // the arrays on the host (for the pre-search)
     };
     void compute(Ort::KernelContext& ctx);
     LayoutCheck const& checkLayout(TensorArg const* arrays, cudaStream_t stream);
-    int32_t chooseTactic(std::string const& nodeSig, std::string const& bucket, std::string const& mask);
+    int32_t chooseTactic(std::string const& nodeSig, std::string const& bucket, std::string const& mask,
+                         bool* fromCache);
+    // the pre-search's first choice among the library's valid tactics for this problem (0: none)
+    int32_t presearchTactic(stof_attn_params_t const& p, std::string const& maskSig, std::string const& memoKey);
 
     // metadata
     ONNXTensorElementDataType mType;
@@ -51,6 +57,9 @@ private:
     std::unique_ptr<LayoutCheck> mChecked;
     std::string mGpuName, mGpuCc;
     std::unordered_map<std::string, int32_t> mTacticMemo;
+    std::unordered_map<std::string, int32_t> mPresearchMemo;
+    bool mHavePresearchGpu{false};
+    stof_gpu_props_t mPresearchGpu{};
 };
 
 class SparseAttentionOp : public Ort::CustomOpBase<SparseAttentionOp, SparseAttentionKernel, true> {

@@ -1,0 +1,367 @@
+// The analytical pre-search of stof_trt/presearch.py (rank(), predict(), tile_stats(), cta_work(), occupancy(),
+// the list-scheduling makespan), in C++ for the plugins: a tactic for an attention node that the tactic cache
+// has no entry for, without Python.  Host-only: layout arrays in host memory, GPU properties as arguments
+// (stof_presearch_gpu_props() fills them from cudaGetDeviceProperties), so it runs and is tested without a GPU.
+//
+// The per-tactic rows (TacticSpec fields, ptxas register counts, calibrated coefficients) come from
+// presearch_table.inc, generated from stof_trt/presearch.py by scripts/gen_presearch_table.py; the arithmetic
+// below follows the Python model operation by operation (same double-precision expressions, same order), and
+// tests/test_presearch_native.py checks that both rank identically on random layouts and sizes.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <queue>
+#include <vector>
+
+#include "stof/stof_attention.h"
+
+
+namespace {
+
+constexpr int kFamilyBlock = 1, kFamilyRow = 2, kFamilyHopper = 3;
+
+struct TacticRow {
+    int id, family, blockM, blockN, warps, stages, minCtas, qInSmem, pipelined, deferPv, warpSpecialized, keyStep;
+    int regs[2];  // head dim 64, 128 (-1: no ptxas entry)
+    int hasCoef[2];
+    double coef[2][4];
+};
+
+#define STOF_PRESEARCH_ROW(id, fam, bm, bn, w, st, mc, qs, pipe, dpv, ws, ks, r64, r128, h64, a64, b64, c64, d64,  \
+                           h128, a128, b128, c128, d128)                                                           \
+    {id, fam, bm, bn, w, st, mc, qs, pipe, dpv, ws, ks, {r64, r128}, {h64, h128},                                  \
+     {{a64, b64, c64, d64}, {a128, b128, c128, d128}}},
+const TacticRow kRows[] = {
+#include "presearch_table.inc"
+};
+#undef STOF_PRESEARCH_ROW
+constexpr int kNumRows = static_cast<int>(sizeof(kRows) / sizeof(kRows[0]));
+
+int dIndex(int headDim) { return headDim == 128 ? 1 : 0; }
+
+// -- tile statistics (presearch.tile_stats) -------------------------------------------------------------------------
+struct Stats {
+    int tileM, tileN, seqQ, seqK, L, Tq;
+    std::vector<int64_t> rowNnz, rowPartial;     // [L*Tq]
+    std::vector<std::vector<int32_t>> cols;      // [L*Tq] ascending tile columns
+    std::vector<std::vector<int32_t>> pcols;     // [L*Tq] the partial ones
+    double words{0}, allowed{0};
+};
+
+int popcount32(uint32_t v) {
+    int n = 0;
+    while (v) {
+        v &= v - 1;
+        ++n;
+    }
+    return n;
+}
+
+Stats tileStats(stof_host_layout_t const& lay) {
+    Stats s;
+    s.tileM = lay.tile_m, s.tileN = lay.tile_n, s.seqQ = lay.layout_seq_q, s.seqK = lay.layout_seq_k;
+    s.L = lay.num_layouts;
+    s.Tq = (lay.layout_seq_q + lay.tile_m - 1) / lay.tile_m;
+    size_t const R = static_cast<size_t>(s.L) * s.Tq;
+    s.rowNnz.resize(R), s.rowPartial.resize(R), s.cols.resize(R), s.pcols.resize(R);
+    int64_t nFull = 0, nPartial = 0;
+    for (size_t r = 0; r < R; ++r) {
+        for (int32_t e = lay.row_ptr[r]; e < lay.row_ptr[r + 1]; ++e) {
+            s.cols[r].push_back(lay.col_idx[e]);
+            if (lay.tile_bitmap_index[e] >= 0) {
+                s.pcols[r].push_back(lay.col_idx[e]);
+                ++nPartial;
+            } else {
+                ++nFull;
+            }
+        }
+        s.rowNnz[r] = static_cast<int64_t>(s.cols[r].size());
+        s.rowPartial[r] = static_cast<int64_t>(s.pcols[r].size());
+    }
+    // words / allowed over bitmaps[:P] (P = partial tiles), as the Python model counts them
+    int64_t const wordsPerTile = static_cast<int64_t>(lay.tile_m) * lay.tile_n / 32;
+    int64_t const P = std::min<int64_t>(nPartial, lay.num_bitmaps);
+    int64_t wordsPartial = 0, bitsPartial = 0;
+    for (int64_t i = 0; i < P * wordsPerTile; ++i) {
+        uint32_t const w = static_cast<uint32_t>(lay.bitmaps[i]);
+        wordsPartial += w != 0;
+        bitsPartial += popcount32(w);
+    }
+    int64_t const wordsFull = nFull * lay.tile_m * (lay.tile_n / 32);
+    s.words = static_cast<double>(wordsPartial + wordsFull);
+    s.allowed = static_cast<double>(bitsPartial + nFull * lay.tile_m * lay.tile_n);
+    return s;
+}
+
+size_t unionCount(std::vector<int32_t> const& a, std::vector<int32_t> const& b) {
+    size_t i = 0, j = 0, n = 0;
+    while (i < a.size() || j < b.size()) {
+        if (j == b.size() || (i < a.size() && a[i] < b[j])) {
+            ++i;
+        } else if (i == a.size() || b[j] < a[i]) {
+            ++j;
+        } else {
+            ++i, ++j;
+        }
+        ++n;
+    }
+    return n;
+}
+
+// presearch.cta_work: per layout, CTAs in launch order (reversed rows): (full, partial) sub-block iterations
+void ctaWork(Stats const& s, TacticRow const& t, int seqQ, std::vector<std::vector<double>>& full,
+             std::vector<std::vector<double>>& part) {
+    int const nsub = s.tileN / t.blockN;
+    int const nCta = (seqQ + t.blockM - 1) / t.blockM;
+    int const step = t.family == kFamilyHopper ? 64 : t.blockM;
+    full.assign(s.L, std::vector<double>(nCta, 0.0));
+    part.assign(s.L, std::vector<double>(nCta, 0.0));
+    for (int l = 0; l < s.L; ++l) {
+        for (int c = 0; c < nCta; ++c) {
+            int const q0 = (nCta - 1 - c) * t.blockM;
+            std::vector<int> rows;
+            for (int r = 0; r < t.blockM; r += step) {
+                if (q0 + r >= seqQ) continue;
+                int const row = (q0 + r) / s.tileM;
+                if (std::find(rows.begin(), rows.end(), row) == rows.end()) rows.push_back(row);
+            }
+            std::sort(rows.begin(), rows.end());
+            size_t nAll = 0, nP = 0;
+            if (rows.size() == 1) {
+                size_t const r = static_cast<size_t>(l) * s.Tq + rows[0];
+                nAll = s.cols[r].size(), nP = s.pcols[r].size();
+            } else if (rows.size() >= 2) {
+                size_t const r0 = static_cast<size_t>(l) * s.Tq + rows[0], r1 = static_cast<size_t>(l) * s.Tq + rows[1];
+                nAll = unionCount(s.cols[r0], s.cols[r1]);
+                nP = unionCount(s.pcols[r0], s.pcols[r1]);
+            }
+            full[l][c] = static_cast<double>((static_cast<int64_t>(nAll) - static_cast<int64_t>(nP)) * nsub);
+            part[l][c] = static_cast<double>(static_cast<int64_t>(nP) * nsub);
+        }
+    }
+}
+
+int blockRegs(TacticRow const& t, int D) {
+    int const reg = t.regs[dIndex(D)];
+    if (reg >= 0) return reg;
+    if (t.family == kFamilyHopper) return D == 64 ? 128 : (t.blockM == 128 ? 169 : 202);
+    int const mi = t.blockM / t.warps / 16;
+    if (t.minCtas > 1) {
+        int const minCtas = D == 128 ? t.minCtas / 2 : t.minCtas;
+        return std::min(255, 65536 / (minCtas * 32 * t.warps));
+    }
+    int const frag = mi * (D / 16) * 4 + mi * (D / 8) * 4 + mi * (t.blockN / 8) * 4;
+    return std::min(255, static_cast<int>(frag * 1.15) + 48);
+}
+
+int64_t blockSmem(TacticRow const& t, int D) {
+    int const step = t.warpSpecialized ? t.keyStep : t.blockN;
+    return static_cast<int64_t>(t.blockM) * D * 2 + 2LL * t.stages * step * D * 2 +
+           (t.family == kFamilyHopper ? 1024 : 0);
+}
+
+int occupancy(TacticRow const& t, int D, stof_gpu_props_t const& g) {
+    int const threads = 32 * t.warps;
+    int regs;
+    int64_t smem;
+    if (t.family == kFamilyRow) {
+        int const r = t.regs[dIndex(D)];
+        regs = r >= 0 ? r : (D == 64 ? 128 : 208);
+        smem = 0;
+    } else {
+        regs = blockRegs(t, D);
+        smem = blockSmem(t, D);
+    }
+    int64_t const byThreads = g.max_threads_per_sm / threads;
+    int64_t const byRegs = g.regs_per_sm / (static_cast<int64_t>((regs + 7) / 8) * 8 * threads);
+    int64_t const bySmem = smem ? g.smem_per_sm / (smem + 1024) : g.max_ctas_per_sm;
+    int64_t const occ = std::min({byThreads, byRegs, bySmem, static_cast<int64_t>(g.max_ctas_per_sm)});
+    return static_cast<int>(std::max<int64_t>(0, occ));
+}
+
+double makespan(std::vector<double> const& d, int64_t slots) {
+    if (static_cast<int64_t>(d.size()) <= slots) {
+        double m = 0.0;
+        for (double v : d) m = std::max(m, v);
+        return m;
+    }
+    std::priority_queue<double, std::vector<double>, std::greater<double>> heap;
+    for (int64_t i = 0; i < slots; ++i) heap.push(0.0);
+    for (double v : d) {
+        double const m = heap.top();
+        heap.pop();
+        heap.push(m + v);
+    }
+    double m = 0.0;
+    while (!heap.empty()) {
+        m = std::max(m, heap.top());
+        heap.pop();
+    }
+    return m;
+}
+
+bool valid(TacticRow const& t, int tileM, int tileN, int D, bool hopper) {
+    if (D != 64 && D != 128) return false;
+    if (t.family == kFamilyHopper) {
+        if (!hopper || tileM % 64 || tileN % t.blockN) return false;
+        if (t.pipelined && D == 128 && t.stages > 3) return false;
+        if (t.warpSpecialized && D == 128 && t.keyStep > 64) return false;
+    }
+    if (t.family == kFamilyBlock) {
+        if (tileM % t.blockM || tileN % t.blockN) return false;
+        if (D == 128 && t.blockM / t.warps > 16) return false;
+    }
+    return true;
+}
+
+double predict(Stats const& s, TacticRow const& t, int batch, int heads, int D, int seqQ, int seqK,
+               stof_gpu_props_t const& g) {
+    int const L = s.L;
+    if (t.hasCoef[dIndex(D)] && t.family != kFamilyRow) {
+        int const occ = occupancy(t, D, g);
+        if (occ == 0) return std::numeric_limits<double>::infinity();
+        double const* c = t.coef[dIndex(D)];
+        std::vector<std::vector<double>> full, part;
+        ctaWork(s, t, seqQ, full, part);
+        std::vector<std::vector<double>> dur(L);
+        for (int l = 0; l < L; ++l) {
+            dur[l].resize(full[l].size());
+            for (size_t i = 0; i < full[l].size(); ++i) dur[l][i] = c[0] * full[l][i] + c[1] * part[l][i] + c[2];
+        }
+        std::vector<double> ctas;
+        ctas.reserve(static_cast<size_t>(batch) * heads * (dur[0].size()));
+        for (int b = 0; b < batch; ++b)
+            for (int h = 0; h < heads; ++h) ctas.insert(ctas.end(), dur[h % L].begin(), dur[h % L].end());
+        return (makespan(ctas, static_cast<int64_t>(g.sm_count) * occ) + c[3]) * 1e-6;
+    }
+    double const bytesIo = static_cast<double>(2LL * D * batch * heads * (2LL * seqQ + 2LL * seqK));
+    double const tDram = bytesIo / g.dram_bw;
+    double const hPerL = static_cast<double>(heads) / L;
+    if (t.family == kFamilyRow) {
+        double const words = s.words * hPerL * batch;
+        double const keys = s.allowed * hPerL * batch;
+        double const instr = words * (1.6 * D + 12) + keys * (10 + D / 32.0);
+        double const tRow = instr / (4.0 * g.sm_count * g.clock_hz * 0.35);
+        return std::max(tRow, tDram) + 4e-6;
+    }
+    int const occ = occupancy(t, D, g);
+    if (occ == 0) return std::numeric_limits<double>::infinity();
+    int const subPerTile = s.tileN / t.blockN;
+    int const rowsPerTile = s.tileM / t.blockM;
+    double const flopsSub = 4.0 * t.blockM * t.blockN * D;
+    int const tqUsed = std::min((seqQ + s.tileM - 1) / s.tileM, s.Tq);
+    std::vector<std::vector<double>> perHead(L);
+    int64_t nsubSum = 0;
+    for (int l = 0; l < L; ++l) {
+        for (int i = tqUsed - 1; i >= 0; --i) {  // launch order: reversed tile rows
+            int64_t const nsub = s.rowNnz[static_cast<size_t>(l) * s.Tq + i] * subPerTile;
+            int64_t const npart = s.rowPartial[static_cast<size_t>(l) * s.Tq + i] * subPerTile;
+            double const work = nsub * flopsSub + npart * flopsSub * 0.25 + flopsSub * 1.0;
+            for (int r = 0; r < rowsPerTile; ++r) perHead[l].push_back(work);
+        }
+        for (int i = 0; i < tqUsed; ++i) nsubSum += s.rowNnz[static_cast<size_t>(l) * s.Tq + i] * subPerTile;
+    }
+    int const warpsRes = occ * t.warps;
+    double smRate;
+    if (t.family == kFamilyHopper) {
+        double const eff = std::min(1.0, warpsRes / 16.0);
+        smRate = g.wgmma_tflops / g.sm_count * eff;
+    } else {
+        double const eff = std::min(1.0, warpsRes / 16.0) * (1.0 + 0.12 * (t.blockM / t.warps / 16 - 1));
+        smRate = g.mma_tflops / g.sm_count * eff;
+    }
+    double const slotRate = smRate / occ;
+    std::vector<double> ctas;
+    for (int b = 0; b < batch; ++b)
+        for (int h = 0; h < heads; ++h)
+            for (double w : perHead[h % L]) ctas.push_back(w / slotRate);
+    double const tComp = makespan(ctas, static_cast<int64_t>(g.sm_count) * occ);
+    double const kvBytes = static_cast<double>(nsubSum) * hPerL * batch * rowsPerTile * t.blockN * D * 2 * 2;
+    double const tL2 = kvBytes / g.l2_bw;
+    return std::max({tComp, tL2, tDram}) + 4e-6;
+}
+
+}  // namespace
+
+extern "C" {
+
+STOF_API void stof_presearch_h100_props(stof_gpu_props_t* out) {
+    if (out == nullptr) return;
+    std::memset(out, 0, sizeof(*out));
+    out->sm_count = 132;
+    out->smem_per_sm = 228 * 1024;
+    out->regs_per_sm = 65536;
+    out->max_threads_per_sm = 2048;
+    out->max_ctas_per_sm = 32;
+    out->sm = 90;
+    out->clock_hz = 1.755e9;
+    out->mma_tflops = 400e12;
+    out->dram_bw = 3.0e12;
+    out->l2_bw = 6.0e12;
+    out->wgmma_tflops = 700e12;
+}
+
+STOF_API stof_status_t stof_presearch_gpu_props(int32_t device, stof_gpu_props_t* out) {
+    if (out == nullptr) return STOF_ERROR_INVALID_ARGUMENT;
+    stof_gpu_props_t h;
+    stof_presearch_h100_props(&h);
+    cudaDeviceProp p{};
+    if (cudaGetDeviceProperties(&p, device) != cudaSuccess) {
+        cudaGetLastError();
+        return STOF_ERROR_CUDA;
+    }
+    // as stof_trt.presearch.gpu_props(): measured H100 rates scaled by the SM count
+    double const scale = static_cast<double>(p.multiProcessorCount) / h.sm_count;
+    *out = h;
+    out->sm_count = p.multiProcessorCount;
+    out->smem_per_sm = static_cast<int32_t>(p.sharedMemPerMultiprocessor);
+    out->regs_per_sm = p.regsPerMultiprocessor;
+    out->max_threads_per_sm = p.maxThreadsPerMultiProcessor;
+    out->max_ctas_per_sm = 32;
+    out->mma_tflops = h.mma_tflops * scale;
+    out->l2_bw = h.l2_bw * scale;
+    out->sm = p.major * 10 + p.minor;
+    out->wgmma_tflops = p.major == 9 ? h.wgmma_tflops * scale : 0.0;
+    return STOF_SUCCESS;
+}
+
+STOF_API stof_status_t stof_presearch_rank(const stof_gpu_props_t* gpu, const stof_host_layout_t* layout,
+                                           int32_t batch, int32_t heads, int32_t head_dim, int32_t seq_q,
+                                           int32_t seq_k, int32_t* ids, double* seconds, int32_t cap, int32_t* n) {
+    if (gpu == nullptr || layout == nullptr || n == nullptr || layout->row_ptr == nullptr ||
+        layout->col_idx == nullptr || layout->tile_bitmap_index == nullptr || layout->bitmaps == nullptr)
+        return STOF_ERROR_INVALID_ARGUMENT;
+    if (batch < 1 || heads < 1 || layout->num_layouts < 1 || layout->tile_m < 1 || layout->tile_n < 32 ||
+        layout->layout_seq_q < 1 || layout->layout_seq_k < 1 || gpu->sm_count < 1)
+        return STOF_ERROR_INVALID_ARGUMENT;
+    int const sq = seq_q > 0 ? std::min(seq_q, layout->layout_seq_q) : layout->layout_seq_q;
+    int const sk = seq_k > 0 ? std::min(seq_k, layout->layout_seq_k) : layout->layout_seq_k;
+    try {
+        Stats const s = tileStats(*layout);
+        bool const hopper = gpu->wgmma_tflops > 0;
+        std::vector<std::pair<int32_t, double>> ranked;
+        for (int i = 0; i < kNumRows; ++i) {
+            TacticRow const& t = kRows[i];
+            if (!valid(t, layout->tile_m, layout->tile_n, head_dim, hopper)) continue;
+            ranked.emplace_back(t.id, predict(s, t, batch, heads, head_dim, sq, sk, *gpu));
+        }
+        std::stable_sort(ranked.begin(), ranked.end(),
+                         [](auto const& a, auto const& b) { return a.second < b.second; });
+        *n = static_cast<int32_t>(ranked.size());
+        int32_t const m = std::min<int32_t>(*n, std::max<int32_t>(cap, 0));
+        for (int32_t i = 0; i < m; ++i) {
+            if (ids) ids[i] = ranked[i].first;
+            if (seconds) seconds[i] = ranked[i].second;
+        }
+        return *n > cap ? STOF_ERROR_INSUFFICIENT_BUFFER : STOF_SUCCESS;
+    } catch (...) {
+        return STOF_ERROR_INVALID_ARGUMENT;
+    }
+}
+
+}  // extern "C"
