@@ -20,7 +20,7 @@ from .matcher import EXTERNAL_DATA_DIR
 from .report import RewriteReport
 
 
-def _fusions(epilogues: bool, packed_qkv: bool = True):
+def _fusions(epilogues: bool, packed_qkv: bool = True, dense_attention: str = "stof"):
     from .fuse_add_layernorm import FuseAddLayerNorm, FuseLayerNormDecomposed
     from .fuse_attention import FuseAttentionCore
     from .fuse_gemm_gelu import FuseGemmGelu
@@ -32,6 +32,10 @@ def _fusions(epilogues: bool, packed_qkv: bool = True):
     order = [FuseAttentionCore, FuseOnnxAttention, FuseOrtAttention, FuseOrtMultiHeadAttention]
     if packed_qkv:
         order.append(FusePackedQkv)
+        if dense_attention == "ort":
+            from .fuse_dense_ort_attention import FuseDenseOrtAttention
+
+            order.append(FuseDenseOrtAttention)
     if epilogues:
         order += [FuseGemmGelu, FuseOrtBiasGelu, FuseLayerNormDecomposed, FuseAddLayerNorm, FuseOrtSkipLayerNorm]
     return order
@@ -46,7 +50,7 @@ def default_opset(model: onnx.ModelProto) -> int:
 
 def rewrite_model(model: onnx.ModelProto, *, mask=None, epilogues: bool = True, tile_m: int = 64, tile_n: int = 64,
                   max_seq_len: int | None = None, external_data_dir: str | None = None,
-                  packed_qkv: bool = True) -> tuple[onnx.ModelProto, RewriteReport]:
+                  packed_qkv: bool = True, dense_attention: str = "stof") -> tuple[onnx.ModelProto, RewriteReport]:
     """Rewrite masked attention cores and epilogues of ``model`` into STOF nodes (domain ``stof``).
 
     Args:
@@ -59,6 +63,9 @@ def rewrite_model(model: onnx.ModelProto, *, mask=None, epilogues: bool = True, 
             must be <= it; the layout's top-left corner is used).
         packed_qkv: feed attention nodes whose Q, K, V are projections of one input (three MatMul + bias, or one
             Split into thirds) from one packed GEMM, read in place (``qkv_format="bs3hd"``, no transposes).
+        dense_attention: "stof" (default): every attention core runs on the STOF kernels; "ort": attention with no
+            sparsity (no mask, or key padding only) whose Q/K/V were packed becomes ONNX Runtime's contrib
+            ``Attention`` (com.microsoft; its fused kernels), the model then needing ONNX Runtime for it.
         external_data_dir: for a model loaded with ``onnx.load(..., load_external_data=False)`` (needed when a
             single tensor is over 2 GB): the directory its external data locations are relative to. Those
             weights are read where a value is needed and stay external in the returned model.
@@ -70,18 +77,20 @@ def rewrite_model(model: onnx.ModelProto, *, mask=None, epilogues: bool = True, 
     token = EXTERNAL_DATA_DIR.set(external_data_dir)
     try:
         return _rewrite_model(model, mask=mask, epilogues=epilogues, tile_m=tile_m, tile_n=tile_n,
-                              max_seq_len=max_seq_len, packed_qkv=packed_qkv)
+                              max_seq_len=max_seq_len, packed_qkv=packed_qkv, dense_attention=dense_attention)
     finally:
         EXTERNAL_DATA_DIR.reset(token)
 
 
-def _rewrite_model(model, *, mask, epilogues, tile_m, tile_n, max_seq_len, packed_qkv=True):
+def _rewrite_model(model, *, mask, epilogues, tile_m, tile_n, max_seq_len, packed_qkv=True, dense_attention="stof"):
     from stof_trt.format import check_tile_shape
     from stof_trt.masks import parse_mask
 
     if not isinstance(model, onnx.ModelProto):
         raise StofError("rewrite_model expects an onnx.ModelProto")
     check_tile_shape(tile_m, tile_n)
+    if dense_attention not in ("stof", "ort"):
+        raise StofError(f"dense_attention must be 'stof' or 'ort', got {dense_attention!r}")
     if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len < 1):
         raise StofError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
     if mask is not None:
@@ -107,7 +116,7 @@ def _rewrite_model(model, *, mask, epilogues, tile_m, tile_n, max_seq_len, packe
                                   "_original_model": model})
     if opset != default_opset(original):
         report.notes.append(f"model converted from opset {default_opset(original)} to {opset}")
-    for fusion in _fusions(epilogues, packed_qkv):
+    for fusion in _fusions(epilogues, packed_qkv, dense_attention):
         fusion(ctx).apply()
     report.nodes_after = len(graph.nodes)
     if mask is not None and not report.attention:
@@ -132,6 +141,9 @@ def _rewrite_model(model, *, mask, epilogues, tile_m, tile_n, max_seq_len, packe
         if imp.domain == DOMAIN:
             out.opset_import.remove(imp)
     out.opset_import.append(onnx.helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
+    if any(n.domain == "com.microsoft" for n in out.graph.node) and \
+            not any(imp.domain == "com.microsoft" for imp in out.opset_import):
+        out.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
     for node in out.graph.node:
         if node.domain == DOMAIN:
             node.overload = ctx.overloads.get(node.name, "")

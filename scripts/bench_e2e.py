@@ -172,7 +172,7 @@ def ort_optimize(src: Path, dst: Path, model_type: str, key: str):
     return dst
 
 
-def rewrite(src: Path, dst: Path, mask: str | None, max_seq: int | None):
+def rewrite(src: Path, dst: Path, mask: str | None, max_seq: int | None, dense: str = "stof"):
     import onnx
 
     import graph_rewrite
@@ -181,7 +181,7 @@ def rewrite(src: Path, dst: Path, mask: str | None, max_seq: int | None):
     if dst.exists():
         return dst
     m, rep = graph_rewrite.rewrite_model(onnx.load(str(src)), mask=parse_mask(mask) if mask else None,
-                                         max_seq_len=max_seq)
+                                         max_seq_len=max_seq, dense_attention=dense)
     d = rep.to_dict()
     log(f"rewrite {dst.name}: " + ", ".join(f"{k}={v.get('matched')}" for k, v in d.get("patterns", {}).items()))
     tmp = dst.with_suffix(".fp32.onnx")
@@ -261,6 +261,8 @@ def prepare(work: Path, models: list[str]) -> dict:
         paths["bert3d_opt"] = ort_optimize(b3, work / "bert3d.ortopt.fp16.onnx", "bert", "bert3d")
         if MASK_FILTER is None or "padding" in MASK_FILTER:
             paths["bert_padding_stof"] = rewrite(b2, work / "bert.padding.stof.fp16.onnx", None, 4096)
+            paths["bert_padding_stof_ortdense"] = rewrite(b2, work / "bert.padding.stof-ortdense.fp16.onnx", None,
+                                                          4096, dense="ort")
         for name, spec in MASKS.items():
             if MASK_FILTER is None or name in MASK_FILTER:
                 paths[f"bert_{name}_stof"] = rewrite(b2, work / f"bert.{name}.stof.fp16.onnx", spec, 4096)
@@ -276,6 +278,7 @@ def prepare(work: Path, models: list[str]) -> dict:
         paths["vit"] = to_fp16(v, work / "vit.fp16.onnx")
         paths["vit_opt"] = ort_optimize(v, work / "vit.ortopt.fp16.onnx", "vit", "vit")
         paths["vit_stof"] = rewrite(v, work / "vit.stof.fp16.onnx", None, None)
+        paths["vit_stof_ortdense"] = rewrite(v, work / "vit.stof-ortdense.fp16.onnx", None, None, dense="ort")
     return paths
 
 
@@ -290,7 +293,8 @@ def cases(paths: dict, models: list[str], seqs: list[int]) -> list[dict]:
         if "bert" in models:
             if keep("padding"):
                 out.append(dict(model="bert", mask="padding", S=S, original=paths["bert2d"], opt=paths["bert2d_opt"],
-                                stof=paths["bert_padding_stof"], spec=None))
+                                stof=paths["bert_padding_stof"], stof_ortdense=paths["bert_padding_stof_ortdense"],
+                                spec=None))
             for name, spec in MASKS.items():
                 if keep(name):
                         out.append(dict(model="bert", mask=name, S=S, original=paths["bert3d"],
@@ -300,7 +304,7 @@ def cases(paths: dict, models: list[str], seqs: list[int]) -> list[dict]:
                             stof=paths["gpt2_stof"], spec=None))
     if "vit" in models:
         out.append(dict(model="vit", mask="none", S=197, original=paths["vit"], opt=paths["vit_opt"],
-                        stof=paths["vit_stof"], spec=None))
+                        stof=paths["vit_stof"], stof_ortdense=paths["vit_stof_ortdense"], spec=None))
     if CASE_FILTER is not None:
         out = [c for c in out if f"{c['model']}:{c['mask']}:{c['S']}" in CASE_FILTER]
     return out
@@ -382,6 +386,10 @@ def bench(paths: dict, models: list[str], seqs: list[int], out: Path, iters: int
             todo.append(("stof", str(c["stof"]), cache if cache.exists() else None))
         if "stof-presearch" in variants and pre.exists():
             todo.append(("stof-presearch", str(c["stof"]), pre))
+        if "stof-nocache" in variants:  # no tactic cache: the plugin's own pre-search fallback (C++)
+            todo.append(("stof-nocache", str(c["stof"]), None))
+        if "stof-ortdense" in variants and c.get("stof_ortdense"):  # dense attention left to ORT's Attention
+            todo.append(("stof-ortdense", str(c["stof_ortdense"]), cache if cache.exists() else None))
         for extra in (v for v in variants if v.endswith("-graph")):  # CUDA-graph replay: ortopt-graph, stof-graph
             base = {"original": ("original", None), "ortopt": ("opt", None),
                     "stof": ("stof", cache if cache.exists() else None)}.get(extra[: -len("-graph")])
@@ -392,7 +400,7 @@ def bench(paths: dict, models: list[str], seqs: list[int], out: Path, iters: int
             try:
                 r = bench_models([(label, path)], feeds2, feeds3, iters=iters, warmup=warmup, tactic_cache=tc,
                                  cuda_graphs=label.endswith("-graph"))[0]
-                if PROFILE and not label.endswith("-graph") and label != "stof-presearch":
+                if PROFILE and not label.endswith("-graph") and label not in ("stof-presearch", "stof-nocache"):
                     PROFILES[f"{c['model']}:{c['mask']}:{c['S']}:{label}"] = profile_model(path, feeds2, feeds3, tc)
             except Exception as e:  # noqa: BLE001 - record and go on (e.g. out of memory)
                 log(f"{c['model']}/{c['mask']}/S={c['S']} {label}: FAILED {str(e).splitlines()[0][:300]}")
@@ -560,6 +568,15 @@ def write_report(results: list[dict], tune_rows: list[dict], out: Path, cmd: str
         ref = v.get("stof", {}).get("max_abs_ref")
         lines.append(f"| {m} | {mask} | {S} | {cell('original')} | {cell('ort-optimized')} | {cell('stof')} | {sp} | "
                      + (f"{d:.2e} (max abs {ref:.2f})" if d is not None else "n/a") + " |")
+    lines += ["", "| model | mask | S | variant | median / p90 (ms) | vs ORT-optimizer | max abs diff vs original |",
+              "|---|---|---|---|---|---|---|"]
+    for (m, mask, S), v in keyed.items():
+        opt = v.get("ort-optimized")
+        for name, r in v.items():
+            d = r.get("max_abs_diff")
+            lines.append(f"| {m} | {mask} | {S} | {name} | {r['median_ms']:.3f} / {r['p90_ms']:.3f} | "
+                         + (f"{opt['median_ms'] / r['median_ms']:.2f}x" if opt else "n/a") + " | "
+                         + (f"{d:.2e}" if d is not None else "n/a") + " |")
     if any(k.endswith("-graph") for v in keyed.values() for k in v):
         lines += ["", "| model | mask | S | variant | CUDA graph median / p90 | without graph | max abs diff |",
                   "|---|---|---|---|---|---|---|"]

@@ -97,3 +97,29 @@ def test_shared_projection_left_alone():
     assert_fused(new, {"StofSparseAttention": 2})
     rng = np.random.default_rng(34)
     assert_parity(m, new, token_feeds(rng, 2, 32, mask=padding_mask(rng, 2, 32)))
+
+
+@pytest.mark.parametrize("kind", ["bert", "vit"])
+def test_dense_attention_to_ort(kind):
+    """dense_attention="ort": padding-only / maskless attention becomes com.microsoft Attention (same function)."""
+    model = exported(kind)
+    new, report = rewrite_model(model, max_seq_len=32 if kind == "bert" else None, dense_attention="ort", **TILE)
+    assert report.count("dense_attention_to_ort") == 2
+    counts = op_counts(new)
+    assert counts["Attention"] == 2 and "StofSparseAttention" not in counts
+    assert any(i.domain == "com.microsoft" for i in new.opset_import)
+    rng = np.random.default_rng(35)
+    if kind == "bert":
+        for seq in (32, 23):
+            assert_parity(model, new, token_feeds(rng, 3, seq, mask=padding_mask(rng, 3, seq)))
+    else:
+        inp = model.graph.input[0]
+        shape = [2 if not d.dim_value else d.dim_value for d in inp.type.tensor_type.shape.dim]
+        assert_parity(model, new, {inp.name: rng.standard_normal(shape).astype(np.float32)})
+
+
+def test_dense_attention_keeps_sparse_masks():
+    """A static (Longformer) mask is sparse: it stays on the STOF kernels with dense_attention="ort"."""
+    new, report = rewrite_model(exported("bert"), mask="longformer:window=8,global=2", max_seq_len=32,
+                                dense_attention="ort", **TILE)
+    assert report.count("dense_attention_to_ort") == 0 and op_counts(new)["StofSparseAttention"] == 2
