@@ -112,21 +112,91 @@ __device__ __forceinline__ void mask_scores(float (&s)[kNI * 4], const uint32_t 
     }
 }
 
+// Rows [row0, row0 + kRows) of a [rows, stride_s] tensor into a kRows-row swizzled tile, by HT::kThreads threads;
+// rows >= limit are zero-filled.  Each thread copies one 16-byte chunk column (ch) of rows r0, r0 + kRowStep, ...:
+// kRowStep is a multiple of 8, so the swizzle pattern of its chunks is the same in every iteration and the source
+// and destination addresses advance by constants (the ncu profile of run 9 found 45 % of the one-warpgroup
+// kernel's instructions were integer address/index work).
 template <class HT, int kRows>
 __device__ __forceinline__ void load_rows_async128(uint32_t s_tile, const typename HT::Elem* g, int64_t stride_s,
                                                    int row0, int limit, int tid) {
-    constexpr int kIters = kRows * HT::kChunks / HT::kThreads;
-    static_assert(kRows * HT::kChunks % HT::kThreads == 0, "copy split");
+    constexpr int kRowStep = HT::kThreads / HT::kChunks;
+    static_assert(HT::kThreads % HT::kChunks == 0 && kRowStep % 8 == 0 && kRows % kRowStep == 0, "copy split");
+    constexpr int kIters = kRows / kRowStep;
+    const int r0 = tid / HT::kChunks, ch = tid % HT::kChunks;
+    const typename HT::Elem* src = g + static_cast<int64_t>(row0 + r0) * stride_s + ch * 8;
+    const int64_t step = static_cast<int64_t>(kRowStep) * stride_s;
+    const uint32_t dst = s_tile + swz128<kRows>(r0, ch);
+    if (row0 + kRows <= limit) {
 #pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-        const int c = tid + it * HT::kThreads;
-        const int r = c / HT::kChunks;
-        const int ch = c % HT::kChunks;
-        const int grow = row0 + r;
-        const bool ok = grow < limit;
-        const typename HT::Elem* src = g + (ok ? static_cast<int64_t>(grow) * stride_s + ch * 8 : 0);
-        cp_async16(s_tile + swz128<kRows>(r, ch), src, ok ? 16 : 0);
+        for (int it = 0; it < kIters; ++it) cp_async16(dst + it * kRowStep * 128, src + it * step, 16);
+    } else {
+#pragma unroll
+        for (int it = 0; it < kIters; ++it) {
+            const bool ok = row0 + r0 + it * kRowStep < limit;
+            cp_async16(dst + it * kRowStep * 128, ok ? src + it * step : g, ok ? 16 : 0);
+        }
     }
+}
+
+// Slack of the lazy rescaling below, log2 domain: P values stay <= 2^8, exact enough in fp16/bf16 and far from
+// overflow, and the final 1/l normalisation cancels whichever running max was used.
+constexpr float kRescaleSlack = 8.f;
+
+// Online softmax of one step's scores, two rows per thread (wgmma / mma C layout, kNI groups of 8 columns):
+// exponentiates rS in place and updates row_max / row_sum.  The running max is only moved when a row's max grows
+// by more than kRescaleSlack (FlashAttention-4's lazy rescaling); returns true (warp-uniform) when some row of the
+// warp moved it, and then O must be multiplied by alpha (per row) -- most steps skip that multiply.
+template <int kNI>
+__device__ __forceinline__ bool online_softmax(float (&rS)[kNI * 4], float (&row_max)[2], float (&row_sum)[2],
+                                               float (&alpha)[2], float mul) {
+    float mx[2];
+    bool grow[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        float m = rS[hh * 2];
+#pragma unroll
+        for (int ni = 0; ni < kNI; ++ni) m = fmaxf(m, fmaxf(rS[ni * 4 + hh * 2], rS[ni * 4 + hh * 2 + 1]));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+        mx[hh] = m;
+        grow[hh] = m * mul > row_max[hh] * mul + kRescaleSlack;  // false for a fully masked row (-inf)
+    }
+    const bool rescale = __any_sync(0xffffffffu, grow[0] || grow[1]);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        alpha[hh] = 1.f;
+        if (rescale) {
+            if (grow[hh]) {
+                alpha[hh] = fast_exp2((row_max[hh] - mx[hh]) * mul);  // 0 when row_max was -inf
+                row_max[hh] = mx[hh];
+            }
+            row_sum[hh] *= alpha[hh];
+        }
+        const float m_use = row_max[hh] == -INFINITY ? 0.f : row_max[hh] * mul;  // log2 domain
+        float sum = 0.f;
+#pragma unroll
+        for (int ni = 0; ni < kNI; ++ni)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const float pv = fast_exp2(fmaf(rS[ni * 4 + hh * 2 + c], mul, -m_use));
+                rS[ni * 4 + hh * 2 + c] = pv;
+                sum += pv;
+            }
+        row_sum[hh] += sum;
+    }
+    return rescale;
+}
+
+template <int kDI>
+__device__ __forceinline__ void rescale_o(float (&rO)[kDI * 4], const float (&alpha)[2]) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+        for (int di = 0; di < kDI; ++di) {
+            rO[di * 4 + hh * 2] *= alpha[hh];
+            rO[di * 4 + hh * 2 + 1] *= alpha[hh];
+        }
 }
 
 // The merged walk over the tile rows of the kWG warpgroups: yields (column j, sub-block, entry per warpgroup or -1).
@@ -241,6 +311,9 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
     for (int i = 0; i < kNI * 4; ++i) rS[i] = 0.f;
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
     const int warp_row0 = warp * 16;  // == 64*wg + 16*(warp % 4): the wgmma accumulator rows of this warp
+    const uint64_t dQ0 = gmma_desc(sQ + wg * 64 * 128, 16, 1024);
+    const uint64_t dK0 = gmma_desc(sKV, 16, 1024);
+    const uint64_t dV0 = gmma_desc(sKV + HT::kSmemKV, kBlockN * 128, 1024);
 
     for (int it = 0;; ++it) {
         int ent[HT::kWG];
@@ -284,15 +357,16 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
                 bits[hh][1] = wv.y;
             }
         }
-        const uint32_t sK = sKV + (it % kStages) * 2 * HT::kSmemKV;
-        const uint32_t sV = sK + HT::kSmemKV;
+        // descriptors = base + (byte offset >> 4): shared addresses stay below 2^18, so the 14-bit field never carries
+        const uint64_t stage_off = static_cast<uint64_t>(((it % kStages) * 2 * HT::kSmemKV) >> 4);
+        const uint64_t dK = dK0 + stage_off, dV = dV0 + stage_off;
 
         // S = Q K^T
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kKD; ++kk) {
-            const uint64_t da = gmma_desc(sQ + (kk >> 2) * (kBlockM * 128) + wg * 64 * 128 + (kk & 3) * 32, 16, 1024);
-            const uint64_t db = gmma_desc(sK + (kk >> 2) * (kBlockN * 128) + (kk & 3) * 32, 16, 1024);
+            const uint64_t da = dQ0 + (((kk >> 2) * (kBlockM * 128) + (kk & 3) * 32) >> 4);
+            const uint64_t db = dK + (((kk >> 2) * (kBlockN * 128) + (kk & 3) * 32) >> 4);
             wgmma_ss<64, Elem>(rS, da, db, kk > 0 ? 1 : 0);
         }
         wgmma_commit();
@@ -309,31 +383,9 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
             for (int i = 0; i < kNI * 4; ++i) rS[i] *= sl2;
         }
         if (need_mask) mask_scores<kNI>(rS, bits, n0 + kBlockN > kv_len || kpm != nullptr, n0, kv_len, kpm, tig);
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            float mx = row_max[hh];
-#pragma unroll
-            for (int ni = 0; ni < kNI; ++ni) mx = fmaxf(mx, fmaxf(rS[ni * 4 + hh * 2], rS[ni * 4 + hh * 2 + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_use = (mx == -INFINITY) ? 0.f : mx * mul;  // log2 domain
-            const float alpha = fast_exp2(row_max[hh] * mul - m_use);  // -inf * mul = -inf (mul > 0)
-            row_max[hh] = mx;
-            float sum = 0.f;
-#pragma unroll
-            for (int ni = 0; ni < kNI; ++ni)
-#pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    const float pv = fast_exp2(fmaf(rS[ni * 4 + hh * 2 + c], mul, -m_use));
-                    rS[ni * 4 + hh * 2 + c] = pv;
-                    sum += pv;
-                }
-            row_sum[hh] = row_sum[hh] * alpha + sum;
-#pragma unroll
-            for (int di = 0; di < kDI; ++di) {
-                rO[di * 4 + hh * 2] *= alpha;
-                rO[di * 4 + hh * 2 + 1] *= alpha;
-            }
+        {
+            float alpha[2];
+            if (online_softmax<kNI>(rS, row_max, row_sum, alpha, mul)) rescale_o<kDI>(rO, alpha);
         }
 
         // O += P V
@@ -347,10 +399,7 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
         }
         wgmma_fence();
 #pragma unroll
-        for (int kn = 0; kn < kKN; ++kn) {
-            const uint64_t db = gmma_desc(sV + kn * 16 * 128, kBlockN * 128, 1024);
-            wgmma_rs<HT::kHeadDim, Elem>(rO, rP[kn], db, 1);
-        }
+        for (int kn = 0; kn < kKN; ++kn) wgmma_rs<HT::kHeadDim, Elem>(rO, rP[kn], dV + ((kn * 16 * 128) >> 4), 1);
         wgmma_commit();
         if constexpr (!HT::kDeferPV) {
             wgmma_wait<0>();
@@ -521,31 +570,9 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kHeadDim == 64 ? 3 : 2) hopp
             }
             mask_scores<kNI>(cur, bits, n0 + kBlockN > kv_len || kpm != nullptr, n0, kv_len, kpm, tig);
         }
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            float mx = row_max[hh];
-#pragma unroll
-            for (int ni = 0; ni < kNI; ++ni) mx = fmaxf(mx, fmaxf(cur[ni * 4 + hh * 2], cur[ni * 4 + hh * 2 + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_use = (mx == -INFINITY) ? 0.f : mx * mul;
-            const float alpha = fast_exp2(row_max[hh] * mul - m_use);
-            row_max[hh] = mx;
-            float sum = 0.f;
-#pragma unroll
-            for (int ni = 0; ni < kNI; ++ni)
-#pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    const float pv = fast_exp2(fmaf(cur[ni * 4 + hh * 2 + c], mul, -m_use));
-                    cur[ni * 4 + hh * 2 + c] = pv;
-                    sum += pv;
-                }
-            row_sum[hh] = row_sum[hh] * alpha + sum;
-#pragma unroll
-            for (int di = 0; di < kDI; ++di) {
-                rO[di * 4 + hh * 2] *= alpha;
-                rO[di * 4 + hh * 2 + 1] *= alpha;
-            }
+        {
+            float alpha[2];
+            if (online_softmax<kNI>(cur, row_max, row_sum, alpha, mul)) rescale_o<kDI>(rO, alpha);
         }
         uint32_t rP[kKN][4];
 #pragma unroll

@@ -103,21 +103,27 @@ __device__ __forceinline__ bool ws_take_step(MergedCursor<2>& cur, const KernelP
     return any;
 }
 
-// 64 rows x kChunks 16-byte chunks of K or V rows [n0, n0 + 64) into rows [64 h, 64 h + 64) of a kRows-row
-// swizzled tile, by the 128 producer threads; rows >= limit (or n0 < 0) are zero-filled.
+// K or V rows [n0, n0 + 64) into rows [64 h, 64 h + 64) of a kBlockN-row swizzled tile, by the 128 producer
+// threads (addresses advance by constants, as in load_rows_async128); rows >= limit (or n0 < 0) are zero-filled.
 template <class WT>
 __device__ __forceinline__ void ws_load_sub(uint32_t s_tile, int h, const typename WT::Elem* g, int64_t stride_s,
                                             int n0, int limit, int ptid) {
-    constexpr int kIters = 64 * WT::kChunks / 128;
+    constexpr int kRowStep = 128 / WT::kChunks;
+    static_assert(kRowStep % 8 == 0, "swizzle pattern constant across iterations");
+    constexpr int kIters = 64 / kRowStep;
+    const int r0 = ptid / WT::kChunks, ch = ptid % WT::kChunks;
+    const uint32_t dst = s_tile + swz128<WT::kBlockN>(64 * h + r0, ch);
+    const typename WT::Elem* src = g + static_cast<int64_t>(n0 + r0) * stride_s + ch * 8;
+    const int64_t step = static_cast<int64_t>(kRowStep) * stride_s;
+    if (n0 >= 0 && n0 + 64 <= limit) {
 #pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-        const int c = ptid + it * 128;
-        const int r = c / WT::kChunks;
-        const int ch = c % WT::kChunks;
-        const int grow = n0 + r;
-        const bool ok = n0 >= 0 && grow < limit;
-        const typename WT::Elem* src = g + (ok ? static_cast<int64_t>(grow) * stride_s + ch * 8 : 0);
-        cp_async16(s_tile + swz128<WT::kBlockN>(64 * h + r, ch), src, ok ? 16 : 0);
+        for (int it = 0; it < kIters; ++it) cp_async16(dst + it * kRowStep * 128, src + it * step, 16);
+    } else {
+#pragma unroll
+        for (int it = 0; it < kIters; ++it) {
+            const bool ok = n0 >= 0 && n0 + r0 + it * kRowStep < limit;
+            cp_async16(dst + it * kRowStep * 128, ok ? src + it * step : g, ok ? 16 : 0);
+        }
     }
 }
 
@@ -224,31 +230,32 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const Kern
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
     int prev_stage = 0;
 
+    // descriptors = base + (byte offset >> 4) (shared addresses < 2^18: the 14-bit field never carries)
+    const uint64_t dQ0 = gmma_desc(sQ + w * 64 * 128, 16, 1024);
+    const uint64_t dK0 = gmma_desc(sKV, 16, 1024);
+    const uint64_t dV0 = gmma_desc(sKV + WT::kSmemKV, kBlockN * 128, 1024);
     auto issue_s = [&](int stage) {  // S = Q K^T
-        const uint32_t sK = sKV + stage * 2 * WT::kSmemKV;
+        const uint64_t dK = dK0 + static_cast<uint64_t>((stage * 2 * WT::kSmemKV) >> 4);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kKD; ++kk) {
-            const uint64_t da = gmma_desc(sQ + (kk >> 2) * (kBlockM * 128) + w * 64 * 128 + (kk & 3) * 32, 16, 1024);
-            const uint64_t db = gmma_desc(sK + (kk >> 2) * (kBlockN * 128) + (kk & 3) * 32, 16, 1024);
+            const uint64_t da = dQ0 + (((kk >> 2) * (kBlockM * 128) + (kk & 3) * 32) >> 4);
+            const uint64_t db = dK + (((kk >> 2) * (kBlockN * 128) + (kk & 3) * 32) >> 4);
             wgmma_ss<kBlockN, Elem>(rS, da, db, kk > 0 ? 1 : 0);
         }
         wgmma_commit();
     };
     auto issue_pv = [&](int stage) {  // O += P V
-        const uint32_t sV = sKV + stage * 2 * WT::kSmemKV + WT::kSmemKV;
+        const uint64_t dV = dV0 + static_cast<uint64_t>((stage * 2 * WT::kSmemKV) >> 4);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kKN; ++kk) {
-            const uint64_t db = gmma_desc(sV + kk * 16 * 128, kBlockN * 128, 1024);
-            wgmma_rs<WT::kHeadDim, Elem>(rO, rP[kk], db, 1);
-        }
+        for (int kk = 0; kk < kKN; ++kk) wgmma_rs<WT::kHeadDim, Elem>(rO, rP[kk], dV + ((kk * 16 * 128) >> 4), 1);
         wgmma_commit();
     };
     // Mask (sub-blocks this consumer's tile row lacks are -inf: the MMAs of a step run for both consumers, so
     // no wgmma sits under a data-dependent branch, which would make ptxas serialise them), online softmax;
-    // leaves P in rS and the O rescale factors in alpha.
-    auto softmax = [&](float (&alpha)[2]) {
+    // leaves P in rS; true when O must be rescaled by alpha (see online_softmax).
+    auto softmax = [&](float (&alpha)[2]) -> bool {
         if (!fold) {
 #pragma unroll
             for (int i = 0; i < kNI * 4; ++i) rS[i] *= sl2;
@@ -285,27 +292,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const Kern
 #pragma unroll
             for (int i = 0; i < 32; ++i) rS[hh * 32 + i] = part[i];
         }
-#pragma unroll
-        for (int r2 = 0; r2 < 2; ++r2) {
-            float mx = row_max[r2];
-#pragma unroll
-            for (int ni = 0; ni < kNI; ++ni) mx = fmaxf(mx, fmaxf(rS[ni * 4 + r2 * 2], rS[ni * 4 + r2 * 2 + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_use = (mx == -INFINITY) ? 0.f : mx * mul;  // log2 domain
-            alpha[r2] = fast_exp2(row_max[r2] * mul - m_use);        // -inf * mul = -inf (mul > 0)
-            row_max[r2] = mx;
-            float sum = 0.f;
-#pragma unroll
-            for (int ni = 0; ni < kNI; ++ni)
-#pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    const float pv = fast_exp2(fmaf(rS[ni * 4 + r2 * 2 + c], mul, -m_use));
-                    rS[ni * 4 + r2 * 2 + c] = pv;
-                    sum += pv;
-                }
-            row_sum[r2] = row_sum[r2] * alpha[r2] + sum;
-        }
+        return online_softmax<kNI>(rS, row_max, row_sum, alpha, mul);
     };
     auto pack_p = [&]() {
 #pragma unroll
@@ -332,7 +319,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const Kern
         wgmma_wait<0>();
         fence_regs(rS);
         float alpha[2];
-        softmax(alpha);
+        softmax(alpha);  // O is still zero: no rescale
         pack_p();
         // Steady state, step i: S_i and P_{i-1} V_{i-1} in flight together; softmax of S_i while P V runs.
         for (int it = 1; ws_take_step<kSub>(cur, p, w, st); ++it) {
@@ -345,17 +332,11 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const Kern
             named_barrier_arrive(3 + (1 - w), 256);
             wgmma_wait<1>();  // S_i
             fence_regs(rS);
-            softmax(alpha);
+            const bool rescale = softmax(alpha);
             wgmma_wait<0>();  // P_{i-1} V_{i-1}: O and rP free, stage i-1 no longer read
             fence_regs(rO);
             mbar_arrive(empty_bar(prev_stage));
-#pragma unroll
-            for (int r2 = 0; r2 < 2; ++r2)
-#pragma unroll
-                for (int di = 0; di < kDI; ++di) {
-                    rO[di * 4 + r2 * 2] *= alpha[r2];
-                    rO[di * 4 + r2 * 2 + 1] *= alpha[r2];
-                }
+            if (rescale) rescale_o<kDI>(rO, alpha);
             pack_p();
             prev_stage = stage;
         }
