@@ -405,6 +405,8 @@ def bench(paths: dict, models: list[str], seqs: list[int], out: Path, iters: int
             except Exception as e:  # noqa: BLE001 - record and go on (e.g. out of memory)
                 log(f"{c['model']}/{c['mask']}/S={c['S']} {label}: FAILED {str(e).splitlines()[0][:300]}")
                 rows.append({"model": label, "error": str(e).splitlines()[0][:300]})
+                results.append({"model": c["model"], "mask": c["mask"], "S": c["S"], "variant": label,
+                                "error": str(e).splitlines()[0][:300]})
                 continue
             rows.append(r)
             gc.collect()
@@ -436,6 +438,8 @@ PROFILES: dict = {}
 
 # kernel name -> category (first match wins)
 KERNEL_CLASSES = [
+    ("LayerNorm", ("addLayerNorm",)),
+    ("GELU/bias/elementwise", ("geluErf",)),
     ("attention (STOF)", ("stof", "sparse_attention", "SparseAttention", "hopper_attn", "rowwise", "blockwise")),
     ("attention (ORT)", ("fmha", "flash", "Fmha", "cutlass::fmha", "attention", "Attention", "softmax", "Softmax")),
     ("GEMM", ("gemm", "Gemm", "cutlass", "xmma", "cublas", "sm90_", "nvjet", "Kernel2")),
@@ -556,7 +560,8 @@ def write_report(results: list[dict], tune_rows: list[dict], out: Path, cmd: str
               "STOF vs ORT-opt | STOF max abs diff vs original |", "|---|---|---|---|---|---|---|---|"]
     keyed = {}
     for r in results:
-        keyed.setdefault((r["model"], r["mask"], r["S"]), {})[r["variant"]] = r
+        if "error" not in r:
+            keyed.setdefault((r["model"], r["mask"], r["S"]), {})[r["variant"]] = r
     for (m, mask, S), v in keyed.items():
         def cell(name):
             r = v.get(name)
@@ -577,6 +582,10 @@ def write_report(results: list[dict], tune_rows: list[dict], out: Path, cmd: str
             lines.append(f"| {m} | {mask} | {S} | {name} | {r['median_ms']:.3f} / {r['p90_ms']:.3f} | "
                          + (f"{opt['median_ms'] / r['median_ms']:.2f}x" if opt else "n/a") + " | "
                          + (f"{d:.2e}" if d is not None else "n/a") + " |")
+    errors = [r for r in results if "error" in r]
+    if errors:
+        lines += ["", "| model | mask | S | variant | failed |", "|---|---|---|---|---|"]
+        lines += [f"| {r['model']} | {r['mask']} | {r['S']} | {r['variant']} | {r['error'][:160]} |" for r in errors]
     if any(k.endswith("-graph") for v in keyed.values() for k in v):
         lines += ["", "| model | mask | S | variant | CUDA graph median / p90 | without graph | max abs diff |",
                   "|---|---|---|---|---|---|---|"]
