@@ -350,7 +350,7 @@ def tune(paths: dict, models: list[str], seqs: list[int], out: Path) -> dict:
         feeds2, _ = case_feeds(c)
         model = onnx.load(str(c["stof"]))
         t0 = time.perf_counter()
-        res = tune_model(model, [feeds2], cache, k=3, progress=False)
+        res = tune_model(model, [feeds2], cache, k=3, all_tactics=TUNE_ALL, progress=False)
         for r in res:
             pre.put(r.key, r.presearch_tactic, source="presearch", nodes=r.nodes)
             rows.append(dict(model=c["model"], mask=c["mask"], S=c["S"], bucket=r.key.bucket, nodes=len(r.nodes),
@@ -434,6 +434,7 @@ def bench(paths: dict, models: list[str], seqs: list[int], out: Path, iters: int
 
 
 PROFILE = False   # --profile
+TUNE_ALL = False  # --tune-all: time every valid tactic, not the pre-search shortlist
 PROFILES: dict = {}
 
 # kernel name -> category (first match wins)
@@ -643,8 +644,10 @@ def main():
                     help="time an ORT-optimizer model that fused no Attention where it should (flagged UNFUSED)")
     ap.add_argument("--profile", action="store_true",
                     help="per-kernel GPU time (CUPTI via torch.profiler) and ORT's node profile of each variant")
+    ap.add_argument("--tune-all", action="store_true", help="tune over every valid tactic (not the shortlist)")
     args = ap.parse_args()
-    global SKELETONS, ALLOW_UNFUSED, PROFILE
+    global SKELETONS, ALLOW_UNFUSED, PROFILE, TUNE_ALL
+    TUNE_ALL = args.tune_all
     SKELETONS = Path(args.skeletons) if args.skeletons else None
     ALLOW_UNFUSED = args.allow_unfused_baseline
     PROFILE = args.profile
