@@ -349,6 +349,15 @@ def predict(stats: TileStats, tactic: int, *, batch: int, heads: int, head_dim: 
     occ = occupancy(t, D, gpu)
     if occ == 0:
         return math.inf
+    if t.block_m > stats.tile_m:  # a CTA spans several tile rows and walks their union (wgmma kernels)
+        full, part = cta_work(stats, t, Sq)
+        flops_sub = 4.0 * t.block_m * 64 * D
+        work = (full + part) * flops_sub + part * flops_sub * 0.25 + flops_sub  # [L, n_cta], launch order
+        ctas = np.concatenate([work[h % L] for h in range(heads)] * batch)
+        eff = min(1.0, occ * t.num_warps / 16.0)
+        slot_rate = gpu.wgmma_tflops / gpu.sm_count * eff / occ
+        kv_bytes = float((full + part).sum()) * (heads / L) * batch * 64 * D * 2 * 2
+        return max(_makespan(ctas / slot_rate, gpu.sm_count * occ), kv_bytes / gpu.l2_bw, t_dram) + 4e-6
     sub_per_tile = stats.tile_n // t.block_n
     rows_per_tile = stats.tile_m // t.block_m
     # per-CTA work in flop-equivalents, CTAs of one tile row identical

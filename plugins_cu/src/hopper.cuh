@@ -154,9 +154,16 @@ __device__ __forceinline__ bool online_softmax(float (&rS)[kNI * 4], float (&row
     bool grow[2];
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-        float m = rS[hh * 2];
+        // tree reductions (depth log2(2 kNI), not a 2 kNI-long dependency chain: the ncu profile showed the
+        // softmax stalled on fixed-latency dependencies)
+        float t[kNI];
 #pragma unroll
-        for (int ni = 0; ni < kNI; ++ni) m = fmaxf(m, fmaxf(rS[ni * 4 + hh * 2], rS[ni * 4 + hh * 2 + 1]));
+        for (int ni = 0; ni < kNI; ++ni) t[ni] = fmaxf(rS[ni * 4 + hh * 2], rS[ni * 4 + hh * 2 + 1]);
+#pragma unroll
+        for (int w = kNI / 2; w >= 1; w /= 2)
+#pragma unroll
+            for (int i = 0; i < w; ++i) t[i] = fmaxf(t[i], t[i + w]);
+        float m = t[0];
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
         mx[hh] = m;
@@ -174,16 +181,20 @@ __device__ __forceinline__ bool online_softmax(float (&rS)[kNI * 4], float (&row
             row_sum[hh] *= alpha[hh];
         }
         const float m_use = row_max[hh] == -INFINITY ? 0.f : row_max[hh] * mul;  // log2 domain
-        float sum = 0.f;
+        float t[kNI];
 #pragma unroll
-        for (int ni = 0; ni < kNI; ++ni)
+        for (int ni = 0; ni < kNI; ++ni) {
+            const float p0 = fast_exp2(fmaf(rS[ni * 4 + hh * 2], mul, -m_use));
+            const float p1 = fast_exp2(fmaf(rS[ni * 4 + hh * 2 + 1], mul, -m_use));
+            rS[ni * 4 + hh * 2] = p0;
+            rS[ni * 4 + hh * 2 + 1] = p1;
+            t[ni] = p0 + p1;
+        }
 #pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                const float pv = fast_exp2(fmaf(rS[ni * 4 + hh * 2 + c], mul, -m_use));
-                rS[ni * 4 + hh * 2 + c] = pv;
-                sum += pv;
-            }
-        row_sum[hh] += sum;
+        for (int w = kNI / 2; w >= 1; w /= 2)
+#pragma unroll
+            for (int i = 0; i < w; ++i) t[i] += t[i + w];
+        row_sum[hh] += t[0];
     }
     return rescale;
 }

@@ -251,6 +251,25 @@ double predict(Stats const& s, TacticRow const& t, int batch, int heads, int D, 
     }
     int const occ = occupancy(t, D, g);
     if (occ == 0) return std::numeric_limits<double>::infinity();
+    if (t.blockM > s.tileM) {  // a CTA spans several tile rows and walks their union (wgmma kernels)
+        std::vector<std::vector<double>> full, part;
+        ctaWork(s, t, seqQ, full, part);
+        double const flopsSub = 4.0 * t.blockM * 64 * D;
+        double const slotRate = g.wgmma_tflops / g.sm_count * std::min(1.0, occ * t.warps / 16.0) / occ;
+        std::vector<double> ctas;
+        double iters = 0.0;
+        for (int l = 0; l < L; ++l)
+            for (size_t i = 0; i < full[l].size(); ++i) iters += full[l][i] + part[l][i];
+        for (int b = 0; b < batch; ++b)
+            for (int h = 0; h < heads; ++h)
+                for (size_t i = 0; i < full[h % L].size(); ++i) {
+                    double const work = (full[h % L][i] + part[h % L][i]) * flopsSub +
+                                        part[h % L][i] * flopsSub * 0.25 + flopsSub;
+                    ctas.push_back(work / slotRate);
+                }
+        double const kvBytes = iters * hPerL * batch * 64 * D * 2 * 2;
+        return std::max({makespan(ctas, static_cast<int64_t>(g.sm_count) * occ), kvBytes / g.l2_bw, tDram}) + 4e-6;
+    }
     int const subPerTile = s.tileN / t.blockN;
     int const rowsPerTile = s.tileM / t.blockM;
     double const flopsSub = 4.0 * t.blockM * t.blockN * D;
