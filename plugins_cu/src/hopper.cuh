@@ -74,26 +74,27 @@ __device__ __forceinline__ void fence_regs(float (&r)[N]) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
 
-// Masks one warp's two score rows (g and g + 8; wgmma/mma C layout, kNI groups of 8 columns) for a kBlockN-key
-// sub-block starting at key n0.  bits[hh][w]: the two 32-key bitmap words of the row (all ones for a FULL tile).
-// The thread's 2*kNI columns are gathered into one 16-bit mask per row (bit 2*ni + c = column ni*8 + 2*tig + c),
-// the key bound / padding applied to it only when `bound`, and each score tested against a constant bit.
-template <int kNI>
-__device__ __forceinline__ void mask_scores(float (&s)[kNI * 4], const uint32_t (&bits)[2][kNI / 4], bool bound,
-                                            int n0, int kv_len, const int32_t* kpm, int tig) {
-    uint32_t colok = 0xffffffffu;
-    if (bound) {
-        colok = 0u;
+// The 64 keys [n0, n0 + 64) of a step as two "key allowed" words in the bitmap's bit order (bit i of word w =
+// key n0 + 32 w + i is below the key length and not padded): one coalesced load and one ballot per word and warp
+// (the per-column loads this replaces cost 16 loads and ~30 integer instructions per thread and step, on every
+// tile of a padded batch).  Every lane of the warp must call it (warp-uniform control flow).
+__device__ __forceinline__ void key_words(uint32_t (&kw)[2], int n0, int kv_len, const int32_t* kpm, int lane) {
 #pragma unroll
-        for (int ni = 0; ni < kNI; ++ni)
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                const int key = n0 + ni * 8 + tig * 2 + c;
-                bool ok = key < kv_len;
-                if (kpm != nullptr && ok) ok = __ldg(kpm + key) != 0;
-                colok |= static_cast<uint32_t>(ok) << (2 * ni + c);
-            }
+    for (int w = 0; w < 2; ++w) {
+        const int key = n0 + 32 * w + lane;
+        bool ok = key < kv_len;
+        if (kpm != nullptr && ok) ok = __ldg(kpm + key) != 0;
+        kw[w] = __ballot_sync(0xffffffffu, ok);
     }
+}
+
+// Masks one warp's two score rows (g and g + 8; wgmma/mma C layout, kNI groups of 8 columns) of a 64-key
+// sub-block.  bits[hh][w]: the two 32-key words of allowed keys of the row (the tile bitmap's words, all ones for
+// a FULL tile, ANDed with key_words() where the key bound or padding cuts).  The thread's 2*kNI columns are
+// gathered into one 16-bit mask per row (bit 2*ni + c = column ni*8 + 2*tig + c) and each score tested against a
+// constant bit.
+template <int kNI>
+__device__ __forceinline__ void mask_scores(float (&s)[kNI * 4], const uint32_t (&bits)[2][kNI / 4], int tig) {
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
         uint32_t m = 0u;
@@ -103,7 +104,6 @@ __device__ __forceinline__ void mask_scores(float (&s)[kNI * 4], const uint32_t 
 #pragma unroll
             for (int q = 0; q < 4; ++q) m |= ((x >> (q * 8)) & 3u) << (2 * (w * 4 + q));
         }
-        m &= colok;
 #pragma unroll
         for (int ni = 0; ni < kNI; ++ni)
 #pragma unroll
@@ -393,7 +393,18 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
 #pragma unroll
             for (int i = 0; i < kNI * 4; ++i) rS[i] *= sl2;
         }
-        if (need_mask) mask_scores<kNI>(rS, bits, n0 + kBlockN > kv_len || kpm != nullptr, n0, kv_len, kpm, tig);
+        if (need_mask) {
+            if (n0 + kBlockN > kv_len || kpm != nullptr) {
+                uint32_t kw[2];
+                key_words(kw, n0, kv_len, kpm, lane);
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    bits[hh][0] &= kw[0];
+                    bits[hh][1] &= kw[1];
+                }
+            }
+            mask_scores<kNI>(rS, bits, tig);
+        }
         {
             float alpha[2];
             if (online_softmax<kNI>(rS, row_max, row_sum, alpha, mul)) rescale_o<kDI>(rO, alpha);
@@ -579,7 +590,16 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kHeadDim == 64 ? 3 : 2) hopp
                 bits[hh][0] = wv.x;
                 bits[hh][1] = wv.y;
             }
-            mask_scores<kNI>(cur, bits, n0 + kBlockN > kv_len || kpm != nullptr, n0, kv_len, kpm, tig);
+            if (n0 + kBlockN > kv_len || kpm != nullptr) {
+                uint32_t kw[2];
+                key_words(kw, n0, kv_len, kpm, tid & 31);
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    bits[hh][0] &= kw[0];
+                    bits[hh][1] &= kw[1];
+                }
+            }
+            mask_scores<kNI>(cur, bits, tig);
         }
         {
             float alpha[2];

@@ -286,7 +286,16 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const Kern
                         bits[r2][0] = wv.x;
                         bits[r2][1] = wv.y;
                     }
-                    mask_scores<8>(part, bits, bound, n0, kv_len, kpm, tig);
+                    if (bound) {
+                        uint32_t kw[2];
+                        key_words(kw, n0, kv_len, kpm, lane);
+#pragma unroll
+                        for (int r2 = 0; r2 < 2; ++r2) {
+                            bits[r2][0] &= kw[0];
+                            bits[r2][1] &= kw[1];
+                        }
+                    }
+                    mask_scores<8>(part, bits, tig);
                 }
             }
 #pragma unroll
