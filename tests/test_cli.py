@@ -193,3 +193,33 @@ def test_rewrite_reports_missing_external_data(bert_path, tmp_path):
     os.unlink(tmp_path / "weights.bin")
     rc, _, stderr = run_cli("rewrite", src, "-o", str(tmp_path / "o.onnx"), "--max-seq-len", "96")
     assert rc == 2 and "external data file missing" in stderr
+
+
+def test_rewrite_packed_qkv_flag(bert_path, tmp_path):
+    """Packed Q/K/V is the default; --no-packed-qkv keeps three projections; both match the original on ORT."""
+    ort = pytest.importorskip("onnxruntime")
+    outs = {}
+    for flag in ([], ["--no-packed-qkv"]):
+        out = str(tmp_path / f"bert{len(flag)}.stof.onnx")
+        rc, _, stderr = run_cli("rewrite", bert_path, "-o", out, "--max-seq-len", "96", *flag)
+        assert rc == 0, stderr
+        m = onnx.load(out)
+        att = [n for n in m.graph.node if n.op_type == "StofSparseAttention"]
+        fmt = {a.name: helper.get_attribute_value(a) for a in att[0].attribute}.get("qkv_format", b"")
+        outs[bool(flag)] = (out, fmt)
+    assert outs[False][1] == b"bs3hd" and outs[True][1] != b"bs3hd"
+    rng = np.random.default_rng(7)
+    sess0 = ort.InferenceSession(bert_path, providers=["CPUExecutionProvider"])
+    feeds = {}
+    for i in sess0.get_inputs():
+        shape = [2 if d in (None, "batch") or isinstance(d, str) and "batch" in d else d for d in i.shape]
+        shape = [96 if isinstance(d, str) or d is None else d for d in shape]
+        if "int" in i.type:
+            hi = 100 if "input_ids" in i.name else 2
+            feeds[i.name] = rng.integers(0 if hi == 100 else 1, hi, size=shape).astype(np.int64)
+        else:
+            feeds[i.name] = rng.standard_normal(shape).astype(np.float32)
+    ref = sess0.run(None, feeds)[0]
+    for out, _ in outs.values():
+        got = ort.InferenceSession(out, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+        assert np.abs(got - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max())

@@ -29,6 +29,13 @@ def add_args(p):
                    help="tile shape of the compiled mask (default 64 64)")
     p.add_argument("--max-seq-len", type=int, metavar="S",
                    help="sequence length to compile the mask for when the model's sequence axis is dynamic")
+    p.add_argument("--no-packed-qkv", action="store_true",
+                   help="keep separate Q/K/V projections (default: one packed QKV GEMM feeding the attention node "
+                        "through strides, no transposes)")
+    p.add_argument("--dense-attention", choices=("stof", "ort"), default="stof",
+                   help="where attention with no static sparsity (padding-only or unmasked) goes: STOF nodes "
+                        "(default) or ONNX Runtime's contrib Attention (measured slower with 2-D padding masks; "
+                        "docs/performance.md)")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of tables")
 
 
@@ -48,7 +55,9 @@ def run(args) -> int:
 
     new_model, report = graph_rewrite.rewrite_model(model, mask=mask, epilogues=not args.no_epilogue,
                                                      tile_m=args.tile[0], tile_n=args.tile[1],
-                                                     max_seq_len=args.max_seq_len, external_data_dir=data_dir)
+                                                     max_seq_len=args.max_seq_len, external_data_dir=data_dir,
+                                                     packed_qkv=not args.no_packed_qkv,
+                                                     dense_attention=args.dense_attention)
     save_model(new_model, args.output, external_data_dir=data_dir)
     info = report.to_dict()
     info.update(input=args.input, output=args.output, seconds=round(time.perf_counter() - t0, 3))
