@@ -152,7 +152,10 @@ STOF_API stof_status_t stof_presearch_gpu_props(int32_t device, stof_gpu_props_t
  * fastest first (= stof_trt.presearch.rank()).  seq_q/seq_k <= 0 mean the layout's sizes.  Host only: no GPU
  * needed.  Writes min(cap, *n) ids and predicted seconds (either pointer may be NULL); *n = number ranked;
  * STOF_ERROR_INSUFFICIENT_BUFFER when *n > cap.  The library's own valid set for a concrete problem
- * (stof_attn_list_tactics) may be smaller (e.g. no sm_90a code): intersect with it. */
+ * (stof_attn_list_tactics) may be smaller (e.g. no sm_90a code): intersect with it.
+ * The layout must already be valid (docs/format.md: row_ptr non-decreasing from 0 with num_layouts * Tq + 1
+ * entries, col_idx / tile_bitmap_index of row_ptr[last] entries, bitmaps of the partial tiles): its arrays are read
+ * as described, without lengths to check them against (libstof_ort validates a layout before it calls this). */
 STOF_API stof_status_t stof_presearch_rank(const stof_gpu_props_t* gpu, const stof_host_layout_t* layout,
                                            int32_t batch, int32_t heads, int32_t head_dim, int32_t seq_q,
                                            int32_t seq_k, int32_t* ids, double* seconds, int32_t cap, int32_t* n);
