@@ -32,7 +32,10 @@ class FuseDenseOrtAttention(Fusion):
         if node.domain != "stof" or fmt not in ("bs3hd", b"bs3hd"):
             return None
         info = {a.get("name"): a for a in self.ctx.report.attention}.get(node.name)
-        if info is None or float(info.get("density", 0.0)) < 1.0 or info.get("attn_bias"):
+        # Dense = every tile FULL (exact counts: the report's ``density`` is rounded, so a few disallowed pairs
+        # in a long sequence read as 1.0 there and ORT's Attention would drop them).
+        tiles = (info or {}).get("tile_classes") or {}
+        if info is None or tiles.get("empty", 1) or tiles.get("partial", 1) or info.get("attn_bias"):
             return None  # a static sparsity pattern (or a bias): the STOF kernels' case
         if len(node.inputs) > 8 and node.inputs[8].name:
             return None

@@ -123,3 +123,24 @@ def test_dense_attention_keeps_sparse_masks():
     new, report = rewrite_model(exported("bert"), mask="longformer:window=8,global=2", max_seq_len=32,
                                 dense_attention="ort", **TILE)
     assert report.count("dense_attention_to_ort") == 0 and op_counts(new)["StofSparseAttention"] == 2
+
+
+def test_dense_attention_keeps_nearly_full_mask(tmp_path):
+    """An npy mask that forbids one (query, key) pair of 1536² has a rounded density of 1.0 in the report: it is
+    still sparse (one PARTIAL tile) and stays on the STOF kernels, the pair masked as in the 3-D-mask original."""
+    S = 1536
+    dense = np.ones((S, S), bool)
+    dense[0, S - 1] = False
+    np.save(tmp_path / "near_full.npy", dense)
+    m2, m3 = exported("bert", max_positions=S), exported("bert", max_positions=S, mask_dims=3)
+    new, report = rewrite_model(m2, mask=f"npy:{tmp_path / 'near_full.npy'}", max_seq_len=S, dense_attention="ort",
+                                **TILE)
+    assert report.attention[0]["density"] == 1.0  # rounded: not what the dense decision may read
+    assert report.count("dense_attention_to_ort") == 0 and op_counts(new)["StofSparseAttention"] == 2
+    rng = np.random.default_rng(36)
+    feeds = token_feeds(rng, 1, S)
+    feeds3 = dict(feeds, attention_mask=dense[None].astype(np.int64))
+    ref, got, unmasked = run(m3, feeds3)[0], run(new, feeds)[0], run(m2, feeds)[0]
+    tol = 1e-6 * max(1.0, float(np.abs(ref).max()))
+    assert np.abs(ref - unmasked)[:, 0].max() > 5 * tol  # the one pair is visible in query row 0
+    assert np.abs(ref - got).max() <= tol
