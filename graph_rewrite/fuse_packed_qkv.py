@@ -8,7 +8,9 @@ Runs after the attention fusions, on the StofSparseAttention nodes they emitted.
 
 (BERT-style: three projections of the same X with constant weights), or the three outputs of one ``Split`` into
 equal thirds of the last axis (GPT-2's Conv1D ``c_attn``: one [B,S,3·H·D] projection) in place of the three
-MatMul + Add. The key may reach the node through up to two Transposes whose composition is (0,2,1,3).
+MatMul + Add. The key may reach the node through up to two Transposes whose composition is (0,2,1,3). X (or the
+Split's input, then [B,S,3·H·D]) must be rank 3 with the B, S of the heads (checked on run-time shapes): flattened
+[B·S, hidden] projections and per-head [B,S,H,3·D] splits (GPT-NeoX) stay unpacked, as do tied projections (K = Q).
 
 Replaced by::
 
@@ -26,6 +28,7 @@ import onnx_graphsurgeon as gs
 from .base import Fusion, Match
 from .functions import attention_overload
 from .matcher import const_value, producer, single_consumer
+from .probe import Probe
 
 
 def _compose(p_first: list[int], p_second: list[int]) -> list[int]:
@@ -51,7 +54,7 @@ class FusePackedQkv(Fusion):
             return None
         outs = self.ctx.graph_outputs
         taken: list[gs.Node] = [node]
-        projections = []
+        projections, heads = [], []
         for which in range(3):
             chain = self._to_reshape(node.inputs[which], H, D)
             if chain is None:
@@ -60,6 +63,10 @@ class FusePackedQkv(Fusion):
             reshape, transposes = chain
             taken += transposes + [reshape]
             projections.append(reshape.inputs[0])
+            heads.append(reshape.outputs[0])
+        if len({id(t) for t in projections}) != 3:  # tied projections (e.g. K is Q): one tensor, not three thirds
+            self.debug(node, "two of Q/K/V are the same projection")
+            return None
         # -- the output: [B,H,S,D] -> Transpose(0,2,1,3)
         out_t = single_consumer(node.outputs[0], outs)
         if out_t is None or out_t.op != "Transpose" or list(out_t.attrs.get("perm", [])) != [0, 2, 1, 3]:
@@ -123,7 +130,9 @@ class FusePackedQkv(Fusion):
             new.append(att)
             return new
 
-        info = {"name": name, "heads": H, "head_dim": D, "source": "split" if gemm is None else "matmul_add"}
+        info = {"name": name, "heads": H, "head_dim": D, "source": "split" if gemm is None else "matmul_add",
+                "_source": ((packed_src if gemm is None else x).name, heads[0].name,
+                            3 * H * D if gemm is None else None)}
         return Match(node, taken, build, info)
 
     def apply(self) -> int:
@@ -132,6 +141,39 @@ class FusePackedQkv(Fusion):
             used = {(nd.op, self.ctx.overloads.get(nd.name, "")) for nd in self.graph.nodes if nd.domain == "stof"}
             self.ctx.functions &= used
         return n
+
+    def analyze(self, matches: list[Match]) -> list[Match]:
+        """Keep the matches whose projection source is [B, S, ·] with the B, S of the heads' Reshape [B, S, H, D]
+        (a Split source: [B, S, 3·H·D]): the packed Reshape [0, 0, 3, H, D] copies its first two dims, so a
+        flattened [B·S, hidden] projection or a per-head [B, S, H, 3·D] Split stays unpacked. Run-time shapes of
+        the original model at two sizes, as for FuseAddLayerNorm's residual check."""
+        if not matches:
+            return matches
+        model = self.ctx.options["_original_model"]
+        known = {t for n in model.graph.node for t in n.output} | {i.name for i in model.graph.input}
+        checks = [m.info.pop("_source") for m in matches]
+        names = sorted({n for src, out, _ in checks for n in (src, out) if n in known})
+        seq = min(self.ctx.options.get("max_seq_len") or 8, 8)
+        try:
+            probe = Probe(model, [], names)
+            runs = [probe.run(2, seq)[1], probe.run(3, max(1, seq - 3))[1]] if names else []
+        except Exception as exc:  # noqa: BLE001 - cannot prove the shapes: leave every attention unpacked
+            for m in matches:
+                self.skip(m.anchor, f"cannot check the projection shapes: {str(exc)[:100]}")
+            return []
+        kept = []
+        for m, (src, out, last) in zip(matches, checks):
+            if src not in known:  # made by FuseOrtAttention from the contrib op's [B, S, hidden] input
+                kept.append(m)
+                continue
+            ok = all(len(r[src]) == 3 and (last is None or r[src][2] == last)
+                     and (out not in known or tuple(r[src][:2]) == tuple(r[out][:2])) for r in runs)
+            if ok:
+                kept.append(m)
+            else:
+                self.skip(m.anchor, f"projection source {runs[0][src]} is not [B, S, hidden]"
+                                    + (f" with hidden {last}" if last else "") + ": Q/K/V left unpacked")
+        return kept
 
     # -- helpers ---------------------------------------------------------------------------------------------------
     def _only_feeds(self, start: gs.Node, ids: set[int], limit: int = 32) -> bool:

@@ -144,3 +144,81 @@ def test_dense_attention_keeps_nearly_full_mask(tmp_path):
     tol = 1e-6 * max(1.0, float(np.abs(ref).max()))
     assert np.abs(ref - unmasked)[:, 0].max() > 5 * tol  # the one pair is visible in query row 0
     assert np.abs(ref - got).max() <= tol
+
+
+def _qkv_model(kind: str, dynamic: bool = False):
+    """x [B,S,32] -> Q/K/V projections -> Reshape [B,S,4,8] -> Transpose(0,2,1,3) -> attention with a padding mask
+    -> Transpose -> Reshape [B,S,32]. kind: "plain" (three MatMul + bias of x), "flat" (the three on x viewed
+    [B·S, 32]), "neox" (one [B,S,96] projection viewed [B,S,4,24], Split on the last axis: per head [q|k|v]),
+    "tied" (K is Q)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    H, D, hid, Bs, Ss = 4, 8, 32, 2, 32
+    rng = np.random.default_rng(40)
+    nodes, inits = [], []
+
+    def const(arr):
+        inits.append(numpy_helper.from_array(np.asarray(arr), f"c{len(inits)}"))
+        return inits[-1].name
+
+    def node(op, ins, **kw):
+        nodes.append(helper.make_node(op, ins, [f"t{len(nodes)}"], **kw))
+        return nodes[-1].output[0]
+
+    def target(*tail):  # [B, S, *tail]
+        if not dynamic:
+            return const(np.array([Bs, Ss, *tail], np.int64))
+        bs = node("Slice", [node("Shape", ["x"]), const(np.array([0], np.int64)), const(np.array([2], np.int64))])
+        return node("Concat", [bs, const(np.array(tail, np.int64))], axis=0)
+
+    def linear(src, n):
+        w = const((rng.standard_normal((hid, n)) * 0.3).astype(np.float32))
+        return node("Add", [node("MatMul", [src, w]), const((rng.standard_normal(n) * 0.1).astype(np.float32))])
+
+    def heads(t):
+        return node("Transpose", [node("Reshape", [t, target(H, D)])], perm=[0, 2, 1, 3])
+
+    if kind == "neox":
+        parts = [f"split{i}" for i in range(3)]
+        nodes.append(helper.make_node("Split", [node("Reshape", [linear("x", 3 * hid), target(H, 3 * D)])], parts,
+                                      axis=-1, num_outputs=3))
+        q, k, v = (heads(p) for p in parts)
+    else:
+        src = node("Reshape", ["x", const(np.array([-1, hid], np.int64))]) if kind == "flat" else "x"
+        q, k, v = (heads(linear(src, hid)) for _ in range(3))
+        if kind == "tied":
+            k = q
+    scores = node("Mul", [node("MatMul", [q, node("Transpose", [k], perm=[0, 1, 3, 2])]),
+                          const(np.float32(1 / np.sqrt(D)))])
+    pad = node("Cast", [node("Unsqueeze", ["mask", const(np.array([1, 2], np.int64))])], to=TensorProto.FLOAT)
+    bias = node("Mul", [node("Sub", [const(np.float32(1)), pad]), const(np.float32(-10000))])
+    ctx = node("MatMul", [node("Softmax", [node("Add", [scores, bias])], axis=-1), v])
+    nodes[-1].output[0] = "pre_y"
+    nodes.append(helper.make_node("Reshape", [node("Transpose", ["pre_y"], perm=[0, 2, 1, 3]), target(hid)], ["y"]))
+    b, s = ("b", "s") if dynamic else (Bs, Ss)
+    graph = helper.make_graph(nodes, kind, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [b, s, hid]),
+                                            helper.make_tensor_value_info("mask", TensorProto.INT64, [b, s])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [b, s, hid])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 9
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def _qkv_feeds(seed, batch=2, seq=32):
+    rng = np.random.default_rng(seed)
+    return {"x": rng.standard_normal((batch, seq, 32)).astype(np.float32), "mask": padding_mask(rng, batch, seq)}
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("kind,packs", [("plain", 1), ("flat", 0), ("neox", 0), ("tied", 0)])
+def test_projection_sources(kind, packs, dynamic):
+    """Only [B,S,hidden] projections of three distinct tensors are packed: flattened [B·S, hidden] projections (the
+    packed Reshape [0,0,3,H,D] would not fit), a per-head [B,S,H,3·D] Split (GPT-NeoX: read as [q|k|v] thirds it
+    would be wrong) and a tied K = Q (its nodes taken twice) stay unpacked; every rewrite matches the original."""
+    model = _qkv_model(kind, dynamic)
+    new, report = rewrite_model(model, max_seq_len=32 if dynamic else None, **TILE)
+    assert op_counts(new)["StofSparseAttention"] == 1
+    assert report.count("packed_qkv") == packs and len(_packed(new)) == packs
+    for seed, seq in ((41, 32), (42, 21)) if dynamic else ((41, 32),):
+        assert_parity(model, new, _qkv_feeds(seed, 3, seq) if dynamic else _qkv_feeds(seed))
