@@ -10,6 +10,8 @@ exactly that case with its fused kernels (cuDNN / flash attention on the CUDA EP
 Replaced by ``com.microsoft.Attention(X, W, b, [key_padding_mask]) -> Reshape[B,S,H,D] -> Y`` with the node's
 scale. The model then needs ONNX Runtime (CPU or CUDA) for those nodes; masked (sparse) attention stays STOF.
 Off by default: the user chooses (``stof rewrite`` keeps every attention on the STOF kernels unless asked).
+Only packed attention is matched (``packed_qkv=True`` and, for the GEMM, ``epilogues=True``): rewrite_model
+notes in the report any attention with no sparsity that stays on STOF.
 """
 from __future__ import annotations
 
@@ -22,6 +24,14 @@ from .matcher import producer, single_consumer
 ORT_DOMAIN = "com.microsoft"
 
 
+def no_sparsity(info: dict) -> bool:
+    """The report entry of an attention node with nothing to skip: every tile FULL and no bias. Exact tile counts:
+    the entry's ``density`` is rounded, so a few disallowed pairs in a long sequence read as 1.0 there (and ORT's
+    Attention would drop them)."""
+    tiles = info.get("tile_classes") or {}
+    return not (tiles.get("empty", 1) or tiles.get("partial", 1) or info.get("attn_bias"))
+
+
 class FuseDenseOrtAttention(Fusion):
     fused_op_type = "Attention"
     search_op_types = ("StofSparseAttention",)
@@ -32,10 +42,7 @@ class FuseDenseOrtAttention(Fusion):
         if node.domain != "stof" or fmt not in ("bs3hd", b"bs3hd"):
             return None
         info = {a.get("name"): a for a in self.ctx.report.attention}.get(node.name)
-        # Dense = every tile FULL (exact counts: the report's ``density`` is rounded, so a few disallowed pairs
-        # in a long sequence read as 1.0 there and ORT's Attention would drop them).
-        tiles = (info or {}).get("tile_classes") or {}
-        if info is None or tiles.get("empty", 1) or tiles.get("partial", 1) or info.get("attn_bias"):
+        if info is None or not no_sparsity(info):
             return None  # a static sparsity pattern (or a bias): the STOF kernels' case
         if len(node.inputs) > 8 and node.inputs[8].name:
             return None

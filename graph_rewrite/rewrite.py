@@ -65,7 +65,9 @@ def rewrite_model(model: onnx.ModelProto, *, mask=None, epilogues: bool = True, 
             Split into thirds) from one packed GEMM, read in place (``qkv_format="bs3hd"``, no transposes).
         dense_attention: "stof" (default): every attention core runs on the STOF kernels; "ort": attention with no
             sparsity (no mask, or key padding only) whose Q/K/V were packed becomes ONNX Runtime's contrib
-            ``Attention`` (com.microsoft; its fused kernels), the model then needing ONNX Runtime for it.
+            ``Attention`` (com.microsoft; its fused kernels), the model then needing ONNX Runtime for it. Needs
+            packed_qkv=True and (for three MatMul + bias projections) epilogues=True; dense attention left on the
+            STOF kernels is listed in the report's notes.
         external_data_dir: for a model loaded with ``onnx.load(..., load_external_data=False)`` (needed when a
             single tensor is over 2 GB): the directory its external data locations are relative to. Those
             weights are read where a value is needed and stay external in the returned model.
@@ -119,6 +121,8 @@ def _rewrite_model(model, *, mask, epilogues, tile_m, tile_n, max_seq_len, packe
     for fusion in _fusions(epilogues, packed_qkv, dense_attention):
         fusion(ctx).apply()
     report.nodes_after = len(graph.nodes)
+    if dense_attention == "ort":
+        _note_dense_on_stof(report, packed_qkv, epilogues)
     if mask is not None and not report.attention:
         report.notes.append("a mask was given but no attention was rewritten")
     if max_seq_len is not None and report.attention and all(a["seq_q"] != max_seq_len for a in report.attention):
@@ -151,6 +155,21 @@ def _rewrite_model(model, *, mask, epilogues, tile_m, tile_n, max_seq_len, packe
     out.functions.extend(list(original.functions) + build_functions(ctx.functions, opset))
     check(out)
     return out, report
+
+
+def _note_dense_on_stof(report: RewriteReport, packed_qkv: bool, epilogues: bool) -> None:
+    """dense_attention="ort" converts only attention fed from the packed Q/K/V GEMM: say so when attention with no
+    sparsity stays on the STOF kernels (with packed_qkv=False or epilogues=False, every such node does)."""
+    from .fuse_dense_ort_attention import no_sparsity
+
+    left = sum(no_sparsity(a) for a in report.attention) - report.count("dense_attention_to_ort")
+    if left <= 0:
+        return
+    why = ("packed_qkv=False" if not packed_qkv else "epilogues=False" if not epilogues else
+           "their Q/K/V are not packed into one GEMM")
+    report.notes.append(f"dense_attention='ort': {left} attention node(s) with no sparsity stay on the STOF kernels "
+                        f"({why}); only attention fed from the packed Q/K/V GEMM (packed_qkv=True, epilogues=True) "
+                        "becomes ONNX Runtime's Attention")
 
 
 def check(model: onnx.ModelProto) -> None:

@@ -125,6 +125,24 @@ def test_dense_attention_keeps_sparse_masks():
     assert report.count("dense_attention_to_ort") == 0 and op_counts(new)["StofSparseAttention"] == 2
 
 
+@pytest.mark.parametrize("flag", ["packed_qkv", "epilogues"])
+def test_dense_attention_needs_packing_noted(flag):
+    """dense_attention="ort" converts only packed attention: with packed_qkv=False or epilogues=False the dense
+    attention stays on STOF (still matching the original) and the report says so in a note."""
+    model = exported("bert")
+    new, report = rewrite_model(model, max_seq_len=32, dense_attention="ort", **{flag: False}, **TILE)
+    assert report.count("dense_attention_to_ort") == 0 and op_counts(new)["StofSparseAttention"] == 2
+    notes = [n for n in report.notes if "dense_attention='ort'" in n]
+    assert len(notes) == 1 and f"{flag}=False" in notes[0] and "2 attention node(s)" in notes[0], report.notes
+    rng = np.random.default_rng(37)
+    assert_parity(model, new, token_feeds(rng, 3, 29, mask=padding_mask(rng, 3, 29)))
+    # converted (the default flags) or sparse attention: no note
+    _, converted = rewrite_model(model, max_seq_len=32, dense_attention="ort", **TILE)
+    _, sparse = rewrite_model(model, mask="longformer:window=8,global=2", max_seq_len=32, dense_attention="ort",
+                              **{flag: False}, **TILE)
+    assert not [n for n in converted.notes + sparse.notes if "dense_attention" in n]
+
+
 def test_dense_attention_keeps_nearly_full_mask(tmp_path):
     """An npy mask that forbids one (query, key) pair of 1536² has a rounded density of 1.0 in the report: it is
     still sparse (one PARTIAL tile) and stays on the STOF kernels, the pair masked as in the 3-D-mask original."""

@@ -35,7 +35,8 @@ def add_args(p):
     p.add_argument("--dense-attention", choices=("stof", "ort"), default="stof",
                    help="where attention with no static sparsity (padding-only or unmasked) goes: STOF nodes "
                         "(default) or ONNX Runtime's contrib Attention (measured slower with 2-D padding masks; "
-                        "docs/performance.md)")
+                        "docs/performance.md). 'ort' converts only packed attention: it does nothing with "
+                        "--no-packed-qkv or --no-epilogue (the report notes attention left on STOF)")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of tables")
 
 
