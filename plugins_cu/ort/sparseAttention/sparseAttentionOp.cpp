@@ -383,10 +383,10 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
             tactic = presearchTactic(p, maskSig, shapeBucket(B, Sq, Sk) + "|" + maskSig);
         }
         stof_status_t s = stof_attn_run(&p, tactic, reinterpret_cast<stof_stream_t>(stream));
-        if (s == STOF_ERROR_INVALID_TACTIC && tactic != 0) {  // a stale cache entry: the library's choice
+        if (s == STOF_ERROR_INVALID_TACTIC && tactic != 0) {  // a stale cache entry or pre-search pick: the library's
             if (verboseEnabled())
-                std::fprintf(stderr, "[stof] %s: cached tactic %d invalid here (%s); using the default\n",
-                             mName.c_str(), tactic, stof_last_error_message());
+                std::fprintf(stderr, "[stof] %s: %s tactic %d invalid here (%s); using the library default\n",
+                             mName.c_str(), fromCache ? "cached" : "pre-search", tactic, stof_last_error_message());
             s = stof_attn_run(&p, 0, reinterpret_cast<stof_stream_t>(stream));
         }
         if (s == STOF_SUCCESS) return;
