@@ -88,6 +88,29 @@ __device__ __forceinline__ void key_words(uint32_t (&kw)[2], int n0, int kv_len,
     }
 }
 
+// The two 32-key bitmap words of bitmap row a for 64-key sub-block `sub` of a tile (bm_idx: its bitmap, -1 for a
+// FULL tile: all ones).  The two words are contiguous and 8-byte aligned (tile_n % 64 == 0): one 64-bit load.
+__device__ __forceinline__ void row_bits(uint32_t (&bits)[2], const KernelParams& p, int bm_idx, int a, int sub) {
+    uint2 wv = make_uint2(0xffffffffu, 0xffffffffu);
+    if (bm_idx >= 0)
+        wv = __ldg(reinterpret_cast<const uint2*>(p.bitmaps + static_cast<int64_t>(bm_idx) * (p.tile_m * p.tile_n / 32) +
+                                                  a * (p.tile_n / 32) + sub * 2));
+    bits[0] = wv.x;
+    bits[1] = wv.y;
+}
+
+// ANDs the key bound / padding of the step's 64 keys into both rows' words (key_words; warp-uniform call).
+__device__ __forceinline__ void and_key_words(uint32_t (&bits)[2][2], int n0, int kv_len, const int32_t* kpm,
+                                              int lane) {
+    uint32_t kw[2];
+    key_words(kw, n0, kv_len, kpm, lane);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        bits[hh][0] &= kw[0];
+        bits[hh][1] &= kw[1];
+    }
+}
+
 // Masks one warp's two score rows (g and g + 8; wgmma/mma C layout, kNI groups of 8 columns) of a 64-key
 // sub-block.  bits[hh][w]: the two 32-key words of allowed keys of the row (the tile bitmap's words, all ones for
 // a FULL tile, ANDed with key_words() where the key bound or padding cuts).  The thread's 2*kNI columns are
@@ -210,6 +233,46 @@ __device__ __forceinline__ void rescale_o(float (&rO)[kDI * 4], const float (&al
         }
 }
 
+// Epilogue, part 1: each thread normalises its two rows of O (row sums reduced over the quad; empty rows -> 0)
+// and writes them as Elem pairs into the kRows-row swizzled tile at sTile (rows row0 + {g, g + 8}).
+template <class Elem, int kDI, int kRows>
+__device__ __forceinline__ void stage_o(const float (&rO)[kDI * 4], const float (&row_sum)[2], uint32_t sTile,
+                                        int row0, int g, int tig) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        float l = row_sum[hh];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const int row = row0 + hh * 8 + g;
+#pragma unroll
+        for (int di = 0; di < kDI; ++di) {
+            const uint32_t packed = ElemTraits<Elem>::pack(rO[di * 4 + hh * 2] * inv, rO[di * 4 + hh * 2 + 1] * inv);
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sTile + swz128<kRows>(row, di) + tig * 4), "r"(packed));
+        }
+    }
+}
+
+// Epilogue, part 2 (after a barrier over the staging threads): rows [r0, r0 + kN) of the staged tile to O rows
+// q0 + r, 16-byte stores by kThreads threads (t = 0..kThreads-1); rows >= seq_q are skipped.
+template <class Elem, int kRows, int kN, int kChunks, int kThreads>
+__device__ __forceinline__ void store_o(uint32_t sTile, Elem* gO, int64_t o_ss, int q0, int r0, int seq_q, int t) {
+    constexpr int kIters = kN * kChunks / kThreads;
+    static_assert(kN * kChunks % kThreads == 0, "store split");
+#pragma unroll
+    for (int i = 0; i < kIters; ++i) {
+        const int c = t + i * kThreads;
+        const int r = r0 + c / kChunks, ch = c % kChunks;
+        if (q0 + r < seq_q) {
+            uint4 val;
+            asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
+                         : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
+                         : "r"(sTile + swz128<kRows>(r, ch)));
+            *reinterpret_cast<uint4*>(gO + static_cast<int64_t>(q0 + r) * o_ss + ch * 8) = val;
+        }
+    }
+}
+
 // The merged walk over the tile rows of the kWG warpgroups: yields (column j, sub-block, entry per warpgroup or -1).
 template <int kWG>
 struct MergedCursor {
@@ -285,8 +348,6 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
     const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_sb + h * p.v_sh;
     Elem* gO = static_cast<Elem*>(p.o) + b * p.o_sb + h * p.o_sh;
     const int32_t* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.seq_k : nullptr;
-    const int words_per_tile = p.tile_m * p.tile_n / 32;
-    const int words_per_row = p.tile_n / 32;
     const float sl2 = p.scale_log2;
     const bool fold = sl2 > 0.f;          // scale folded into the exp2 FFMA (max taken on raw scores)
     const float mul = fold ? sl2 : 1.f;  // otherwise scores are pre-scaled, then masked
@@ -356,17 +417,8 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
         const bool need_mask = bm_idx >= 0 || n0 + kBlockN > kv_len || kpm != nullptr;
         uint32_t bits[2][HT::kWordsN];
         if (need_mask) {
-            // the two words of a row are contiguous and 8-byte aligned (tile_n % 64 == 0): one 64-bit load each
 #pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                const int a = my_a0 + (warp & 3) * 16 + hh * 8 + g;
-                uint2 wv = make_uint2(0xffffffffu, 0xffffffffu);
-                if (bm_idx >= 0)
-                    wv = __ldg(reinterpret_cast<const uint2*>(p.bitmaps + static_cast<int64_t>(bm_idx) * words_per_tile +
-                                                              a * words_per_row + sub * HT::kWordsN));
-                bits[hh][0] = wv.x;
-                bits[hh][1] = wv.y;
-            }
+            for (int hh = 0; hh < 2; ++hh) row_bits(bits[hh], p, bm_idx, my_a0 + (warp & 3) * 16 + hh * 8 + g, sub);
         }
         // descriptors = base + (byte offset >> 4): shared addresses stay below 2^18, so the 14-bit field never carries
         const uint64_t stage_off = static_cast<uint64_t>(((it % kStages) * 2 * HT::kSmemKV) >> 4);
@@ -394,15 +446,7 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
             for (int i = 0; i < kNI * 4; ++i) rS[i] *= sl2;
         }
         if (need_mask) {
-            if (n0 + kBlockN > kv_len || kpm != nullptr) {
-                uint32_t kw[2];
-                key_words(kw, n0, kv_len, kpm, lane);
-#pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                    bits[hh][0] &= kw[0];
-                    bits[hh][1] &= kw[1];
-                }
-            }
+            if (n0 + kBlockN > kv_len || kpm != nullptr) and_key_words(bits, n0, kv_len, kpm, lane);
             mask_scores<kNI>(rS, bits, tig);
         }
         {
@@ -436,33 +480,9 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
     // Epilogue
     cp_async_wait<0>();
     __syncthreads();
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        float l = row_sum[hh];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-        const int row = warp_row0 + hh * 8 + g;
-#pragma unroll
-        for (int di = 0; di < kDI; ++di) {
-            const uint32_t packed = ElemTraits<Elem>::pack(rO[di * 4 + hh * 2] * inv, rO[di * 4 + hh * 2 + 1] * inv);
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sQ + swz128<kBlockM>(row, di) + tig * 4), "r"(packed));
-        }
-    }
+    stage_o<Elem, kDI, kBlockM>(rO, row_sum, sQ, warp_row0, g, tig);
     __syncthreads();
-    constexpr int kOutIters = kBlockM * HT::kChunks / HT::kThreads;
-#pragma unroll
-    for (int i = 0; i < kOutIters; ++i) {
-        const int c = tid + i * HT::kThreads;
-        const int row = c / HT::kChunks, ch = c % HT::kChunks;
-        if (q0 + row < p.seq_q) {
-            uint4 val;
-            asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
-                         : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
-                         : "r"(sQ + swz128<kBlockM>(row, ch)));
-            *reinterpret_cast<uint4*>(gO + static_cast<int64_t>(q0 + row) * p.o_ss + ch * 8) = val;
-        }
-    }
+    store_o<Elem, kBlockM, kBlockM, HT::kChunks, HT::kThreads>(sQ, gO, p.o_ss, q0, 0, p.seq_q, tid);
 #else
     __trap();  // built without sm_90a: the dispatcher never selects this tactic then
 #endif
@@ -503,8 +523,6 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kHeadDim == 64 ? 3 : 2) hopp
     const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_sb + h * p.v_sh;
     Elem* gO = static_cast<Elem*>(p.o) + b * p.o_sb + h * p.o_sh;
     const int32_t* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.seq_k : nullptr;
-    const int words_per_tile = p.tile_m * p.tile_n / 32;
-    const int words_per_row = p.tile_n / 32;
     const float sl2 = p.scale_log2;
     const bool fold = sl2 > 0.f;
     const float mul = fold ? sl2 : 1.f;
@@ -579,26 +597,9 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kHeadDim == 64 ? 3 : 2) hopp
         }
         if (need_mask) {
             uint32_t bits[2][HT::kWordsN];
-            // the two words of a row are contiguous and 8-byte aligned (tile_n % 64 == 0): one 64-bit load each
 #pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                const int a = a0 + warp_row0 + hh * 8 + g;
-                uint2 wv = make_uint2(0xffffffffu, 0xffffffffu);
-                if (bm_idx >= 0)
-                    wv = __ldg(reinterpret_cast<const uint2*>(p.bitmaps + static_cast<int64_t>(bm_idx) * words_per_tile +
-                                                              a * words_per_row + sub * HT::kWordsN));
-                bits[hh][0] = wv.x;
-                bits[hh][1] = wv.y;
-            }
-            if (n0 + kBlockN > kv_len || kpm != nullptr) {
-                uint32_t kw[2];
-                key_words(kw, n0, kv_len, kpm, tid & 31);
-#pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                    bits[hh][0] &= kw[0];
-                    bits[hh][1] &= kw[1];
-                }
-            }
+            for (int hh = 0; hh < 2; ++hh) row_bits(bits[hh], p, bm_idx, a0 + warp_row0 + hh * 8 + g, sub);
+            if (n0 + kBlockN > kv_len || kpm != nullptr) and_key_words(bits, n0, kv_len, kpm, tid & 31);
             mask_scores<kNI>(cur, bits, tig);
         }
         {
@@ -634,33 +635,9 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kHeadDim == 64 ? 3 : 2) hopp
     // Epilogue
     cp_async_wait<0>();
     __syncthreads();
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        float l = row_sum[hh];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-        const int row = warp_row0 + hh * 8 + g;
-#pragma unroll
-        for (int di = 0; di < kDI; ++di) {
-            const uint32_t packed = ElemTraits<Elem>::pack(rO[di * 4 + hh * 2] * inv, rO[di * 4 + hh * 2 + 1] * inv);
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sQ + swz128<kBlockM>(row, di) + tig * 4), "r"(packed));
-        }
-    }
+    stage_o<Elem, kDI, kBlockM>(rO, row_sum, sQ, warp_row0, g, tig);
     __syncthreads();
-    constexpr int kOutIters = kBlockM * HT::kChunks / HT::kThreads;
-#pragma unroll
-    for (int i = 0; i < kOutIters; ++i) {
-        const int c = tid + i * HT::kThreads;
-        const int row = c / HT::kChunks, ch = c % HT::kChunks;
-        if (q0 + row < p.seq_q) {
-            uint4 val;
-            asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
-                         : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
-                         : "r"(sQ + swz128<kBlockM>(row, ch)));
-            *reinterpret_cast<uint4*>(gO + static_cast<int64_t>(q0 + row) * p.o_ss + ch * 8) = val;
-        }
-    }
+    store_o<Elem, kBlockM, kBlockM, HT::kChunks, HT::kThreads>(sQ, gO, p.o_ss, q0, 0, p.seq_q, tid);
 #else
     __trap();
 #endif

@@ -198,8 +198,6 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const Kern
     const Elem* gQ = static_cast<const Elem*>(p.q) + b * p.q_sb + h * p.q_sh;
     Elem* gO = static_cast<Elem*>(p.o) + b * p.o_sb + h * p.o_sh;
     const int32_t* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.seq_k : nullptr;
-    const int words_per_tile = p.tile_m * p.tile_n / 32;
-    const int words_per_row = p.tile_n / 32;
     const float sl2 = p.scale_log2;
     const bool fold = sl2 > 0.f;          // scale folded into the exp2 FFMA (max taken on raw scores)
     const float mul = fold ? sl2 : 1.f;  // otherwise scores are pre-scaled, then masked
@@ -276,25 +274,8 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const Kern
                 if (bm_idx >= 0 || bound) {
                     uint32_t bits[2][2];
 #pragma unroll
-                    for (int r2 = 0; r2 < 2; ++r2) {
-                        const int a = my_a0 + warp * 16 + r2 * 8 + g;
-                        uint2 wv = make_uint2(0xffffffffu, 0xffffffffu);
-                        if (bm_idx >= 0)
-                            wv = __ldg(reinterpret_cast<const uint2*>(p.bitmaps +
-                                                                      static_cast<int64_t>(bm_idx) * words_per_tile +
-                                                                      a * words_per_row + st.sub[hh] * 2));
-                        bits[r2][0] = wv.x;
-                        bits[r2][1] = wv.y;
-                    }
-                    if (bound) {
-                        uint32_t kw[2];
-                        key_words(kw, n0, kv_len, kpm, lane);
-#pragma unroll
-                        for (int r2 = 0; r2 < 2; ++r2) {
-                            bits[r2][0] &= kw[0];
-                            bits[r2][1] &= kw[1];
-                        }
-                    }
+                    for (int r2 = 0; r2 < 2; ++r2) row_bits(bits[r2], p, bm_idx, my_a0 + warp * 16 + r2 * 8 + g, st.sub[hh]);
+                    if (bound) and_key_words(bits, n0, kv_len, kpm, lane);
                     mask_scores<8>(part, bits, tig);
                 }
             }
@@ -355,34 +336,9 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const Kern
     }
 
     // Epilogue: normalise, stage through this consumer's (now unused) Q rows, 16-byte stores.
-#pragma unroll
-    for (int r2 = 0; r2 < 2; ++r2) {
-        float l = row_sum[r2];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-        const int row = 64 * w + warp * 16 + r2 * 8 + g;
-#pragma unroll
-        for (int di = 0; di < kDI; ++di) {
-            const uint32_t packed = ElemTraits<Elem>::pack(rO[di * 4 + r2 * 2] * inv, rO[di * 4 + r2 * 2 + 1] * inv);
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sQ + swz128<kBlockM>(row, di) + tig * 4), "r"(packed));
-        }
-    }
+    stage_o<Elem, kDI, kBlockM>(rO, row_sum, sQ, 64 * w + warp * 16, g, tig);
     named_barrier_sync(1 + w, 128);
-    constexpr int kOutIters = 64 * WT::kChunks / 128;
-#pragma unroll
-    for (int i = 0; i < kOutIters; ++i) {
-        const int c = ctid + i * 128;
-        const int r = c / WT::kChunks, ch = c % WT::kChunks;
-        const int row = q0 + 64 * w + r;
-        if (row < p.seq_q) {
-            uint4 val;
-            asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
-                         : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
-                         : "r"(sQ + swz128<kBlockM>(64 * w + r, ch)));
-            *reinterpret_cast<uint4*>(gO + static_cast<int64_t>(row) * p.o_ss + ch * 8) = val;
-        }
-    }
+    store_o<Elem, kBlockM, 64, WT::kChunks, 128>(sQ, gO, p.o_ss, q0, 64 * w, p.seq_q, ctid);
 #else
     __trap();  // built without sm_90a: the dispatcher never selects this tactic then
 #endif
