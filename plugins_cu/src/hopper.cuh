@@ -488,9 +488,9 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
 #endif
 }
 
-// Pipelined variant (one warpgroup per CTA): S_{i+1} = Q K_{i+1}^T is issued on the tensor cores before the
-// softmax of S_i runs on the ALU/MUFU, then O += P_i V_i (FlashAttention-3's intra-warpgroup overlap).  Two S
-// register tiles; the K/V ring is kStages >= 3 deep (tile i+1 must be resident while V_i is still read).
+// Pipelined variant (one warpgroup per CTA), FlashAttention-3's intra-warpgroup overlap in the order of the
+// warp-specialised consumer (hopper_ws.cuh): S_i = Q K_i^T and O += P_{i-1} V_{i-1} issued together, the softmax
+// of S_i while P V runs.  The K/V ring is kStages >= 3 deep (V_{i-1} is still read while tile i is).
 template <class HT>
 __global__ void __launch_bounds__(HT::kThreads, HT::kHeadDim == 64 ? 3 : 2) hopper_attn_fwd_pipe(const KernelParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -536,101 +536,104 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kHeadDim == 64 ? 3 : 2) hopp
         load_rows_async128<HT, kBlockN>(st, gK, p.k_ss, n0, kv_len, tid);
         load_rows_async128<HT, kBlockN>(st + HT::kSmemKV, gV, p.v_ss, n0, kv_len, tid);
     };
-    auto issue_s = [&](float (&acc)[kNI * 4], int it) {
-        const uint32_t sK = sKV + (it % kStages) * 2 * HT::kSmemKV;
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kKD; ++kk) {
-            const uint64_t da = gmma_desc(sQ + (kk >> 2) * (kBlockM * 128) + (kk & 3) * 32, 16, 1024);
-            const uint64_t db = gmma_desc(sK + (kk >> 2) * (kBlockN * 128) + (kk & 3) * 32, 16, 1024);
-            wgmma_ss<64, Elem>(acc, da, db, kk > 0 ? 1 : 0);
-        }
-        wgmma_commit();
-        fence_regs(acc);
-    };
-
-    load_rows_async128<HT, kBlockM>(sQ, gQ, p.q_ss, q0, p.seq_q, tid);
-    cp_async_commit();
-#pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-        if (s < n_iter) load_kv(s);
-        cp_async_commit();
-    }
-
+    const uint64_t dQ0 = gmma_desc(sQ, 16, 1024);
+    const uint64_t dK0 = gmma_desc(sKV, 16, 1024);
+    const uint64_t dV0 = gmma_desc(sKV + HT::kSmemKV, kBlockN * 128, 1024);
     float rO[kDI * 4];
-    float rS0[kNI * 4], rS1[kNI * 4];
+    float rS[kNI * 4];
+    uint32_t rP[kKN][4];
 #pragma unroll
     for (int i = 0; i < kDI * 4; ++i) rO[i] = 0.f;
-#pragma unroll
-    for (int i = 0; i < kNI * 4; ++i) rS0[i] = rS1[i] = 0.f;
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
     const int warp_row0 = warp * 16;
 
-    if (n_iter > 0) {
-        cp_async_wait<kStages - 2>();  // Q and tile 0
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        __syncthreads();
-        issue_s(rS0, 0);
-    }
-
-    // One pipeline step on tile `it`: S_it is in flight in `cur`; `nxt` receives S_{it+1}.
-    auto step = [&](int it, float (&cur)[kNI * 4], float (&nxt)[kNI * 4]) {
-        wgmma_wait<0>();  // S_it and PV_{it-1} done
-        fence_regs(cur);
-        fence_regs(rO);
-        if (it + 1 < n_iter) {
-            cp_async_wait<kStages - 3>();  // tile it+1 resident
-            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            __syncthreads();  // ... for every thread; and stage (it-1) % kStages is free (PV_{it-1} done)
-            if (it + kStages - 1 < n_iter) load_kv(it + kStages - 1);
-            cp_async_commit();
-            issue_s(nxt, it + 1);
-        }
+    auto issue_s = [&](int it) {  // S = Q K_it^T
+        const uint64_t dK = dK0 + static_cast<uint64_t>(((it % kStages) * 2 * HT::kSmemKV) >> 4);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kKD; ++kk)
+            wgmma_ss<64, Elem>(rS, dQ0 + (((kk >> 2) * (kBlockM * 128) + (kk & 3) * 32) >> 4),
+                               dK + (((kk >> 2) * (kBlockN * 128) + (kk & 3) * 32) >> 4), kk > 0 ? 1 : 0);
+        wgmma_commit();
+    };
+    auto issue_pv = [&](int it) {  // O += P_it V_it
+        const uint64_t dV = dV0 + static_cast<uint64_t>(((it % kStages) * 2 * HT::kSmemKV) >> 4);
+        wgmma_fence();
+#pragma unroll
+        for (int kn = 0; kn < kKN; ++kn) wgmma_rs<HT::kHeadDim, Elem>(rO, rP[kn], dV + ((kn * 16 * 128) >> 4), 1);
+        wgmma_commit();
+    };
+    // mask + online softmax of S_it (leaves P in rS); true when O must be rescaled by alpha
+    auto softmax = [&](int it, float (&alpha)[2]) -> bool {
         const int e = e_begin + it / nsub;
         const int sub = it % nsub;
         const int n0 = __ldg(p.col_idx + e) * p.tile_n + sub * kBlockN;
         const int bm_idx = __ldg(p.tile_bitmap_index + e);
-        const bool need_mask = bm_idx >= 0 || n0 + kBlockN > kv_len || kpm != nullptr;
         if (!fold) {
 #pragma unroll
-            for (int i = 0; i < kNI * 4; ++i) cur[i] *= sl2;
+            for (int i = 0; i < kNI * 4; ++i) rS[i] *= sl2;
         }
-        if (need_mask) {
+        if (bm_idx >= 0 || n0 + kBlockN > kv_len || kpm != nullptr) {
             uint32_t bits[2][HT::kWordsN];
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) row_bits(bits[hh], p, bm_idx, a0 + warp_row0 + hh * 8 + g, sub);
             if (n0 + kBlockN > kv_len || kpm != nullptr) and_key_words(bits, n0, kv_len, kpm, tid & 31);
-            mask_scores<kNI>(cur, bits, tig);
+            mask_scores<kNI>(rS, bits, tig);
         }
-        {
-            float alpha[2];
-            if (online_softmax<kNI>(cur, row_max, row_sum, alpha, mul)) rescale_o<kDI>(rO, alpha);
-        }
-        uint32_t rP[kKN][4];
-#pragma unroll
-        for (int kn = 0; kn < kKN; ++kn) {
-            rP[kn][0] = ElemTraits<Elem>::pack(cur[(2 * kn) * 4 + 0], cur[(2 * kn) * 4 + 1]);
-            rP[kn][1] = ElemTraits<Elem>::pack(cur[(2 * kn) * 4 + 2], cur[(2 * kn) * 4 + 3]);
-            rP[kn][2] = ElemTraits<Elem>::pack(cur[(2 * kn + 1) * 4 + 0], cur[(2 * kn + 1) * 4 + 1]);
-            rP[kn][3] = ElemTraits<Elem>::pack(cur[(2 * kn + 1) * 4 + 2], cur[(2 * kn + 1) * 4 + 3]);
-        }
-        const uint32_t sV = sKV + (it % kStages) * 2 * HT::kSmemKV + HT::kSmemKV;
-        wgmma_fence();
-#pragma unroll
-        for (int kn = 0; kn < kKN; ++kn) {
-            const uint64_t db = gmma_desc(sV + kn * 16 * 128, kBlockN * 128, 1024);
-            wgmma_rs<HT::kHeadDim, Elem>(rO, rP[kn], db, 1);
-        }
-        wgmma_commit();
-        fence_regs(rO);
+        return online_softmax<kNI>(rS, row_max, row_sum, alpha, mul);
     };
-
-    for (int it = 0; it < n_iter; it += 2) {
-        step(it, rS0, rS1);
-        if (it + 1 < n_iter) step(it + 1, rS1, rS0);
+    auto pack_p = [&]() {
+#pragma unroll
+        for (int kn = 0; kn < kKN; ++kn) {
+            rP[kn][0] = ElemTraits<Elem>::pack(rS[(2 * kn) * 4 + 0], rS[(2 * kn) * 4 + 1]);
+            rP[kn][1] = ElemTraits<Elem>::pack(rS[(2 * kn) * 4 + 2], rS[(2 * kn) * 4 + 3]);
+            rP[kn][2] = ElemTraits<Elem>::pack(rS[(2 * kn + 1) * 4 + 0], rS[(2 * kn + 1) * 4 + 1]);
+            rP[kn][3] = ElemTraits<Elem>::pack(rS[(2 * kn + 1) * 4 + 2], rS[(2 * kn + 1) * 4 + 3]);
+        }
+    };
+    // Stage of tile t: t % kStages.  The ring holds tiles i - 1 (its V still read by P_{i-1} V_{i-1}), i, and
+    // kStages - 2 tiles of look-ahead: at step i, tile i + kStages - 2 goes into the stage of tile i - 2 (whose
+    // P V completed in step i - 1).
+    load_rows_async128<HT, kBlockM>(sQ, gQ, p.q_ss, q0, p.seq_q, tid);
+    cp_async_commit();
+#pragma unroll
+    for (int t = 0; t < kStages - 2; ++t) {
+        if (t < n_iter) load_kv(t);
+        cp_async_commit();
     }
-    wgmma_wait<0>();
-    fence_regs(rO);
+
+    // Step i: S_i and P_{i-1} V_{i-1} in flight together; the softmax of S_i runs while P V does.  Every O
+    // rescale and P write happens with no wgmma in flight (ptxas serialises all wgmma of a kernel that defines
+    // an accumulator register between a wgmma's issue and its wait: warning C7515, which the previous version
+    // of this kernel had).
+    for (int it = 0; it < n_iter; ++it) {
+        cp_async_wait<kStages - 3>();  // tile it (and Q) resident for this thread
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        // every thread's copies are visible, and every warp finished step it - 1 (so P_{it-2} V_{it-2}, awaited
+        // there, no longer reads the stage the prefetch below overwrites)
+        __syncthreads();
+        if (it + kStages - 2 < n_iter) load_kv(it + kStages - 2);
+        cp_async_commit();
+        issue_s(it);
+        if (it > 0) issue_pv(it - 1);
+        if (it > 0) {
+            wgmma_wait<1>();
+        } else {
+            wgmma_wait<0>();
+        }
+        fence_regs(rS);
+        float alpha[2];
+        const bool rescale = softmax(it, alpha);
+        wgmma_wait<0>();
+        fence_regs(rO);
+        if (rescale) rescale_o<kDI>(rO, alpha);
+        pack_p();
+    }
+    if (n_iter > 0) {
+        issue_pv(n_iter - 1);
+        wgmma_wait<0>();
+        fence_regs(rO);
+    }
 
     // Epilogue
     cp_async_wait<0>();
