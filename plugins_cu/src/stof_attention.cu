@@ -3,7 +3,9 @@
 #include <cmath>
 #include <cstdarg>
 #include <cstdio>
+#include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "stof/stof_attention.h"
 #include "tactics.h"
@@ -253,6 +255,22 @@ stof_status_t stof_attn_run(const stof_attn_params_t* p, int32_t tactic, stof_st
     const cudaError_t err = fn(kernel_params(*p), reinterpret_cast<cudaStream_t>(stream));
     if (err != cudaSuccess)
         return fail(STOF_ERROR_CUDA, "tactic %s: %s", t->name, cudaGetErrorString(err));
+    tLastError[0] = '\0';
+    return STOF_SUCCESS;
+}
+
+stof_status_t stof_layout_row_order(const int32_t* row_ptr, int32_t num_layouts, int32_t tiles_q, int32_t* out) {
+    if (row_ptr == nullptr || out == nullptr) return fail(STOF_ERROR_INVALID_ARGUMENT, "row_ptr or out is NULL");
+    if (num_layouts < 1 || tiles_q < 1)
+        return fail(STOF_ERROR_INVALID_ARGUMENT, "num_layouts %d and tiles_q %d must be >= 1", num_layouts, tiles_q);
+    std::vector<int32_t> rows(tiles_q);
+    for (int32_t l = 0; l < num_layouts; ++l) {
+        const int32_t* rp = row_ptr + static_cast<int64_t>(l) * tiles_q;
+        for (int32_t i = 0; i < tiles_q; ++i) rows[i] = tiles_q - 1 - i;  // ties: higher row first
+        std::stable_sort(rows.begin(), rows.end(),
+                         [rp](int32_t a, int32_t b) { return rp[a + 1] - rp[a] > rp[b + 1] - rp[b]; });
+        std::copy(rows.begin(), rows.end(), out + static_cast<int64_t>(l) * tiles_q);
+    }
     tLastError[0] = '\0';
     return STOF_SUCCESS;
 }

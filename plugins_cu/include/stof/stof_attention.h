@@ -21,7 +21,7 @@ extern "C" {
 #endif
 
 #define STOF_FORMAT_VERSION 1
-#define STOF_ABI_VERSION 1
+#define STOF_ABI_VERSION 2
 
 #if defined(_WIN32)
 #define STOF_API __declspec(dllexport)
@@ -75,6 +75,13 @@ typedef struct {
     /* --- run-time key padding (both optional, may be combined) ----------------------------------------- */
     const int32_t* key_lengths;        /* [B] or NULL: keys >= key_lengths[b] dropped */
     const int32_t* key_padding_mask;   /* [B, seq_k] row-major or NULL: 0 = key dropped */
+
+    /* --- schedule (optional; ABI version 2) ------------------------------------------------------------- */
+    /* [L*Tq] device int32 or NULL: per layout, its tile rows longest first, exactly as stof_layout_row_order()
+     * writes them (a permutation of 0..Tq-1 within each layout; anything else gives wrong output).  Kernels
+     * whose CTA covers at most one tile row start the longest rows first, so short rows fill the tail of the
+     * grid (Longformer/BigBird global rows otherwise start last).  NULL: the last tile rows first (causal). */
+    const int32_t* row_order;
 } stof_attn_params_t;
 
 /* Zero the struct and fill the defaults (dtype fp16, num_layouts 1, tile 64x64). */
@@ -113,6 +120,12 @@ STOF_API const char* stof_status_string(stof_status_t s);
 STOF_API const char* stof_last_error_message(void);
 
 STOF_API int32_t stof_abi_version(void);
+
+/* Host helper: the row_order of stof_attn_params_t for a layout (host row_ptr of num_layouts*tiles_q + 1
+ * entries).  Within each layout l, out[l*tiles_q + i] is the tile row with the i-th most stored tiles; ties go to
+ * the higher row first.  Same result as stof_trt.format.TileLayout.row_order(). */
+STOF_API stof_status_t stof_layout_row_order(const int32_t* row_ptr, int32_t num_layouts, int32_t tiles_q,
+                                             int32_t* out);
 
 /* --- analytical pre-search (host only; plugins_cu/src/presearch.cc, the C++ port of stof_trt/presearch.py) --- */
 
