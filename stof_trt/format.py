@@ -19,6 +19,14 @@ num_partial``. Padding entries (when nnz or P is 0) keep every tensor non-empty 
 
 Dense reconstruction: ``TileLayout.to_dense()``; compilation: ``compile_mask(spec, seq_q, seq_k)`` or
 ``TileLayout.from_dense(bool_array)``.
+
+Derived arrays (computed from the fields, never stored or serialized)
+--------------------------------------------------------------------
+``row_order()``        ``[L*Tq]``                     per layout, its tile rows longest first: entry ``l*Tq + i`` is
+                                                      the tile row (0..Tq-1) with the i-th most stored tiles, ties
+                                                      to the higher row. The ``row_order`` of the kernels' C ABI
+                                                      (version 2; ``stof_layout_row_order()`` computes the same):
+                                                      kernels start long rows first so short rows fill the tail.
 """
 
 from __future__ import annotations
@@ -217,6 +225,18 @@ class TileLayout:
         for a in (self.row_ptr, self.col_idx, self.tile_bitmap_index, self.bitmaps):
             h.update(np.ascontiguousarray(a, np.int32).tobytes())
         return h.hexdigest()
+
+    def row_order(self) -> np.ndarray:
+        """int32 ``[L*Tq]``: within each layout ``l``, entry ``l*Tq + i`` is the tile row with the i-th most stored
+        tiles (``row_ptr[r+1] - row_ptr[r]``); ties go to the higher row first.  A derived array (not part of the
+        stored format); exactly what the C ABI's ``stof_layout_row_order()`` writes for ``row_ptr``."""
+        L, tq = self.num_layouts, self.Tq
+        counts = np.diff(np.asarray(self.row_ptr, np.int64)).reshape(L, tq)
+        rows = np.broadcast_to(np.arange(tq, dtype=np.int64), (L, tq))
+        lay = np.broadcast_to(np.arange(L, dtype=np.int64)[:, None], (L, tq))
+        # lexsort: last key is primary -> by layout, then more tiles first, then higher row first
+        order = np.lexsort((-rows.ravel(), -counts.ravel(), lay.ravel()))
+        return np.ascontiguousarray(rows.ravel()[order], dtype=np.int32)
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The four stored arrays by their ONNX input names."""
