@@ -66,6 +66,8 @@ def main():
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--tag", default="")
+    ap.add_argument("--no-row-order", action="store_true",
+                    help="run the STOF kernels without the layout's row order (C ABI v2 row_order = NULL)")
     args = ap.parse_args()
 
     import torch
@@ -128,7 +130,7 @@ def main():
                 floor = max(4 * B * H * S * D * 2 / copy_bw, tile_flops / mm_rate)
                 cell = {"D": D, "S": S, "mask": mname, "spec": MASKS[mname], "density": allowed / S / S,
                         "nnz": int(layout.nnz), "partial": int(layout.num_partial), "sdpa_dense_ms": t_dense,
-                        "floor_ms": floor * 1e3, "gflop": flops / 1e9}
+                        "floor_ms": floor * 1e3, "gflop": flops / 1e9, "row_order": not args.no_row_order}
                 # STOF: every valid tactic the model does not prune
                 ranked = presearch.rank(layout, batch=B, heads=H, head_dim=D, gpu=gpu)
                 best_pred = ranked[0][1]
@@ -139,7 +141,7 @@ def main():
                     name = tactic_info(tid).name
                     if pred > 20 * best_pred:
                         continue  # pruned by the model
-                    r = Runner(q, k, v, dl, tactic=tid)
+                    r = Runner(q, k, v, dl, tactic=tid, row_order=not args.no_row_order)
                     r()
                     torch.cuda.synchronize()
                     meas[name] = bench(r)

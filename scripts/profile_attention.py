@@ -26,6 +26,7 @@ def main():
     ap.add_argument("--H", type=int, default=12)
     ap.add_argument("--tactics", default="19")
     ap.add_argument("--sdpa", action="store_true", help="also run SDPA is_causal (causal masks)")
+    ap.add_argument("--no-row-order", action="store_true", help="run without the layout's row order (NULL)")
     a = ap.parse_args()
 
     import torch
@@ -43,7 +44,7 @@ def main():
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
     for t in [int(x) for x in a.tactics.split(",")]:
         for _ in range(4):
-            out = sparse_attention(q, k, v, dl, tactic=t)
+            out = sparse_attention(q, k, v, dl, tactic=t, row_order=not a.no_row_order)
         torch.cuda.synchronize()
         err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         print(f"tactic {t}: rel err vs SDPA {err:.2e}")

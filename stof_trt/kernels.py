@@ -13,6 +13,10 @@ Typical use::
     o = sparse_attention(q, k, v, dl)                  # q,k,v: [B,H,S,D] fp16/bf16 CUDA tensors
     for t in list_tactics(q, k, v, dl):
         o = sparse_attention(q, k, v, dl, tactic=t)
+    o = sparse_attention(q, k, v, dl, row_order=False)   # without the longest-rows-first schedule
+
+``DeviceLayout`` also uploads ``layout.row_order()`` (C ABI version 2: tile rows longest first); every run passes
+it unless called with ``row_order=False`` (then the kernels use their default order).
 
 The library is found at ``$STOF_KERNELS_LIB``, else ``build/plugins_cu/libstof_kernels.so`` under the
 repository root (``cmake -S . -B build && cmake --build build -j``).
@@ -28,8 +32,10 @@ from pathlib import Path
 
 __all__ = [
     "StofKernelError", "load_library", "library_available", "DeviceLayout", "Tactic", "all_tactics",
-    "tactic_info", "list_tactics", "sparse_attention", "Runner", "STATUS",
+    "tactic_info", "list_tactics", "sparse_attention", "Runner", "STATUS", "ABI_VERSION", "native_row_order",
 ]
+
+ABI_VERSION = 2  # STOF_ABI_VERSION of the header this module mirrors
 
 STATUS = {0: "SUCCESS", 1: "INVALID_ARGUMENT", 2: "UNSUPPORTED", 3: "INVALID_TACTIC", 4: "CUDA",
           5: "INSUFFICIENT_BUFFER"}
@@ -62,6 +68,7 @@ class _Params(ctypes.Structure):
         ("tile_m", ctypes.c_int32), ("tile_n", ctypes.c_int32), ("num_layouts", ctypes.c_int32),
         ("layout_seq_q", ctypes.c_int32), ("layout_seq_k", ctypes.c_int32),
         ("key_lengths", ctypes.c_void_p), ("key_padding_mask", ctypes.c_void_p),
+        ("row_order", ctypes.c_void_p),  # ABI version 2
     ]
 
 
@@ -109,8 +116,11 @@ def load_library(path: str | os.PathLike | None = None) -> ctypes.CDLL:
     lib.stof_status_string.argtypes, lib.stof_status_string.restype = [ctypes.c_int], ctypes.c_char_p
     lib.stof_last_error_message.argtypes, lib.stof_last_error_message.restype = [], ctypes.c_char_p
     lib.stof_abi_version.argtypes, lib.stof_abi_version.restype = [], ctypes.c_int32
-    if lib.stof_abi_version() != 1:
-        raise RuntimeError(f"libstof_kernels ABI version {lib.stof_abi_version()}, expected 1")
+    if lib.stof_abi_version() != ABI_VERSION:
+        raise RuntimeError(f"libstof_kernels ABI version {lib.stof_abi_version()}, expected {ABI_VERSION} "
+                           f"(rebuild the library, or point STOF_KERNELS_LIB at a current build)")
+    lib.stof_layout_row_order.argtypes = [i32p, ctypes.c_int32, ctypes.c_int32, i32p]
+    lib.stof_layout_row_order.restype = ctypes.c_int
     _LIB = lib
     return lib
 
@@ -121,6 +131,23 @@ def library_available() -> bool:
         return True
     except (FileNotFoundError, OSError):
         return False
+
+
+def native_row_order(row_ptr, num_layouts: int, tiles_q: int):
+    """The C helper ``stof_layout_row_order`` on a host ``row_ptr`` (``num_layouts*tiles_q + 1`` entries): int32
+    numpy ``[num_layouts*tiles_q]``, per layout its tile rows longest first (= ``TileLayout.row_order()``)."""
+    import numpy as np
+
+    lib = load_library()
+    rp = np.ascontiguousarray(row_ptr, dtype=np.int32)
+    num_layouts, tiles_q = int(num_layouts), int(tiles_q)
+    n = num_layouts * tiles_q
+    if n >= 1 and rp.shape != (n + 1,):  # the C helper cannot check the length: it reads n + 1 entries
+        raise ValueError(f"row_ptr must have num_layouts*tiles_q + 1 = {n + 1} entries, has shape {rp.shape}")
+    out = np.empty(max(n, 1), np.int32)   # sizes < 1: the library reports them (INVALID_ARGUMENT)
+    i32p = ctypes.POINTER(ctypes.c_int32)
+    _check(lib.stof_layout_row_order(rp.ctypes.data_as(i32p), num_layouts, tiles_q, out.ctypes.data_as(i32p)))
+    return out
 
 
 def _check(status: int) -> None:
@@ -156,7 +183,8 @@ def all_tactics() -> list[Tactic]:
 
 
 class DeviceLayout:
-    """A TileLayout's four int32 arrays on the GPU (torch tensors) plus its metadata."""
+    """A TileLayout's four int32 arrays on the GPU (torch tensors), its derived ``row_order`` (``[L*Tq]``, tile rows
+    longest first; passed to the kernels unless a run says ``row_order=False``) plus its metadata."""
 
     def __init__(self, layout, device="cuda"):
         import torch
@@ -169,6 +197,7 @@ class DeviceLayout:
         self.col_idx = torch.as_tensor(layout.col_idx, dtype=torch.int32).contiguous().to(device)
         self.tile_bitmap_index = torch.as_tensor(layout.tile_bitmap_index, dtype=torch.int32).contiguous().to(device)
         self.bitmaps = torch.as_tensor(layout.bitmaps, dtype=torch.int32).contiguous().to(device)
+        self.row_order = torch.as_tensor(layout.row_order(), dtype=torch.int32).contiguous().to(device)
 
     def __repr__(self) -> str:
         return f"DeviceLayout({self.layout!r})"
@@ -182,7 +211,8 @@ def _as_torch(x):
     return torch.as_tensor(x, device="cuda")
 
 
-def _make_params(q, k, v, o, dl: DeviceLayout, scale, key_lengths, key_padding_mask, bhsd: bool) -> _Params:
+def _make_params(q, k, v, o, dl: DeviceLayout, scale, key_lengths, key_padding_mask, bhsd: bool,
+                 row_order: bool = True) -> _Params:
     import torch
 
     if q.dtype not in (torch.float16, torch.bfloat16):
@@ -213,6 +243,8 @@ def _make_params(q, k, v, o, dl: DeviceLayout, scale, key_lengths, key_padding_m
     p.tile_bitmap_index, p.bitmaps = dl.tile_bitmap_index.data_ptr(), dl.bitmaps.data_ptr()
     p.tile_m, p.tile_n, p.num_layouts = dl.tile_m, dl.tile_n, dl.num_layouts
     p.layout_seq_q, p.layout_seq_k = dl.seq_q, dl.seq_k
+    if row_order:
+        p.row_order = dl.row_order.data_ptr()
     if key_lengths is not None:
         if key_lengths.dtype != torch.int32 or not key_lengths.is_contiguous() or key_lengths.numel() != B:
             raise ValueError("key_lengths must be a contiguous int32 [B] tensor")
@@ -225,10 +257,10 @@ def _make_params(q, k, v, o, dl: DeviceLayout, scale, key_lengths, key_padding_m
     return p
 
 
-def list_tactics(q, k, v, dl: DeviceLayout, *, bhsd: bool = True) -> list[int]:
+def list_tactics(q, k, v, dl: DeviceLayout, *, bhsd: bool = True, row_order: bool = True) -> list[int]:
     """Tactic ids valid for this problem (library's static order)."""
     lib = load_library()
-    p = _make_params(q, k, v, q, dl, None, None, None, bhsd)
+    p = _make_params(q, k, v, q, dl, None, None, None, bhsd, row_order)
     ids = (ctypes.c_int32 * 64)()
     n = ctypes.c_int32()
     _check(lib.stof_attn_list_tactics(ctypes.byref(p), ids, 64, ctypes.byref(n)))
@@ -236,11 +268,13 @@ def list_tactics(q, k, v, dl: DeviceLayout, *, bhsd: bool = True) -> list[int]:
 
 
 def sparse_attention(q, k, v, dl: DeviceLayout, *, scale: float | None = None, tactic: int = 0,
-                     key_lengths=None, key_padding_mask=None, out=None, bhsd: bool = True, stream=None):
+                     key_lengths=None, key_padding_mask=None, out=None, bhsd: bool = True, stream=None,
+                     row_order: bool = True):
     """O = softmax(scale * Q K^T, masked by the layout and padding) V on the current (or given) CUDA stream.
 
     q: [B,H,Sq,D] (or [B,Sq,H,D] with bhsd=False), k/v: [B,H,Sk,D]; fp16 or bf16; D in {64, 128}.
-    scale defaults to 1/sqrt(D); tactic 0 lets the library choose.  Returns `out` (allocated if None).
+    scale defaults to 1/sqrt(D); tactic 0 lets the library choose.  row_order=False runs without the layout's
+    longest-rows-first schedule (the kernels' default order; same result).  Returns `out` (allocated if None).
     """
     import torch
 
@@ -248,7 +282,7 @@ def sparse_attention(q, k, v, dl: DeviceLayout, *, scale: float | None = None, t
     q, k, v = _as_torch(q), _as_torch(k), _as_torch(v)
     if out is None:
         out = torch.empty_like(q)
-    p = _make_params(q, k, v, out, dl, scale, key_lengths, key_padding_mask, bhsd)
+    p = _make_params(q, k, v, out, dl, scale, key_lengths, key_padding_mask, bhsd, row_order)
     if stream is None:
         stream = torch.cuda.current_stream(q.device).cuda_stream
     elif hasattr(stream, "cuda_stream"):
@@ -261,13 +295,13 @@ class Runner:
     """A prepared call (parameters packed once): ``runner()`` launches with ~µs host overhead (benchmarks)."""
 
     def __init__(self, q, k, v, dl: DeviceLayout, *, out=None, tactic: int = 0, scale=None, key_lengths=None,
-                 key_padding_mask=None, bhsd: bool = True, stream=None):
+                 key_padding_mask=None, bhsd: bool = True, stream=None, row_order: bool = True):
         import torch
 
         self._lib = load_library()
         self.out = torch.empty_like(q) if out is None else out
         self._keep = (q, k, v, dl, key_lengths, key_padding_mask)  # keep the memory alive
-        self._p = _make_params(q, k, v, self.out, dl, scale, key_lengths, key_padding_mask, bhsd)
+        self._p = _make_params(q, k, v, self.out, dl, scale, key_lengths, key_padding_mask, bhsd, row_order)
         self._pref = ctypes.byref(self._p)
         self.tactic = int(tactic)
         s = torch.cuda.current_stream(q.device).cuda_stream if stream is None else getattr(stream, "cuda_stream", stream)
