@@ -1,0 +1,153 @@
+"""TileLayout.row_order() (the derived schedule array of docs/format.md) equals the C helper stof_layout_row_order
+on random layouts.  The numpy side always runs; the native comparison runs wherever libstof_kernels.so is built
+(CI builds it with nvcc; no GPU needed) and skips otherwise, like tests/test_presearch_native.py."""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from stof_trt.format import TileLayout, compile_mask
+
+SPECS = [
+    "causal",
+    "sliding:window=128",
+    "longformer:window=128,global=16",
+    "bigbird:block=64,window=1,global=1,random=0.05,seed=0",
+    "bigbird:block=32,window=1,global=1,random=0.2,seed=3,per_head=1",
+    "dilated:window=256,dilation=2",
+    "sliding:window=40|global:n=3",
+]
+
+
+def _reference(row_ptr: np.ndarray, L: int, tq: int) -> np.ndarray:
+    """The definition, spelled out: rows listed Tq-1..0, stable-sorted by decreasing stored-tile count."""
+    out = []
+    for lay in range(L):
+        rows = list(range(tq - 1, -1, -1))
+        rows.sort(key=lambda r: -int(row_ptr[lay * tq + r + 1] - row_ptr[lay * tq + r]))
+        out += rows
+    return np.array(out, np.int32)
+
+
+def _random_layouts(n: int, seed: int = 0):
+    """Random masks of every kind: block-structured with empty rows (many zero-tile rows and ties), per-head
+    layouts, tails, odd tile shapes, and the mask generators' specs."""
+    rng = np.random.default_rng(seed)
+    tiles = [(64, 64), (16, 32), (32, 64), (128, 32), (64, 128)]
+    for i in range(n):
+        tm, tn = tiles[i % len(tiles)]
+        L = int(rng.choice([1, 1, 2, 3, 5]))
+        sq, sk = int(rng.integers(1, 700)), int(rng.integers(1, 700))
+        if i % 3 == 0:  # a mask generator's spec
+            spec = SPECS[i // 3 % len(SPECS)]
+            yield compile_mask(spec, sq, sk, tile_m=tm, tile_n=tn, num_heads=L)
+            continue
+        dense = rng.random((L, sq, sk)) < rng.uniform(0.0, 0.3)
+        dense[:, rng.random(sq) < rng.uniform(0.0, 0.6)] = False            # empty query rows -> zero-tile rows
+        if i % 2:                                                             # block-level structure: many ties
+            keep = rng.random((L, -(-sq // tm), -(-sk // tn))) < rng.uniform(0.1, 0.9)
+            dense &= np.repeat(np.repeat(keep, tm, 1), tn, 2)[:, :sq, :sk]
+        yield TileLayout.from_dense(dense, tm, tn)
+
+
+def _check_properties(layout: TileLayout, order: np.ndarray) -> None:
+    L, tq = layout.num_layouts, layout.Tq
+    assert order.dtype == np.int32 and order.shape == (L * tq,)
+    lengths = np.diff(layout.row_ptr.astype(np.int64)).reshape(L, tq)
+    per = order.reshape(L, tq)
+    for lay in range(L):
+        assert np.array_equal(np.sort(per[lay]), np.arange(tq)), "not a permutation of the layout's tile rows"
+        ln = lengths[lay, per[lay]]
+        assert np.all(np.diff(ln) <= 0), "row lengths not non-increasing"
+        ties = np.diff(ln) == 0
+        assert np.all(np.diff(per[lay])[ties] < 0), "ties not higher row first"
+
+
+def test_row_order_definition():
+    for layout in _random_layouts(60, seed=1):
+        order = layout.row_order()
+        _check_properties(layout, order)
+        assert np.array_equal(order, _reference(layout.row_ptr, layout.num_layouts, layout.Tq))
+
+
+def test_row_order_known_cases():
+    causal = compile_mask("causal", 256, 256)                 # 4 tile rows of 1..4 tiles: last row first
+    assert causal.row_order().tolist() == [3, 2, 1, 0]
+    empty = TileLayout.from_dense(np.zeros((2, 200, 100), bool))   # all rows empty: every layout Tq-1..0
+    assert empty.row_order().tolist() == [3, 2, 1, 0, 3, 2, 1, 0]
+    lf = compile_mask("longformer:window=128,global=16", 1024, 1024)
+    assert lf.row_order()[0] == 0                              # the global row (all tiles) starts first
+    one = compile_mask("causal", 10, 10)                       # a single tile row
+    assert one.row_order().tolist() == [0]
+
+
+def test_row_order_not_stored():
+    layout = compile_mask("longformer:window=128,global=16", 512, 512)
+    assert set(layout.arrays()) == {"row_ptr", "col_idx", "tile_bitmap_index", "bitmaps"}
+    sig = layout.signature()
+    layout.row_order()
+    assert layout.signature() == sig
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    kernels = pytest.importorskip("stof_trt.kernels")
+    if not kernels.library_available():
+        pytest.skip("libstof_kernels.so not built")
+    if not hasattr(kernels.load_library(), "stof_layout_row_order"):
+        pytest.skip("libstof_kernels.so predates stof_layout_row_order")
+    return kernels
+
+
+def test_native_matches_numpy(kernels):
+    n = 0
+    for layout in _random_layouts(150, seed=7):
+        native = kernels.native_row_order(layout.row_ptr, layout.num_layouts, layout.Tq)
+        assert np.array_equal(native, layout.row_order()), repr(layout)
+        n += 1
+    assert n == 150
+
+
+def test_native_large_ties(kernels):
+    """Many equal rows (stable-sort tie order) and a long layout stack."""
+    rng = np.random.default_rng(3)
+    L, tq = 12, 300
+    counts = rng.integers(0, 4, L * tq)
+    row_ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    native = kernels.native_row_order(row_ptr, L, tq)
+    assert np.array_equal(native, _reference(row_ptr, L, tq))
+
+
+def test_native_errors(kernels):
+    lib = kernels.load_library()
+    i32p = ctypes.POINTER(ctypes.c_int32)
+    rp = np.array([0, 1, 3], np.int32)
+    out = np.zeros(2, np.int32)
+    rp_p, out_p = rp.ctypes.data_as(i32p), out.ctypes.data_as(i32p)
+    assert lib.stof_layout_row_order(None, 1, 2, out_p) == 1          # INVALID_ARGUMENT
+    assert b"NULL" in lib.stof_last_error_message()
+    assert lib.stof_layout_row_order(rp_p, 1, 2, None) == 1
+    assert lib.stof_layout_row_order(rp_p, 0, 2, out_p) == 1
+    assert lib.stof_last_error_message() != b""
+    assert lib.stof_layout_row_order(rp_p, 1, 0, out_p) == 1
+    assert lib.stof_layout_row_order(rp_p, -3, 2, out_p) == 1
+    assert lib.stof_layout_row_order(rp_p, 1, 2, out_p) == 0          # and a good call clears the message
+    assert out.tolist() == [1, 0]
+    assert lib.stof_last_error_message() == b""
+    with pytest.raises(kernels.StofKernelError) as ei:
+        kernels.native_row_order(rp, 0, 2)
+    assert ei.value.status == 1
+    with pytest.raises(ValueError):
+        kernels.native_row_order(rp, 2, 2)                               # row_ptr too short for 2 layouts
+
+
+def test_abi_version(kernels):
+    lib = kernels.load_library()
+    assert lib.stof_abi_version() == kernels.ABI_VERSION == 2
+    names = [f[0] for f in kernels._Params._fields_]
+    assert names[-1] == "row_order"
+    p = kernels._Params()
+    lib.stof_attn_params_init(ctypes.byref(p))
+    assert p.row_order is None                                           # init leaves it NULL
