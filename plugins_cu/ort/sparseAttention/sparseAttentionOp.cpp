@@ -110,16 +110,22 @@ OrtStatusPtr SparseAttentionKernel::ComputeV2(OrtKernelContext* context) {
     });
 }
 
-SparseAttentionKernel::LayoutCheck const& SparseAttentionKernel::checkLayout(TensorArg const* arrays,
-                                                                             cudaStream_t stream) {
+SparseAttentionKernel::LayoutCheck::~LayoutCheck() {
+    // cudaFree waits for the device's pending work, so a kernel still reading the buffer finishes first; a
+    // destructor reports nothing (an error here would belong to an earlier asynchronous launch)
+    if (rowOrderDevice != nullptr) static_cast<void>(cudaFree(rowOrderDevice));
+}
+
+std::shared_ptr<SparseAttentionKernel::LayoutCheck const> SparseAttentionKernel::checkLayout(TensorArg const* arrays,
+                                                                                             cudaStream_t stream) {
     // caller holds mMutex
     if (mChecked && mLayoutConstant) {
         bool same = true;
         for (int i = 0; i < 4; ++i)
             same = same && mChecked->ptrs[i] == arrays[i].data && mChecked->sizes[i] == numel(arrays[i].shape);
-        if (same) return *mChecked;
+        if (same) return mChecked;
     }
-    auto check = std::make_unique<LayoutCheck>();
+    auto check = std::make_shared<LayoutCheck>();
     auto& host = check->host;
     for (int i = 0; i < 4; ++i) {
         check->ptrs[i] = arrays[i].data;
@@ -154,8 +160,26 @@ SparseAttentionKernel::LayoutCheck const& SparseAttentionKernel::checkLayout(Ten
     sha.update(header, sizeof(header));
     for (auto const& h : host) sha.update(h.data(), h.size() * sizeof(int32_t));
     check->signature = sha.hexDigest();
+    // the schedule of the tensor-core kernels (C ABI v2 row_order): computed and uploaded once per checked layout
+    int64_t const tilesQ = (mSeqQ + mTileM - 1) / mTileM;
+    int64_t const nRows = mNumLayouts * tilesQ;
+    STOF_VALIDATE(static_cast<int64_t>(rowPtr.size()) == nRows + 1 && nRows <= kMAX_DIM, "row_ptr has ",
+                  rowPtr.size(), " entries, expected num_layouts*ceil(seq_q/tile_m)+1 = ", nRows + 1);
+    check->rowOrderHost.resize(static_cast<size_t>(nRows));
+    stof_status_t const ro = stof_layout_row_order(rowPtr.data(), static_cast<int32_t>(mNumLayouts),
+                                                   static_cast<int32_t>(tilesQ), check->rowOrderHost.data());
+    STOF_REQUIRE(ro == STOF_SUCCESS, ORT_FAIL, "stof_layout_row_order: ", stof_status_string(ro), ": ",
+                 stof_last_error_message());
+    size_t const roBytes = check->rowOrderHost.size() * sizeof(int32_t);
+    void* roDevice = nullptr;
+    STOF_CUDA_THROW(cudaMalloc(&roDevice, roBytes));
+    check->rowOrderDevice = static_cast<int32_t*>(roDevice);  // owned from here on (freed if a check below throws)
+    STOF_CUDA_THROW(cudaMemcpyAsync(check->rowOrderDevice, check->rowOrderHost.data(), roBytes,
+                                    cudaMemcpyHostToDevice, stream));
+    // complete before any stream (another thread's, for a cached constant layout) reads it
+    STOF_CUDA_THROW(cudaStreamSynchronize(stream));
     mChecked = std::move(check);
-    return *mChecked;
+    return mChecked;
 }
 
 int32_t SparseAttentionKernel::presearchTactic(stof_attn_params_t const& p, std::string const& maskSig,
@@ -334,6 +358,7 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
     STOF_VALIDATE(D <= kGENERIC_MAX_HEAD_DIM, "head dim ", D, " above ", kGENERIC_MAX_HEAD_DIM);
 
     std::string maskSig;
+    std::shared_ptr<LayoutCheck const> layout;  // held until the kernel is enqueued (its device row order)
     int32_t tactic = 0;
     bool fromCache = false;
     size_t const elem = mType == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? 4 : 2;
@@ -345,7 +370,8 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
                                        kpm.present ? 1 : 0);
     {
         std::lock_guard<std::mutex> lock(mMutex);
-        maskSig = checkLayout(&in[kROW_PTR], stream).signature;
+        layout = checkLayout(&in[kROW_PTR], stream);
+        maskSig = layout->signature;
         tactic = chooseTactic(nodeSig, shapeBucket(B, Sq, Sk), maskSig, &fromCache);
     }
 
@@ -378,6 +404,7 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
         p.layout_seq_q = static_cast<int32_t>(mSeqQ);
         p.layout_seq_k = static_cast<int32_t>(mSeqK);
         p.key_padding_mask = kpm.present ? static_cast<int32_t const*>(kpm.data) : nullptr;
+        p.row_order = layout->rowOrderDevice;  // tile rows longest first (ABI v2), uploaded with the layout check
         if (!fromCache) {  // no tactic-cache entry: the pre-search's first choice (memoised per shape bucket)
             // the layout check stays valid while the layout inputs are constant (it is re-made otherwise)
             tactic = presearchTactic(p, maskSig, shapeBucket(B, Sq, Sk) + "|" + maskSig);

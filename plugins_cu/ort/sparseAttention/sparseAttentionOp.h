@@ -35,9 +35,20 @@ private:
         int64_t sizes[4]{};
         std::string signature;  // TileLayout.signature()
         std::vector<int32_t> host[4];  // the arrays on the host (for the pre-search)
+        // stof_layout_row_order() of host[0] ([L*Tq], tile rows longest first: stof_attn_params_t::row_order),
+        // on the host and uploaded once to rowOrderDevice, which this object owns (cudaFree in the destructor)
+        std::vector<int32_t> rowOrderHost;
+        int32_t* rowOrderDevice{nullptr};
+
+        LayoutCheck() = default;
+        LayoutCheck(LayoutCheck const&) = delete;
+        LayoutCheck& operator=(LayoutCheck const&) = delete;
+        ~LayoutCheck();
     };
     void compute(Ort::KernelContext& ctx);
-    LayoutCheck const& checkLayout(TensorArg const* arrays, cudaStream_t stream);
+    // the (cached) check of these layout arrays; the shared_ptr keeps its device row order alive while a call
+    // that read it enqueues its kernel, even if another thread replaces the cached check meanwhile
+    std::shared_ptr<LayoutCheck const> checkLayout(TensorArg const* arrays, cudaStream_t stream);
     int32_t chooseTactic(std::string const& nodeSig, std::string const& bucket, std::string const& mask,
                          bool* fromCache);
     // the pre-search's first choice among the library's valid tactics for this problem (0: none)
@@ -54,7 +65,7 @@ private:
     std::shared_ptr<TacticCache const> mCache;
     // lazily filled, guarded by mMutex
     std::mutex mMutex;
-    std::unique_ptr<LayoutCheck> mChecked;
+    std::shared_ptr<LayoutCheck const> mChecked;
     std::string mGpuName, mGpuCc;
     std::unordered_map<std::string, int32_t> mTacticMemo;
     std::unordered_map<std::string, int32_t> mPresearchMemo;
