@@ -1,0 +1,98 @@
+"""GPU: every valid tactic gives the same correct output with the layout's row order (C ABI v2 ``row_order``,
+tile rows longest first) and without it (NULL: the kernels' default order), against the float64 reference.
+
+Same criteria as test_attention_kernels.py: fresh random q/k/v, the output poisoned with NaN before every run,
+relative error <= 2e-3 (fp16) / 1e-2 (bf16), rows with no allowed key exactly 0.  Skipped without a CUDA GPU.
+(Named *_kernels: tests/test_row_order.py, the CPU test, already owns the module name test_row_order.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU (the CUDA code is compiled by cmake in CI; tests need a GPU)", allow_module_level=True)
+
+from _gpu_helpers import TOL, rand_qkv, reference, rel_err  # noqa: E402
+
+from stof_trt.format import compile_mask  # noqa: E402
+from stof_trt.kernels import DeviceLayout, Runner, list_tactics, sparse_attention, tactic_info  # noqa: E402
+from stof_trt.masks import parse_mask  # noqa: E402
+
+LONGFORMER = "longformer:window=128,global=16"
+BIGBIRD = "bigbird:block=64,window=1,global=1,random=0.05,seed=0"
+
+# (spec, compiled seq_q x seq_k, run-time Sq x Sk, heads)
+CASES = [
+    ("causal", (1024, 1024), (1024, 1024), 2),
+    (LONGFORMER, (1024, 1024), (1024, 1024), 2),
+    (BIGBIRD, (1024, 1024), (1024, 1024), 2),
+    (LONGFORMER, (1024, 1024), (700, 1000), 2),           # run-time sizes below the compiled layout
+    ("causal", (1024, 1024), (700, 1000), 2),
+    (BIGBIRD + ",per_head=1", (1024, 1024), (1024, 1024), 4),  # one row order per layout (L = H = 4)
+]
+DTYPE_DIMS = [(torch.float16, 64), (torch.bfloat16, 64), (torch.float16, 128)]
+
+
+def _case_id(c):
+    spec, lay, run, _ = c
+    return f"{spec.split(':')[0]}{'-per_head' if 'per_head' in spec else ''}-{lay[0]}-{run[0]}x{run[1]}"
+
+
+@pytest.mark.parametrize("dtype,D", DTYPE_DIMS, ids=["fp16-d64", "bf16-d64", "fp16-d128"])
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_row_order_on_off(case, dtype, D):
+    spec, (lq, lk), (Sq, Sk), H = case
+    B = 2
+    mask = parse_mask(spec)
+    layout = compile_mask(mask, lq, lk, num_heads=H)
+    dl = DeviceLayout(layout)
+    assert torch.equal(dl.row_order.cpu(), torch.from_numpy(layout.row_order()))
+    dense_np = mask.dense(lq, lk, num_heads=H)
+    dense_np = dense_np[None] if dense_np.ndim == 2 else dense_np
+    dense = torch.from_numpy(np.ascontiguousarray(dense_np[:, :Sq, :Sk])).cuda()
+    gen = torch.Generator(device="cuda").manual_seed(Sq + 7 * D + H)
+    q, k, v = rand_qkv(B, H, Sq, Sk, D, dtype, gen)
+    scale = 1.0 / D**0.5
+    ref, has_key = reference(q, k, v, dense, scale)
+    tactics = list_tactics(q, k, v, dl)
+    assert tactics, "no tactic listed"
+    assert list_tactics(q, k, v, dl, row_order=False) == tactics
+    tol = TOL[dtype]
+    for t in tactics:
+        outs = {}
+        for ro in (True, False):
+            what = f"{spec} {Sq}x{Sk} (layout {lq}x{lk}) tactic {tactic_info(t).name} row_order={'on' if ro else 'off'}"
+            out = torch.full_like(q, float("nan"))
+            sparse_attention(q, k, v, dl, scale=scale, tactic=t, out=out, row_order=ro)
+            torch.cuda.synchronize()
+            assert bool(torch.isfinite(out).all()), f"{what}: non-finite output (unwritten or NaN)"
+            err = rel_err(out, ref)
+            assert err <= tol, f"{what}: rel err {err:.3e} > {tol}"
+            assert bool((out[~has_key] == 0).all()), f"{what}: rows with no allowed key are not 0"
+            outs[ro] = out
+        # the order of the work changes, not each row's arithmetic
+        diff = float((outs[True].float() - outs[False].float()).abs().max())
+        assert diff <= 8 * tol, f"{spec} tactic {tactic_info(t).name}: row_order on/off differ by {diff:.3e}"
+
+
+def test_runner_and_default_tactic_row_order():
+    """Runner and the library's default tactic (0) pass the row order too, and run without it."""
+    mask = parse_mask(LONGFORMER)
+    layout = compile_mask(mask, 1024, 1024)
+    dl = DeviceLayout(layout)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = rand_qkv(2, 2, 1024, 1024, 64, torch.float16, gen)
+    ref, _ = reference(q, k, v, torch.from_numpy(mask.dense(1024, 1024)).cuda()[None], 1 / 8)
+    for ro in (True, False):
+        out = torch.full_like(q, float("nan"))
+        r = Runner(q, k, v, dl, out=out, row_order=ro)
+        assert (r._p.row_order is not None) == ro
+        r()
+        torch.cuda.synchronize()
+        assert rel_err(out, ref) <= TOL[torch.float16]
+        out2 = sparse_attention(q, k, v, dl, row_order=ro)
+        torch.cuda.synchronize()
+        assert rel_err(out2, ref) <= TOL[torch.float16]
