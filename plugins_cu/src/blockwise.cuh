@@ -85,10 +85,10 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocks) block_attn_fwd(c
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, tig = lane & 3;  // mma fragment coordinates
-    // Reversed block order: for causal-like masks the late (long) rows start first.
-    const int qb = gridDim.x - 1 - blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z;
+    const BlockWork work = block_work<kBlockM>(p);  // longest rows first (common.cuh)
+    const int qb = work.qb, h = work.h, b = work.b;
     const int q0 = qb * kBlockM;
+    if (q0 >= p.seq_q) return;  // a tile row past the run-time Sq (ordered schedule)
     const int trow = q0 / p.tile_m;
     const int a0 = q0 - trow * p.tile_m;  // first bitmap row of this CTA inside the tile
     const int r = (h % p.num_layouts) * p.tq + trow;
@@ -335,13 +335,14 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocks) block_attn_fwd(c
 }
 
 template <class KT>
-cudaError_t launch_block(const KernelParams& p, cudaStream_t stream) {
+cudaError_t launch_block(const KernelParams& params, cudaStream_t stream) {
+    KernelParams p = params;
     auto kernel = block_attn_fwd<KT>;
     if (KT::kSmemSize > 48 * 1024) {
         cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, KT::kSmemSize);
         if (err != cudaSuccess) return err;
     }
-    dim3 grid((p.seq_q + KT::kBlockM - 1) / KT::kBlockM, p.heads, p.batch);
+    const dim3 grid = schedule_grid<KT::kBlockM, KT::kHeadDim>(p);
     kernel<<<grid, KT::kThreads, KT::kSmemSize, stream>>>(p);
     return cudaGetLastError();
 }

@@ -5,7 +5,9 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <algorithm>
 #include <stdint.h>
+#include <stdlib.h>
 
 namespace stof {
 
@@ -28,6 +30,10 @@ struct KernelParams {
     int tile_m, tile_n, num_layouts, tq;  // tq = tile rows per layout = ceil(layout_seq_q / tile_m)
     const int32_t* key_lengths;           // [B] or null
     const int32_t* key_padding_mask;      // [B, seq_k] or null
+    // Schedule (set by schedule_grid): row_order as in the C ABI, kept only when a CTA covers at most one tile row;
+    // sched_chunk = heads*batch pairs whose CTAs are interleaved (see block_work).
+    const int32_t* row_order;
+    int sched_chunk;
 };
 
 using LaunchFn = cudaError_t (*)(const KernelParams&, cudaStream_t);
@@ -107,6 +113,74 @@ __device__ __forceinline__ float fast_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// CTA schedule.  The hardware starts CTAs in linear block-id order, so the id -> (q-block, head, batch) map is
+// the schedule.  Two goals: (1) longest rows first, so the grid's tail is made of short rows (with a fixed
+// reversed order a causal grid ends on the long rows of its last head, and a Longformer/BigBird grid on its
+// dense global rows: 1.5-1.6x the ideal time in a list-scheduling model); (2) K/V reuse in L2: the CTAs in flight
+// belong to few (batch, head) pairs.  So the (batch, head) pairs are cut into chunks of sched_chunk pairs (their
+// K and V fit a share of L2); inside a chunk, position pos of the row order runs for every pair of the chunk
+// before pos + 1.  docs/kernels.md, "Schedule".
+struct BlockWork {
+    int qb, h, b;
+};
+
+template <int kBlockM>
+__device__ __forceinline__ BlockWork block_work(const KernelParams& p) {
+    const int nqb = gridDim.x;
+    const int nhb = gridDim.y * gridDim.z;
+    const int64_t lin = blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + static_cast<int64_t>(gridDim.y) * blockIdx.z);
+    const int64_t per_chunk = static_cast<int64_t>(p.sched_chunk) * nqb;
+    const int chunk = static_cast<int>(lin / per_chunk);
+    const int hb0 = chunk * p.sched_chunk;
+    const int width = min(p.sched_chunk, nhb - hb0);
+    const int r = static_cast<int>(lin - chunk * per_chunk);
+    const int pos = r / width;
+    const int hb = hb0 + (r - pos * width);
+    BlockWork w;
+    w.h = hb % gridDim.y;
+    w.b = hb / gridDim.y;
+    if (p.row_order != nullptr) {
+        const int f = p.tile_m / kBlockM;  // CTAs per tile row
+        const int t = pos / f;
+        w.qb = __ldg(p.row_order + (w.h % p.num_layouts) * p.tq + t) * f + (f - 1 - (pos - t * f));
+    } else {
+        w.qb = nqb - 1 - pos;
+    }
+    return w;
+}
+
+// Host: fill the schedule fields of p for a kernel of kBlockM query rows per CTA and return its grid.  The row
+// order is used when a CTA covers at most one tile row and the run-time rows are >= 3/4 of the layout's (the
+// grid then spans every tile row of the layout; CTAs past seq_q exit at once).
+inline int64_t sched_l2_budget_bytes() {
+    static const int64_t budget = [] {
+        const char* e = getenv("STOF_SCHED_L2_BYTES");  // experiments only; docs/kernels.md
+        const long long v = e ? atoll(e) : 0;
+        return v > 0 ? static_cast<int64_t>(v) : static_cast<int64_t>(16) << 20;
+    }();
+    return budget;
+}
+
+template <int kBlockM, int kHeadDim>
+inline dim3 schedule_grid(KernelParams& p) {
+    const int needed = (p.seq_q + kBlockM - 1) / kBlockM;
+    int nqb = needed;
+    if (p.row_order != nullptr && p.tile_m % kBlockM == 0) {
+        const int all = p.tq * (p.tile_m / kBlockM);
+        if (4 * static_cast<int64_t>(needed) >= 3 * static_cast<int64_t>(all))
+            nqb = all;
+        else
+            p.row_order = nullptr;
+    } else {
+        p.row_order = nullptr;
+    }
+    const int64_t kv_bytes = 2 * static_cast<int64_t>(p.seq_k) * kHeadDim * 2;
+    const int64_t nhb = static_cast<int64_t>(p.heads) * p.batch;
+    p.sched_chunk = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nhb, sched_l2_budget_bytes() / kv_bytes)));
+    return dim3(nqb, p.heads, p.batch);
 }
 
 // Effective key length of batch b (run-time Sk combined with key_lengths).

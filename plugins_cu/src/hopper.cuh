@@ -333,9 +333,10 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, tig = lane & 3;
     const int wg = warp >> 2;
-    const int qb = gridDim.x - 1 - blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z;
+    const BlockWork work = block_work<kBlockM>(p);
+    const int qb = work.qb, h = work.h, b = work.b;
     const int q0 = qb * kBlockM;
+    if (q0 >= p.seq_q) return;  // a tile row past the run-time Sq (ordered schedule)
     const int kv_len = effective_kv_len(p, b);
     const int layout_row0 = (h % p.num_layouts) * p.tq;
     int rows[HT::kWG];  // flattened (layout, tile row) of each warpgroup, -1 when its rows are all >= Sq
@@ -505,9 +506,10 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kHeadDim == 64 ? 3 : 2) hopp
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, tig = lane & 3;
-    const int qb = gridDim.x - 1 - blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z;
+    const BlockWork work = block_work<kBlockM>(p);
+    const int qb = work.qb, h = work.h, b = work.b;
     const int q0 = qb * kBlockM;
+    if (q0 >= p.seq_q) return;  // a tile row past the run-time Sq (ordered schedule)
     const int kv_len = effective_kv_len(p, b);
     const int trow = q0 / p.tile_m;
     const int a0 = q0 - trow * p.tile_m;
@@ -647,23 +649,25 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kHeadDim == 64 ? 3 : 2) hopp
 }
 
 template <class HT>
-cudaError_t launch_hopper_pipe(const KernelParams& p, cudaStream_t stream) {
+cudaError_t launch_hopper_pipe(const KernelParams& params, cudaStream_t stream) {
+    KernelParams p = params;
     auto kernel = hopper_attn_fwd_pipe<HT>;
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, HT::kSmemSize);
     if (err != cudaSuccess) return err;
-    dim3 grid((p.seq_q + HT::kBlockM - 1) / HT::kBlockM, p.heads, p.batch);
+    const dim3 grid = schedule_grid<HT::kBlockM, HT::kHeadDim>(p);
     kernel<<<grid, HT::kThreads, HT::kSmemSize, stream>>>(p);
     return cudaGetLastError();
 }
 
 template <class HT>
-cudaError_t launch_hopper(const KernelParams& p, cudaStream_t stream) {
+cudaError_t launch_hopper(const KernelParams& params, cudaStream_t stream) {
+    KernelParams p = params;
     auto kernel = hopper_attn_fwd<HT>;
     if (HT::kSmemSize > 48 * 1024) {
         cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, HT::kSmemSize);
         if (err != cudaSuccess) return err;
     }
-    dim3 grid((p.seq_q + HT::kBlockM - 1) / HT::kBlockM, p.heads, p.batch);
+    const dim3 grid = schedule_grid<HT::kBlockM, HT::kHeadDim>(p);
     kernel<<<grid, HT::kThreads, HT::kSmemSize, stream>>>(p);
     return cudaGetLastError();
 }

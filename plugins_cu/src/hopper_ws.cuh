@@ -143,9 +143,10 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const Kern
 
     const int tid = threadIdx.x;
     const int wg = tid / 128;
-    const int qb = gridDim.x - 1 - blockIdx.x;  // longest rows first (causal-like layouts)
-    const int h = blockIdx.y, b = blockIdx.z;
+    const BlockWork work = block_work<kBlockM>(p);
+    const int qb = work.qb, h = work.h, b = work.b;
     const int q0 = qb * kBlockM;
+    if (q0 >= p.seq_q) return;  // a tile row past the run-time Sq (ordered schedule)
     const int kv_len = effective_kv_len(p, b);
     const int layout_row0 = (h % p.num_layouts) * p.tq;
     int rows[2];
@@ -345,11 +346,12 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const Kern
 }
 
 template <class WT>
-cudaError_t launch_hopper_ws(const KernelParams& p, cudaStream_t stream) {
+cudaError_t launch_hopper_ws(const KernelParams& params, cudaStream_t stream) {
+    KernelParams p = params;
     auto kernel = hopper_ws_attn_fwd<WT>;
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, WT::kSmemSize);
     if (err != cudaSuccess) return err;
-    dim3 grid((p.seq_q + WT::kBlockM - 1) / WT::kBlockM, p.heads, p.batch);
+    const dim3 grid = schedule_grid<WT::kBlockM, WT::kHeadDim>(p);
     kernel<<<grid, WT::kThreads, WT::kSmemSize, stream>>>(p);
     return cudaGetLastError();
 }

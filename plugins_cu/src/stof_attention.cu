@@ -155,6 +155,8 @@ KernelParams kernel_params(const stof_attn_params_t& p) {
     k.tile_m = p.tile_m, k.tile_n = p.tile_n, k.num_layouts = p.num_layouts;
     k.tq = (p.layout_seq_q + p.tile_m - 1) / p.tile_m;
     k.key_lengths = p.key_lengths, k.key_padding_mask = p.key_padding_mask;
+    k.row_order = p.row_order;  // schedule_grid keeps it or drops it per kernel
+    k.sched_chunk = 1;
     return k;
 }
 
