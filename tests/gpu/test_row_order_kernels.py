@@ -30,7 +30,9 @@ CASES = [
     (LONGFORMER, (1024, 1024), (1024, 1024), 2),
     (BIGBIRD, (1024, 1024), (1024, 1024), 2),
     (LONGFORMER, (1024, 1024), (700, 1000), 2),           # run-time sizes below the compiled layout
-    ("causal", (1024, 1024), (700, 1000), 2),
+    ("causal", (1024, 1024), (700, 1000), 2),             # < 3/4 of the tile rows: the library drops the order
+    (LONGFORMER, (1024, 1024), (900, 1000), 2),           # >= 3/4: ordered grid over all 16 rows, row 15 exits
+    (BIGBIRD, (1024, 1024), (961, 1024), 3),              # last tile row holds one query row
     (BIGBIRD + ",per_head=1", (1024, 1024), (1024, 1024), 4),  # one row order per layout (L = H = 4)
 ]
 DTYPE_DIMS = [(torch.float16, 64), (torch.bfloat16, 64), (torch.float16, 128)]
