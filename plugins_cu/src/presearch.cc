@@ -26,15 +26,15 @@ namespace {
 constexpr int kFamilyBlock = 1, kFamilyRow = 2, kFamilyHopper = 3;
 
 struct TacticRow {
-    int id, family, blockM, blockN, warps, stages, minCtas, qInSmem, pipelined, deferPv, warpSpecialized, keyStep, qReg;
+    int id, family, blockM, blockN, warps, stages, minCtas, qInSmem, pipelined, deferPv, warpSpecialized, keyStep;
     int regs[2];  // head dim 64, 128 (-1: no ptxas entry)
     int hasCoef[2];
     double coef[2][4];
 };
 
-#define STOF_PRESEARCH_ROW(id, fam, bm, bn, w, st, mc, qs, pipe, dpv, ws, ks, qr, r64, r128, h64, a64, b64, c64, d64, \
+#define STOF_PRESEARCH_ROW(id, fam, bm, bn, w, st, mc, qs, pipe, dpv, ws, ks, r64, r128, h64, a64, b64, c64, d64,  \
                            h128, a128, b128, c128, d128)                                                           \
-    {id, fam, bm, bn, w, st, mc, qs, pipe, dpv, ws, ks, qr, {r64, r128}, {h64, h128},                              \
+    {id, fam, bm, bn, w, st, mc, qs, pipe, dpv, ws, ks, {r64, r128}, {h64, h128},                                  \
      {{a64, b64, c64, d64}, {a128, b128, c128, d128}}},
 const TacticRow kRows[] = {
 #include "presearch_table.inc"
@@ -211,7 +211,6 @@ bool valid(TacticRow const& t, int tileM, int tileN, int D, bool hopper) {
         if (!hopper || tileM % 64 || tileN % t.blockN) return false;
         if (t.pipelined && D == 128 && t.stages > 3) return false;
         if (t.warpSpecialized && D == 128 && t.keyStep > 64) return false;
-        if (t.qReg && D == 128) return false;
     }
     if (t.family == kFamilyBlock) {
         if (tileM % t.blockM || tileN % t.blockN) return false;

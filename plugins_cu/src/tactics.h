@@ -48,10 +48,10 @@
 //     cp.async into an mbarrier ring, two consumer warpgroups (128 rows per CTA, one CTA per SM) each overlap
 //     their softmax with their own P V MMA and with the other consumer's MMAs.  21/22: 64-key steps, 2/3 stages;
 //     23/24: 128-key steps (two 64-key sub-blocks of the walk per step), 2/3 stages.
-// 25, 26: as 13 and 14 with Q in registers (S = Q K^T as an RS wgmma): an SS m64n64k16 reads 4 KB of operands from
-//     shared memory per 32 tensor-core cycles, all of the SM's shared-memory bandwidth; head dim 64 only.
+// 25, 26: as 13 and 14 with split steps: S of keys 0-31 and of 32-63 issued as two MMAs, the softmax of each half
+//     overlapping the next MMA (S of 32-63, then P V of 0-31): intra-warpgroup overlap at 4 CTAs per SM.
 // X(id, warpgroups (consumers for 21+), stages, variant: 0 plain, 1 pipelined, 2 deferred P V wait,
-//   3 warp-specialised with 64-key steps, 4 warp-specialised with 128-key steps, 5 Q in registers)
+//   3 warp-specialised with 64-key steps, 4 warp-specialised with 128-key steps, 5 split steps)
 #define STOF_HOPPER_TACTICS(X) \
     X(13, 1, 2, 0)             \
     X(14, 1, 3, 0)             \

@@ -4,7 +4,7 @@
     python plugins_cu/tools/gen_wgmma.py > plugins_cu/src/wgmma_ops.cuh
 
 SS: D(64xN, f32) (+)= A(64x16, smem desc, K-major) * B(16xN, smem desc, K-major)     -- S = Q K^T
-RS K-major: as RS with B K-major (not transposed)                                   -- S = Q(regs) K^T
+    (N = 32: the two key halves of a split step, hopper.cuh kSplit)
 RS: D(64xN, f32) (+)= A(64x16, registers)         * B(16xN, smem desc, MN-major)    -- O += P V
 """
 
@@ -29,15 +29,15 @@ __device__ __forceinline__ void wgmma_ss<{N}, {ctype}>(float (&d)[{nd}], uint64_
 """
 
 
-def rs(N, ctype, ptx, name="wgmma_rs", trans_b=1):
+def rs(N, ctype, ptx):
     nd = N // 2
     outs = ", ".join(f'"+f"(d[{i}])' for i in range(nd))
     return f"""template <>
-__device__ __forceinline__ void {name}<{N}, {ctype}>(float (&d)[{nd}], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {{
+__device__ __forceinline__ void wgmma_rs<{N}, {ctype}>(float (&d)[{nd}], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {{
     asm volatile(
         "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{nd + 5}, 0;\\n"
         "wgmma.mma_async.sync.aligned.m64n{N}k16.f32.{ptx}.{ptx} {{{regs(nd)}}}, "
-        "{{%{nd}, %{nd + 1}, %{nd + 2}, %{nd + 3}}}, %{nd + 4}, p, 1, 1, {trans_b};\\n}}\\n"
+        "{{%{nd}, %{nd + 1}, %{nd + 2}, %{nd + 3}}}, %{nd + 4}, p, 1, 1, 1;\\n}}\\n"
         : {outs}
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
 }}
@@ -50,15 +50,13 @@ def main():
     print("// K-major.  RS: A from registers (mma.sync A-fragment layout per warp), B an MN-major (transposed) descriptor.")
     print("#pragma once\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <stdint.h>\n\nnamespace stof {\n")
     print("template <int N, typename T>\n__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int scale_d);")
-    print("template <int N, typename T>\n__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b, int scale_d);")
-    print("template <int N, typename T>\n__device__ __forceinline__ void wgmma_rs_kmajor(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b, int scale_d);\n")
+    print("template <int N, typename T>\n__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b, int scale_d);\n")
     print("#if defined(__CUDA_ARCH_FEAT_SM90_ALL)")
     for ctype, ptx in TYPES.items():
-        for N in (64, 128):
+        for N in (32, 64, 128):
             print(ss(N, ctype, ptx))
         for N in (64, 128):
             print(rs(N, ctype, ptx))
-        print(rs(64, ctype, ptx, "wgmma_rs_kmajor", 0))
     print("#endif  // __CUDA_ARCH_FEAT_SM90_ALL\n\n}  // namespace stof")
 
 
