@@ -21,8 +21,7 @@ sys.path.insert(0, str(ROOT))
 OUT = ROOT / "plugins_cu" / "src" / "presearch_table.inc"
 
 KNOWN_FIELDS = ["id", "family", "block_m", "block_n", "num_warps", "stages", "min_ctas", "q_in_smem", "pipelined",
-                "defer_pv", "warp_specialized", "key_step",
-                "split"]  # split: name only (the model treats it as a plain one-warpgroup tactic with its own COEF)
+                "defer_pv", "warp_specialized", "key_step"]
 KNOWN_FAMILIES = {1: "block", 2: "row", 3: "hopper"}
 
 

@@ -46,7 +46,6 @@ class TacticSpec:
     defer_pv: bool = False   # Hopper family: P V completion awaited with the next S MMA
     warp_specialized: bool = False  # Hopper family: producer warpgroup + 2 consumer warpgroups (hopper_ws.cuh)
     key_step: int = 64       # keys per softmax step (warp-specialised: 64 or 128 = two sub-blocks of the walk)
-    split: bool = False      # Hopper family: each step as two 32-key halves (softmax overlapping the MMAs)
 
     @property
     def name(self) -> str:
@@ -56,7 +55,7 @@ class TacticSpec:
             return f"wgmma_ws_m2x64_n{self.key_step}_s{self.stages}"
         if self.family == FAMILY_HOPPER:
             return (f"wgmma_m{self.num_warps // 4}x64_n{self.block_n}_s{self.stages}"
-                    + ("_pipe" if self.pipelined else "_defer" if self.defer_pv else "_split" if self.split else ""))
+                    + ("_pipe" if self.pipelined else "_defer" if self.defer_pv else ""))
         return (f"block_m{self.block_m}_n{self.block_n}_w{self.num_warps}_s{self.stages}_occ{self.min_ctas}"
                 f"_q{'smem' if self.q_in_smem else 'reg'}")
 
@@ -87,8 +86,6 @@ TACTICS = [
     TacticSpec(22, FAMILY_HOPPER, 128, 64, 12, 3, warp_specialized=True),
     TacticSpec(23, FAMILY_HOPPER, 128, 64, 12, 2, warp_specialized=True, key_step=128),
     TacticSpec(24, FAMILY_HOPPER, 128, 64, 12, 3, warp_specialized=True, key_step=128),
-    TacticSpec(25, FAMILY_HOPPER, 64, 64, 4, 2, split=True),
-    TacticSpec(26, FAMILY_HOPPER, 64, 64, 4, 3, split=True),
 ]
 _BY_ID = {t.id: t for t in TACTICS}
 
@@ -241,7 +238,6 @@ PTXAS_REGS = {
     # warp-specialised: the launch count (384 threads, one CTA per SM); setmaxnreg moves registers to consumers
     (21, 64): 168, (22, 64): 168, (23, 64): 168, (24, 64): 168,
     (21, 128): 168, (22, 128): 168, (23, 128): 168, (24, 128): 168,
-    (25, 64): 117, (26, 64): 124, (25, 128): 172, (26, 128): 172,
 }
 
 
@@ -324,11 +320,6 @@ COEF = {
     (22, 128): (1.1998, 1.38454, 5.29108, 14.32186),
     (23, 64): (2.01512, 1.85246, 5.653, 8.15469),
     (24, 64): (1.90701, 1.75342, 5.97014, 7.24004),
-    # split steps: provisional copies of 13 / 14 until a device run refits them
-    (25, 64): (1.53649, 1.54816, 5.76313, 10.24625),
-    (25, 128): (1.34469, 1.36513, 4.88711, 9.01014),
-    (26, 64): (1.21097, 1.26388, 5.04971, 9.28822),
-    (26, 128): (1.34146, 1.32515, 5.35803, 8.51114),
 }
 
 

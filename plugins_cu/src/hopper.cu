@@ -12,8 +12,6 @@ constexpr LaunchFn hopper_launcher() {
         return nullptr;  // S, P and O of a 128-key step at head dim 128 exceed the consumers' 216 registers
     } else if constexpr (PIPE == 3 || PIPE == 4) {
         return &launch_hopper_ws<WsTraits<D, S, PIPE == 4 ? 2 : 1, T>>;
-    } else if constexpr (PIPE == 5) {
-        return &launch_hopper<HopperTraits<D, WG, S, T, false, true>>;
     } else if constexpr (PIPE == 2) {
         return &launch_hopper<HopperTraits<D, WG, S, T, true>>;
     } else if constexpr (PIPE == 1) {

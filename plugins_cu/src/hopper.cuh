@@ -21,13 +21,9 @@
 
 namespace stof {
 
-template <int kHeadDim_, int kWG_, int kStages_, typename Elem_, bool kDeferPV_ = false, bool kSplit_ = false>
+template <int kHeadDim_, int kWG_, int kStages_, typename Elem_, bool kDeferPV_ = false>
 struct HopperTraits {
     using Elem = Elem_;
-    // kSplit (one warpgroup): each 64-key step as two 32-key halves in flight one behind the other: the softmax of
-    // keys 0-31 runs while S of keys 32-63 is on the tensor cores, and the softmax of 32-63 while P V of 0-31 is
-    // (intra-warpgroup overlap with no extra registers: the step's S tile is the same 32 floats per thread).
-    static constexpr bool kSplit = kSplit_;
     // kDeferPV (one warpgroup): O += P V is not waited for at the end of the step; its completion is awaited
     // together with the next S = Q K^T, so the two MMAs run back to back (the K/V prefetch moves after that wait).
     static constexpr bool kDeferPV = kDeferPV_;
@@ -52,7 +48,6 @@ struct HopperTraits {
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim");
     static_assert(kSmemQ % 1024 == 0 && kSmemKV % 1024 == 0, "1024-byte aligned tiles");
     static_assert(!kDeferPV || kWG == 1, "deferred PV wait: one warpgroup per CTA");
-    static_assert(!kSplit || (kWG == 1 && !kDeferPV), "split steps: one warpgroup, P V awaited in the step");
 };
 
 // Byte offset of 16-byte chunk ch of row r in a 128B-swizzled K-major tile of kRows rows.
@@ -429,69 +424,6 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
         // descriptors = base + (byte offset >> 4): shared addresses stay below 2^18, so the 14-bit field never carries
         const uint64_t stage_off = static_cast<uint64_t>(((it % kStages) * 2 * HT::kSmemKV) >> 4);
         const uint64_t dK = dK0 + stage_off, dV = dV0 + stage_off;
-
-        if constexpr (HT::kSplit) {
-            // halves h = 0, 1: keys [32 h, 32 h + 32) = K rows 32 h.. (byte offset 32 h * 128 in every column block)
-            float (&rSa)[16] = *reinterpret_cast<float(*)[16]>(&rS[0]);
-            float (&rSb)[16] = *reinterpret_cast<float(*)[16]>(&rS[16]);
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < kKD; ++kk) {
-                const uint64_t da = dQ0 + (((kk >> 2) * (kBlockM * 128) + (kk & 3) * 32) >> 4);
-                const uint64_t db = dK + (((kk >> 2) * (kBlockN * 128) + (kk & 3) * 32) >> 4);
-                wgmma_ss<32, Elem>(rSa, da, db, kk > 0 ? 1 : 0);
-            }
-            wgmma_commit();
-#pragma unroll
-            for (int kk = 0; kk < kKD; ++kk) {
-                const uint64_t da = dQ0 + (((kk >> 2) * (kBlockM * 128) + (kk & 3) * 32) >> 4);
-                const uint64_t db = dK + (((kk >> 2) * (kBlockN * 128) + (kk & 3) * 32 + 32 * 128) >> 4);
-                wgmma_ss<32, Elem>(rSb, da, db, kk > 0 ? 1 : 0);
-            }
-            wgmma_commit();
-            if (need_mask && (n0 + kBlockN > kv_len || kpm != nullptr)) and_key_words(bits, n0, kv_len, kpm, lane);
-            uint32_t rP[kKN][4];
-            auto half = [&](float (&h)[16], int w, bool pv_in_flight) {
-                if (!fold) {
-#pragma unroll
-                    for (int i = 0; i < 16; ++i) h[i] *= sl2;
-                }
-                if (need_mask) {
-                    const uint32_t hb[2][1] = {{bits[0][w]}, {bits[1][w]}};
-                    mask_scores<4>(h, hb, tig);
-                }
-                float alpha[2];
-                if (online_softmax<4>(h, row_max, row_sum, alpha, mul)) {
-                    if (pv_in_flight) {  // rare (lazy rescaling): O must not change under a running MMA
-                        wgmma_wait<0>();
-                        fence_regs(rO);
-                    }
-                    rescale_o<kDI>(rO, alpha);
-                }
-#pragma unroll
-                for (int kn = 2 * w; kn < 2 * w + 2; ++kn) {
-                    const int i0 = (2 * kn - 4 * w) * 4, i1 = (2 * kn + 1 - 4 * w) * 4;
-                    rP[kn][0] = ElemTraits<Elem>::pack(h[i0 + 0], h[i0 + 1]);
-                    rP[kn][1] = ElemTraits<Elem>::pack(h[i0 + 2], h[i0 + 3]);
-                    rP[kn][2] = ElemTraits<Elem>::pack(h[i1 + 0], h[i1 + 1]);
-                    rP[kn][3] = ElemTraits<Elem>::pack(h[i1 + 2], h[i1 + 3]);
-                }
-                wgmma_fence();
-#pragma unroll
-                for (int kn = 2 * w; kn < 2 * w + 2; ++kn)
-                    wgmma_rs<HT::kHeadDim, Elem>(rO, rP[kn], dV + ((kn * 16 * 128) >> 4), 1);
-                wgmma_commit();
-            };
-            wgmma_wait<1>();  // S of keys 0-31
-            fence_regs(rSa);
-            half(rSa, 0, false);
-            wgmma_wait<1>();  // S of keys 32-63 (P V of 0-31 may still run)
-            fence_regs(rSb);
-            half(rSb, 1, true);
-            wgmma_wait<0>();
-            fence_regs(rO);
-            continue;
-        }
 
         // S = Q K^T
         wgmma_fence();

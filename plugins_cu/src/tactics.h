@@ -48,10 +48,8 @@
 //     cp.async into an mbarrier ring, two consumer warpgroups (128 rows per CTA, one CTA per SM) each overlap
 //     their softmax with their own P V MMA and with the other consumer's MMAs.  21/22: 64-key steps, 2/3 stages;
 //     23/24: 128-key steps (two 64-key sub-blocks of the walk per step), 2/3 stages.
-// 25, 26: as 13 and 14 with split steps: S of keys 0-31 and of 32-63 issued as two MMAs, the softmax of each half
-//     overlapping the next MMA (S of 32-63, then P V of 0-31): intra-warpgroup overlap at 4 CTAs per SM.
 // X(id, warpgroups (consumers for 21+), stages, variant: 0 plain, 1 pipelined, 2 deferred P V wait,
-//   3 warp-specialised with 64-key steps, 4 warp-specialised with 128-key steps, 5 split steps)
+//   3 warp-specialised with 64-key steps, 4 warp-specialised with 128-key steps)
 #define STOF_HOPPER_TACTICS(X) \
     X(13, 1, 2, 0)             \
     X(14, 1, 3, 0)             \
@@ -64,16 +62,14 @@
     X(21, 2, 2, 3)             \
     X(22, 2, 3, 3)             \
     X(23, 2, 2, 4)             \
-    X(24, 2, 3, 4)             \
-    X(25, 1, 2, 5)             \
-    X(26, 1, 3, 5)
+    X(24, 2, 3, 4)
 
 namespace stof {
 
 constexpr int kNumBlockTactics = 10;
 constexpr bool kQFrags_reg = false, kQFrags_smem = true;
 constexpr int kNumRowTactics = 2;
-constexpr int kNumHopperTactics = 14;
+constexpr int kNumHopperTactics = 12;
 // first id of each family (ids are consecutive inside a family; the offset indexes the launcher tables)
 constexpr int kFirstBlockId = 1, kFirstRowId = 11, kFirstHopperId = 13;
 

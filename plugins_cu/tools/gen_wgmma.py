@@ -4,7 +4,6 @@
     python plugins_cu/tools/gen_wgmma.py > plugins_cu/src/wgmma_ops.cuh
 
 SS: D(64xN, f32) (+)= A(64x16, smem desc, K-major) * B(16xN, smem desc, K-major)     -- S = Q K^T
-    (N = 32: the two key halves of a split step, hopper.cuh kSplit)
 RS: D(64xN, f32) (+)= A(64x16, registers)         * B(16xN, smem desc, MN-major)    -- O += P V
 """
 
@@ -53,7 +52,7 @@ def main():
     print("template <int N, typename T>\n__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b, int scale_d);\n")
     print("#if defined(__CUDA_ARCH_FEAT_SM90_ALL)")
     for ctype, ptx in TYPES.items():
-        for N in (32, 64, 128):
+        for N in (64, 128):
             print(ss(N, ctype, ptx))
         for N in (64, 128):
             print(rs(N, ctype, ptx))
