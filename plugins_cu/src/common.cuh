@@ -179,7 +179,8 @@ inline dim3 schedule_grid(KernelParams& p) {
     }
     const int64_t kv_bytes = 2 * static_cast<int64_t>(p.seq_k) * kHeadDim * 2;
     const int64_t nhb = static_cast<int64_t>(p.heads) * p.batch;
-    p.sched_chunk = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nhb, sched_l2_budget_bytes() / kv_bytes)));
+    const int64_t chunk = p.sched_chunk > 0 ? p.sched_chunk : sched_l2_budget_bytes() / kv_bytes;
+    p.sched_chunk = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nhb, chunk)));
     return dim3(nqb, p.heads, p.batch);
 }
 

@@ -122,6 +122,7 @@ stof_status_t validate(const stof_attn_params_t* p) {
     if (p->num_layouts != 1 && p->num_layouts != p->num_heads)
         return fail(STOF_ERROR_INVALID_ARGUMENT, "num_layouts %d must be 1 or num_heads (%d)", p->num_layouts,
                     p->num_heads);
+    if (p->sched_chunk < 0) return fail(STOF_ERROR_INVALID_ARGUMENT, "sched_chunk %d must be >= 0", p->sched_chunk);
     if (p->layout_seq_q < 1 || p->layout_seq_k < 1)
         return fail(STOF_ERROR_INVALID_ARGUMENT, "compiled layout sizes must be >= 1");
     if (p->seq_q > p->layout_seq_q || p->seq_k > p->layout_seq_k)
@@ -156,7 +157,7 @@ KernelParams kernel_params(const stof_attn_params_t& p) {
     k.tq = (p.layout_seq_q + p.tile_m - 1) / p.tile_m;
     k.key_lengths = p.key_lengths, k.key_padding_mask = p.key_padding_mask;
     k.row_order = p.row_order;  // schedule_grid keeps it or drops it per kernel
-    k.sched_chunk = 1;
+    k.sched_chunk = p.sched_chunk;  // 0: schedule_grid picks it
     return k;
 }
 
@@ -273,6 +274,24 @@ stof_status_t stof_layout_row_order(const int32_t* row_ptr, int32_t num_layouts,
                          [rp](int32_t a, int32_t b) { return rp[a + 1] - rp[a] > rp[b + 1] - rp[b]; });
         std::copy(rows.begin(), rows.end(), out + static_cast<int64_t>(l) * tiles_q);
     }
+    tLastError[0] = '\0';
+    return STOF_SUCCESS;
+}
+
+stof_status_t stof_layout_sched_chunk(const int32_t* row_ptr, int32_t num_layouts, int32_t tiles_q,
+                                      int32_t* chunk) {
+    if (row_ptr == nullptr || chunk == nullptr) return fail(STOF_ERROR_INVALID_ARGUMENT, "row_ptr or chunk is NULL");
+    if (num_layouts < 1 || tiles_q < 1)
+        return fail(STOF_ERROR_INVALID_ARGUMENT, "num_layouts %d and tiles_q %d must be >= 1", num_layouts, tiles_q);
+    bool uniform = true;
+    for (int32_t l = 0; l < num_layouts && uniform; ++l) {
+        const int32_t* rp = row_ptr + static_cast<int64_t>(l) * tiles_q;
+        int64_t longest = 0;
+        for (int32_t i = 0; i < tiles_q; ++i) longest = std::max<int64_t>(longest, rp[i + 1] - rp[i]);
+        // longest <= 5/4 mean  <=>  4 * tiles_q * longest <= 5 * total (integers: no rounding)
+        uniform = 4 * static_cast<int64_t>(tiles_q) * longest <= 5 * static_cast<int64_t>(rp[tiles_q] - rp[0]);
+    }
+    *chunk = uniform ? 1 : 0;
     tLastError[0] = '\0';
     return STOF_SUCCESS;
 }

@@ -82,6 +82,10 @@ typedef struct {
      * whose CTA covers at most one tile row start the longest rows first, so short rows fill the tail of the
      * grid (Longformer/BigBird global rows otherwise start last).  NULL: the last tile rows first (causal). */
     const int32_t* row_order;
+    /* (batch, head) pairs whose CTAs are interleaved (docs/kernels.md "Schedule"); 0 = the library's default
+     * (as many pairs as fit a share of L2), 1 = one pair at a time.  stof_layout_sched_chunk() gives the value for
+     * a layout: 1 when its rows are of near-equal length (interleaving measured 4-5 % slower there), else 0. */
+    int32_t sched_chunk;
 } stof_attn_params_t;
 
 /* Zero the struct and fill the defaults (dtype fp16, num_layouts 1, tile 64x64). */
@@ -126,6 +130,12 @@ STOF_API int32_t stof_abi_version(void);
  * the higher row first.  Same result as stof_trt.format.TileLayout.row_order(). */
 STOF_API stof_status_t stof_layout_row_order(const int32_t* row_ptr, int32_t num_layouts, int32_t tiles_q,
                                              int32_t* out);
+
+/* Host helper: the sched_chunk of stof_attn_params_t for a layout: 1 when, in every layout, the longest tile row
+ * holds at most 5/4 of the mean number of stored tiles per row (uniform rows: sliding, dilated), else 0.
+ * Same result as stof_trt.format.TileLayout.sched_chunk(). */
+STOF_API stof_status_t stof_layout_sched_chunk(const int32_t* row_ptr, int32_t num_layouts, int32_t tiles_q,
+                                               int32_t* chunk);
 
 /* --- analytical pre-search (host only; plugins_cu/src/presearch.cc, the C++ port of stof_trt/presearch.py) --- */
 
