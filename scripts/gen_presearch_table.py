@@ -21,7 +21,8 @@ sys.path.insert(0, str(ROOT))
 OUT = ROOT / "plugins_cu" / "src" / "presearch_table.inc"
 
 KNOWN_FIELDS = ["id", "family", "block_m", "block_n", "num_warps", "stages", "min_ctas", "q_in_smem", "pipelined",
-                "defer_pv", "warp_specialized", "key_step"]
+                "defer_pv", "warp_specialized", "key_step",
+                "tma"]  # tma: name only (modelled as a plain one-warpgroup tactic with its own COEF)
 KNOWN_FAMILIES = {1: "block", 2: "row", 3: "hopper"}
 
 

@@ -46,6 +46,7 @@ class TacticSpec:
     defer_pv: bool = False   # Hopper family: P V completion awaited with the next S MMA
     warp_specialized: bool = False  # Hopper family: producer warpgroup + 2 consumer warpgroups (hopper_ws.cuh)
     key_step: int = 64       # keys per softmax step (warp-specialised: 64 or 128 = two sub-blocks of the walk)
+    tma: bool = False        # Hopper family: K/V copied by the TMA, mbarrier pipeline (hopper_tma.cuh)
 
     @property
     def name(self) -> str:
@@ -55,7 +56,7 @@ class TacticSpec:
             return f"wgmma_ws_m2x64_n{self.key_step}_s{self.stages}"
         if self.family == FAMILY_HOPPER:
             return (f"wgmma_m{self.num_warps // 4}x64_n{self.block_n}_s{self.stages}"
-                    + ("_pipe" if self.pipelined else "_defer" if self.defer_pv else ""))
+                    + ("_pipe" if self.pipelined else "_defer" if self.defer_pv else "_tma" if self.tma else ""))
         return (f"block_m{self.block_m}_n{self.block_n}_w{self.num_warps}_s{self.stages}_occ{self.min_ctas}"
                 f"_q{'smem' if self.q_in_smem else 'reg'}")
 
@@ -86,6 +87,8 @@ TACTICS = [
     TacticSpec(22, FAMILY_HOPPER, 128, 64, 12, 3, warp_specialized=True),
     TacticSpec(23, FAMILY_HOPPER, 128, 64, 12, 2, warp_specialized=True, key_step=128),
     TacticSpec(24, FAMILY_HOPPER, 128, 64, 12, 3, warp_specialized=True, key_step=128),
+    TacticSpec(25, FAMILY_HOPPER, 64, 64, 4, 2, tma=True),
+    TacticSpec(26, FAMILY_HOPPER, 64, 64, 4, 3, tma=True),
 ]
 _BY_ID = {t.id: t for t in TACTICS}
 
@@ -238,6 +241,7 @@ PTXAS_REGS = {
     # warp-specialised: the launch count (384 threads, one CTA per SM); setmaxnreg moves registers to consumers
     (21, 64): 168, (22, 64): 168, (23, 64): 168, (24, 64): 168,
     (21, 128): 168, (22, 128): 168, (23, 128): 168, (24, 128): 168,
+    (25, 64): 128, (26, 64): 128, (25, 128): 170, (26, 128): 170,
 }
 
 
@@ -320,6 +324,11 @@ COEF = {
     (22, 128): (1.1849, 1.48139, 5.89382, 11.89861),
     (23, 64): (1.98463, 1.78597, 7.78806, 3.11958),
     (24, 64): (1.89404, 1.68167, 8.0261, 3.37325),
+    # TMA: provisional copies of 13 / 14 until a device run refits them
+    (25, 64): (1.45042, 1.60939, 6.20757, 10.5823),
+    (25, 128): (1.31939, 1.42347, 5.47422, 4.78698),
+    (26, 64): (1.21165, 1.44867, 5.15338, 6.84908),
+    (26, 128): (1.30672, 1.39962, 6.08207, 6.95586),
 }
 
 

@@ -4,6 +4,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda.h>  // CUtensorMap (a plain struct; nothing links against the driver library)
 #include <cuda_runtime.h>
 #include <algorithm>
 #include <stdint.h>
@@ -34,6 +35,8 @@ struct KernelParams {
     // sched_chunk = heads*batch pairs whose CTAs are interleaved (see block_work).
     const int32_t* row_order;
     int sched_chunk;
+    // K and V as TMA tensor maps (hopper_tma.cuh; encoded by its launcher, unused by every other kernel)
+    CUtensorMap tma_k, tma_v;
 };
 
 using LaunchFn = cudaError_t (*)(const KernelParams&, cudaStream_t);

@@ -1,6 +1,6 @@
 // Hopper (wgmma) tactic instantiations, both dtypes and head dims.  The kernels have bodies only in the sm_90a
 // compilation pass (STOF_HAS_SM90A is defined by CMake when CMAKE_CUDA_ARCHITECTURES holds 90a).
-#include "hopper_ws.cuh"
+#include "hopper_tma.cuh"
 #include "tactics.h"
 
 namespace stof {
@@ -12,6 +12,8 @@ constexpr LaunchFn hopper_launcher() {
         return nullptr;  // S, P and O of a 128-key step at head dim 128 exceed the consumers' 216 registers
     } else if constexpr (PIPE == 3 || PIPE == 4) {
         return &launch_hopper_ws<WsTraits<D, S, PIPE == 4 ? 2 : 1, T>>;
+    } else if constexpr (PIPE == 5) {
+        return &launch_hopper_tma<HopperTraits<D, WG, S, T>>;
     } else if constexpr (PIPE == 2) {
         return &launch_hopper<HopperTraits<D, WG, S, T, true>>;
     } else if constexpr (PIPE == 1) {
@@ -34,6 +36,40 @@ extern const LaunchFn kHopperLaunchers[2][2][kNumHopperTactics] = {
     {STOF_HOPPER_ROW(F16, 64), STOF_HOPPER_ROW(F16, 128)},
     {STOF_HOPPER_ROW(BF16, 64), STOF_HOPPER_ROW(BF16, 128)},
 };
+
+bool encode_kv_maps(KernelParams& p, int head_dim, bool bf16) {
+    using EncodeFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                  const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                  CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+    static const EncodeFn encode = [] {
+        void* fn = nullptr;
+        cudaDriverEntryPointQueryResult q{};
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q) !=
+                cudaSuccess ||
+            q != cudaDriverEntryPointSuccess)
+            fn = nullptr;
+        return reinterpret_cast<EncodeFn>(fn);
+    }();
+    if (encode == nullptr) return false;
+    auto one = [&](CUtensorMap* map, const void* base, int64_t ss, int64_t sh, int64_t sb) {
+        // dims (innermost first) D, Sk, H, B; a dim of extent 1 gets a harmless stride (the TMA never steps it)
+        const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(p.seq_k),
+                                    static_cast<cuuint64_t>(p.heads), static_cast<cuuint64_t>(p.batch)};
+        const int64_t row = ss * 2;
+        const int64_t hs = p.heads > 1 ? sh * 2 : row * p.seq_k;
+        const int64_t bs = p.batch > 1 ? sb * 2 : hs * p.heads;
+        if (row <= 0 || hs <= 0 || bs <= 0) return false;
+        const cuuint64_t strides[3] = {static_cast<cuuint64_t>(row), static_cast<cuuint64_t>(hs),
+                                       static_cast<cuuint64_t>(bs)};
+        const cuuint32_t box[4] = {64, 64, 1, 1};
+        const cuuint32_t estr[4] = {1, 1, 1, 1};
+        return encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+                      const_cast<void*>(base), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+    };
+    return one(&p.tma_k, p.k, p.k_ss, p.k_sh, p.k_sb) && one(&p.tma_v, p.v, p.v_ss, p.v_sh, p.v_sb);
+}
 
 #if defined(STOF_HAS_SM90A)
 extern const bool kHopperCompiled = true;

@@ -35,11 +35,12 @@ struct TacticDesc {
 #define STOF_ROW_DESC(id, w) {id, 2, 1, 32, w, 1, "row_w" #w},
 // warp-specialised variants (3, 4) add the producer warpgroup to the warp count
 #define STOF_HOPPER_DESC(id, wg, s, pipe) \
-    {id, 3, 64 * wg, 64, 4 * wg + (pipe >= 3 ? 4 : 0), s,                                                 \
+    {id, 3, 64 * wg, 64, 4 * wg + (pipe == 3 || pipe == 4 ? 4 : 0), s,                                                 \
      pipe == 1   ? "wgmma_m" #wg "x64_n64_s" #s "_pipe"                                                 \
      : pipe == 2 ? "wgmma_m" #wg "x64_n64_s" #s "_defer"                                                \
      : pipe == 3 ? "wgmma_ws_m" #wg "x64_n64_s" #s                                                      \
      : pipe == 4 ? "wgmma_ws_m" #wg "x64_n128_s" #s                                                     \
+     : pipe == 5 ? "wgmma_m" #wg "x64_n64_s" #s "_tma"                                                  \
                  : "wgmma_m" #wg "x64_n64_s" #s},
 // Listed (and tried by tactic 0) in this order: Hopper first where it can run, then mma.sync, then row-wise.
 const TacticDesc kTactics[] = {STOF_HOPPER_TACTICS(STOF_HOPPER_DESC) STOF_BLOCK_TACTICS(STOF_BLOCK_DESC)

@@ -1,0 +1,222 @@
+// One-warpgroup wgmma kernel (as tactic 13 / 14 of hopper.cuh) with K/V brought in by the Tensor Memory Accelerator.
+//
+// Why: the ncu source profile of tactic 13 (session 2) counted ~82 of its ~379 warp instructions per 64-key step
+// as K/V address arithmetic and cp.async issue, plus a CTA barrier per step for the copies' visibility.  Here one
+// thread issues two bulk tensor copies per step (cp.async.bulk.tensor, 64 rows x 128 bytes per box, written in the
+// same 128-byte swizzle the wgmma descriptors read) that complete on a `full` mbarrier with a transaction count;
+// the four warps wait on that barrier and release the stage through an `empty` mbarrier (one arrival per warp), so
+// no CTA-wide barrier remains in the loop.  The tensor maps (K and V as 4-d [B, H, Sk, D] views of the strided
+// tensors) are encoded on the host per launch; when the driver refuses one (strides the TMA cannot express), the
+// launcher runs the cp.async kernel of the same shape instead.
+//
+// Exactness: the TMA zero-fills rows >= Sk (the tensor's extent); rows in [key_lengths[b], Sk) of a boundary tile
+// hold real data, so their V rows are zeroed in shared memory before P V (a 0 weight times a non-finite padding
+// value would otherwise give NaN) and their scores are masked as in every kernel.
+#pragma once
+
+#include <cuda.h>
+
+#include <type_traits>
+
+#include "hopper_ws.cuh"
+
+namespace stof {
+
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// Box (64 keys x 64 elements) at coordinates (d0, n0, h, b) of a 4-d tensor map into shared memory at dst.
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map, int d0, int n0, int h, int b,
+                                            uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+        "[%6];\n" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(d0), "r"(n0), "r"(h), "r"(b), "r"(bar)
+        : "memory");
+}
+
+template <class HT>
+__global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd_tma(const __grid_constant__ KernelParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using Elem = typename HT::Elem;
+    constexpr int kNI = HT::kNI, kKD = HT::kKD, kKN = HT::kKN, kDI = HT::kDI;
+    constexpr int kBlockM = HT::kBlockM, kBlockN = HT::kBlockN, kStages = HT::kStages;
+    static_assert(HT::kWG == 1 && !HT::kDeferPV, "TMA variant: one warpgroup, P V awaited in the step");
+    constexpr uint32_t kStageBytes = 2 * HT::kSmemKV;  // K and V of one step
+
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const uint32_t sQ = (smem_u32(smem) + 1023u) & ~1023u;
+    const uint32_t sKV = sQ + HT::kSmemQ;
+    const uint32_t sBar = sKV + kStages * kStageBytes;
+    auto full_bar = [&](int s) { return sBar + 8 * s; };
+    auto empty_bar = [&](int s) { return sBar + 8 * (kStages + s); };
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, tig = lane & 3;
+    const BlockWork work = block_work<kBlockM>(p);
+    const int qb = work.qb, h = work.h, b = work.b;
+    const int q0 = qb * kBlockM;
+    if (q0 >= p.seq_q) return;  // a tile row past the run-time Sq (ordered schedule)
+    const int kv_len = effective_kv_len(p, b);
+    const int trow = q0 / p.tile_m;
+    const int a0 = q0 - trow * p.tile_m;
+    const int r = (h % p.num_layouts) * p.tq + trow;
+    const int e_begin = __ldg(p.row_ptr + r);
+    int e_end = __ldg(p.row_ptr + r + 1);
+    while (e_end > e_begin && __ldg(p.col_idx + e_end - 1) * p.tile_n >= kv_len) --e_end;
+    const int nsub = p.tile_n / kBlockN;
+    const int n_iter = (e_end - e_begin) * nsub;
+
+    const Elem* gQ = static_cast<const Elem*>(p.q) + b * p.q_sb + h * p.q_sh;
+    Elem* gO = static_cast<Elem*>(p.o) + b * p.o_sb + h * p.o_sh;
+    const int32_t* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.seq_k : nullptr;
+    const float sl2 = p.scale_log2;
+    const bool fold = sl2 > 0.f;
+    const float mul = fold ? sl2 : 1.f;
+
+    auto key_start = [&](int it) {
+        return __ldg(p.col_idx + e_begin + it / nsub) * p.tile_n + (it % nsub) * kBlockN;
+    };
+    auto issue_tma = [&](int t) {  // thread 0: K and V of step t into stage t % kStages
+        const int s = t % kStages;
+        const int n0 = key_start(t);
+        const uint32_t st = sKV + s * kStageBytes;
+        mbar_expect_tx(full_bar(s), kStageBytes);
+#pragma unroll
+        for (int cb = 0; cb < HT::kHeadDim / 64; ++cb) {
+            tma_load_4d(st + cb * kBlockN * 128, &p.tma_k, cb * 64, n0, h, b, full_bar(s));
+            tma_load_4d(st + HT::kSmemKV + cb * kBlockN * 128, &p.tma_v, cb * 64, n0, h, b, full_bar(s));
+        }
+    };
+
+    if (tid == 0) {  // barriers, then the first kStages steps' K/V in flight while Q loads
+#pragma unroll
+        for (int s = 0; s < kStages; ++s) {
+            mbar_init(full_bar(s), 1);
+            mbar_init(empty_bar(s), 4);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        for (int t = 0; t < kStages && t < n_iter; ++t) issue_tma(t);
+    }
+    load_rows_async128<HT, kBlockM>(sQ, gQ, p.q_ss, q0, p.seq_q, tid);
+    cp_async_commit();
+    cp_async_wait<0>();
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads();  // Q and the initialised barriers visible to every thread and to the async proxy
+
+    float rO[kDI * 4];
+    float rS[kNI * 4];
+#pragma unroll
+    for (int i = 0; i < kDI * 4; ++i) rO[i] = 0.f;
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+    const int warp_row0 = warp * 16;
+    const uint64_t dQ0 = gmma_desc(sQ, 16, 1024);
+    const uint64_t dK0 = gmma_desc(sKV, 16, 1024);
+    const uint64_t dV0 = gmma_desc(sKV + HT::kSmemKV, kBlockN * 128, 1024);
+
+    for (int it = 0; it < n_iter; ++it) {
+        const int s = it % kStages;
+        const uint32_t parity = (it / kStages) & 1;
+        // refill the stage step it - 1 used with step it - 1 + kStages once every warp released it
+        if (tid == 0 && it >= 1 && it - 1 + kStages < n_iter) {
+            const int ps = (it - 1) % kStages;
+            mbar_wait(empty_bar(ps), ((it - 1) / kStages) & 1);
+            issue_tma(it - 1 + kStages);
+        }
+        const int e = e_begin + it / nsub;
+        const int sub = it % nsub;
+        const int n0 = __ldg(p.col_idx + e) * p.tile_n + sub * kBlockN;
+        const int bm_idx = __ldg(p.tile_bitmap_index + e);
+        const bool need_mask = bm_idx >= 0 || n0 + kBlockN > kv_len || kpm != nullptr;
+        uint32_t bits[2][HT::kWordsN];
+        if (need_mask) {
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) row_bits(bits[hh], p, bm_idx, a0 + warp_row0 + hh * 8 + g, sub);
+        }
+        mbar_wait(full_bar(s), parity);
+        const uint32_t st = sKV + s * kStageBytes;
+        if (n0 + kBlockN > kv_len && kv_len < p.seq_k) {
+            // boundary tile under key_lengths: zero V rows [kv_len, min(n0 + 64, Sk)) (the TMA filled them with data)
+            for (int i = tid; i < kBlockN * HT::kChunks; i += HT::kThreads) {
+                const int row = i / HT::kChunks, ch = i % HT::kChunks;
+                if (n0 + row >= kv_len)
+                    asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(st + HT::kSmemKV + swz128<kBlockN>(row, ch)),
+                                 "r"(0u)
+                                 : "memory");
+            }
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            named_barrier_sync(1, HT::kThreads);
+        }
+        const uint64_t stage_off = static_cast<uint64_t>((s * kStageBytes) >> 4);
+        const uint64_t dK = dK0 + stage_off, dV = dV0 + stage_off;
+
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kKD; ++kk) {
+            const uint64_t da = dQ0 + (((kk >> 2) * (kBlockM * 128) + (kk & 3) * 32) >> 4);
+            const uint64_t db = dK + (((kk >> 2) * (kBlockN * 128) + (kk & 3) * 32) >> 4);
+            wgmma_ss<64, Elem>(rS, da, db, kk > 0 ? 1 : 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(rS);
+
+        if (!fold) {
+#pragma unroll
+            for (int i = 0; i < kNI * 4; ++i) rS[i] *= sl2;
+        }
+        if (need_mask) {
+            if (n0 + kBlockN > kv_len || kpm != nullptr) and_key_words(bits, n0, kv_len, kpm, lane);
+            mask_scores<kNI>(rS, bits, tig);
+        }
+        {
+            float alpha[2];
+            if (online_softmax<kNI>(rS, row_max, row_sum, alpha, mul)) rescale_o<kDI>(rO, alpha);
+        }
+        uint32_t rP[kKN][4];
+#pragma unroll
+        for (int kn = 0; kn < kKN; ++kn) {
+            rP[kn][0] = ElemTraits<Elem>::pack(rS[(2 * kn) * 4 + 0], rS[(2 * kn) * 4 + 1]);
+            rP[kn][1] = ElemTraits<Elem>::pack(rS[(2 * kn) * 4 + 2], rS[(2 * kn) * 4 + 3]);
+            rP[kn][2] = ElemTraits<Elem>::pack(rS[(2 * kn + 1) * 4 + 0], rS[(2 * kn + 1) * 4 + 1]);
+            rP[kn][3] = ElemTraits<Elem>::pack(rS[(2 * kn + 1) * 4 + 2], rS[(2 * kn + 1) * 4 + 3]);
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int kn = 0; kn < kKN; ++kn) wgmma_rs<HT::kHeadDim, Elem>(rO, rP[kn], dV + ((kn * 16 * 128) >> 4), 1);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(rO);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty_bar(s));  // this warp no longer reads stage s
+    }
+
+    // Epilogue (sQ is free: the last S MMA has completed in every warp once all pass the barrier)
+    __syncthreads();
+    stage_o<Elem, kDI, kBlockM>(rO, row_sum, sQ, warp_row0, g, tig);
+    __syncthreads();
+    store_o<Elem, kBlockM, kBlockM, HT::kChunks, HT::kThreads>(sQ, gO, p.o_ss, q0, 0, p.seq_q, tid);
+#else
+    __trap();  // built without sm_90a: the dispatcher never selects this tactic then
+#endif
+}
+
+// Host: K and V tensor maps; false when the driver entry point or an encoding is unavailable (the caller falls back).
+bool encode_kv_maps(KernelParams& p, int head_dim, bool bf16);
+
+template <class HT>
+cudaError_t launch_hopper_tma(const KernelParams& params, cudaStream_t stream) {
+    KernelParams p = params;
+    if (!encode_kv_maps(p, HT::kHeadDim, !std::is_same<typename HT::Elem, __half>::value))
+        return launch_hopper<HT>(params, stream);  // same tile shape, cp.async copies
+    auto kernel = hopper_attn_fwd_tma<HT>;
+    constexpr int kSmem = HT::kSmemSize + 2 * HT::kStages * 8;
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (err != cudaSuccess) return err;
+    const dim3 grid = schedule_grid<HT::kBlockM, HT::kHeadDim>(p);
+    kernel<<<grid, HT::kThreads, kSmem, stream>>>(p);
+    return cudaGetLastError();
+}
+
+}  // namespace stof
