@@ -68,6 +68,10 @@ def main():
     ap.add_argument("--tag", default="")
     ap.add_argument("--no-row-order", action="store_true",
                     help="run the STOF kernels without the layout's row order (C ABI v2 row_order = NULL)")
+    ap.add_argument("--sched-chunk", type=int, default=None, metavar="N",
+                    help="C ABI v2 sched_chunk for the STOF kernels: (batch, head) pairs whose CTAs are interleaved "
+                         "(0 = the library's L2-sized default, 1 = one pair at a time); default: the layout's "
+                         "value (TileLayout.sched_chunk(): 1 for near-equal row lengths, else 0)")
     args = ap.parse_args()
 
     import torch
@@ -130,7 +134,8 @@ def main():
                 floor = max(4 * B * H * S * D * 2 / copy_bw, tile_flops / mm_rate)
                 cell = {"D": D, "S": S, "mask": mname, "spec": MASKS[mname], "density": allowed / S / S,
                         "nnz": int(layout.nnz), "partial": int(layout.num_partial), "sdpa_dense_ms": t_dense,
-                        "floor_ms": floor * 1e3, "gflop": flops / 1e9, "row_order": not args.no_row_order}
+                        "floor_ms": floor * 1e3, "gflop": flops / 1e9, "row_order": not args.no_row_order,
+                        "sched_chunk": dl.sched_chunk if args.sched_chunk is None else args.sched_chunk}
                 # STOF: every valid tactic the model does not prune
                 ranked = presearch.rank(layout, batch=B, heads=H, head_dim=D, gpu=gpu)
                 best_pred = ranked[0][1]
@@ -141,7 +146,8 @@ def main():
                     name = tactic_info(tid).name
                     if pred > 20 * best_pred:
                         continue  # pruned by the model
-                    r = Runner(q, k, v, dl, tactic=tid, row_order=not args.no_row_order)
+                    r = Runner(q, k, v, dl, tactic=tid, row_order=not args.no_row_order,
+                               sched_chunk=args.sched_chunk)
                     r()
                     torch.cuda.synchronize()
                     meas[name] = bench(r)

@@ -27,6 +27,9 @@ def main():
     ap.add_argument("--tactics", default="19")
     ap.add_argument("--sdpa", action="store_true", help="also run SDPA is_causal (causal masks)")
     ap.add_argument("--no-row-order", action="store_true", help="run without the layout's row order (NULL)")
+    ap.add_argument("--sched-chunk", type=int, default=None, metavar="N",
+                    help="C ABI v2 sched_chunk: (batch, head) pairs interleaved (0 = the library's L2-sized default, "
+                         "1 = one pair at a time); default: the layout's value (TileLayout.sched_chunk())")
     a = ap.parse_args()
 
     import torch
@@ -44,7 +47,7 @@ def main():
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
     for t in [int(x) for x in a.tactics.split(",")]:
         for _ in range(4):
-            out = sparse_attention(q, k, v, dl, tactic=t, row_order=not a.no_row_order)
+            out = sparse_attention(q, k, v, dl, tactic=t, row_order=not a.no_row_order, sched_chunk=a.sched_chunk)
         torch.cuda.synchronize()
         err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         print(f"tactic {t}: rel err vs SDPA {err:.2e}")

@@ -27,6 +27,11 @@ Derived arrays (computed from the fields, never stored or serialized)
                                                       to the higher row. The ``row_order`` of the kernels' C ABI
                                                       (version 2; ``stof_layout_row_order()`` computes the same):
                                                       kernels start long rows first so short rows fill the tail.
+``sched_chunk()``      ``int`` (0 or 1)               1 when in every layout the longest tile row holds at most 5/4
+                                                      of the mean stored tiles per row (``4*Tq*longest <= 5*total``,
+                                                      integers), else 0. The ``sched_chunk`` of the C ABI (version 2;
+                                                      ``stof_layout_sched_chunk()`` computes the same): 1 = one
+                                                      (batch, head) pair at a time, 0 = the library's default.
 """
 
 from __future__ import annotations
@@ -237,6 +242,19 @@ class TileLayout:
         # lexsort: last key is primary -> by layout, then more tiles first, then higher row first
         order = np.lexsort((-rows.ravel(), -counts.ravel(), lay.ravel()))
         return np.ascontiguousarray(rows.ravel()[order], dtype=np.int32)
+
+    def sched_chunk(self) -> int:
+        """0 or 1: the ``sched_chunk`` of the C ABI (version 2) for this layout.  1 (one (batch, head) pair at a
+        time) when, in every layout ``l``, ``4 * Tq * longest <= 5 * total`` (integer arithmetic), where ``longest``
+        is the most stored tiles of one tile row of ``l`` and ``total`` the stored tiles of ``l``: rows of near-equal
+        length (sliding, dilated; a layout with no stored tile counts too).  Else 0 (the library's L2-sized default).
+        Derived from ``row_ptr`` (not stored); exactly what ``stof_layout_sched_chunk()`` writes."""
+        L, tq = self.num_layouts, self.Tq
+        rp = np.asarray(self.row_ptr, np.int64)
+        counts = np.diff(rp).reshape(L, tq)
+        longest = counts.max(axis=1)
+        total = rp[tq::tq] - rp[0:L * tq:tq]   # per layout: row_ptr[(l+1)*Tq] - row_ptr[l*Tq]
+        return int(bool(np.all(4 * tq * longest <= 5 * total)))
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The four stored arrays by their ONNX input names."""

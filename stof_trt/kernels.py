@@ -14,9 +14,13 @@ Typical use::
     for t in list_tactics(q, k, v, dl):
         o = sparse_attention(q, k, v, dl, tactic=t)
     o = sparse_attention(q, k, v, dl, row_order=False)   # without the longest-rows-first schedule
+    o = sparse_attention(q, k, v, dl, sched_chunk=1)     # one (batch, head) pair at a time
 
 ``DeviceLayout`` also uploads ``layout.row_order()`` (C ABI version 2: tile rows longest first); every run passes
-it unless called with ``row_order=False`` (then the kernels use their default order).
+it unless called with ``row_order=False`` (then the kernels use their default order).  It also keeps
+``layout.sched_chunk()`` (C ABI version 2 ``sched_chunk``: 1 for layouts of near-equal row lengths, else 0 = the
+library's default); every run passes it unless called with an explicit ``sched_chunk=N`` (N >= 0; benchmarks).
+The two are independent: ``row_order=False`` still passes the layout's ``sched_chunk``.
 
 The library is found at ``$STOF_KERNELS_LIB``, else ``build/plugins_cu/libstof_kernels.so`` under the
 repository root (``cmake -S . -B build && cmake --build build -j``).
@@ -33,6 +37,7 @@ from pathlib import Path
 __all__ = [
     "StofKernelError", "load_library", "library_available", "DeviceLayout", "Tactic", "all_tactics",
     "tactic_info", "list_tactics", "sparse_attention", "Runner", "STATUS", "ABI_VERSION", "native_row_order",
+    "native_sched_chunk",
 ]
 
 ABI_VERSION = 2  # STOF_ABI_VERSION of the header this module mirrors
@@ -69,6 +74,7 @@ class _Params(ctypes.Structure):
         ("layout_seq_q", ctypes.c_int32), ("layout_seq_k", ctypes.c_int32),
         ("key_lengths", ctypes.c_void_p), ("key_padding_mask", ctypes.c_void_p),
         ("row_order", ctypes.c_void_p),  # ABI version 2
+        ("sched_chunk", ctypes.c_int32),  # ABI version 2 (then 4 bytes of tail padding, as in C)
     ]
 
 
@@ -121,6 +127,9 @@ def load_library(path: str | os.PathLike | None = None) -> ctypes.CDLL:
                            f"(rebuild the library, or point STOF_KERNELS_LIB at a current build)")
     lib.stof_layout_row_order.argtypes = [i32p, ctypes.c_int32, ctypes.c_int32, i32p]
     lib.stof_layout_row_order.restype = ctypes.c_int
+    if hasattr(lib, "stof_layout_sched_chunk"):  # absent from ABI-2 builds before sched_chunk (stale: rebuild)
+        lib.stof_layout_sched_chunk.argtypes = [i32p, ctypes.c_int32, ctypes.c_int32, i32p]
+        lib.stof_layout_sched_chunk.restype = ctypes.c_int
     _LIB = lib
     return lib
 
@@ -148,6 +157,25 @@ def native_row_order(row_ptr, num_layouts: int, tiles_q: int):
     i32p = ctypes.POINTER(ctypes.c_int32)
     _check(lib.stof_layout_row_order(rp.ctypes.data_as(i32p), num_layouts, tiles_q, out.ctypes.data_as(i32p)))
     return out
+
+
+def native_sched_chunk(row_ptr, num_layouts: int, tiles_q: int) -> int:
+    """The C helper ``stof_layout_sched_chunk`` on a host ``row_ptr`` (``num_layouts*tiles_q + 1`` entries): 1 when
+    in every layout the longest tile row holds at most 5/4 of the mean, else 0 (= ``TileLayout.sched_chunk()``)."""
+    import numpy as np
+
+    lib = load_library()
+    rp = np.ascontiguousarray(row_ptr, dtype=np.int32)
+    num_layouts, tiles_q = int(num_layouts), int(tiles_q)
+    n = num_layouts * tiles_q
+    if n >= 1 and rp.shape != (n + 1,):  # the C helper cannot check the length: it reads n + 1 entries
+        raise ValueError(f"row_ptr must have num_layouts*tiles_q + 1 = {n + 1} entries, has shape {rp.shape}")
+    if rp.size == 0:
+        rp = np.zeros(1, np.int32)        # sizes < 1: the library reports them (INVALID_ARGUMENT), reads nothing
+    chunk = ctypes.c_int32(-1)
+    i32p = ctypes.POINTER(ctypes.c_int32)
+    _check(lib.stof_layout_sched_chunk(rp.ctypes.data_as(i32p), num_layouts, tiles_q, ctypes.byref(chunk)))
+    return chunk.value
 
 
 def _check(status: int) -> None:
@@ -184,7 +212,8 @@ def all_tactics() -> list[Tactic]:
 
 class DeviceLayout:
     """A TileLayout's four int32 arrays on the GPU (torch tensors), its derived ``row_order`` (``[L*Tq]``, tile rows
-    longest first; passed to the kernels unless a run says ``row_order=False``) plus its metadata."""
+    longest first; passed to the kernels unless a run says ``row_order=False``), its derived ``sched_chunk`` (an int,
+    ``layout.sched_chunk()``; passed unless a run gives ``sched_chunk=N``) plus its metadata."""
 
     def __init__(self, layout, device="cuda"):
         import torch
@@ -198,6 +227,7 @@ class DeviceLayout:
         self.tile_bitmap_index = torch.as_tensor(layout.tile_bitmap_index, dtype=torch.int32).contiguous().to(device)
         self.bitmaps = torch.as_tensor(layout.bitmaps, dtype=torch.int32).contiguous().to(device)
         self.row_order = torch.as_tensor(layout.row_order(), dtype=torch.int32).contiguous().to(device)
+        self.sched_chunk = int(layout.sched_chunk())
 
     def __repr__(self) -> str:
         return f"DeviceLayout({self.layout!r})"
@@ -212,7 +242,7 @@ def _as_torch(x):
 
 
 def _make_params(q, k, v, o, dl: DeviceLayout, scale, key_lengths, key_padding_mask, bhsd: bool,
-                 row_order: bool = True) -> _Params:
+                 row_order: bool = True, sched_chunk: int | None = None) -> _Params:
     import torch
 
     if q.dtype not in (torch.float16, torch.bfloat16):
@@ -245,6 +275,9 @@ def _make_params(q, k, v, o, dl: DeviceLayout, scale, key_lengths, key_padding_m
     p.layout_seq_q, p.layout_seq_k = dl.seq_q, dl.seq_k
     if row_order:
         p.row_order = dl.row_order.data_ptr()
+    # independent of row_order; None = the layout's value; an explicit value goes to the library as given
+    # (a negative one is its INVALID_ARGUMENT)
+    p.sched_chunk = dl.sched_chunk if sched_chunk is None else int(sched_chunk)
     if key_lengths is not None:
         if key_lengths.dtype != torch.int32 or not key_lengths.is_contiguous() or key_lengths.numel() != B:
             raise ValueError("key_lengths must be a contiguous int32 [B] tensor")
@@ -257,10 +290,11 @@ def _make_params(q, k, v, o, dl: DeviceLayout, scale, key_lengths, key_padding_m
     return p
 
 
-def list_tactics(q, k, v, dl: DeviceLayout, *, bhsd: bool = True, row_order: bool = True) -> list[int]:
+def list_tactics(q, k, v, dl: DeviceLayout, *, bhsd: bool = True, row_order: bool = True,
+                 sched_chunk: int | None = None) -> list[int]:
     """Tactic ids valid for this problem (library's static order)."""
     lib = load_library()
-    p = _make_params(q, k, v, q, dl, None, None, None, bhsd, row_order)
+    p = _make_params(q, k, v, q, dl, None, None, None, bhsd, row_order, sched_chunk)
     ids = (ctypes.c_int32 * 64)()
     n = ctypes.c_int32()
     _check(lib.stof_attn_list_tactics(ctypes.byref(p), ids, 64, ctypes.byref(n)))
@@ -269,12 +303,14 @@ def list_tactics(q, k, v, dl: DeviceLayout, *, bhsd: bool = True, row_order: boo
 
 def sparse_attention(q, k, v, dl: DeviceLayout, *, scale: float | None = None, tactic: int = 0,
                      key_lengths=None, key_padding_mask=None, out=None, bhsd: bool = True, stream=None,
-                     row_order: bool = True):
+                     row_order: bool = True, sched_chunk: int | None = None):
     """O = softmax(scale * Q K^T, masked by the layout and padding) V on the current (or given) CUDA stream.
 
     q: [B,H,Sq,D] (or [B,Sq,H,D] with bhsd=False), k/v: [B,H,Sk,D]; fp16 or bf16; D in {64, 128}.
     scale defaults to 1/sqrt(D); tactic 0 lets the library choose.  row_order=False runs without the layout's
-    longest-rows-first schedule (the kernels' default order; same result).  Returns `out` (allocated if None).
+    longest-rows-first schedule (the kernels' default order; same result).  sched_chunk: (batch, head) pairs whose
+    CTAs are interleaved (C ABI v2; 0 = the library's L2-sized default, 1 = one pair at a time; same result);
+    None = the layout's ``DeviceLayout.sched_chunk``.  Returns `out` (allocated if None).
     """
     import torch
 
@@ -282,7 +318,7 @@ def sparse_attention(q, k, v, dl: DeviceLayout, *, scale: float | None = None, t
     q, k, v = _as_torch(q), _as_torch(k), _as_torch(v)
     if out is None:
         out = torch.empty_like(q)
-    p = _make_params(q, k, v, out, dl, scale, key_lengths, key_padding_mask, bhsd, row_order)
+    p = _make_params(q, k, v, out, dl, scale, key_lengths, key_padding_mask, bhsd, row_order, sched_chunk)
     if stream is None:
         stream = torch.cuda.current_stream(q.device).cuda_stream
     elif hasattr(stream, "cuda_stream"):
@@ -295,13 +331,15 @@ class Runner:
     """A prepared call (parameters packed once): ``runner()`` launches with ~µs host overhead (benchmarks)."""
 
     def __init__(self, q, k, v, dl: DeviceLayout, *, out=None, tactic: int = 0, scale=None, key_lengths=None,
-                 key_padding_mask=None, bhsd: bool = True, stream=None, row_order: bool = True):
+                 key_padding_mask=None, bhsd: bool = True, stream=None, row_order: bool = True,
+                 sched_chunk: int | None = None):
         import torch
 
         self._lib = load_library()
         self.out = torch.empty_like(q) if out is None else out
         self._keep = (q, k, v, dl, key_lengths, key_padding_mask)  # keep the memory alive
-        self._p = _make_params(q, k, v, self.out, dl, scale, key_lengths, key_padding_mask, bhsd, row_order)
+        self._p = _make_params(q, k, v, self.out, dl, scale, key_lengths, key_padding_mask, bhsd, row_order,
+                               sched_chunk)
         self._pref = ctypes.byref(self._p)
         self.tactic = int(tactic)
         s = torch.cuda.current_stream(q.device).cuda_stream if stream is None else getattr(stream, "cuda_stream", stream)

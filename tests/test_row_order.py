@@ -147,7 +147,8 @@ def test_abi_version(kernels):
     lib = kernels.load_library()
     assert lib.stof_abi_version() == kernels.ABI_VERSION == 2
     names = [f[0] for f in kernels._Params._fields_]
-    assert names[-1] == "row_order"
+    assert names[-2:] == ["row_order", "sched_chunk"]
     p = kernels._Params()
     lib.stof_attn_params_init(ctypes.byref(p))
     assert p.row_order is None                                           # init leaves it NULL
+    assert p.sched_chunk == 0                                            # and sched_chunk 0 (library default)

@@ -1,5 +1,6 @@
 """GPU: every valid tactic gives the same correct output with the layout's row order (C ABI v2 ``row_order``,
-tile rows longest first) and without it (NULL: the kernels' default order), against the float64 reference.
+tile rows longest first) and without it (NULL: the kernels' default order), against the float64 reference; the
+same for the (batch, head) interleaving ``sched_chunk`` (0 = the library's default, 1 = one pair at a time, 3).
 
 Same criteria as test_attention_kernels.py: fresh random q/k/v, the output poisoned with NaN before every run,
 relative error <= 2e-3 (fp16) / 1e-2 (bf16), rows with no allowed key exactly 0.  Skipped without a CUDA GPU.
@@ -98,3 +99,67 @@ def test_runner_and_default_tactic_row_order():
         out2 = sparse_attention(q, k, v, dl, row_order=ro)
         torch.cuda.synchronize()
         assert rel_err(out2, ref) <= TOL[torch.float16]
+
+
+SCHED_CASES = ["sliding:window=128", LONGFORMER]
+
+
+@pytest.mark.parametrize("dtype,D", DTYPE_DIMS, ids=["fp16-d64", "bf16-d64", "fp16-d128"])
+@pytest.mark.parametrize("spec", SCHED_CASES, ids=["sliding", "longformer"])
+def test_sched_chunk_values(spec, dtype, D):
+    """Every valid tactic with sched_chunk 0, 1 and 3 (row order on and off), S=1024, B=2, H=3."""
+    S, B, H = 1024, 2, 3
+    mask = parse_mask(spec)
+    layout = compile_mask(mask, S, S, num_heads=H)
+    dl = DeviceLayout(layout)
+    assert dl.sched_chunk == layout.sched_chunk() == (1 if spec.startswith("sliding") else 0)
+    dense_np = mask.dense(S, S, num_heads=H)
+    dense_np = dense_np[None] if dense_np.ndim == 2 else dense_np
+    dense = torch.from_numpy(np.ascontiguousarray(dense_np)).cuda()
+    gen = torch.Generator(device="cuda").manual_seed(11 + D + len(spec))
+    q, k, v = rand_qkv(B, H, S, S, D, dtype, gen)
+    scale = 1.0 / D**0.5
+    ref, has_key = reference(q, k, v, dense, scale)
+    tactics = list_tactics(q, k, v, dl)
+    assert tactics, "no tactic listed"
+    tol = TOL[dtype]
+    for t in tactics:
+        outs = []
+        for chunk in (0, 1, 3):
+            assert list_tactics(q, k, v, dl, sched_chunk=chunk) == tactics
+            for ro in (True, False):
+                what = f"{spec} tactic {tactic_info(t).name} sched_chunk={chunk} row_order={'on' if ro else 'off'}"
+                out = torch.full_like(q, float("nan"))
+                sparse_attention(q, k, v, dl, scale=scale, tactic=t, out=out, row_order=ro, sched_chunk=chunk)
+                torch.cuda.synchronize()
+                assert bool(torch.isfinite(out).all()), f"{what}: non-finite output (unwritten or NaN)"
+                err = rel_err(out, ref)
+                assert err <= tol, f"{what}: rel err {err:.3e} > {tol}"
+                assert bool((out[~has_key] == 0).all()), f"{what}: rows with no allowed key are not 0"
+                outs.append(out)
+        diff = max(float((o.float() - outs[0].float()).abs().max()) for o in outs[1:])
+        assert diff <= 8 * tol, f"{spec} tactic {tactic_info(t).name}: sched_chunk values differ by {diff:.3e}"
+
+
+def test_runner_sched_chunk():
+    """Runner and the default tactic pass the layout's sched_chunk, or an explicit one; negative is rejected."""
+    from stof_trt.kernels import StofKernelError
+
+    mask = parse_mask("sliding:window=128")
+    layout = compile_mask(mask, 1024, 1024)
+    dl = DeviceLayout(layout)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = rand_qkv(2, 3, 1024, 1024, 64, torch.float16, gen)
+    ref, _ = reference(q, k, v, torch.from_numpy(mask.dense(1024, 1024)).cuda()[None], 1 / 8)
+    for chunk, want in ((None, layout.sched_chunk()), (0, 0), (1, 1), (3, 3)):
+        out = torch.full_like(q, float("nan"))
+        r = Runner(q, k, v, dl, out=out, sched_chunk=chunk)
+        assert r._p.sched_chunk == want
+        r()
+        torch.cuda.synchronize()
+        assert rel_err(out, ref) <= TOL[torch.float16]
+    with pytest.raises(StofKernelError) as ei:
+        Runner(q, k, v, dl, sched_chunk=-1)
+    assert ei.value.status == 1
+    with pytest.raises(StofKernelError):
+        sparse_attention(q, k, v, dl, sched_chunk=-1)

@@ -170,6 +170,11 @@ std::shared_ptr<SparseAttentionKernel::LayoutCheck const> SparseAttentionKernel:
                                                    static_cast<int32_t>(tilesQ), check->rowOrderHost.data());
     STOF_REQUIRE(ro == STOF_SUCCESS, ORT_FAIL, "stof_layout_row_order: ", stof_status_string(ro), ": ",
                  stof_last_error_message());
+    // and its (batch, head) interleaving (C ABI v2 sched_chunk), from the same host row_ptr
+    stof_status_t const sc = stof_layout_sched_chunk(rowPtr.data(), static_cast<int32_t>(mNumLayouts),
+                                                     static_cast<int32_t>(tilesQ), &check->schedChunk);
+    STOF_REQUIRE(sc == STOF_SUCCESS, ORT_FAIL, "stof_layout_sched_chunk: ", stof_status_string(sc), ": ",
+                 stof_last_error_message());
     size_t const roBytes = check->rowOrderHost.size() * sizeof(int32_t);
     void* roDevice = nullptr;
     STOF_CUDA_THROW(cudaMalloc(&roDevice, roBytes));
@@ -405,6 +410,7 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
         p.layout_seq_k = static_cast<int32_t>(mSeqK);
         p.key_padding_mask = kpm.present ? static_cast<int32_t const*>(kpm.data) : nullptr;
         p.row_order = layout->rowOrderDevice;  // tile rows longest first (ABI v2), uploaded with the layout check
+        p.sched_chunk = layout->schedChunk;    // (batch, head) interleaving (ABI v2), computed with the layout check
         if (!fromCache) {  // no tactic-cache entry: the pre-search's first choice (memoised per shape bucket)
             // the layout check stays valid while the layout inputs are constant (it is re-made otherwise)
             tactic = presearchTactic(p, maskSig, shapeBucket(B, Sq, Sk) + "|" + maskSig);

@@ -39,6 +39,9 @@ private:
         // on the host and uploaded once to rowOrderDevice, which this object owns (cudaFree in the destructor)
         std::vector<int32_t> rowOrderHost;
         int32_t* rowOrderDevice{nullptr};
+        // stof_layout_sched_chunk() of host[0] (stof_attn_params_t::sched_chunk: 1 for near-equal row lengths,
+        // else 0 = the library's default), computed with rowOrderHost
+        int32_t schedChunk{0};
 
         LayoutCheck() = default;
         LayoutCheck(LayoutCheck const&) = delete;
