@@ -55,7 +55,7 @@ class TacticSpec:
         if self.family == FAMILY_HOPPER and self.warp_specialized:
             return f"wgmma_ws_m2x64_n{self.key_step}_s{self.stages}"
         if self.family == FAMILY_HOPPER:
-            return (f"wgmma_m{self.num_warps // 4}x64_n{self.key_step}_s{self.stages}"
+            return (f"wgmma_m{self.num_warps // 4}x64_n{self.block_n}_s{self.stages}"
                     + ("_pipe" if self.pipelined else "_defer" if self.defer_pv else "_tma" if self.tma else ""))
         return (f"block_m{self.block_m}_n{self.block_n}_w{self.num_warps}_s{self.stages}_occ{self.min_ctas}"
                 f"_q{'smem' if self.q_in_smem else 'reg'}")
@@ -89,7 +89,6 @@ TACTICS = [
     TacticSpec(24, FAMILY_HOPPER, 128, 64, 12, 3, warp_specialized=True, key_step=128),
     TacticSpec(25, FAMILY_HOPPER, 64, 64, 4, 2, tma=True),
     TacticSpec(26, FAMILY_HOPPER, 64, 64, 4, 3, tma=True),
-    TacticSpec(27, FAMILY_HOPPER, 64, 64, 4, 2, tma=True, key_step=128),
 ]
 _BY_ID = {t.id: t for t in TACTICS}
 
@@ -108,7 +107,7 @@ def valid_tactics(tile_m: int, tile_n: int, head_dim: int, hopper: bool | None =
                 continue
             if t.pipelined and head_dim == 128 and t.stages > 3:
                 continue
-            if head_dim == 128 and t.key_step > 64:
+            if t.warp_specialized and head_dim == 128 and t.key_step > 64:
                 continue
         if t.family == FAMILY_BLOCK:
             if tile_m % t.block_m or tile_n % t.block_n:
@@ -242,7 +241,7 @@ PTXAS_REGS = {
     # warp-specialised: the launch count (384 threads, one CTA per SM); setmaxnreg moves registers to consumers
     (21, 64): 168, (22, 64): 168, (23, 64): 168, (24, 64): 168,
     (21, 128): 168, (22, 128): 168, (23, 128): 168, (24, 128): 168,
-    (25, 64): 128, (26, 64): 128, (25, 128): 170, (26, 128): 170, (27, 64): 168,
+    (25, 64): 128, (26, 64): 128, (25, 128): 170, (26, 128): 170,
 }
 
 
@@ -260,7 +259,7 @@ def _block_regs(t: TacticSpec, D: int) -> int:
 
 
 def _block_smem(t: TacticSpec, D: int) -> int:
-    step = t.key_step if t.family == FAMILY_HOPPER else t.block_n
+    step = t.key_step if t.warp_specialized else t.block_n
     return t.block_m * D * 2 + 2 * t.stages * step * D * 2 + (1024 if t.family == FAMILY_HOPPER else 0)
 
 
@@ -329,7 +328,6 @@ COEF = {
     (25, 64): (1.45042, 1.60939, 6.20757, 10.5823),
     (25, 128): (1.31939, 1.42347, 5.47422, 4.78698),
     (26, 64): (1.21165, 1.44867, 5.15338, 6.84908),
-    (27, 64): (1.45042, 1.60939, 6.20757, 10.5823),
     (26, 128): (1.30672, 1.39962, 6.08207, 6.95586),
 }
 
