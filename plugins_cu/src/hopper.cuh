@@ -233,6 +233,47 @@ __device__ __forceinline__ void rescale_o(float (&rO)[kDI * 4], const float (&al
         }
 }
 
+// P (fp16/bf16 pairs, wgmma A-fragment layout) from the exponentiated scores of a step.
+template <class Elem, int kKN>
+__device__ __forceinline__ void pack_p(uint32_t (&rP)[kKN][4], const float (&rS)[kKN * 8]) {
+#pragma unroll
+    for (int kn = 0; kn < kKN; ++kn) {
+        rP[kn][0] = ElemTraits<Elem>::pack(rS[(2 * kn) * 4 + 0], rS[(2 * kn) * 4 + 1]);
+        rP[kn][1] = ElemTraits<Elem>::pack(rS[(2 * kn) * 4 + 2], rS[(2 * kn) * 4 + 3]);
+        rP[kn][2] = ElemTraits<Elem>::pack(rS[(2 * kn + 1) * 4 + 0], rS[(2 * kn + 1) * 4 + 1]);
+        rP[kn][3] = ElemTraits<Elem>::pack(rS[(2 * kn + 1) * 4 + 2], rS[(2 * kn + 1) * 4 + 3]);
+    }
+}
+
+// Issues O += P V for one step (V at descriptor dV, MN-major) and commits it; the caller waits.
+template <int kHeadDim, class Elem, int kKN>
+__device__ __forceinline__ void issue_pv(float (&rO)[kHeadDim / 2], const uint32_t (&rP)[kKN][4], uint64_t dV) {
+    wgmma_fence();
+#pragma unroll
+    for (int kn = 0; kn < kKN; ++kn) wgmma_rs<kHeadDim, Elem>(rO, rP[kn], dV + ((kn * 16 * 128) >> 4), 1);
+    wgmma_commit();
+}
+
+// Scale (unless folded into the exp2), mask (bitmap words in bits, ANDed here with the key bound / padding words
+// when the 64-key step at n0 can be cut by them) and run the online softmax of one 64-key step; rescales O when the
+// running max moved.  Warp-uniform call.
+template <int kNI, int kDI>
+__device__ __forceinline__ void mask_softmax_step(float (&rS)[kNI * 4], float (&rO)[kDI * 4], float (&row_max)[2],
+                                                  float (&row_sum)[2], uint32_t (&bits)[2][kNI / 4], bool need_mask,
+                                                  int n0, int kv_len, const int32_t* kpm, int lane, int tig,
+                                                  bool fold, float sl2, float mul) {
+    if (!fold) {
+#pragma unroll
+        for (int i = 0; i < kNI * 4; ++i) rS[i] *= sl2;
+    }
+    if (need_mask) {
+        if (n0 + kNI * 8 > kv_len || kpm != nullptr) and_key_words(bits, n0, kv_len, kpm, lane);
+        mask_scores<kNI>(rS, bits, tig);
+    }
+    float alpha[2];
+    if (online_softmax<kNI>(rS, row_max, row_sum, alpha, mul)) rescale_o<kDI>(rO, alpha);
+}
+
 // Epilogue, part 1: each thread normalises its two rows of O (row sums reduced over the quad; empty rows -> 0)
 // and writes them as Elem pairs into the kRows-row swizzled tile at sTile (rows row0 + {g, g + 8}).
 template <class Elem, int kDI, int kRows>
@@ -442,32 +483,13 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
             prefetch();
         }
 
-        if (!fold) {
-#pragma unroll
-            for (int i = 0; i < kNI * 4; ++i) rS[i] *= sl2;
-        }
-        if (need_mask) {
-            if (n0 + kBlockN > kv_len || kpm != nullptr) and_key_words(bits, n0, kv_len, kpm, lane);
-            mask_scores<kNI>(rS, bits, tig);
-        }
-        {
-            float alpha[2];
-            if (online_softmax<kNI>(rS, row_max, row_sum, alpha, mul)) rescale_o<kDI>(rO, alpha);
-        }
+        mask_softmax_step<kNI, kDI>(rS, rO, row_max, row_sum, bits, need_mask, n0, kv_len, kpm, lane, tig, fold, sl2,
+                                    mul);
 
         // O += P V
         uint32_t rP[kKN][4];
-#pragma unroll
-        for (int kn = 0; kn < kKN; ++kn) {
-            rP[kn][0] = ElemTraits<Elem>::pack(rS[(2 * kn) * 4 + 0], rS[(2 * kn) * 4 + 1]);
-            rP[kn][1] = ElemTraits<Elem>::pack(rS[(2 * kn) * 4 + 2], rS[(2 * kn) * 4 + 3]);
-            rP[kn][2] = ElemTraits<Elem>::pack(rS[(2 * kn + 1) * 4 + 0], rS[(2 * kn + 1) * 4 + 1]);
-            rP[kn][3] = ElemTraits<Elem>::pack(rS[(2 * kn + 1) * 4 + 2], rS[(2 * kn + 1) * 4 + 3]);
-        }
-        wgmma_fence();
-#pragma unroll
-        for (int kn = 0; kn < kKN; ++kn) wgmma_rs<HT::kHeadDim, Elem>(rO, rP[kn], dV + ((kn * 16 * 128) >> 4), 1);
-        wgmma_commit();
+        pack_p<Elem, kKN>(rP, rS);
+        issue_pv<HT::kHeadDim, Elem, kKN>(rO, rP, dV);
         if constexpr (!HT::kDeferPV) {
             wgmma_wait<0>();
             fence_regs(rO);
@@ -584,15 +606,7 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kHeadDim == 64 ? 3 : 2) hopp
         }
         return online_softmax<kNI>(rS, row_max, row_sum, alpha, mul);
     };
-    auto pack_p = [&]() {
-#pragma unroll
-        for (int kn = 0; kn < kKN; ++kn) {
-            rP[kn][0] = ElemTraits<Elem>::pack(rS[(2 * kn) * 4 + 0], rS[(2 * kn) * 4 + 1]);
-            rP[kn][1] = ElemTraits<Elem>::pack(rS[(2 * kn) * 4 + 2], rS[(2 * kn) * 4 + 3]);
-            rP[kn][2] = ElemTraits<Elem>::pack(rS[(2 * kn + 1) * 4 + 0], rS[(2 * kn + 1) * 4 + 1]);
-            rP[kn][3] = ElemTraits<Elem>::pack(rS[(2 * kn + 1) * 4 + 2], rS[(2 * kn + 1) * 4 + 3]);
-        }
-    };
+
     // Stage of tile t: t % kStages.  The ring holds tiles i - 1 (its V still read by P_{i-1} V_{i-1}), i, and
     // kStages - 2 tiles of look-ahead: at step i, tile i + kStages - 2 goes into the stage of tile i - 2 (whose
     // P V completed in step i - 1).
@@ -629,7 +643,7 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kHeadDim == 64 ? 3 : 2) hopp
         wgmma_wait<0>();
         fence_regs(rO);
         if (rescale) rescale_o<kDI>(rO, alpha);
-        pack_p();
+        pack_p<Elem, kKN>(rP, rS);
     }
     if (n_iter > 0) {
         issue_pv(n_iter - 1);

@@ -162,30 +162,11 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd_
         wgmma_wait<0>();
         fence_regs(rS);
 
-        if (!fold) {
-#pragma unroll
-            for (int i = 0; i < kNI * 4; ++i) rS[i] *= sl2;
-        }
-        if (need_mask) {
-            if (n0 + kBlockN > kv_len || kpm != nullptr) and_key_words(bits, n0, kv_len, kpm, lane);
-            mask_scores<kNI>(rS, bits, tig);
-        }
-        {
-            float alpha[2];
-            if (online_softmax<kNI>(rS, row_max, row_sum, alpha, mul)) rescale_o<kDI>(rO, alpha);
-        }
+        mask_softmax_step<kNI, kDI>(rS, rO, row_max, row_sum, bits, need_mask, n0, kv_len, kpm, lane, tig, fold, sl2,
+                                    mul);
         uint32_t rP[kKN][4];
-#pragma unroll
-        for (int kn = 0; kn < kKN; ++kn) {
-            rP[kn][0] = ElemTraits<Elem>::pack(rS[(2 * kn) * 4 + 0], rS[(2 * kn) * 4 + 1]);
-            rP[kn][1] = ElemTraits<Elem>::pack(rS[(2 * kn) * 4 + 2], rS[(2 * kn) * 4 + 3]);
-            rP[kn][2] = ElemTraits<Elem>::pack(rS[(2 * kn + 1) * 4 + 0], rS[(2 * kn + 1) * 4 + 1]);
-            rP[kn][3] = ElemTraits<Elem>::pack(rS[(2 * kn + 1) * 4 + 2], rS[(2 * kn + 1) * 4 + 3]);
-        }
-        wgmma_fence();
-#pragma unroll
-        for (int kn = 0; kn < kKN; ++kn) wgmma_rs<HT::kHeadDim, Elem>(rO, rP[kn], dV + ((kn * 16 * 128) >> 4), 1);
-        wgmma_commit();
+        pack_p<Elem, kKN>(rP, rS);
+        issue_pv<HT::kHeadDim, Elem, kKN>(rO, rP, dV);
         wgmma_wait<0>();
         fence_regs(rO);
         __syncwarp();

@@ -285,15 +285,6 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const Kern
         }
         return online_softmax<kNI>(rS, row_max, row_sum, alpha, mul);
     };
-    auto pack_p = [&]() {
-#pragma unroll
-        for (int kn = 0; kn < kKN; ++kn) {
-            rP[kn][0] = ElemTraits<Elem>::pack(rS[(2 * kn) * 4 + 0], rS[(2 * kn) * 4 + 1]);
-            rP[kn][1] = ElemTraits<Elem>::pack(rS[(2 * kn) * 4 + 2], rS[(2 * kn) * 4 + 3]);
-            rP[kn][2] = ElemTraits<Elem>::pack(rS[(2 * kn + 1) * 4 + 0], rS[(2 * kn + 1) * 4 + 1]);
-            rP[kn][3] = ElemTraits<Elem>::pack(rS[(2 * kn + 1) * 4 + 2], rS[(2 * kn + 1) * 4 + 3]);
-        }
-    };
 
     // The consumers take turns issuing their MMAs (FlashAttention-3's ping-pong, named barriers 3 and 4): while
     // one runs its softmax the other's MMAs own the tensor cores.  Both run the same steps (the walk's union),
@@ -311,7 +302,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const Kern
         fence_regs(rS);
         float alpha[2];
         softmax(alpha);  // O is still zero: no rescale
-        pack_p();
+        pack_p<Elem, kKN>(rP, rS);
         // Steady state, step i: S_i and P_{i-1} V_{i-1} in flight together; softmax of S_i while P V runs.
         for (int it = 1; ws_take_step<kSub>(cur, p, w, st); ++it) {
             const int stage = it % kStages;
@@ -328,7 +319,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const Kern
             fence_regs(rO);
             mbar_arrive(empty_bar(prev_stage));
             if (rescale) rescale_o<kDI>(rO, alpha);
-            pack_p();
+            pack_p<Elem, kKN>(rP, rS);
             prev_stage = stage;
         }
         issue_pv(prev_stage);
