@@ -222,11 +222,15 @@ class DeviceLayout:
         self.tile_m, self.tile_n = int(layout.tile_m), int(layout.tile_n)
         self.seq_q, self.seq_k = int(layout.seq_q), int(layout.seq_k)
         self.num_layouts = int(layout.num_layouts)
-        self.row_ptr = torch.as_tensor(layout.row_ptr, dtype=torch.int32).contiguous().to(device)
-        self.col_idx = torch.as_tensor(layout.col_idx, dtype=torch.int32).contiguous().to(device)
-        self.tile_bitmap_index = torch.as_tensor(layout.tile_bitmap_index, dtype=torch.int32).contiguous().to(device)
-        self.bitmaps = torch.as_tensor(layout.bitmaps, dtype=torch.int32).contiguous().to(device)
-        self.row_order = torch.as_tensor(layout.row_order(), dtype=torch.int32).contiguous().to(device)
+        # torch.tensor copies: the layout's arrays may be read-only (as_tensor would warn and share them)
+        def upload(a):
+            return torch.tensor(a, dtype=torch.int32).contiguous().to(device)
+
+        self.row_ptr = upload(layout.row_ptr)
+        self.col_idx = upload(layout.col_idx)
+        self.tile_bitmap_index = upload(layout.tile_bitmap_index)
+        self.bitmaps = upload(layout.bitmaps)
+        self.row_order = upload(layout.row_order())
         self.sched_chunk = int(layout.sched_chunk())
 
     def __repr__(self) -> str:
