@@ -133,12 +133,12 @@ struct BlockWork {
 template <int kBlockM>
 __device__ __forceinline__ BlockWork block_work(const KernelParams& p) {
     const int nqb = gridDim.x;
-    const int nhb = gridDim.y * gridDim.z;
+    const int64_t nhb = static_cast<int64_t>(gridDim.y) * gridDim.z;
     const int64_t lin = blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + static_cast<int64_t>(gridDim.y) * blockIdx.z);
     const int64_t per_chunk = static_cast<int64_t>(p.sched_chunk) * nqb;
     const int chunk = static_cast<int>(lin / per_chunk);
     const int hb0 = chunk * p.sched_chunk;
-    const int width = min(p.sched_chunk, nhb - hb0);
+    const int width = static_cast<int>(min(static_cast<int64_t>(p.sched_chunk), nhb - hb0));
     const int r = static_cast<int>(lin - chunk * per_chunk);
     const int pos = r / width;
     const int hb = hb0 + (r - pos * width);
@@ -148,7 +148,10 @@ __device__ __forceinline__ BlockWork block_work(const KernelParams& p) {
     if (p.row_order != nullptr) {
         const int f = p.tile_m / kBlockM;  // CTAs per tile row
         const int t = pos / f;
-        w.qb = __ldg(p.row_order + (w.h % p.num_layouts) * p.tq + t) * f + (f - 1 - (pos - t * f));
+        const int row = __ldg(p.row_order + (w.h % p.num_layouts) * p.tq + t);
+        // an entry outside [0, tq) (a caller's bad order) makes the CTA exit (q0 >= Sq) instead of indexing out of
+        // bounds; the rows it should have named stay unwritten (the ABI requires a permutation)
+        w.qb = static_cast<unsigned>(row) < static_cast<unsigned>(p.tq) ? row * f + (f - 1 - (pos - t * f)) : nqb;
     } else {
         w.qb = nqb - 1 - pos;
     }

@@ -163,3 +163,83 @@ def test_runner_sched_chunk():
     assert ei.value.status == 1
     with pytest.raises(StofKernelError):
         sparse_attention(q, k, v, dl, sched_chunk=-1)
+
+
+def _check_all_tactics(q, k, v, dl, ref, has_key, scale, what, **kw):
+    tol = TOL[q.dtype]
+    tactics = list_tactics(q, k, v, dl, **{a: b for a, b in kw.items() if a in ("row_order", "sched_chunk")})
+    assert tactics, f"{what}: no tactic listed"
+    for t in tactics:
+        name = f"{what} tactic {tactic_info(t).name}"
+        out = torch.full_like(q, float("nan"))
+        sparse_attention(q, k, v, dl, scale=scale, tactic=t, out=out, **kw)
+        torch.cuda.synchronize()
+        assert bool(torch.isfinite(out).all()), f"{name}: non-finite output (unwritten or NaN)"
+        err = rel_err(out, ref)
+        assert err <= tol, f"{name}: rel err {err:.3e} > {tol}"
+        assert bool((out[~has_key] == 0).all()), f"{name}: rows with no allowed key are not 0"
+
+
+@pytest.mark.parametrize("Sq", [1024, 900, 770, 700])
+@pytest.mark.parametrize("tile_m", [128, 256])
+def test_tall_tiles_partial_chunk(tile_m, Sq):
+    """Layouts of 128/256-row tiles (several 64-row CTAs per tile row, the order kept or dropped around the 3/4
+    rule) with a last partial (batch, head) chunk: B*H = 6 pairs in chunks of 4."""
+    B, H, D, dtype = 2, 3, 64, torch.float16
+    mask = parse_mask(LONGFORMER)
+    layout = compile_mask(mask, 1024, 1024, tile_m=tile_m, tile_n=64)
+    dl = DeviceLayout(layout)
+    dense = torch.from_numpy(np.ascontiguousarray(mask.dense(1024, 1024)[:Sq, :1000])).cuda()[None]
+    gen = torch.Generator(device="cuda").manual_seed(Sq + tile_m)
+    q, k, v = rand_qkv(B, H, Sq, 1000, D, dtype, gen)
+    ref, has_key = reference(q, k, v, dense, 0.125)
+    for ro in (True, False):
+        _check_all_tactics(q, k, v, dl, ref, has_key, 0.125, f"tile_m={tile_m} Sq={Sq} row_order={ro}",
+                           row_order=ro, sched_chunk=4)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("spec", ["causal", LONGFORMER])
+def test_nonfinite_rows_past_key_lengths(spec, D):
+    """K/V rows at or past key_lengths[b] hold NaN / Inf (padding garbage): every tactic must ignore them (the
+    cp.async kernels zero-fill those rows, the TMA kernels zero V there in shared memory)."""
+    B, H, S, dtype = 3, 2, 1024, torch.float16
+    mask = parse_mask(spec)
+    dl = DeviceLayout(compile_mask(mask, S, S))
+    gen = torch.Generator(device="cuda").manual_seed(5 + D)
+    q, k, v = rand_qkv(B, H, S, S, D, dtype, gen)
+    lengths = torch.tensor([700, 1000, 64], dtype=torch.int32, device="cuda")
+    keep = torch.arange(S, device="cuda")[None, :] < lengths[:, None].long()
+    ref, has_key = reference(q, k, v, torch.from_numpy(mask.dense(S, S)).cuda()[None], 0.1, key_keep=keep)
+    k_bad, v_bad = k.clone(), v.clone()
+    for b, n in enumerate(lengths.tolist()):
+        k_bad[b, :, n:] = float("nan")
+        v_bad[b, :, n:] = float("inf") if b % 2 else float("nan")
+    _check_all_tactics(q, k_bad, v_bad, dl, ref, has_key, 0.1, f"{spec} D={D} NaN/Inf past key_lengths",
+                       key_lengths=lengths)
+
+
+def test_broadcast_kv_and_single_head_layouts():
+    """K/V broadcast over heads (stride 0: no TMA map can be encoded, tactics 25/26 fall back) and B = H = 1 in the
+    [B, S, H, D] layout (extent-1 dims of the TMA maps)."""
+    S, D, dtype = 512, 64, torch.float16
+    mask = parse_mask(LONGFORMER)
+    dl = DeviceLayout(compile_mask(mask, S, S))
+    dense = torch.from_numpy(mask.dense(S, S)).cuda()[None]
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    q, k1, v1 = rand_qkv(2, 1, S, S, D, dtype, gen)
+    q = torch.randn((2, 4, S, D), generator=gen, device="cuda", dtype=torch.float32).to(dtype)
+    k, v = k1.expand(2, 4, S, D), v1.expand(2, 4, S, D)
+    assert k.stride(1) == 0
+    ref, has_key = reference(q, k.contiguous(), v.contiguous(), dense, 0.125)
+    _check_all_tactics(q, k, v, dl, ref, has_key, 0.125, "K/V broadcast over heads")
+    qs, ks, vs = rand_qkv(1, 1, S, S, D, dtype, gen, bhsd=False)
+    ref1, has1 = reference(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2), dense, 0.125)
+    tol = TOL[dtype]
+    for t in list_tactics(qs, ks, vs, dl, bhsd=False):
+        out = torch.full_like(qs, float("nan"))
+        sparse_attention(qs, ks, vs, dl, scale=0.125, tactic=t, out=out, bhsd=False)
+        torch.cuda.synchronize()
+        o = out.transpose(1, 2)
+        assert bool(torch.isfinite(o).all()), f"B=H=1 [B,S,H,D] tactic {tactic_info(t).name}: non-finite output"
+        assert rel_err(o, ref1) <= tol, f"B=H=1 [B,S,H,D] tactic {tactic_info(t).name}: rel err {rel_err(o, ref1):.3e}"

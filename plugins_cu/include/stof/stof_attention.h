@@ -78,7 +78,8 @@ typedef struct {
 
     /* --- schedule (optional; ABI version 2) ------------------------------------------------------------- */
     /* [L*Tq] device int32 or NULL: per layout, its tile rows longest first, exactly as stof_layout_row_order()
-     * writes them (a permutation of 0..Tq-1 within each layout; anything else gives wrong output).  Kernels
+     * writes them (a permutation of 0..Tq-1 within each layout; anything else leaves rows unwritten -- entries
+     * outside [0, Tq) are skipped, never dereferenced).  Kernels
      * whose CTA covers at most one tile row start the longest rows first, so short rows fill the tail of the
      * grid (Longformer/BigBird global rows otherwise start last).  NULL: the last tile rows first (causal). */
     const int32_t* row_order;

@@ -175,14 +175,19 @@ std::shared_ptr<SparseAttentionKernel::LayoutCheck const> SparseAttentionKernel:
                                                      static_cast<int32_t>(tilesQ), &check->schedChunk);
     STOF_REQUIRE(sc == STOF_SUCCESS, ORT_FAIL, "stof_layout_sched_chunk: ", stof_status_string(sc), ": ",
                  stof_last_error_message());
-    size_t const roBytes = check->rowOrderHost.size() * sizeof(int32_t);
-    void* roDevice = nullptr;
-    STOF_CUDA_THROW(cudaMalloc(&roDevice, roBytes));
-    check->rowOrderDevice = static_cast<int32_t*>(roDevice);  // owned from here on (freed if a check below throws)
-    STOF_CUDA_THROW(cudaMemcpyAsync(check->rowOrderDevice, check->rowOrderHost.data(), roBytes,
-                                    cudaMemcpyHostToDevice, stream));
-    // complete before any stream (another thread's, for a cached constant layout) reads it
-    STOF_CUDA_THROW(cudaStreamSynchronize(stream));
+    // The device copy only for constant layouts (made once, kept with the cached check): for a layout fed at run
+    // time it would cost an allocation, a synchronising copy and a free per call, for a scheduling hint --
+    // row_order stays NULL there (the kernels' reversed order), sched_chunk still applies.
+    if (mLayoutConstant) {
+        size_t const roBytes = check->rowOrderHost.size() * sizeof(int32_t);
+        void* roDevice = nullptr;
+        STOF_CUDA_THROW(cudaMalloc(&roDevice, roBytes));
+        check->rowOrderDevice = static_cast<int32_t*>(roDevice);  // owned from here on (freed if a check below throws)
+        STOF_CUDA_THROW(cudaMemcpyAsync(check->rowOrderDevice, check->rowOrderHost.data(), roBytes,
+                                        cudaMemcpyHostToDevice, stream));
+        // complete before any stream (another thread's, for a cached constant layout) reads it
+        STOF_CUDA_THROW(cudaStreamSynchronize(stream));
+    }
     mChecked = std::move(check);
     return mChecked;
 }
