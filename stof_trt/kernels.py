@@ -127,9 +127,11 @@ def load_library(path: str | os.PathLike | None = None) -> ctypes.CDLL:
                            f"(rebuild the library, or point STOF_KERNELS_LIB at a current build)")
     lib.stof_layout_row_order.argtypes = [i32p, ctypes.c_int32, ctypes.c_int32, i32p]
     lib.stof_layout_row_order.restype = ctypes.c_int
-    if hasattr(lib, "stof_layout_sched_chunk"):  # absent from ABI-2 builds before sched_chunk (stale: rebuild)
-        lib.stof_layout_sched_chunk.argtypes = [i32p, ctypes.c_int32, ctypes.c_int32, i32p]
-        lib.stof_layout_sched_chunk.restype = ctypes.c_int
+    if not hasattr(lib, "stof_layout_sched_chunk"):  # an unreleased ABI-2 build from before sched_chunk
+        raise RuntimeError("libstof_kernels lacks stof_layout_sched_chunk (a stale ABI-2 build: rebuild the library, "
+                           "or point STOF_KERNELS_LIB at a current build)")
+    lib.stof_layout_sched_chunk.argtypes = [i32p, ctypes.c_int32, ctypes.c_int32, i32p]
+    lib.stof_layout_sched_chunk.restype = ctypes.c_int
     _LIB = lib
     return lib
 
