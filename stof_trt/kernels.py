@@ -144,17 +144,26 @@ def library_available() -> bool:
         return False
 
 
+def _host_row_ptr(row_ptr, num_layouts, tiles_q):
+    """row_ptr as contiguous int32 numpy, checked to hold num_layouts*tiles_q + 1 entries (the C helpers read that
+    many and cannot check the length themselves); sizes < 1 are left for the library to report."""
+    import numpy as np
+
+    rp = np.ascontiguousarray(row_ptr, dtype=np.int32)
+    num_layouts, tiles_q = int(num_layouts), int(tiles_q)
+    n = num_layouts * tiles_q
+    if n >= 1 and rp.shape != (n + 1,):
+        raise ValueError(f"row_ptr must have num_layouts*tiles_q + 1 = {n + 1} entries, has shape {rp.shape}")
+    return rp, num_layouts, tiles_q, n
+
+
 def native_row_order(row_ptr, num_layouts: int, tiles_q: int):
     """The C helper ``stof_layout_row_order`` on a host ``row_ptr`` (``num_layouts*tiles_q + 1`` entries): int32
     numpy ``[num_layouts*tiles_q]``, per layout its tile rows longest first (= ``TileLayout.row_order()``)."""
     import numpy as np
 
     lib = load_library()
-    rp = np.ascontiguousarray(row_ptr, dtype=np.int32)
-    num_layouts, tiles_q = int(num_layouts), int(tiles_q)
-    n = num_layouts * tiles_q
-    if n >= 1 and rp.shape != (n + 1,):  # the C helper cannot check the length: it reads n + 1 entries
-        raise ValueError(f"row_ptr must have num_layouts*tiles_q + 1 = {n + 1} entries, has shape {rp.shape}")
+    rp, num_layouts, tiles_q, n = _host_row_ptr(row_ptr, num_layouts, tiles_q)
     out = np.empty(max(n, 1), np.int32)   # sizes < 1: the library reports them (INVALID_ARGUMENT)
     i32p = ctypes.POINTER(ctypes.c_int32)
     _check(lib.stof_layout_row_order(rp.ctypes.data_as(i32p), num_layouts, tiles_q, out.ctypes.data_as(i32p)))
@@ -167,11 +176,7 @@ def native_sched_chunk(row_ptr, num_layouts: int, tiles_q: int) -> int:
     import numpy as np
 
     lib = load_library()
-    rp = np.ascontiguousarray(row_ptr, dtype=np.int32)
-    num_layouts, tiles_q = int(num_layouts), int(tiles_q)
-    n = num_layouts * tiles_q
-    if n >= 1 and rp.shape != (n + 1,):  # the C helper cannot check the length: it reads n + 1 entries
-        raise ValueError(f"row_ptr must have num_layouts*tiles_q + 1 = {n + 1} entries, has shape {rp.shape}")
+    rp, num_layouts, tiles_q, n = _host_row_ptr(row_ptr, num_layouts, tiles_q)
     if rp.size == 0:
         rp = np.zeros(1, np.int32)        # sizes < 1: the library reports them (INVALID_ARGUMENT), reads nothing
     chunk = ctypes.c_int32(-1)
