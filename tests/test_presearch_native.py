@@ -32,10 +32,7 @@ class HostLayout(ctypes.Structure):
 
 
 @pytest.fixture(scope="module")
-def lib():
-    kernels = pytest.importorskip("stof_trt.kernels")
-    if not kernels.library_available():
-        pytest.skip("libstof_kernels.so not built")
+def lib(kernels):
     lib = kernels.load_library()
     if not hasattr(lib, "stof_presearch_rank"):
         pytest.skip("libstof_kernels.so predates stof_presearch_rank")

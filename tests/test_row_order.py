@@ -91,16 +91,6 @@ def test_row_order_not_stored():
     assert layout.signature() == sig
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    kernels = pytest.importorskip("stof_trt.kernels")
-    if not kernels.library_available():
-        pytest.skip("libstof_kernels.so not built")
-    if not hasattr(kernels.load_library(), "stof_layout_row_order"):
-        pytest.skip("libstof_kernels.so predates stof_layout_row_order")
-    return kernels
-
-
 def test_native_matches_numpy(kernels):
     n = 0
     for layout in _random_layouts(150, seed=7):

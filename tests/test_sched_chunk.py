@@ -76,16 +76,6 @@ def test_sched_chunk_not_stored():
     assert set(layout.arrays()) == {"row_ptr", "col_idx", "tile_bitmap_index", "bitmaps"}
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    kernels = pytest.importorskip("stof_trt.kernels")
-    if not kernels.library_available():
-        pytest.skip("libstof_kernels.so not built")
-    if not hasattr(kernels.load_library(), "stof_layout_sched_chunk"):
-        pytest.skip("libstof_kernels.so predates stof_layout_sched_chunk")
-    return kernels
-
-
 def test_native_matches_numpy(kernels):
     n = 0
     for layout in _random_layouts(150, seed=13):
