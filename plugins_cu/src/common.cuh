@@ -190,6 +190,22 @@ inline dim3 schedule_grid(KernelParams& p) {
     return dim3(nqb, p.heads, p.batch);
 }
 
+// The stored tiles of the tile row holding query row q0 of head h: entries [e_begin, e_end) of the format, tiles
+// entirely past the key bound dropped (columns ascend); a0 = q0's row inside its tile (its first bitmap row).
+struct RowWalk {
+    int e_begin, e_end, a0;
+};
+__device__ __forceinline__ RowWalk row_walk(const KernelParams& p, int h, int q0, int kv_len) {
+    const int trow = q0 / p.tile_m;
+    const int r = (h % p.num_layouts) * p.tq + trow;
+    RowWalk w;
+    w.a0 = q0 - trow * p.tile_m;
+    w.e_begin = __ldg(p.row_ptr + r);
+    w.e_end = __ldg(p.row_ptr + r + 1);
+    while (w.e_end > w.e_begin && __ldg(p.col_idx + w.e_end - 1) * p.tile_n >= kv_len) --w.e_end;
+    return w;
+}
+
 // Effective key length of batch b (run-time Sk combined with key_lengths).
 __device__ __forceinline__ int effective_kv_len(const KernelParams& p, int b) {
     int n = p.seq_k;

@@ -533,12 +533,8 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kHeadDim == 64 ? 3 : 2) hopp
     const int q0 = qb * kBlockM;
     if (q0 >= p.seq_q) return;  // a tile row past the run-time Sq (ordered schedule)
     const int kv_len = effective_kv_len(p, b);
-    const int trow = q0 / p.tile_m;
-    const int a0 = q0 - trow * p.tile_m;
-    const int r = (h % p.num_layouts) * p.tq + trow;
-    const int e_begin = __ldg(p.row_ptr + r);
-    int e_end = __ldg(p.row_ptr + r + 1);
-    while (e_end > e_begin && __ldg(p.col_idx + e_end - 1) * p.tile_n >= kv_len) --e_end;
+    const RowWalk walk = row_walk(p, h, q0, kv_len);
+    const int a0 = walk.a0, e_begin = walk.e_begin, e_end = walk.e_end;
     const int nsub = p.tile_n / kBlockN;
     const int n_iter = (e_end - e_begin) * nsub;
 
