@@ -118,20 +118,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return y;
 }
 
-// 2^x on the FMA/ALU pipes instead of the MUFU (FlashAttention-4's trick: an H100 SM exponentiates 16 values per
-// clock on the MUFU, as long as its tensor cores take for the same 64x64 step, so moving some of the exps off the
-// MUFU can shorten the softmax phase).  floor(x) by one round-down add of 1.5 * 2^23, the fraction's 2^f by a
-// cubic (max relative error 8.6e-5, below fp16's rounding of P), the integer part added to the exponent bits.
-// x <= -127 (and -inf, masked scores) gives exactly 0: the cubic's constant term is exactly 1 = 127 << 23.
-__device__ __forceinline__ float emu_exp2(float x) {
-    constexpr float kMagic = 12582912.f;  // 1.5 * 2^23: floor(x) lands in the low mantissa bits
-    x = fmaxf(x, -127.f);
-    const float t = __fadd_rd(x, kMagic);
-    const float f = x - (t - kMagic);  // [0, 1)
-    const float p = fmaf(fmaf(fmaf(0.07706522f, f, 0.22764698f), f, 0.69511634f), f, 1.f);
-    return __uint_as_float(__float_as_uint(p) + (__float_as_uint(t) << 23));  // (t bits << 23) == floor(x) << 23
-}
-
 // ---------------------------------------------------------------------------------------------------------
 // CTA schedule.  The hardware starts CTAs in linear block-id order, so the id -> (q-block, head, batch) map is
 // the schedule.  Two goals: (1) longest rows first, so the grid's tail is made of short rows (with a fixed

@@ -170,11 +170,7 @@ constexpr float kRescaleSlack = 8.f;
 // exponentiates rS in place and updates row_max / row_sum.  The running max is only moved when a row's max grows
 // by more than kRescaleSlack (FlashAttention-4's lazy rescaling); returns true (warp-uniform) when some row of the
 // warp moved it, and then O must be multiplied by alpha (per row) -- most steps skip that multiply.
-// Which 8-column groups (ni mod 8) of a step exponentiate on the FMA pipe (emu_exp2) instead of the MUFU.
-#ifndef STOF_EXP2_EMU_MASK
-#define STOF_EXP2_EMU_MASK 0
-#endif
-template <int kNI, unsigned kEmuMask = STOF_EXP2_EMU_MASK>
+template <int kNI>
 __device__ __forceinline__ bool online_softmax(float (&rS)[kNI * 4], float (&row_max)[2], float (&row_sum)[2],
                                                float (&alpha)[2], float mul) {
     float mx[2];
@@ -211,11 +207,8 @@ __device__ __forceinline__ bool online_softmax(float (&rS)[kNI * 4], float (&row
         float t[kNI];
 #pragma unroll
         for (int ni = 0; ni < kNI; ++ni) {
-            const float x0 = fmaf(rS[ni * 4 + hh * 2], mul, -m_use);
-            const float x1 = fmaf(rS[ni * 4 + hh * 2 + 1], mul, -m_use);
-            const bool emu = (kEmuMask >> (ni & 7)) & 1u;
-            const float p0 = emu ? emu_exp2(x0) : fast_exp2(x0);
-            const float p1 = emu ? emu_exp2(x1) : fast_exp2(x1);
+            const float p0 = fast_exp2(fmaf(rS[ni * 4 + hh * 2], mul, -m_use));
+            const float p1 = fast_exp2(fmaf(rS[ni * 4 + hh * 2 + 1], mul, -m_use));
             rS[ni * 4 + hh * 2] = p0;
             rS[ni * 4 + hh * 2 + 1] = p1;
             t[ni] = p0 + p1;
