@@ -21,10 +21,6 @@
 
 namespace stof {
 
-#ifndef STOF_ROWSUM_MMA
-#define STOF_ROWSUM_MMA 1
-#endif
-
 template <int kHeadDim_, int kWG_, int kStages_, typename Elem_, bool kDeferPV_ = false>
 struct HopperTraits {
     using Elem = Elem_;
@@ -48,11 +44,7 @@ struct HopperTraits {
     static_assert(kWordsN == 2, "bitmap words are loaded as one uint2 per row");
     static constexpr int kSmemQ = kBlockM * kHeadDim * 2;
     static constexpr int kSmemKV = kBlockN * kHeadDim * 2;
-    // Row sums of P on the tensor cores (P times a column of ones, an m64n8k16 per k16 step of P V) instead of 32
-    // FADDs per thread and step on the issue-bound softmax path.
-    static constexpr bool kSumMma = STOF_ROWSUM_MMA != 0;
-    static constexpr int kSmemOnes = kSumMma ? 512 : 0;  // the all-ones B operand (read: 256 bytes)
-    static constexpr int kSmemSize = kSmemQ + 2 * kStages * kSmemKV + kSmemOnes + 1024;  // + alignment slack
+    static constexpr int kSmemSize = kSmemQ + 2 * kStages * kSmemKV + 1024;  // + alignment slack
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim");
     static_assert(kSmemQ % 1024 == 0 && kSmemKV % 1024 == 0, "1024-byte aligned tiles");
     static_assert(!kDeferPV || kWG == 1, "deferred PV wait: one warpgroup per CTA");
@@ -68,12 +60,6 @@ __device__ __forceinline__ uint32_t swz128(int r, int ch) {
 __device__ __forceinline__ uint64_t gmma_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
     return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
            (static_cast<uint64_t>(sbo >> 4) << 32) | (1ull << 62);
-}
-
-// wgmma shared-memory descriptor, no swizzle (8x16-byte core matrices lbo / sbo bytes apart).
-__device__ __forceinline__ uint64_t gmma_desc_plain(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-    return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
-           (static_cast<uint64_t>(sbo >> 4) << 32);
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -184,7 +170,7 @@ constexpr float kRescaleSlack = 8.f;
 // exponentiates rS in place and updates row_max / row_sum.  The running max is only moved when a row's max grows
 // by more than kRescaleSlack (FlashAttention-4's lazy rescaling); returns true (warp-uniform) when some row of the
 // warp moved it, and then O must be multiplied by alpha (per row) -- most steps skip that multiply.
-template <int kNI, bool kSum = true>
+template <int kNI>
 __device__ __forceinline__ bool online_softmax(float (&rS)[kNI * 4], float (&row_max)[2], float (&row_sum)[2],
                                                float (&alpha)[2], float mul) {
     float mx[2];
@@ -215,7 +201,7 @@ __device__ __forceinline__ bool online_softmax(float (&rS)[kNI * 4], float (&row
                 alpha[hh] = fast_exp2((row_max[hh] - mx[hh]) * mul);  // 0 when row_max was -inf
                 row_max[hh] = mx[hh];
             }
-            if constexpr (kSum) row_sum[hh] *= alpha[hh];
+            row_sum[hh] *= alpha[hh];
         }
         const float m_use = row_max[hh] == -INFINITY ? 0.f : row_max[hh] * mul;  // log2 domain
         float t[kNI];
@@ -227,13 +213,11 @@ __device__ __forceinline__ bool online_softmax(float (&rS)[kNI * 4], float (&row
             rS[ni * 4 + hh * 2 + 1] = p1;
             t[ni] = p0 + p1;
         }
-        if constexpr (kSum) {
 #pragma unroll
-            for (int w = kNI / 2; w >= 1; w /= 2)
+        for (int w = kNI / 2; w >= 1; w /= 2)
 #pragma unroll
-                for (int i = 0; i < w; ++i) t[i] += t[i + w];
-            row_sum[hh] += t[0];
-        }
+            for (int i = 0; i < w; ++i) t[i] += t[i + w];
+        row_sum[hh] += t[0];
     }
     return rescale;
 }
@@ -261,37 +245,23 @@ __device__ __forceinline__ void pack_p(uint32_t (&rP)[kKN][4], const float (&rS)
     }
 }
 
-// Issues O += P V for one step (V at descriptor dV, MN-major) and commits it; the caller waits.  kSum: also
-// L += P 1 (the row sums, every column of the n8 accumulator L, from the all-ones operand at dOnes).
-template <int kHeadDim, class Elem, int kKN, bool kSum = false>
-__device__ __forceinline__ void issue_pv(float (&rO)[kHeadDim / 2], const uint32_t (&rP)[kKN][4], uint64_t dV,
-                                         float* rL = nullptr, uint64_t dOnes = 0) {
+// Issues O += P V for one step (V at descriptor dV, MN-major) and commits it; the caller waits.
+template <int kHeadDim, class Elem, int kKN>
+__device__ __forceinline__ void issue_pv(float (&rO)[kHeadDim / 2], const uint32_t (&rP)[kKN][4], uint64_t dV) {
     wgmma_fence();
 #pragma unroll
-    for (int kn = 0; kn < kKN; ++kn) {
-        wgmma_rs<kHeadDim, Elem>(rO, rP[kn], dV + ((kn * 16 * 128) >> 4), 1);
-        if constexpr (kSum) wgmma_rs<8, Elem>(*reinterpret_cast<float(*)[4]>(rL), rP[kn], dOnes, 1);
-    }
+    for (int kn = 0; kn < kKN; ++kn) wgmma_rs<kHeadDim, Elem>(rO, rP[kn], dV + ((kn * 16 * 128) >> 4), 1);
     wgmma_commit();
-}
-
-// Fills the all-ones B operand of the row-sum MMA (kBytes at sOnes, one 4-byte word per thread and pass).
-template <class Elem, int kBytes, int kThreads>
-__device__ __forceinline__ void fill_ones(uint32_t sOnes, int tid) {
-    const uint32_t one2 = ElemTraits<Elem>::pack(1.f, 1.f);
-#pragma unroll
-    for (int i = tid * 4; i < kBytes; i += kThreads * 4) asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sOnes + i), "r"(one2));
 }
 
 // Scale (unless folded into the exp2), mask (bitmap words in bits, ANDed here with the key bound / padding words
 // when the 64-key step at n0 can be cut by them) and run the online softmax of one 64-key step; rescales O when the
 // running max moved.  Warp-uniform call.
-// !kSum: the row sums are the n8 accumulator rL of the P V MMA (rescaled here with O), row_sum is not touched.
-template <int kNI, int kDI, bool kSum = true>
+template <int kNI, int kDI>
 __device__ __forceinline__ void mask_softmax_step(float (&rS)[kNI * 4], float (&rO)[kDI * 4], float (&row_max)[2],
                                                   float (&row_sum)[2], uint32_t (&bits)[2][kNI / 4], bool need_mask,
                                                   int n0, int kv_len, const int32_t* kpm, int lane, int tig,
-                                                  bool fold, float sl2, float mul, float* rL = nullptr) {
+                                                  bool fold, float sl2, float mul) {
     if (!fold) {
 #pragma unroll
         for (int i = 0; i < kNI * 4; ++i) rS[i] *= sl2;
@@ -301,25 +271,19 @@ __device__ __forceinline__ void mask_softmax_step(float (&rS)[kNI * 4], float (&
         mask_scores<kNI>(rS, bits, tig);
     }
     float alpha[2];
-    if (online_softmax<kNI, kSum>(rS, row_max, row_sum, alpha, mul)) {
-        rescale_o<kDI>(rO, alpha);
-        if constexpr (!kSum) rescale_o<1>(*reinterpret_cast<float(*)[4]>(rL), alpha);
-    }
+    if (online_softmax<kNI>(rS, row_max, row_sum, alpha, mul)) rescale_o<kDI>(rO, alpha);
 }
 
 // Epilogue, part 1: each thread normalises its two rows of O (row sums reduced over the quad; empty rows -> 0)
 // and writes them as Elem pairs into the kRows-row swizzled tile at sTile (rows row0 + {g, g + 8}).
-// kQuadSum = false: row_sum already holds the whole row's sum in every thread (the row-sum MMA).
-template <class Elem, int kDI, int kRows, bool kQuadSum = true>
+template <class Elem, int kDI, int kRows>
 __device__ __forceinline__ void stage_o(const float (&rO)[kDI * 4], const float (&row_sum)[2], uint32_t sTile,
                                         int row0, int g, int tig) {
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
         float l = row_sum[hh];
-        if constexpr (kQuadSum) {
-            l += __shfl_xor_sync(0xffffffffu, l, 1);
-            l += __shfl_xor_sync(0xffffffffu, l, 2);
-        }
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
         const float inv = l > 0.f ? 1.f / l : 0.f;
         const int row = row0 + hh * 8 + g;
 #pragma unroll
@@ -406,7 +370,6 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
     extern __shared__ __align__(1024) unsigned char smem[];
     const uint32_t sQ = (smem_u32(smem) + 1023u) & ~1023u;
     const uint32_t sKV = sQ + HT::kSmemQ;
-    const uint32_t sOnes = sKV + 2 * kStages * HT::kSmemKV;  // kSumMma only
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, tig = lane & 3;
@@ -434,7 +397,6 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
     // Prologue: Q, then the first kStages-1 K/V sub-blocks of the merged walk.
     load_rows_async128<HT, kBlockM>(sQ, gQ, p.q_ss, q0, p.seq_q, tid);
     cp_async_commit();
-    if constexpr (HT::kSumMma) fill_ones<Elem, HT::kSmemOnes, HT::kThreads>(sOnes, tid);  // fenced with stage 0
     MergedCursor<HT::kWG> cur, pre;
     cur.init(p, rows, kv_len);
     pre = cur;
@@ -462,8 +424,6 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
 #pragma unroll
     for (int i = 0; i < kNI * 4; ++i) rS[i] = 0.f;
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
-    float rL[4] = {0.f, 0.f, 0.f, 0.f};  // kSumMma: row sums (rows g, g + 8) in every column of an n8 accumulator
-    const uint64_t dOnes = gmma_desc_plain(sOnes, 128, 128);
     const int warp_row0 = warp * 16;  // == 64*wg + 16*(warp % 4): the wgmma accumulator rows of this warp
     const uint64_t dQ0 = gmma_desc(sQ + wg * 64 * 128, 16, 1024);
     const uint64_t dK0 = gmma_desc(sKV, 16, 1024);
@@ -519,34 +479,31 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
         fence_regs(rS);
         if constexpr (HT::kDeferPV) {
             fence_regs(rO);
-            fence_regs(rL);
             __syncthreads();  // every warp's P V of the previous step is done: its K/V stage may be refilled
             prefetch();
         }
 
-        mask_softmax_step<kNI, kDI, !HT::kSumMma>(rS, rO, row_max, row_sum, bits, need_mask, n0, kv_len, kpm, lane,
-                                                  tig, fold, sl2, mul, rL);
+        mask_softmax_step<kNI, kDI>(rS, rO, row_max, row_sum, bits, need_mask, n0, kv_len, kpm, lane, tig, fold, sl2,
+                                    mul);
 
         // O += P V
         uint32_t rP[kKN][4];
         pack_p<Elem, kKN>(rP, rS);
-        issue_pv<HT::kHeadDim, Elem, kKN, HT::kSumMma>(rO, rP, dV, rL, dOnes);
-        if constexpr (!HT::kDeferPV) wgmma_wait<0>();
-        fence_regs(rO);
-        fence_regs(rL);
+        issue_pv<HT::kHeadDim, Elem, kKN>(rO, rP, dV);
+        if constexpr (!HT::kDeferPV) {
+            wgmma_wait<0>();
+            fence_regs(rO);
+        } else {
+            fence_regs(rO);
+        }
     }
     wgmma_wait<0>();
     fence_regs(rO);
-    fence_regs(rL);
-    if constexpr (HT::kSumMma) {
-        row_sum[0] = rL[0];
-        row_sum[1] = rL[2];
-    }
 
     // Epilogue
     cp_async_wait<0>();
     __syncthreads();
-    stage_o<Elem, kDI, kBlockM, !HT::kSumMma>(rO, row_sum, sQ, warp_row0, g, tig);
+    stage_o<Elem, kDI, kBlockM>(rO, row_sum, sQ, warp_row0, g, tig);
     __syncthreads();
     store_o<Elem, kBlockM, kBlockM, HT::kChunks, HT::kThreads>(sQ, gO, p.o_ss, q0, 0, p.seq_q, tid);
 #else

@@ -54,7 +54,7 @@ def main():
     for ctype, ptx in TYPES.items():
         for N in (64, 128):
             print(ss(N, ctype, ptx))
-        for N in (8, 64, 128):  # n8: P times a ones column, the row sums on the tensor cores
+        for N in (64, 128):
             print(rs(N, ctype, ptx))
     print("#endif  // __CUDA_ARCH_FEAT_SM90_ALL\n\n}  // namespace stof")
 
