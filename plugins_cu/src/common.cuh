@@ -130,11 +130,10 @@ struct BlockWork {
     int qb, h, b;
 };
 
+// Work item lin of the schedule (0 <= lin < nqb * heads * batch, in launch order) for CTAs of kBlockM rows.
 template <int kBlockM>
-__device__ __forceinline__ BlockWork block_work(const KernelParams& p) {
-    const int nqb = gridDim.x;
-    const int64_t nhb = static_cast<int64_t>(gridDim.y) * gridDim.z;
-    const int64_t lin = blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + static_cast<int64_t>(gridDim.y) * blockIdx.z);
+__device__ __forceinline__ BlockWork block_work_at(const KernelParams& p, int64_t lin, int nqb) {
+    const int64_t nhb = static_cast<int64_t>(p.heads) * p.batch;
     const int64_t per_chunk = static_cast<int64_t>(p.sched_chunk) * nqb;
     const int chunk = static_cast<int>(lin / per_chunk);
     const int hb0 = chunk * p.sched_chunk;
@@ -143,8 +142,8 @@ __device__ __forceinline__ BlockWork block_work(const KernelParams& p) {
     const int pos = r / width;
     const int hb = hb0 + (r - pos * width);
     BlockWork w;
-    w.h = hb % gridDim.y;
-    w.b = hb / gridDim.y;
+    w.h = hb % p.heads;
+    w.b = hb / p.heads;
     if (p.row_order != nullptr) {
         const int f = p.tile_m / kBlockM;  // CTAs per tile row
         const int t = pos / f;
@@ -156,6 +155,13 @@ __device__ __forceinline__ BlockWork block_work(const KernelParams& p) {
         w.qb = nqb - 1 - pos;
     }
     return w;
+}
+
+// The work item of this CTA in a grid of (nqb, heads, batch) CTAs (schedule_grid's grid).
+template <int kBlockM>
+__device__ __forceinline__ BlockWork block_work(const KernelParams& p) {
+    const int64_t lin = blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + static_cast<int64_t>(gridDim.y) * blockIdx.z);
+    return block_work_at<kBlockM>(p, lin, gridDim.x);
 }
 
 // Host: fill the schedule fields of p for a kernel of kBlockM query rows per CTA and return its grid.  The row
