@@ -131,13 +131,15 @@ struct BlockWork {
 };
 
 // Work item lin of the schedule (0 <= lin < nqb * heads * batch, in launch order) for CTAs of kBlockM rows.
-template <int kBlockM>
-__device__ __forceinline__ BlockWork block_work_at(const KernelParams& p, int64_t lin, int nqb) {
-    const int64_t nhb = static_cast<int64_t>(p.heads) * p.batch;
-    const int64_t per_chunk = static_cast<int64_t>(p.sched_chunk) * nqb;
+// Index: the integer type of the item arithmetic (int64_t in general; int where the item count fits, as the
+// persistent kernel's launcher checks: its divisions run once per item instead of once per CTA).
+template <int kBlockM, typename Index = int64_t>
+__device__ __forceinline__ BlockWork block_work_at(const KernelParams& p, Index lin, int nqb) {
+    const Index nhb = static_cast<Index>(p.heads) * p.batch;
+    const Index per_chunk = static_cast<Index>(p.sched_chunk) * nqb;
     const int chunk = static_cast<int>(lin / per_chunk);
     const int hb0 = chunk * p.sched_chunk;
-    const int width = static_cast<int>(min(static_cast<int64_t>(p.sched_chunk), nhb - hb0));
+    const int width = static_cast<int>(min(static_cast<Index>(p.sched_chunk), nhb - hb0));
     const int r = static_cast<int>(lin - chunk * per_chunk);
     const int pos = r / width;
     const int hb = hb0 + (r - pos * width);

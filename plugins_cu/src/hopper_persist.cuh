@@ -8,9 +8,9 @@
 // (the next item's Q is requested when the current item starts), so an item boundary costs the O epilogue only.
 //
 // Work distribution: CTA c takes items c, c + G, c + 2G, ... (G = gridDim.x = SMs x CTAs per SM) of the same
-// schedule as the other kernels (block_work_at: longest rows first in L2-sized chunks of (batch, head) pairs), so
-// the items in flight at any time are those a non-persistent grid would run.  Items past the run-time Sq (row
-// order over the layout's rows) are skipped; items with no tile still write their zero rows.
+// schedule as the other kernels (block_work_at), which balances only rows of near-equal length (sliding,
+// dilated): the launcher runs it only for those (sched_chunk == 1) and tactic 13 otherwise.  Items past the
+// run-time Sq (row order over the layout's rows) are skipped; items with no tile still write their zero rows.
 #pragma once
 
 #include <atomic>
@@ -42,32 +42,44 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd_
     const int g = lane >> 2, tig = lane & 3;
     const int stride = gridDim.x;
 
-    // the first item at or after lin (in this CTA's sequence) whose rows start below the run-time Sq
-    auto valid_from = [&](int lin) {
-        for (; lin < num_items; lin += stride)
-            if (block_work_at<kBlockM>(p, lin, nqb).qb * kBlockM < p.seq_q) break;
-        return lin;
+    // A work item, resolved once: its (q-block, head, batch), key length and tile-row cursor.  The consumer
+    // resolves the item after its current one when it starts the current one (the cursor's index loads then have
+    // a whole item to land); the producer takes that resolved item when it runs out of the current one, so it
+    // does no dependent index loads inside a step (the first version resolved items there: 25 % slower).
+    struct Item {
+        int lin;  // >= num_items: none
+        BlockWork w;
+        int kv_len;
+        MergedCursor<1> c0;  // at the item's first step
     };
-    auto tile_row = [&](const BlockWork& w) { return (w.h % p.num_layouts) * p.tq + (w.qb * kBlockM) / p.tile_m; };
-    auto load_q = [&](int lin, uint32_t buf) {
-        const BlockWork w = block_work_at<kBlockM>(p, lin, nqb);
-        const Elem* gQ = static_cast<const Elem*>(p.q) + w.b * p.q_sb + w.h * p.q_sh;
-        load_rows_async128<HT, kBlockM>(buf, gQ, p.q_ss, w.qb * kBlockM, p.seq_q, tid);
+    auto resolve = [&](int lin) {  // the first item at or after lin of this CTA whose rows start below Sq
+        Item it;
+        for (; lin < num_items; lin += stride) {
+            it.w = block_work_at<kBlockM, int>(p, lin, nqb);
+            if (it.w.qb * kBlockM < p.seq_q) break;
+        }
+        it.lin = lin;
+        if (lin < num_items) {
+            it.kv_len = effective_kv_len(p, it.w.b);
+            const int rows[1] = {(it.w.h % p.num_layouts) * p.tq + (it.w.qb * kBlockM) / p.tile_m};
+            it.c0.init(p, rows, it.kv_len);
+        }
+        return it;
+    };
+    auto load_q = [&](const Item& it, uint32_t buf) {
+        const Elem* gQ = static_cast<const Elem*>(p.q) + it.w.b * p.q_sb + it.w.h * p.q_sh;
+        load_rows_async128<HT, kBlockM>(buf, gQ, p.q_ss, it.w.qb * kBlockM, p.seq_q, tid);
     };
 
-    int ci = valid_from(blockIdx.x);  // consumer: the item whose steps run
-    if (ci >= num_items) return;
-    int qbuf = 0;  // Q of item ci is in buffer qbuf, the next item's in qbuf ^ 1
+    Item ci = resolve(blockIdx.x);  // consumer: the item whose steps run
+    if (ci.lin >= num_items) return;
+    Item ni = resolve(ci.lin + stride);  // the consumer's next item
+    int qbuf = 0;                        // Q of item ci is in buffer qbuf, ni's in qbuf ^ 1
 
     // Producer: the item whose K/V sub-blocks are being prefetched (kStages - 1 = 1 step ahead of the consumer).
-    int pi = ci;
-    BlockWork pw = block_work_at<kBlockM>(p, pi, nqb);
-    int p_kv_len = effective_kv_len(p, pw.b);
-    MergedCursor<1> pre;
-    {
-        const int rows[1] = {tile_row(pw)};
-        pre.init(p, rows, p_kv_len);
-    }
+    int p_lin = ci.lin, p_kv_len = ci.kv_len;
+    BlockWork pw = ci.w;
+    MergedCursor<1> pre = ci.c0;
     auto produce = [&](int stage) {
         int ent[1];
         for (;;) {
@@ -82,12 +94,14 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd_
                 pre.advance(p);
                 break;
             }
-            pi = valid_from(pi + stride);  // this item's steps are all issued: on to the next one
-            if (pi >= num_items) break;
-            pw = block_work_at<kBlockM>(p, pi, nqb);
-            p_kv_len = effective_kv_len(p, pw.b);
-            const int rows[1] = {tile_row(pw)};
-            pre.init(p, rows, p_kv_len);
+            // this item's steps are all issued: on to the next one (the consumer's resolved next item, unless the
+            // producer is already past it -- only after an item without tiles)
+            const Item nx = ni.lin > p_lin ? ni : resolve(p_lin + stride);
+            if (nx.lin >= num_items) break;
+            p_lin = nx.lin;
+            pw = nx.w;
+            p_kv_len = nx.kv_len;
+            pre = nx.c0;
         }
         cp_async_commit();
     };
@@ -97,20 +111,11 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd_
     load_q(ci, sQ0);
     cp_async_commit();
     produce(0);
-    int ni = valid_from(ci + stride);
-    if (ni < num_items) load_q(ni, sQ0 + HT::kSmemQ);
+    if (ni.lin < num_items) load_q(ni, sQ0 + HT::kSmemQ);
     cp_async_commit();
     bool q_group_newest = true;  // the newest cp.async group holds only a Q load (the step need not wait for it)
     bool stepped = false;        // item ci has run a step (so its Q load, older than that step's K/V, is complete)
-
-    // Consumer state of item ci.
-    BlockWork cw = block_work_at<kBlockM>(p, ci, nqb);
-    int kv_len = effective_kv_len(p, cw.b);
-    MergedCursor<1> cur;
-    {
-        const int rows[1] = {tile_row(cw)};
-        cur.init(p, rows, kv_len);
-    }
+    MergedCursor<1> cur = ci.c0;
 
     const float sl2 = p.scale_log2;
     const bool fold = sl2 > 0.f;
@@ -136,17 +141,13 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd_
             __syncthreads();  // every warp's last MMA (reading this Q buffer) has completed
             stage_o<Elem, kDI, kBlockM>(rO, row_sum, sQ, warp_row0, g, tig);
             __syncthreads();
-            Elem* gO = static_cast<Elem*>(p.o) + cw.b * p.o_sb + cw.h * p.o_sh;
-            store_o<Elem, kBlockM, kBlockM, HT::kChunks, HT::kThreads>(sQ, gO, p.o_ss, cw.qb * kBlockM, 0, p.seq_q,
-                                                                       tid);
-            ci = valid_from(ci + stride);
-            if (ci >= num_items) break;
-            cw = block_work_at<kBlockM>(p, ci, nqb);
-            kv_len = effective_kv_len(p, cw.b);
-            {
-                const int rows[1] = {tile_row(cw)};
-                cur.init(p, rows, kv_len);
-            }
+            Elem* gO = static_cast<Elem*>(p.o) + ci.w.b * p.o_sb + ci.w.h * p.o_sh;
+            store_o<Elem, kBlockM, kBlockM, HT::kChunks, HT::kThreads>(sQ, gO, p.o_ss, ci.w.qb * kBlockM, 0,
+                                                                       p.seq_q, tid);
+            if (ni.lin >= num_items) break;
+            ci = ni;
+            cur = ci.c0;
+            ni = resolve(ci.lin + stride);
 #pragma unroll
             for (int i = 0; i < kDI * 4; ++i) rO[i] = 0.f;
             row_max[0] = row_max[1] = -INFINITY;
@@ -155,8 +156,7 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd_
             stepped = false;
             // the freed buffer takes the Q of the item after ci, once every thread has read its O rows out of it
             __syncthreads();
-            ni = valid_from(ci + stride);
-            if (ni < num_items) load_q(ni, sQ0 + (qbuf ^ 1) * HT::kSmemQ);
+            if (ni.lin < num_items) load_q(ni, sQ0 + (qbuf ^ 1) * HT::kSmemQ);
             cp_async_commit();
             q_group_newest = true;
             continue;
@@ -176,12 +176,13 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd_
 
         const int n0 = j * p.tile_n + sub * kBlockN;
         const int my_ent = ent[0];
-        const int32_t* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(cw.b) * p.seq_k : nullptr;
+        const int32_t* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(ci.w.b) * p.seq_k : nullptr;
         const int bm_idx = __ldg(p.tile_bitmap_index + my_ent);
+        const int kv_len = ci.kv_len;
         const bool need_mask = bm_idx >= 0 || n0 + kBlockN > kv_len || kpm != nullptr;
         uint32_t bits[2][HT::kWordsN];
         if (need_mask) {
-            const int a0 = (cw.qb * kBlockM) % p.tile_m;
+            const int a0 = (ci.w.qb * kBlockM) % p.tile_m;
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) row_bits(bits[hh], p, bm_idx, a0 + (warp & 3) * 16 + hh * 8 + g, sub);
         }
@@ -216,8 +217,13 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd_
 }
 
 // Host: as many CTAs as fit on the GPU at once (cached per device), each looping over the schedule's items.
+// The items are dealt out statically, which balances only rows of near-equal length: for any other layout (the
+// caller's sched_chunk is not 1, see stof_layout_sched_chunk) this runs tactic 13's kernel instead.  (A causal
+// grid dealt out round-robin over its longest-first order ends 17-35 % after the list-scheduled one, by a model
+// of the session-4 measurement: docs/performance.md.)
 template <class HT>
 cudaError_t launch_hopper_persist(const KernelParams& params, cudaStream_t stream) {
+    if (params.sched_chunk != 1) return launch_hopper<HT>(params, stream);
     KernelParams p = params;
     auto kernel = hopper_attn_fwd_persist<HT>;
     constexpr int kSmem = PersistTraits<HT>::kSmemSize;
