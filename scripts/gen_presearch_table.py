@@ -22,9 +22,7 @@ OUT = ROOT / "plugins_cu" / "src" / "presearch_table.inc"
 
 KNOWN_FIELDS = ["id", "family", "block_m", "block_n", "num_warps", "stages", "min_ctas", "q_in_smem", "pipelined",
                 "defer_pv", "warp_specialized", "key_step",
-                "tma", "persistent"]  # tma, persistent: name only (modelled as a plain one-warpgroup tactic with
-#                                             its own COEF; the Q double buffer of persistent leaves the occupancy
-#                                             unchanged at head dims 64 and 128)
+                "tma"]  # tma: name only (modelled as a plain one-warpgroup tactic with its own COEF)
 KNOWN_FAMILIES = {1: "block", 2: "row", 3: "hopper"}
 
 

@@ -47,7 +47,6 @@ class TacticSpec:
     warp_specialized: bool = False  # Hopper family: producer warpgroup + 2 consumer warpgroups (hopper_ws.cuh)
     key_step: int = 64       # keys per softmax step (warp-specialised: 64 or 128 = two sub-blocks of the walk)
     tma: bool = False        # Hopper family: K/V copied by the TMA, mbarrier pipeline (hopper_tma.cuh)
-    persistent: bool = False  # Hopper family: one CTA per slot loops over the work items (hopper_persist.cuh)
 
     @property
     def name(self) -> str:
@@ -57,8 +56,7 @@ class TacticSpec:
             return f"wgmma_ws_m2x64_n{self.key_step}_s{self.stages}"
         if self.family == FAMILY_HOPPER:
             return (f"wgmma_m{self.num_warps // 4}x64_n{self.block_n}_s{self.stages}"
-                    + ("_pipe" if self.pipelined else "_defer" if self.defer_pv else "_tma" if self.tma
-                       else "_persist" if self.persistent else ""))
+                    + ("_pipe" if self.pipelined else "_defer" if self.defer_pv else "_tma" if self.tma else ""))
         return (f"block_m{self.block_m}_n{self.block_n}_w{self.num_warps}_s{self.stages}_occ{self.min_ctas}"
                 f"_q{'smem' if self.q_in_smem else 'reg'}")
 
@@ -91,7 +89,6 @@ TACTICS = [
     TacticSpec(24, FAMILY_HOPPER, 128, 64, 12, 3, warp_specialized=True, key_step=128),
     TacticSpec(25, FAMILY_HOPPER, 64, 64, 4, 2, tma=True),
     TacticSpec(26, FAMILY_HOPPER, 64, 64, 4, 3, tma=True),
-    TacticSpec(27, FAMILY_HOPPER, 64, 64, 4, 2, persistent=True),
 ]
 _BY_ID = {t.id: t for t in TACTICS}
 

@@ -130,22 +130,21 @@ struct BlockWork {
     int qb, h, b;
 };
 
-// Work item lin of the schedule (0 <= lin < nqb * heads * batch, in launch order) for CTAs of kBlockM rows.
-// Index: the integer type of the item arithmetic (int64_t in general; int where the item count fits, as the
-// persistent kernel's launcher checks: its divisions run once per item instead of once per CTA).
-template <int kBlockM, typename Index = int64_t>
-__device__ __forceinline__ BlockWork block_work_at(const KernelParams& p, Index lin, int nqb) {
-    const Index nhb = static_cast<Index>(p.heads) * p.batch;
-    const Index per_chunk = static_cast<Index>(p.sched_chunk) * nqb;
+template <int kBlockM>
+__device__ __forceinline__ BlockWork block_work(const KernelParams& p) {
+    const int nqb = gridDim.x;
+    const int64_t nhb = static_cast<int64_t>(gridDim.y) * gridDim.z;
+    const int64_t lin = blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + static_cast<int64_t>(gridDim.y) * blockIdx.z);
+    const int64_t per_chunk = static_cast<int64_t>(p.sched_chunk) * nqb;
     const int chunk = static_cast<int>(lin / per_chunk);
     const int hb0 = chunk * p.sched_chunk;
-    const int width = static_cast<int>(min(static_cast<Index>(p.sched_chunk), nhb - hb0));
+    const int width = static_cast<int>(min(static_cast<int64_t>(p.sched_chunk), nhb - hb0));
     const int r = static_cast<int>(lin - chunk * per_chunk);
     const int pos = r / width;
     const int hb = hb0 + (r - pos * width);
     BlockWork w;
-    w.h = hb % p.heads;
-    w.b = hb / p.heads;
+    w.h = hb % gridDim.y;
+    w.b = hb / gridDim.y;
     if (p.row_order != nullptr) {
         const int f = p.tile_m / kBlockM;  // CTAs per tile row
         const int t = pos / f;
@@ -157,13 +156,6 @@ __device__ __forceinline__ BlockWork block_work_at(const KernelParams& p, Index 
         w.qb = nqb - 1 - pos;
     }
     return w;
-}
-
-// The work item of this CTA in a grid of (nqb, heads, batch) CTAs (schedule_grid's grid).
-template <int kBlockM>
-__device__ __forceinline__ BlockWork block_work(const KernelParams& p) {
-    const int64_t lin = blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + static_cast<int64_t>(gridDim.y) * blockIdx.z);
-    return block_work_at<kBlockM>(p, lin, gridDim.x);
 }
 
 // Host: fill the schedule fields of p for a kernel of kBlockM query rows per CTA and return its grid.  The row

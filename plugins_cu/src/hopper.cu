@@ -1,6 +1,5 @@
 // Hopper (wgmma) tactic instantiations, both dtypes and head dims.  The kernels have bodies only in the sm_90a
 // compilation pass (STOF_HAS_SM90A is defined by CMake when CMAKE_CUDA_ARCHITECTURES holds 90a).
-#include "hopper_persist.cuh"
 #include "hopper_tma.cuh"
 #include "tactics.h"
 
@@ -13,8 +12,6 @@ constexpr LaunchFn hopper_launcher() {
         return nullptr;  // S, P and O of a 128-key step at head dim 128 exceed the consumers' 216 registers
     } else if constexpr (PIPE == 3 || PIPE == 4) {
         return &launch_hopper_ws<WsTraits<D, S, PIPE == 4 ? 2 : 1, T>>;
-    } else if constexpr (PIPE == 6) {
-        return &launch_hopper_persist<HopperTraits<D, WG, S, T>>;
     } else if constexpr (PIPE == 5) {
         return &launch_hopper_tma<HopperTraits<D, WG, S, T>>;
     } else if constexpr (PIPE == 2) {
