@@ -330,15 +330,7 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocks) block_attn_fwd(c
 
 template <class KT>
 cudaError_t launch_block(const KernelParams& params, cudaStream_t stream) {
-    KernelParams p = params;
-    auto kernel = block_attn_fwd<KT>;
-    if (KT::kSmemSize > 48 * 1024) {
-        cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, KT::kSmemSize);
-        if (err != cudaSuccess) return err;
-    }
-    const dim3 grid = schedule_grid<KT::kBlockM, KT::kHeadDim>(p);
-    kernel<<<grid, KT::kThreads, KT::kSmemSize, stream>>>(p);
-    return cudaGetLastError();
+    return launch_scheduled<KT::kBlockM, KT::kHeadDim>(block_attn_fwd<KT>, params, KT::kThreads, KT::kSmemSize, stream);
 }
 
 }  // namespace stof

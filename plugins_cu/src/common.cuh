@@ -190,6 +190,20 @@ inline dim3 schedule_grid(KernelParams& p) {
     return dim3(nqb, p.heads, p.batch);
 }
 
+// Host: the launch every attention kernel shares -- the dynamic shared-memory opt-in above 48 KB, the schedule's
+// grid (schedule_grid fills the schedule fields of p), the launch and its error.
+template <int kBlockM, int kHeadDim>
+inline cudaError_t launch_scheduled(void (*kernel)(KernelParams), KernelParams p, int threads, int smem,
+                                    cudaStream_t stream) {
+    if (smem > 48 * 1024) {
+        const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        if (err != cudaSuccess) return err;
+    }
+    const dim3 grid = schedule_grid<kBlockM, kHeadDim>(p);
+    kernel<<<grid, threads, smem, stream>>>(p);
+    return cudaGetLastError();
+}
+
 // The stored tiles of the tile row holding query row q0 of head h: entries [e_begin, e_end) of the format, tiles
 // entirely past the key bound dropped (columns ascend); a0 = q0's row inside its tile (its first bitmap row).
 struct RowWalk {

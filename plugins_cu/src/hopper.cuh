@@ -660,26 +660,14 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kHeadDim == 64 ? 3 : 2) hopp
 
 template <class HT>
 cudaError_t launch_hopper_pipe(const KernelParams& params, cudaStream_t stream) {
-    KernelParams p = params;
-    auto kernel = hopper_attn_fwd_pipe<HT>;
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, HT::kSmemSize);
-    if (err != cudaSuccess) return err;
-    const dim3 grid = schedule_grid<HT::kBlockM, HT::kHeadDim>(p);
-    kernel<<<grid, HT::kThreads, HT::kSmemSize, stream>>>(p);
-    return cudaGetLastError();
+    return launch_scheduled<HT::kBlockM, HT::kHeadDim>(hopper_attn_fwd_pipe<HT>, params, HT::kThreads, HT::kSmemSize,
+                                                       stream);
 }
 
 template <class HT>
 cudaError_t launch_hopper(const KernelParams& params, cudaStream_t stream) {
-    KernelParams p = params;
-    auto kernel = hopper_attn_fwd<HT>;
-    if (HT::kSmemSize > 48 * 1024) {
-        cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, HT::kSmemSize);
-        if (err != cudaSuccess) return err;
-    }
-    const dim3 grid = schedule_grid<HT::kBlockM, HT::kHeadDim>(p);
-    kernel<<<grid, HT::kThreads, HT::kSmemSize, stream>>>(p);
-    return cudaGetLastError();
+    return launch_scheduled<HT::kBlockM, HT::kHeadDim>(hopper_attn_fwd<HT>, params, HT::kThreads, HT::kSmemSize,
+                                                       stream);
 }
 
 }  // namespace stof

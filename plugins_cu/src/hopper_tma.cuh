@@ -187,13 +187,8 @@ cudaError_t launch_hopper_tma(const KernelParams& params, cudaStream_t stream) {
     KernelParams p = params;
     if (!encode_kv_maps(p, HT::kHeadDim, !std::is_same<typename HT::Elem, __half>::value))
         return launch_hopper<HT>(params, stream);  // same tile shape, cp.async copies
-    auto kernel = hopper_attn_fwd_tma<HT>;
-    constexpr int kSmem = HT::kSmemSize + 2 * HT::kStages * 8;
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-    if (err != cudaSuccess) return err;
-    const dim3 grid = schedule_grid<HT::kBlockM, HT::kHeadDim>(p);
-    kernel<<<grid, HT::kThreads, kSmem, stream>>>(p);
-    return cudaGetLastError();
+    constexpr int kSmem = HT::kSmemSize + 2 * HT::kStages * 8;  // + the full / empty mbarriers
+    return launch_scheduled<HT::kBlockM, HT::kHeadDim>(hopper_attn_fwd_tma<HT>, p, HT::kThreads, kSmem, stream);
 }
 
 }  // namespace stof

@@ -338,13 +338,8 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const Kern
 
 template <class WT>
 cudaError_t launch_hopper_ws(const KernelParams& params, cudaStream_t stream) {
-    KernelParams p = params;
-    auto kernel = hopper_ws_attn_fwd<WT>;
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, WT::kSmemSize);
-    if (err != cudaSuccess) return err;
-    const dim3 grid = schedule_grid<WT::kBlockM, WT::kHeadDim>(p);
-    kernel<<<grid, WT::kThreads, WT::kSmemSize, stream>>>(p);
-    return cudaGetLastError();
+    return launch_scheduled<WT::kBlockM, WT::kHeadDim>(hopper_ws_attn_fwd<WT>, params, WT::kThreads, WT::kSmemSize,
+                                                       stream);
 }
 
 }  // namespace stof
