@@ -2,7 +2,7 @@
 """A/B-time kernel builds: the same tactics and cells on several libstof_kernels.so builds, interleaved.
 
     python scripts/ab_kernels.py --libs base=build/plugins_cu/libstof_kernels.so,emu=build_emu/plugins_cu/libstof_kernels.so \\
-        --tactics 13,19 --cells 64:4096:causal,64:4096:sliding --rounds 2 --out $OUT/ab.json
+        --tactics 13,19 --cells "64:4096:causal;64:4096:sliding:window=256" --rounds 2 --out $OUT/ab.json
 
 Each library runs in its own process (one libstof_kernels per process), in rounds A B C A B C ... so clock and
 thermal drift hit every build alike; a cell's time is the median over rounds of each round's do_bench median.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -27,6 +28,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 
 def worker(a):
+    import numpy as np
     import torch
     import torch.nn.functional as F
     import triton
@@ -37,21 +39,24 @@ def worker(a):
     from bench_attention import MASKS  # the issue-3 benchmark masks
 
     res = []
-    for cell in a.cells.split(","):
-        D, S, mname = cell.split(":")
+    H = a.heads
+    for cell in a.cells.split(";"):
+        D, S, mname = cell.split(":", 2)
         D, S = int(D), int(S)
         g = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v = (torch.randn(a.batch, a.heads, S, D, device="cuda", dtype=torch.float16, generator=g)
-                   for _ in range(3))
+        q, k, v = (torch.randn(a.batch, H, S, D, device="cuda", dtype=torch.float16, generator=g) for _ in range(3))
         mask = parse_mask(MASKS.get(mname, mname))
-        layout = compile_mask(mask, S, S)
+        layout = compile_mask(mask, S, S, num_heads=H)
         dl = DeviceLayout(layout)
-        dense = torch.from_numpy(mask.dense(S, S)).cuda()
-        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=dense[None, None]).float()
-        ref = torch.where(dense.any(-1)[None, None, :, None], ref, torch.zeros_like(ref))
+        dense = np.asarray(mask.dense(S, S, num_heads=H))
+        dense = torch.from_numpy(dense[None] if dense.ndim == 2 else dense).cuda()
+        allowed = dense[torch.arange(H, device="cuda") % dense.shape[0]][None]  # [1, H, S, S]
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed).float()
+        ref = torch.where(allowed.any(-1)[..., None], ref, torch.zeros_like(ref))
         valid = set(list_tactics(q, k, v, dl))
         for t in [int(x) for x in a.tactics.split(",")]:
             if t not in valid:
+                print(f"ab_kernels: tactic {t} is not valid for {cell} in this build: skipped", file=sys.stderr)
                 continue
             r = Runner(q, k, v, dl, tactic=t)
             r.out.fill_(float("nan"))
@@ -67,8 +72,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--libs", required=True, help="name=path,... (libstof_kernels.so builds to compare)")
     ap.add_argument("--tactics", default="13,19")
-    ap.add_argument("--cells", default="64:4096:causal,64:4096:sliding",
-                    help="D:S:mask,... (mask: a name of the issue-3 benchmark, or a mask spec)")
+    ap.add_argument("--cells", default="64:4096:causal;64:4096:sliding",
+                    help="D:S:mask;... (mask: a name of the issue-3 benchmark, or a mask spec)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--heads", type=int, default=12)
@@ -79,7 +84,12 @@ def main():
     if a.worker:
         return worker(a)
 
-    libs = dict(item.split("=", 1) for item in a.libs.split(","))
+    libs = {}
+    for item in a.libs.split(","):
+        name, sep, path = item.partition("=")
+        if not sep or not name or name in libs:
+            sys.exit(f"ab_kernels: --libs wants distinct name=path entries, got {item!r}")
+        libs[name] = path
     for name, path in libs.items():
         if not Path(path).is_file():
             sys.exit(f"ab_kernels: library {name}={path} not found")
@@ -90,30 +100,37 @@ def main():
         for name, path in libs.items():
             env = dict(os.environ, STOF_KERNELS_LIB=str(Path(path).resolve()))
             p = subprocess.run([sys.executable, __file__, "--worker", "--libs=x", *fwd], env=env,
-                               capture_output=True, text=True)
+                               capture_output=True, text=True, timeout=1800)
             line = next((ln for ln in p.stdout.splitlines() if ln.startswith("AB_JSON ")), None)
             if p.returncode != 0 or line is None:
                 sys.exit(f"ab_kernels: {name} failed (exit {p.returncode}): {p.stderr.strip()[-600:]}")
             rounds[name].append(json.loads(line[len("AB_JSON "):]))
             print(f"round {rnd + 1}/{a.rounds}: {name} done", file=sys.stderr, flush=True)
 
+    if a.out:
+        Path(a.out).write_text(json.dumps({"libs": libs, "rounds": rounds}, indent=1))
     names = list(libs)
-    keys = [(r["cell"], r["tactic"]) for r in rounds[names[0]][0]]
+    keys = list(dict.fromkeys((r["cell"], r["tactic"]) for n in names for rr in rounds[n] for r in rr))
     table = {}
     for name in names:
         for key in keys:
             vals = [r for rr in rounds[name] for r in rr if (r["cell"], r["tactic"]) == key]
-            table[(name, key)] = (statistics.median(v["ms"] for v in vals), max(v["err"] for v in vals))
-    print("cell".ljust(22) + "tactic " + "".join(f"{n:>20s}" for n in names))
+            if vals:  # worst error over rounds, NaN if any round gave NaN
+                errs = [v["err"] for v in vals]
+                err = math.nan if any(e != e for e in errs) else max(errs)
+                table[(name, key)] = (statistics.median(v["ms"] for v in vals), err)
+    print("cell".ljust(26) + "tactic " + "".join(f"{n:>20s}" for n in names) + "   (ms, vs first build, rel err)")
     for key in keys:
-        base = table[(names[0], key)][0]
-        row = f"{key[0]:22s}{key[1]:6d} "
+        base = table.get((names[0], key), (math.nan,))[0]
+        row = f"{key[0]:26s}{key[1]:6d} "
         for n in names:
+            if (n, key) not in table:
+                row += "-".rjust(20)
+                continue
             ms, err = table[(n, key)]
-            row += f"{ms:8.4f} {ms / base:5.3f} {err:.0e}".rjust(20)
+            flag = "!" if not err <= 1e-2 else " "
+            row += f"{ms:8.4f} {ms / base:5.3f} {err:.0e}{flag}".rjust(20)
         print(row)
-    if a.out:
-        Path(a.out).write_text(json.dumps({"libs": libs, "rounds": rounds}, indent=1))
 
 
 if __name__ == "__main__":

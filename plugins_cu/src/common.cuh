@@ -190,8 +190,9 @@ inline dim3 schedule_grid(KernelParams& p) {
     return dim3(nqb, p.heads, p.batch);
 }
 
-// Host: the launch every attention kernel shares -- the dynamic shared-memory opt-in above 48 KB, the schedule's
-// grid (schedule_grid fills the schedule fields of p), the launch and its error.
+// Host: the launch every block-scheduled attention kernel shares (the row-wise family has its own grid): the
+// dynamic shared-memory opt-in above 48 KB, the schedule's grid (schedule_grid fills the schedule fields of p),
+// the launch and its error.
 template <int kBlockM, int kHeadDim>
 inline cudaError_t launch_scheduled(void (*kernel)(KernelParams), KernelParams p, int threads, int smem,
                                     cudaStream_t stream) {
