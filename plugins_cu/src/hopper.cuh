@@ -21,10 +21,6 @@
 
 namespace stof {
 
-#ifndef STOF_FETCH_UNDER_S
-#define STOF_FETCH_UNDER_S 1
-#endif
-
 template <int kHeadDim_, int kWG_, int kStages_, typename Elem_, bool kDeferPV_ = false>
 struct HopperTraits {
     using Elem = Elem_;
@@ -451,11 +447,7 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
             }
             cp_async_commit();
         };
-        // One warpgroup: the next sub-block's copies are issued after the S MMA (their ~60 address and copy
-        // instructions run under it instead of delaying it); two warpgroups: here, before a warpgroup may skip
-        // the step (each thread copies its share).
-        constexpr bool kFetchUnderS = STOF_FETCH_UNDER_S && HT::kWG == 1 && !HT::kDeferPV;
-        if constexpr (!HT::kDeferPV && !kFetchUnderS) prefetch();
+        if constexpr (!HT::kDeferPV) prefetch();
         int my_ent = ent[0];
 #pragma unroll
         for (int w = 1; w < HT::kWG; ++w)
@@ -483,7 +475,6 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
             wgmma_ss<64, Elem>(rS, da, db, kk > 0 ? 1 : 0);
         }
         wgmma_commit();
-        if constexpr (kFetchUnderS) prefetch();
         wgmma_wait<0>();  // S (and, deferred, the previous step's P V)
         fence_regs(rS);
         if constexpr (HT::kDeferPV) {
