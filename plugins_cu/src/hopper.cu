@@ -10,8 +10,10 @@ template <int D, int WG, int S, int PIPE, class T>
 constexpr LaunchFn hopper_launcher() {
     if constexpr (PIPE == 4 && D == 128) {
         return nullptr;  // S, P and O of a 128-key step at head dim 128 exceed the consumers' 216 registers
+    } else if constexpr (PIPE == 3 && WG == 3 && D == 128) {
+        return nullptr;  // three consumers get 144 registers each: O alone is 64 of them at head dim 128
     } else if constexpr (PIPE == 3 || PIPE == 4) {
-        return &launch_hopper_ws<WsTraits<D, S, PIPE == 4 ? 2 : 1, T>>;
+        return &launch_hopper_ws<WsTraits<D, S, PIPE == 4 ? 2 : 1, T, WG>>;
     } else if constexpr (PIPE == 5) {
         return &launch_hopper_tma<HopperTraits<D, WG, S, T>>;
     } else if constexpr (PIPE == 2) {
