@@ -299,16 +299,20 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const Kern
     // run the same steps (the walk's union), so the turns always pair up; the last consumer hands the first turn
     // to consumer 0.  (Barriers 1 .. kC: each consumer's own Q / epilogue sync.)
     constexpr int kTurn = 1 + kC;
+#ifndef STOF_WS_PINGPONG3
+#define STOF_WS_PINGPONG3 1
+#endif
+    constexpr bool kPingPong = kC == 2 || STOF_WS_PINGPONG3;
     const int my_turn = kTurn + w, next_turn = kTurn + (w + 1) % kC;
-    if (w == kC - 1) named_barrier_arrive(kTurn, 256);
+    if (kPingPong && w == kC - 1) named_barrier_arrive(kTurn, 256);
 
     // First step: S_0 and its softmax (nothing to overlap with yet).
     if (ws_take_step<kSub, kC>(cur, p, w, st)) {
         mbar_wait(full_bar(0), 0);
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async writes -> wgmma reads
-        named_barrier_sync(my_turn, 256);  // my turn on the tensor cores
+        if (kPingPong) named_barrier_sync(my_turn, 256);  // my turn on the tensor cores
         issue_s(0);
-        named_barrier_arrive(next_turn, 256);  // the next consumer's turn
+        if (kPingPong) named_barrier_arrive(next_turn, 256);  // the next consumer's turn
         wgmma_wait<0>();
         fence_regs(rS);
         float alpha[2];
@@ -319,10 +323,10 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const Kern
             const int stage = it % kStages;
             mbar_wait(full_bar(stage), (it / kStages) & 1);
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            named_barrier_sync(my_turn, 256);
+            if (kPingPong) named_barrier_sync(my_turn, 256);
             issue_s(stage);
             issue_pv(prev_stage);
-            named_barrier_arrive(next_turn, 256);
+            if (kPingPong) named_barrier_arrive(next_turn, 256);
             wgmma_wait<1>();  // S_i
             fence_regs(rS);
             const bool rescale = softmax(alpha);
