@@ -44,7 +44,7 @@ class TacticSpec:
     q_in_smem: bool = False  # block family: Q fragments re-read from shared memory
     pipelined: bool = False  # Hopper family: S_{i+1} MMA overlapped with the softmax of S_i
     defer_pv: bool = False   # Hopper family: P V completion awaited with the next S MMA
-    warp_specialized: bool = False  # Hopper family: producer warpgroup + block_m / 64 consumer warpgroups (hopper_ws.cuh)
+    warp_specialized: bool = False  # Hopper family: producer warpgroup + 2 consumer warpgroups (hopper_ws.cuh)
     key_step: int = 64       # keys per softmax step (warp-specialised: 64 or 128 = two sub-blocks of the walk)
     tma: bool = False        # Hopper family: K/V copied by the TMA, mbarrier pipeline (hopper_tma.cuh)
 
@@ -53,7 +53,7 @@ class TacticSpec:
         if self.family == FAMILY_ROW:
             return f"row_w{self.num_warps}"
         if self.family == FAMILY_HOPPER and self.warp_specialized:
-            return f"wgmma_ws_m{self.block_m // 64}x64_n{self.key_step}_s{self.stages}"
+            return f"wgmma_ws_m2x64_n{self.key_step}_s{self.stages}"
         if self.family == FAMILY_HOPPER:
             return (f"wgmma_m{self.num_warps // 4}x64_n{self.block_n}_s{self.stages}"
                     + ("_pipe" if self.pipelined else "_defer" if self.defer_pv else "_tma" if self.tma else ""))
@@ -89,8 +89,6 @@ TACTICS = [
     TacticSpec(24, FAMILY_HOPPER, 128, 64, 12, 3, warp_specialized=True, key_step=128),
     TacticSpec(25, FAMILY_HOPPER, 64, 64, 4, 2, tma=True),
     TacticSpec(26, FAMILY_HOPPER, 64, 64, 4, 3, tma=True),
-    TacticSpec(27, FAMILY_HOPPER, 192, 64, 16, 2, warp_specialized=True),
-    TacticSpec(28, FAMILY_HOPPER, 192, 64, 16, 3, warp_specialized=True),
 ]
 _BY_ID = {t.id: t for t in TACTICS}
 
@@ -109,7 +107,7 @@ def valid_tactics(tile_m: int, tile_n: int, head_dim: int, hopper: bool | None =
                 continue
             if t.pipelined and head_dim == 128 and t.stages > 3:
                 continue
-            if t.warp_specialized and head_dim == 128 and (t.key_step > 64 or t.block_m > 128):
+            if t.warp_specialized and head_dim == 128 and t.key_step > 64:
                 continue
         if t.family == FAMILY_BLOCK:
             if tile_m % t.block_m or tile_n % t.block_n:
@@ -244,7 +242,6 @@ PTXAS_REGS = {
     (21, 64): 168, (22, 64): 168, (23, 64): 168, (24, 64): 168,
     (21, 128): 168, (22, 128): 168, (23, 128): 168, (24, 128): 168,
     (25, 64): 112, (26, 64): 113, (25, 128): 144, (26, 128): 144,
-    (27, 64): 128, (28, 64): 128,  # three consumers: 512 threads at launch
 }
 
 

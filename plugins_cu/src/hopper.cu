@@ -5,18 +5,13 @@
 
 namespace stof {
 
-#ifndef STOF_WS3_STAGES
-#define STOF_WS3_STAGES 3  // experiments: the K/V ring depth of tactic 28
-#endif
 #define STOF_HOPPER_ROW(T, D) {STOF_HOPPER_TACTICS(STOF_HX_##D##_##T)}
 template <int D, int WG, int S, int PIPE, class T>
 constexpr LaunchFn hopper_launcher() {
     if constexpr (PIPE == 4 && D == 128) {
         return nullptr;  // S, P and O of a 128-key step at head dim 128 exceed the consumers' 216 registers
-    } else if constexpr (PIPE == 3 && WG == 3 && D == 128) {
-        return nullptr;  // three consumers get 144 registers each: O alone is 64 of them at head dim 128
     } else if constexpr (PIPE == 3 || PIPE == 4) {
-        return &launch_hopper_ws<WsTraits<D, (WG == 3 && S == 3) ? STOF_WS3_STAGES : S, PIPE == 4 ? 2 : 1, T, WG>>;
+        return &launch_hopper_ws<WsTraits<D, S, PIPE == 4 ? 2 : 1, T>>;
     } else if constexpr (PIPE == 5) {
         return &launch_hopper_tma<HopperTraits<D, WG, S, T>>;
     } else if constexpr (PIPE == 2) {

@@ -23,20 +23,18 @@
 
 namespace stof {
 
-template <int kHeadDim_, int kStages_, int kSub_, typename Elem_, int kConsumers_ = 2>
+template <int kHeadDim_, int kStages_, int kSub_, typename Elem_>
 struct WsTraits {
     using Elem = Elem_;
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kStages = kStages_;
     static constexpr int kSub = kSub_;  // 64-key sub-blocks per step
-    // 2 consumers (128 rows), or 3 (192 rows, FlashAttention-3's head-dim-64 shape: K/V read once per 192 rows)
-    static constexpr int kConsumers = kConsumers_;
+    static constexpr int kConsumers = 2;
     static constexpr int kBlockM = 64 * kConsumers;
     static constexpr int kBlockN = 64 * kSub;
     static constexpr int kThreads = 128 * (kConsumers + 1);
     static constexpr int kProducerRegs = 72;  // the unrolled cp.async address arithmetic spills below ~72
-    // 128 * 72 + 128 * kConsumers * kConsumerRegs <= 64K registers (a multiple of 8)
-    static constexpr int kConsumerRegs = kConsumers == 2 ? 216 : 144;
+    static constexpr int kConsumerRegs = 216;  // 128 * 72 + 256 * 216 <= 64K registers
     static constexpr int kNI = kBlockN / 8;
     static constexpr int kKD = kHeadDim / 16;
     static constexpr int kKN = kBlockN / 16;
@@ -48,8 +46,6 @@ struct WsTraits {
     static constexpr int kSmemSize = kSmemQ + 2 * kStages * kSmemKV + kSmemBar + 1024;
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim");
     static_assert(kSub == 1 || kSub == 2, "64 or 128 keys per step");
-    static_assert(kConsumers == 2 || kConsumers == 3, "2 or 3 consumer warpgroups");
-    static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= 65536, "register file");
     static_assert(kSmemSize <= 227 * 1024, "shared memory");
 };
 
@@ -79,18 +75,18 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
 }
 
 // One step of the merged walk: up to kSub sub-blocks; n0 = first key (-1: absent), ent[h] = the format entry of
-// the calling consumer's tile row there (-1: none; w = the consumer; the producer passes 0 and ignores it).
+// the calling consumer's tile row there (-1: none; w = 0 or 1; the producer passes 0 and ignores it).
 template <int kSub>
 struct WsStep {
     int n0[kSub], sub[kSub], ent[kSub];
 };
 
-template <int kSub, int kC>
-__device__ __forceinline__ bool ws_take_step(MergedCursor<kC>& cur, const KernelParams& p, int w, WsStep<kSub>& st) {
+template <int kSub>
+__device__ __forceinline__ bool ws_take_step(MergedCursor<2>& cur, const KernelParams& p, int w, WsStep<kSub>& st) {
     bool any = false;
 #pragma unroll
     for (int h = 0; h < kSub; ++h) {
-        int ent[kC];
+        int ent[2];
         const int j = cur.peek(ent);
         if (j == INT_MAX) {
             st.n0[h] = -1;
@@ -99,10 +95,7 @@ __device__ __forceinline__ bool ws_take_step(MergedCursor<kC>& cur, const Kernel
         } else {
             st.n0[h] = j * p.tile_n + cur.sub * 64;
             st.sub[h] = cur.sub;
-            int e = ent[0];  // selects, not a dynamic index (keeps st in registers)
-#pragma unroll
-            for (int c = 1; c < kC; ++c) e = w == c ? ent[c] : e;
-            st.ent[h] = e;
+            st.ent[h] = w == 0 ? ent[0] : ent[1];  // a select, not a dynamic index (keeps st in registers)
             cur.advance(p);
             any = true;
         }
@@ -156,10 +149,9 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const Kern
     if (q0 >= p.seq_q) return;  // a tile row past the run-time Sq (ordered schedule)
     const int kv_len = effective_kv_len(p, b);
     const int layout_row0 = (h % p.num_layouts) * p.tq;
-    constexpr int kC = WT::kConsumers;
-    int rows[kC];
+    int rows[2];
 #pragma unroll
-    for (int w = 0; w < kC; ++w) rows[w] = q0 + 64 * w < p.seq_q ? layout_row0 + (q0 + 64 * w) / p.tile_m : -1;
+    for (int w = 0; w < 2; ++w) rows[w] = q0 + 64 * w < p.seq_q ? layout_row0 + (q0 + 64 * w) / p.tile_m : -1;
 
     const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_sb + h * p.k_sh;
     const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_sb + h * p.v_sh;
@@ -174,7 +166,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const Kern
     }
     __syncthreads();
 
-    MergedCursor<kC> cur;
+    MergedCursor<2> cur;
     cur.init(p, rows, kv_len);
     WsStep<kSub> st;
 
@@ -182,7 +174,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const Kern
         // ---------------- producer ----------------
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WT::kProducerRegs));
         const int ptid = tid;
-        for (int it = 0; ws_take_step<kSub, kC>(cur, p, 0, st); ++it) {
+        for (int it = 0; ws_take_step<kSub>(cur, p, 0, st); ++it) {
             const int s = it % kStages;
             if (it >= kStages) mbar_wait(empty_bar(s), ((it / kStages) + 1) & 1);
             const uint32_t sK = sKV + s * 2 * WT::kSmemKV;
@@ -294,39 +286,32 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const Kern
         return online_softmax<kNI>(rS, row_max, row_sum, alpha, mul);
     };
 
-    // The consumers take turns issuing their MMAs (FlashAttention-3's ping-pong, named barriers kTurn + w, in
-    // the round 0, 1, .., kC - 1, 0, ..): while one runs its softmax the others' MMAs own the tensor cores.  All
-    // run the same steps (the walk's union), so the turns always pair up; the last consumer hands the first turn
-    // to consumer 0.  (Barriers 1 .. kC: each consumer's own Q / epilogue sync.)
-    constexpr int kTurn = 1 + kC;
-#ifndef STOF_WS_PINGPONG3
-#define STOF_WS_PINGPONG3 1
-#endif
-    constexpr bool kPingPong = kC == 2 || STOF_WS_PINGPONG3;
-    const int my_turn = kTurn + w, next_turn = kTurn + (w + 1) % kC;
-    if (kPingPong && w == kC - 1) named_barrier_arrive(kTurn, 256);
+    // The consumers take turns issuing their MMAs (FlashAttention-3's ping-pong, named barriers 3 and 4): while
+    // one runs its softmax the other's MMAs own the tensor cores.  Both run the same steps (the walk's union),
+    // so the turns always pair up; consumer 1 hands the first turn to consumer 0.
+    if (w == 1) named_barrier_arrive(3, 256);
 
     // First step: S_0 and its softmax (nothing to overlap with yet).
-    if (ws_take_step<kSub, kC>(cur, p, w, st)) {
+    if (ws_take_step<kSub>(cur, p, w, st)) {
         mbar_wait(full_bar(0), 0);
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async writes -> wgmma reads
-        if (kPingPong) named_barrier_sync(my_turn, 256);  // my turn on the tensor cores
+        named_barrier_sync(3 + w, 256);  // my turn on the tensor cores
         issue_s(0);
-        if (kPingPong) named_barrier_arrive(next_turn, 256);  // the next consumer's turn
+        named_barrier_arrive(3 + (1 - w), 256);  // the other consumer's turn
         wgmma_wait<0>();
         fence_regs(rS);
         float alpha[2];
         softmax(alpha);  // O is still zero: no rescale
         pack_p<Elem, kKN>(rP, rS);
         // Steady state, step i: S_i and P_{i-1} V_{i-1} in flight together; softmax of S_i while P V runs.
-        for (int it = 1; ws_take_step<kSub, kC>(cur, p, w, st); ++it) {
+        for (int it = 1; ws_take_step<kSub>(cur, p, w, st); ++it) {
             const int stage = it % kStages;
             mbar_wait(full_bar(stage), (it / kStages) & 1);
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            if (kPingPong) named_barrier_sync(my_turn, 256);
+            named_barrier_sync(3 + w, 256);
             issue_s(stage);
             issue_pv(prev_stage);
-            if (kPingPong) named_barrier_arrive(next_turn, 256);
+            named_barrier_arrive(3 + (1 - w), 256);
             wgmma_wait<1>();  // S_i
             fence_regs(rS);
             const bool rescale = softmax(alpha);

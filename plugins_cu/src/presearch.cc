@@ -210,7 +210,7 @@ bool valid(TacticRow const& t, int tileM, int tileN, int D, bool hopper) {
     if (t.family == kFamilyHopper) {
         if (!hopper || tileM % 64 || tileN % t.blockN) return false;
         if (t.pipelined && D == 128 && t.stages > 3) return false;
-        if (t.warpSpecialized && D == 128 && (t.keyStep > 64 || t.blockM > 128)) return false;
+        if (t.warpSpecialized && D == 128 && t.keyStep > 64) return false;
     }
     if (t.family == kFamilyBlock) {
         if (tileM % t.blockM || tileN % t.blockN) return false;

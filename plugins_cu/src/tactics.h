@@ -50,8 +50,6 @@
 //     23/24: 128-key steps (two 64-key sub-blocks of the walk per step), 2/3 stages.
 // 25, 26: as 13 and 14 with K/V loaded by the TMA (hopper_tma.cuh): one thread issues the copies, mbarriers
 //     instead of a CTA barrier per step, no per-thread address arithmetic.
-// 27, 28: as 21/22 with three consumer warpgroups (192 rows per CTA: K/V read once per 192 rows, the consumers'
-//     MMA turns in a round), FlashAttention-3's head-dim-64 shape; head dim 64 only (registers).
 // X(id, warpgroups (consumers for 21+), stages, variant: 0 plain, 1 pipelined, 2 deferred P V wait,
 //   3 warp-specialised with 64-key steps, 4 warp-specialised with 128-key steps, 5 TMA K/V loads)
 #define STOF_HOPPER_TACTICS(X) \
@@ -68,16 +66,14 @@
     X(23, 2, 2, 4)             \
     X(24, 2, 3, 4)             \
     X(25, 1, 2, 5)             \
-    X(26, 1, 3, 5)             \
-    X(27, 3, 2, 3)             \
-    X(28, 3, 3, 3)
+    X(26, 1, 3, 5)
 
 namespace stof {
 
 constexpr int kNumBlockTactics = 10;
 constexpr bool kQFrags_reg = false, kQFrags_smem = true;
 constexpr int kNumRowTactics = 2;
-constexpr int kNumHopperTactics = 16;
+constexpr int kNumHopperTactics = 14;
 // first id of each family (ids are consecutive inside a family; the offset indexes the launcher tables)
 constexpr int kFirstBlockId = 1, kFirstRowId = 11, kFirstHopperId = 13;
 
