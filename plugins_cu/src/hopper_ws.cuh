@@ -289,18 +289,15 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const Kern
     // The consumers take turns issuing their MMAs (FlashAttention-3's ping-pong, named barriers 3 and 4): while
     // one runs its softmax the other's MMAs own the tensor cores.  Both run the same steps (the walk's union),
     // so the turns always pair up; consumer 1 hands the first turn to consumer 0.
-#ifndef STOF_WS_PINGPONG
-#define STOF_WS_PINGPONG 1
-#endif
-    if (STOF_WS_PINGPONG && w == 1) named_barrier_arrive(3, 256);
+    if (w == 1) named_barrier_arrive(3, 256);
 
     // First step: S_0 and its softmax (nothing to overlap with yet).
     if (ws_take_step<kSub>(cur, p, w, st)) {
         mbar_wait(full_bar(0), 0);
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async writes -> wgmma reads
-        if (STOF_WS_PINGPONG) named_barrier_sync(3 + w, 256);  // my turn on the tensor cores
+        named_barrier_sync(3 + w, 256);  // my turn on the tensor cores
         issue_s(0);
-        if (STOF_WS_PINGPONG) named_barrier_arrive(3 + (1 - w), 256);  // the other consumer's turn
+        named_barrier_arrive(3 + (1 - w), 256);  // the other consumer's turn
         wgmma_wait<0>();
         fence_regs(rS);
         float alpha[2];
@@ -311,10 +308,10 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const Kern
             const int stage = it % kStages;
             mbar_wait(full_bar(stage), (it / kStages) & 1);
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            if (STOF_WS_PINGPONG) named_barrier_sync(3 + w, 256);
+            named_barrier_sync(3 + w, 256);
             issue_s(stage);
             issue_pv(prev_stage);
-            if (STOF_WS_PINGPONG) named_barrier_arrive(3 + (1 - w), 256);
+            named_barrier_arrive(3 + (1 - w), 256);
             wgmma_wait<1>();  // S_i
             fence_regs(rS);
             const bool rescale = softmax(alpha);
