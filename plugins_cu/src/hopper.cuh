@@ -162,6 +162,39 @@ __device__ __forceinline__ void load_rows_async128(uint32_t s_tile, const typena
     }
 }
 
+// In-register tree reductions t[0] = op(t[0 .. 2W)), W a power of two.  Recursion on a template width, not a
+// `for (w = N / 2; w >= 1; w /= 2)` loop: nvcc left that loop rolled at N = 16 (128-key steps), which indexed t[]
+// dynamically and put it in local memory -- the 2-2.5x slowdown of every 128-key-step kernel in sessions 2-3.
+#ifndef STOF_OLD_TREE
+#define STOF_OLD_TREE 0  // A/B only: 1 = the rolled loop
+#endif
+template <int W, int N>
+__device__ __forceinline__ void tree_max(float (&t)[N]) {
+    if constexpr (STOF_OLD_TREE) {
+#pragma unroll
+        for (int w = W; w >= 1; w /= 2)
+#pragma unroll
+            for (int i = 0; i < w; ++i) t[i] = fmaxf(t[i], t[i + w]);
+    } else if constexpr (W >= 1) {
+#pragma unroll
+        for (int i = 0; i < W; ++i) t[i] = fmaxf(t[i], t[i + W]);
+        tree_max<W / 2>(t);
+    }
+}
+template <int W, int N>
+__device__ __forceinline__ void tree_sum(float (&t)[N]) {
+    if constexpr (STOF_OLD_TREE) {
+#pragma unroll
+        for (int w = W; w >= 1; w /= 2)
+#pragma unroll
+            for (int i = 0; i < w; ++i) t[i] += t[i + w];
+    } else if constexpr (W >= 1) {
+#pragma unroll
+        for (int i = 0; i < W; ++i) t[i] += t[i + W];
+        tree_sum<W / 2>(t);
+    }
+}
+
 // Slack of the lazy rescaling below, log2 domain: P values stay <= 2^8, exact enough in fp16/bf16 and far from
 // overflow, and the final 1/l normalisation cancels whichever running max was used.
 constexpr float kRescaleSlack = 8.f;
@@ -182,10 +215,7 @@ __device__ __forceinline__ bool online_softmax(float (&rS)[kNI * 4], float (&row
         float t[kNI];
 #pragma unroll
         for (int ni = 0; ni < kNI; ++ni) t[ni] = fmaxf(rS[ni * 4 + hh * 2], rS[ni * 4 + hh * 2 + 1]);
-#pragma unroll
-        for (int w = kNI / 2; w >= 1; w /= 2)
-#pragma unroll
-            for (int i = 0; i < w; ++i) t[i] = fmaxf(t[i], t[i + w]);
+        tree_max<kNI / 2>(t);
         float m = t[0];
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
@@ -213,10 +243,7 @@ __device__ __forceinline__ bool online_softmax(float (&rS)[kNI * 4], float (&row
             rS[ni * 4 + hh * 2 + 1] = p1;
             t[ni] = p0 + p1;
         }
-#pragma unroll
-        for (int w = kNI / 2; w >= 1; w /= 2)
-#pragma unroll
-            for (int i = 0; i < w; ++i) t[i] += t[i + w];
+        tree_sum<kNI / 2>(t);
         row_sum[hh] += t[0];
     }
     return rescale;
