@@ -164,18 +164,11 @@ __device__ __forceinline__ void load_rows_async128(uint32_t s_tile, const typena
 
 // In-register tree reductions t[0] = op(t[0 .. 2W)), W a power of two.  Recursion on a template width, not a
 // `for (w = N / 2; w >= 1; w /= 2)` loop: nvcc left that loop rolled at N = 16 (128-key steps), which indexed t[]
-// dynamically and put it in local memory -- the 2-2.5x slowdown of every 128-key-step kernel in sessions 2-3.
-#ifndef STOF_OLD_TREE
-#define STOF_OLD_TREE 0  // A/B only: 1 = the rolled loop
-#endif
+// dynamically and put it in local memory: every 128-key-step kernel ran 1.5-2.1x slower (sessions 2-3; device A/B
+// in docs/performance.md, session 4).
 template <int W, int N>
 __device__ __forceinline__ void tree_max(float (&t)[N]) {
-    if constexpr (STOF_OLD_TREE) {
-#pragma unroll
-        for (int w = W; w >= 1; w /= 2)
-#pragma unroll
-            for (int i = 0; i < w; ++i) t[i] = fmaxf(t[i], t[i + w]);
-    } else if constexpr (W >= 1) {
+    if constexpr (W >= 1) {
 #pragma unroll
         for (int i = 0; i < W; ++i) t[i] = fmaxf(t[i], t[i + W]);
         tree_max<W / 2>(t);
@@ -183,12 +176,7 @@ __device__ __forceinline__ void tree_max(float (&t)[N]) {
 }
 template <int W, int N>
 __device__ __forceinline__ void tree_sum(float (&t)[N]) {
-    if constexpr (STOF_OLD_TREE) {
-#pragma unroll
-        for (int w = W; w >= 1; w /= 2)
-#pragma unroll
-            for (int i = 0; i < w; ++i) t[i] += t[i + w];
-    } else if constexpr (W >= 1) {
+    if constexpr (W >= 1) {
 #pragma unroll
         for (int i = 0; i < W; ++i) t[i] += t[i + W];
         tree_sum<W / 2>(t);
