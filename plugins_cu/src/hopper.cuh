@@ -162,24 +162,16 @@ __device__ __forceinline__ void load_rows_async128(uint32_t s_tile, const typena
     }
 }
 
-// In-register tree reductions t[0] = op(t[0 .. 2W)), W a power of two.  Recursion on a template width, not a
+// In-register tree reduction t[0] = op(t[0 .. 2W)), W a power of two.  Recursion on a template width, not a
 // `for (w = N / 2; w >= 1; w /= 2)` loop: nvcc left that loop rolled at N = 16 (128-key steps), which indexed t[]
 // dynamically and put it in local memory: every 128-key-step kernel ran 1.5-2.1x slower (sessions 2-3; device A/B
 // in docs/performance.md, session 4).
-template <int W, int N>
-__device__ __forceinline__ void tree_max(float (&t)[N]) {
+template <int W, int N, class Op>
+__device__ __forceinline__ void tree_reduce(float (&t)[N], Op op) {
     if constexpr (W >= 1) {
 #pragma unroll
-        for (int i = 0; i < W; ++i) t[i] = fmaxf(t[i], t[i + W]);
-        tree_max<W / 2>(t);
-    }
-}
-template <int W, int N>
-__device__ __forceinline__ void tree_sum(float (&t)[N]) {
-    if constexpr (W >= 1) {
-#pragma unroll
-        for (int i = 0; i < W; ++i) t[i] += t[i + W];
-        tree_sum<W / 2>(t);
+        for (int i = 0; i < W; ++i) t[i] = op(t[i], t[i + W]);
+        tree_reduce<W / 2>(t, op);
     }
 }
 
@@ -203,7 +195,7 @@ __device__ __forceinline__ bool online_softmax(float (&rS)[kNI * 4], float (&row
         float t[kNI];
 #pragma unroll
         for (int ni = 0; ni < kNI; ++ni) t[ni] = fmaxf(rS[ni * 4 + hh * 2], rS[ni * 4 + hh * 2 + 1]);
-        tree_max<kNI / 2>(t);
+        tree_reduce<kNI / 2>(t, [](float x, float y) { return fmaxf(x, y); });
         float m = t[0];
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
@@ -231,7 +223,7 @@ __device__ __forceinline__ bool online_softmax(float (&rS)[kNI * 4], float (&row
             rS[ni * 4 + hh * 2 + 1] = p1;
             t[ni] = p0 + p1;
         }
-        tree_sum<kNI / 2>(t);
+        tree_reduce<kNI / 2>(t, [](float x, float y) { return x + y; });
         row_sum[hh] += t[0];
     }
     return rescale;
