@@ -55,7 +55,7 @@ class TacticSpec:
         if self.family == FAMILY_HOPPER and self.warp_specialized:
             return f"wgmma_ws_m2x64_n{self.key_step}_s{self.stages}"
         if self.family == FAMILY_HOPPER:
-            return (f"wgmma_m{self.num_warps // 4}x64_n{self.block_n}_s{self.stages}"
+            return (f"wgmma_m{self.num_warps // 4}x64_n{self.key_step}_s{self.stages}"
                     + ("_pipe" if self.pipelined else "_defer" if self.defer_pv else "_tma" if self.tma else ""))
         return (f"block_m{self.block_m}_n{self.block_n}_w{self.num_warps}_s{self.stages}_occ{self.min_ctas}"
                 f"_q{'smem' if self.q_in_smem else 'reg'}")
@@ -89,6 +89,7 @@ TACTICS = [
     TacticSpec(24, FAMILY_HOPPER, 128, 64, 12, 3, warp_specialized=True, key_step=128),
     TacticSpec(25, FAMILY_HOPPER, 64, 64, 4, 2, tma=True),
     TacticSpec(26, FAMILY_HOPPER, 64, 64, 4, 3, tma=True),
+    TacticSpec(27, FAMILY_HOPPER, 64, 64, 4, 2, tma=True, key_step=128),
 ]
 _BY_ID = {t.id: t for t in TACTICS}
 
@@ -107,7 +108,7 @@ def valid_tactics(tile_m: int, tile_n: int, head_dim: int, hopper: bool | None =
                 continue
             if t.pipelined and head_dim == 128 and t.stages > 3:
                 continue
-            if t.warp_specialized and head_dim == 128 and t.key_step > 64:
+            if head_dim == 128 and t.key_step > 64:
                 continue
         if t.family == FAMILY_BLOCK:
             if tile_m % t.block_m or tile_n % t.block_n:
@@ -241,7 +242,7 @@ PTXAS_REGS = {
     # warp-specialised: the launch count (384 threads, one CTA per SM); setmaxnreg moves registers to consumers
     (21, 64): 168, (22, 64): 168, (23, 64): 168, (24, 64): 168,
     (21, 128): 168, (22, 128): 168, (23, 128): 168, (24, 128): 168,
-    (25, 64): 112, (26, 64): 113, (25, 128): 144, (26, 128): 144,
+    (25, 64): 112, (26, 64): 113, (25, 128): 144, (26, 128): 144, (27, 64): 168,
 }
 
 
@@ -259,7 +260,7 @@ def _block_regs(t: TacticSpec, D: int) -> int:
 
 
 def _block_smem(t: TacticSpec, D: int) -> int:
-    step = t.key_step if t.warp_specialized else t.block_n
+    step = t.key_step if t.family == FAMILY_HOPPER else t.block_n
     return t.block_m * D * 2 + 2 * t.stages * step * D * 2 + (1024 if t.family == FAMILY_HOPPER else 0)
 
 

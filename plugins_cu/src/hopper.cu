@@ -13,7 +13,11 @@ constexpr LaunchFn hopper_launcher() {
     } else if constexpr (PIPE == 3 || PIPE == 4) {
         return &launch_hopper_ws<WsTraits<D, S, PIPE == 4 ? 2 : 1, T>>;
     } else if constexpr (PIPE == 5) {
-        return &launch_hopper_tma<HopperTraits<D, WG, S, T>>;
+        return &launch_hopper_tma<TmaTraits<D, S, 64, T>, &launch_hopper<HopperTraits<D, 1, S, T>>>;
+    } else if constexpr (PIPE == 6 && D == 128) {
+        return nullptr;  // S, P and O of a 128-key step at head dim 128: registers for one CTA per SM only
+    } else if constexpr (PIPE == 6) {
+        return &launch_hopper_tma<TmaTraits<D, S, 128, T>, &launch_hopper<HopperTraits<D, 1, S, T>>>;
     } else if constexpr (PIPE == 2) {
         return &launch_hopper<HopperTraits<D, WG, S, T, true>>;
     } else if constexpr (PIPE == 1) {

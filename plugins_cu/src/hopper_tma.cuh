@@ -36,13 +36,33 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map
         : "memory");
 }
 
+// Shapes of the TMA kernel: one warpgroup, 64 query rows, kKeyStep keys per step (64: one sub-block of the walk;
+// 128: two consecutive sub-blocks of the walk, any columns, S as one m64n128 MMA and P V over 128 keys -- half the
+// per-step bookkeeping, at 3 CTAs per SM for registers and shared memory).
+template <int kHeadDim_, int kStages_, int kKeyStep, typename Elem_>
+struct TmaTraits {
+    using Elem = Elem_;
+    static constexpr bool kDeferPV = false;
+    static constexpr int kHeadDim = kHeadDim_, kWG = 1, kStages = kStages_;
+    static constexpr int kBlockM = 64, kBlockN = kKeyStep, kHalves = kKeyStep / 64;
+    static constexpr int kThreads = 128;
+    static constexpr int kMinBlocks = kHeadDim == 64 ? (kKeyStep == 64 ? 4 : 3) : 1;
+    static constexpr int kNI = kBlockN / 8, kKD = kHeadDim / 16, kKN = kBlockN / 16, kDI = kHeadDim / 8;
+    static constexpr int kChunks = kHeadDim / 8;
+    static constexpr int kWordsN = kBlockN / 32;
+    static constexpr int kSmemQ = kBlockM * kHeadDim * 2;
+    static constexpr int kSmemKV = kBlockN * kHeadDim * 2;
+    static constexpr int kSmemSize = kSmemQ + 2 * kStages * kSmemKV + 1024 + 2 * kStages * 8;
+    static_assert(kKeyStep == 64 || kKeyStep == 128, "key step");
+};
+
 template <class HT>
 __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd_tma(const __grid_constant__ KernelParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using Elem = typename HT::Elem;
     constexpr int kNI = HT::kNI, kKD = HT::kKD, kKN = HT::kKN, kDI = HT::kDI;
     constexpr int kBlockM = HT::kBlockM, kBlockN = HT::kBlockN, kStages = HT::kStages;
-    static_assert(HT::kWG == 1 && !HT::kDeferPV, "TMA variant: one warpgroup, P V awaited in the step");
+    constexpr int kHalves = HT::kHalves;
     constexpr uint32_t kStageBytes = 2 * HT::kSmemKV;  // K and V of one step
 
     extern __shared__ __align__(1024) unsigned char smem[];
@@ -61,8 +81,9 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd_
     const int kv_len = effective_kv_len(p, b);
     const RowWalk walk = row_walk(p, h, q0, kv_len);
     const int a0 = walk.a0, e_begin = walk.e_begin, e_end = walk.e_end;
-    const int nsub = p.tile_n / kBlockN;
-    const int n_iter = (e_end - e_begin) * nsub;
+    const int nsub = p.tile_n / 64;
+    const int n_sub = (e_end - e_begin) * nsub;  // 64-key sub-blocks of the walk
+    const int n_iter = (n_sub + kHalves - 1) / kHalves;
 
     const Elem* gQ = static_cast<const Elem*>(p.q) + b * p.q_sb + h * p.q_sh;
     Elem* gO = static_cast<Elem*>(p.o) + b * p.o_sb + h * p.o_sh;
@@ -71,18 +92,22 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd_
     const bool fold = sl2 > 0.f;
     const float mul = fold ? sl2 : 1.f;
 
-    auto key_start = [&](int it) {
-        return __ldg(p.col_idx + e_begin + it / nsub) * p.tile_n + (it % nsub) * kBlockN;
+    auto sub_start = [&](int u) {  // first key of 64-key sub-block u of the walk
+        return __ldg(p.col_idx + e_begin + u / nsub) * p.tile_n + (u % nsub) * 64;
     };
     auto issue_tma = [&](int t) {  // thread 0: K and V of step t into stage t % kStages
         const int s = t % kStages;
-        const int n0 = key_start(t);
         const uint32_t st = sKV + s * kStageBytes;
-        mbar_expect_tx(full_bar(s), kStageBytes);
+        const int halves = min(kHalves, n_sub - t * kHalves);
+        mbar_expect_tx(full_bar(s), halves * 2 * (64 * HT::kHeadDim * 2));
+        for (int hf = 0; hf < halves; ++hf) {
+            const int n0 = sub_start(t * kHalves + hf);
 #pragma unroll
-        for (int cb = 0; cb < HT::kHeadDim / 64; ++cb) {
-            tma_load_4d(st + cb * kBlockN * 128, &p.tma_k, cb * 64, n0, h, b, full_bar(s));
-            tma_load_4d(st + HT::kSmemKV + cb * kBlockN * 128, &p.tma_v, cb * 64, n0, h, b, full_bar(s));
+            for (int cb = 0; cb < HT::kHeadDim / 64; ++cb) {
+                const uint32_t off = cb * kBlockN * 128 + hf * 64 * 128;
+                tma_load_4d(st + off, &p.tma_k, cb * 64, n0, h, b, full_bar(s));
+                tma_load_4d(st + HT::kSmemKV + off, &p.tma_v, cb * 64, n0, h, b, full_bar(s));
+            }
         }
     };
 
@@ -120,23 +145,43 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd_
             mbar_wait(empty_bar(ps), ((it - 1) / kStages) & 1);
             issue_tma(it - 1 + kStages);
         }
-        const int e = e_begin + it / nsub;
-        const int sub = it % nsub;
-        const int n0 = __ldg(p.col_idx + e) * p.tile_n + sub * kBlockN;
-        const int bm_idx = __ldg(p.tile_bitmap_index + e);
-        const bool need_mask = bm_idx >= 0 || n0 + kBlockN > kv_len || kpm != nullptr;
+        int n0h[kHalves], bm[kHalves];
+        bool need_mask = kpm != nullptr;
+        bool tail = false;  // some half crosses the key bound or is absent
+#pragma unroll
+        for (int hf = 0; hf < kHalves; ++hf) {
+            const int u = it * kHalves + hf;
+            if (u < n_sub) {
+                n0h[hf] = sub_start(u);
+                bm[hf] = __ldg(p.tile_bitmap_index + e_begin + u / nsub);
+            } else {
+                n0h[hf] = INT_MAX / 2;  // absent half: every key masked
+                bm[hf] = -1;
+            }
+            tail = tail || n0h[hf] + 64 > kv_len;
+            need_mask = need_mask || bm[hf] >= 0 || n0h[hf] + 64 > kv_len;
+        }
         uint32_t bits[2][HT::kWordsN];
         if (need_mask) {
 #pragma unroll
-            for (int hh = 0; hh < 2; ++hh) row_bits(bits[hh], p, bm_idx, a0 + warp_row0 + hh * 8 + g, sub);
+            for (int hf = 0; hf < kHalves; ++hf)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    uint32_t w2[2];
+                    row_bits(w2, p, bm[hf], a0 + warp_row0 + hh * 8 + g, (n0h[hf] % p.tile_n) / 64);
+                    bits[hh][2 * hf] = w2[0];
+                    bits[hh][2 * hf + 1] = w2[1];
+                }
         }
         mbar_wait(full_bar(s), parity);
         const uint32_t st = sKV + s * kStageBytes;
-        if (n0 + kBlockN > kv_len && kv_len < p.seq_k) {
-            // boundary tile under key_lengths: zero V rows [kv_len, min(n0 + 64, Sk)) (the TMA filled them with data)
+        if (tail && (kv_len < p.seq_k || (kHalves > 1 && it * kHalves + 1 >= n_sub))) {
+            // V rows the TMA did not write (absent half) or filled with data past key_lengths[b]: zeros (a 0 weight
+            // times a stale or non-finite value would give NaN)
             for (int i = tid; i < kBlockN * HT::kChunks; i += HT::kThreads) {
                 const int row = i / HT::kChunks, ch = i % HT::kChunks;
-                if (n0 + row >= kv_len)
+                const int hn0 = row < 64 ? n0h[0] : n0h[kHalves - 1];  // a select: no local-memory array
+                if (hn0 + row % 64 >= kv_len)
                     asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(st + HT::kSmemKV + swz128<kBlockN>(row, ch)),
                                  "r"(0u)
                                  : "memory");
@@ -152,14 +197,35 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd_
         for (int kk = 0; kk < kKD; ++kk) {
             const uint64_t da = dQ0 + (((kk >> 2) * (kBlockM * 128) + (kk & 3) * 32) >> 4);
             const uint64_t db = dK + (((kk >> 2) * (kBlockN * 128) + (kk & 3) * 32) >> 4);
-            wgmma_ss<64, Elem>(rS, da, db, kk > 0 ? 1 : 0);
+            wgmma_ss<kBlockN, Elem>(rS, da, db, kk > 0 ? 1 : 0);
         }
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(rS);
 
-        mask_softmax_step<kNI, kDI>(rS, rO, row_max, row_sum, bits, need_mask, n0, kv_len, kpm, lane, tig, fold, sl2,
-                                    mul);
+        if (!fold) {
+#pragma unroll
+            for (int i = 0; i < kNI * 4; ++i) rS[i] *= sl2;
+        }
+        if (need_mask) {
+#pragma unroll
+            for (int hf = 0; hf < kHalves; ++hf) {
+                if (n0h[hf] + 64 > kv_len || kpm != nullptr) {
+                    uint32_t kw[2];
+                    key_words(kw, n0h[hf] < kv_len ? n0h[hf] : kv_len, kv_len, kpm, lane);
+#pragma unroll
+                    for (int hh = 0; hh < 2; ++hh) {
+                        bits[hh][2 * hf] &= kw[0];
+                        bits[hh][2 * hf + 1] &= kw[1];
+                    }
+                }
+            }
+            mask_scores<kNI>(rS, bits, tig);
+        }
+        {
+            float alpha[2];
+            if (online_softmax<kNI>(rS, row_max, row_sum, alpha, mul)) rescale_o<kDI>(rO, alpha);
+        }
         uint32_t rP[kKN][4];
         pack_p<Elem, kKN>(rP, rS);
         issue_pv<HT::kHeadDim, Elem, kKN>(rO, rP, dV);
@@ -182,13 +248,13 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd_
 // Host: K and V tensor maps; false when the driver entry point or an encoding is unavailable (the caller falls back).
 bool encode_kv_maps(KernelParams& p, int head_dim, bool bf16);
 
-template <class HT>
+template <class HT, LaunchFn fallback>
 cudaError_t launch_hopper_tma(const KernelParams& params, cudaStream_t stream) {
     KernelParams p = params;
     if (!encode_kv_maps(p, HT::kHeadDim, !std::is_same<typename HT::Elem, __half>::value))
-        return launch_hopper<HT>(params, stream);  // same tile shape, cp.async copies
-    constexpr int kSmem = HT::kSmemSize + 2 * HT::kStages * 8;  // + the full / empty mbarriers
-    return launch_scheduled<HT::kBlockM, HT::kHeadDim>(hopper_attn_fwd_tma<HT>, p, HT::kThreads, kSmem, stream);
+        return fallback(params, stream);  // same tile shape, cp.async copies
+    return launch_scheduled<HT::kBlockM, HT::kHeadDim>(hopper_attn_fwd_tma<HT>, p, HT::kThreads, HT::kSmemSize,
+                                                       stream);
 }
 
 }  // namespace stof

@@ -160,7 +160,7 @@ int blockRegs(TacticRow const& t, int D) {
 }
 
 int64_t blockSmem(TacticRow const& t, int D) {
-    int const step = t.warpSpecialized ? t.keyStep : t.blockN;
+    int const step = t.family == kFamilyHopper ? t.keyStep : t.blockN;
     return static_cast<int64_t>(t.blockM) * D * 2 + 2LL * t.stages * step * D * 2 +
            (t.family == kFamilyHopper ? 1024 : 0);
 }
@@ -210,7 +210,7 @@ bool valid(TacticRow const& t, int tileM, int tileN, int D, bool hopper) {
     if (t.family == kFamilyHopper) {
         if (!hopper || tileM % 64 || tileN % t.blockN) return false;
         if (t.pipelined && D == 128 && t.stages > 3) return false;
-        if (t.warpSpecialized && D == 128 && t.keyStep > 64) return false;
+        if (D == 128 && t.keyStep > 64) return false;
     }
     if (t.family == kFamilyBlock) {
         if (tileM % t.blockM || tileN % t.blockN) return false;

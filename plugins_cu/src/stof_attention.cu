@@ -41,6 +41,7 @@ struct TacticDesc {
      : pipe == 3 ? "wgmma_ws_m" #wg "x64_n64_s" #s                                                      \
      : pipe == 4 ? "wgmma_ws_m" #wg "x64_n128_s" #s                                                     \
      : pipe == 5 ? "wgmma_m" #wg "x64_n64_s" #s "_tma"                                                  \
+     : pipe == 6 ? "wgmma_m" #wg "x64_n128_s" #s "_tma"                                                 \
                  : "wgmma_m" #wg "x64_n64_s" #s},
 // Listed (and tried by tactic 0) in this order: Hopper first where it can run, then mma.sync, then row-wise.
 const TacticDesc kTactics[] = {STOF_HOPPER_TACTICS(STOF_HOPPER_DESC) STOF_BLOCK_TACTICS(STOF_BLOCK_DESC)

@@ -50,8 +50,10 @@
 //     23/24: 128-key steps (two 64-key sub-blocks of the walk per step), 2/3 stages.
 // 25, 26: as 13 and 14 with K/V loaded by the TMA (hopper_tma.cuh): one thread issues the copies, mbarriers
 //     instead of a CTA barrier per step, no per-thread address arithmetic.
+// 27: as 25 with 128-key steps (two 64-key sub-blocks of the walk per step, S as one m64n128 MMA), head dim 64,
+//     3 CTAs per SM.
 // X(id, warpgroups (consumers for 21+), stages, variant: 0 plain, 1 pipelined, 2 deferred P V wait,
-//   3 warp-specialised with 64-key steps, 4 warp-specialised with 128-key steps, 5 TMA K/V loads)
+//   3 warp-specialised with 64-key steps, 4 warp-specialised with 128-key steps, 5 TMA K/V loads, 6 TMA with 128-key steps)
 #define STOF_HOPPER_TACTICS(X) \
     X(13, 1, 2, 0)             \
     X(14, 1, 3, 0)             \
@@ -66,14 +68,15 @@
     X(23, 2, 2, 4)             \
     X(24, 2, 3, 4)             \
     X(25, 1, 2, 5)             \
-    X(26, 1, 3, 5)
+    X(26, 1, 3, 5)             \
+    X(27, 1, 2, 6)
 
 namespace stof {
 
 constexpr int kNumBlockTactics = 10;
 constexpr bool kQFrags_reg = false, kQFrags_smem = true;
 constexpr int kNumRowTactics = 2;
-constexpr int kNumHopperTactics = 14;
+constexpr int kNumHopperTactics = 15;
 // first id of each family (ids are consecutive inside a family; the offset indexes the launcher tables)
 constexpr int kFirstBlockId = 1, kFirstRowId = 11, kFirstHopperId = 13;
 
