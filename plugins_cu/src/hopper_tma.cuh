@@ -2,7 +2,9 @@
 //
 // Why: the ncu source profile of tactic 13 (session 2) counted ~82 of its ~379 warp instructions per 64-key step
 // as K/V address arithmetic and cp.async issue, plus a CTA barrier per step for the copies' visibility.  Here one
-// thread issues two bulk tensor copies per step (cp.async.bulk.tensor, 64 rows x 128 bytes per box, written in the
+// thread issues two bulk tensor copies (K, V) per 64-key half of a step -- a 128-key step (tactic 27) has two halves,
+// any columns of the walk; an absent second half (odd walks) is not copied, its V rows are zeroed and its scores
+// masked -- (cp.async.bulk.tensor, 64 rows x 128 bytes per box, written in the
 // same 128-byte swizzle the wgmma descriptors read) that complete on a `full` mbarrier with a transaction count;
 // the four warps wait on that barrier and release the stage through an `empty` mbarrier (one arrival per warp), so
 // no CTA-wide barrier remains in the loop.  The tensor maps (K and V as 4-d [B, H, Sk, D] views of the strided
