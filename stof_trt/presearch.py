@@ -289,7 +289,9 @@ def _makespan(durations: np.ndarray, slots: int) -> float:
 # Calibrated per-CTA costs (µs of one occupancy slot): a per FULL sub-block, b per PARTIAL sub-block, c per CTA,
 # and d per launch, fitted by calibrate() on scripts/bench_attention.py measurements (H100, B=8, H=12, fp16,
 # the 5 benchmark masks, S in {1024, 4096} only; session 3: the final head dim 64 and 128 runs (docs/performance.md),
-# library with the longest-rows-first schedule; the model's launch order is still the reversed rows per head).  Tactics without an entry use the uncalibrated rate model below.
+# library with the longest-rows-first schedule; the model's launch order is still the reversed rows per head;
+# session 5: 23, 24 (after the tree-reduction fix) and 27 from device run 1, S in {1024, 4096}).  Tactics without an
+# entry use the uncalibrated rate model below.
 COEF = {
     (1, 64): (1.25486, 1.63926, 3.38084, 7.83825),
     (1, 128): (2.10254, 2.37502, 5.29991, 4.96612),
@@ -323,12 +325,10 @@ COEF = {
     (21, 128): (1.47395, 1.48137, 7.11156, 10.08737),
     (22, 64): (0.92369, 1.0842, 5.22109, 9.24042),
     (22, 128): (1.21219, 1.39167, 5.88613, 12.03131),
-    (23, 64): (1.98007, 1.74856, 7.7491, 3.85417),
-    (24, 64): (1.8948, 1.66134, 7.94135, 4.37842),
+    (23, 64): (0.91703, 1.04191, 6.02494, 9.18936),
+    (24, 64): (0.88001, 1.02149, 6.02051, 9.40603),
     (25, 64): (1.44047, 1.60949, 6.56236, 11.46697),
-    # placeholder until tactic 27 (128-key TMA) is measured: tactic 25's constants x 1.2 (pessimistic, so the
-    # pre-search never puts an untested kernel first)
-    (27, 64): (1.72856, 1.93139, 7.87483, 13.76036),
+    (27, 64): (1.123, 1.63256, 6.42741, 7.9981),
     (25, 128): (1.37512, 1.474, 5.87342, 4.86012),
     (26, 64): (1.21588, 1.41936, 5.33862, 8.04979),
     (26, 128): (2.36085, 2.64478, 7.118, 8.63134),
