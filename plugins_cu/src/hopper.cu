@@ -3,6 +3,10 @@
 #include "hopper_tma.cuh"
 #include "tactics.h"
 
+#ifndef STOF_WS_TMA
+#define STOF_WS_TMA 1  // A/B switch (session 5): warp-specialised tactics 21-24 with the TMA producer
+#endif
+
 namespace stof {
 
 #define STOF_HOPPER_ROW(T, D) {STOF_HOPPER_TACTICS(STOF_HX_##D##_##T)}
@@ -11,7 +15,7 @@ constexpr LaunchFn hopper_launcher() {
     if constexpr (PIPE == 4 && D == 128) {
         return nullptr;  // S, P and O of a 128-key step at head dim 128 exceed the consumers' 216 registers
     } else if constexpr (PIPE == 3 || PIPE == 4) {
-        return &launch_hopper_ws<WsTraits<D, S, PIPE == 4 ? 2 : 1, T>>;
+        return &launch_hopper_ws<WsTraits<D, S, PIPE == 4 ? 2 : 1, T, STOF_WS_TMA != 0>>;
     } else if constexpr (PIPE == 5) {
         return &launch_hopper_tma<TmaTraits<D, S, 64, T>, &launch_hopper<HopperTraits<D, 1, S, T>>>;
     } else if constexpr (PIPE == 6 && D == 128) {

@@ -115,9 +115,11 @@ __device__ __forceinline__ void and_key_words(uint32_t (&bits)[2][2], int n0, in
 // sub-block.  bits[hh][w]: the two 32-key words of allowed keys of the row (the tile bitmap's words, all ones for
 // a FULL tile, ANDed with key_words() where the key bound or padding cuts).  The thread's 2*kNI columns are
 // gathered into one 16-bit mask per row (bit 2*ni + c = column ni*8 + 2*tig + c) and each score tested against a
-// constant bit.
-template <int kNI>
-__device__ __forceinline__ void mask_scores(float (&s)[kNI * 4], const uint32_t (&bits)[2][kNI / 4], int tig) {
+// constant bit.  s[off ..) holds the sub-block's scores: off is a constant after unrolling (a 64-key sub-block of a
+// 128-key step masked in place; copying it out and back cost 64 register moves per step).
+template <int kNI, int kN>
+__device__ __forceinline__ void mask_scores(float (&s)[kN], const uint32_t (&bits)[2][kNI / 4], int tig,
+                                            int off = 0) {
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
         uint32_t m = 0u;
@@ -131,7 +133,7 @@ __device__ __forceinline__ void mask_scores(float (&s)[kNI * 4], const uint32_t 
         for (int ni = 0; ni < kNI; ++ni)
 #pragma unroll
             for (int c = 0; c < 2; ++c)
-                if ((m & (1u << (2 * ni + c))) == 0u) s[ni * 4 + hh * 2 + c] = -INFINITY;
+                if ((m & (1u << (2 * ni + c))) == 0u) s[off + ni * 4 + hh * 2 + c] = -INFINITY;
     }
 }
 

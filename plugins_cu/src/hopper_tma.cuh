@@ -24,20 +24,6 @@
 
 namespace stof {
 
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-// Box (64 keys x 64 elements) at coordinates (d0, n0, h, b) of a 4-d tensor map into shared memory at dst.
-__device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map, int d0, int n0, int h, int b,
-                                            uint32_t bar) {
-    asm volatile(
-        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
-        "[%6];\n" ::"r"(dst),
-        "l"(reinterpret_cast<uint64_t>(map)), "r"(d0), "r"(n0), "r"(h), "r"(b), "r"(bar)
-        : "memory");
-}
-
 // Shapes of the TMA kernel: one warpgroup, 64 query rows, kKeyStep keys per step (64: one sub-block of the walk;
 // 128: two consecutive sub-blocks of the walk, any columns, S as one m64n128 MMA and P V over 128 keys -- half the
 // per-step bookkeeping, at 3 CTAs per SM for registers and shared memory).
@@ -246,9 +232,6 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd_
     __trap();  // built without sm_90a: the dispatcher never selects this tactic then
 #endif
 }
-
-// Host: K and V tensor maps; false when the driver entry point or an encoding is unavailable (the caller falls back).
-bool encode_kv_maps(KernelParams& p, int head_dim, bool bf16);
 
 template <class HT, LaunchFn fallback>
 cudaError_t launch_hopper_tma(const KernelParams& params, cudaStream_t stream) {

@@ -19,13 +19,18 @@
 // 128-key step (kSub = 2) halves the per-step softmax bookkeeping (max reductions, O rescale, barriers).
 #pragma once
 
+#include <cuda.h>
+
+#include <type_traits>
+
 #include "hopper.cuh"
 
 namespace stof {
 
-template <int kHeadDim_, int kStages_, int kSub_, typename Elem_>
+template <int kHeadDim_, int kStages_, int kSub_, typename Elem_, bool kTma_ = false>
 struct WsTraits {
     using Elem = Elem_;
+    static constexpr bool kTma = kTma_;  // producer: one thread issuing TMA boxes instead of 128 threads' cp.async
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kStages = kStages_;
     static constexpr int kSub = kSub_;  // 64-key sub-blocks per step
@@ -67,6 +72,20 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
 __device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// Box (64 keys x 64 elements) at coordinates (d0, n0, h, b) of a 4-d tensor map into shared memory at dst.
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map, int d0, int n0, int h, int b,
+                                            uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+        "[%6];\n" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(d0), "r"(n0), "r"(h), "r"(b), "r"(bar)
+        : "memory");
+}
+
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
@@ -128,7 +147,7 @@ __device__ __forceinline__ void ws_load_sub(uint32_t s_tile, int h, const typena
 }
 
 template <class WT>
-__global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const KernelParams p) {
+__global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __grid_constant__ KernelParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using Elem = typename WT::Elem;
     constexpr int kNI = WT::kNI, kKD = WT::kKD, kKN = WT::kKN, kDI = WT::kDI;
@@ -159,7 +178,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const Kern
     if (tid == 0) {
 #pragma unroll
         for (int s = 0; s < kStages; ++s) {
-            mbar_init(full_bar(s), 128);                  // one cp.async arrival per producer thread
+            mbar_init(full_bar(s), WT::kTma ? 1 : 128);  // TMA: the expect_tx arrival; else one cp.async arrival per producer thread
             mbar_init(empty_bar(s), 128 * WT::kConsumers);  // one arrival per consumer thread
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -173,6 +192,31 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const Kern
     if (wg == 0) {
         // ---------------- producer ----------------
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WT::kProducerRegs));
+        if constexpr (WT::kTma) {
+            // One thread walks and issues kSub x (K, V) boxes of 64 keys per step.  An absent sub-block (odd walk
+            // end) re-loads the step's first one: its scores are masked, so it only has to hold finite values.
+            // Rows past Sk are zero-filled by the TMA; the launcher runs the cp.async producer when key_lengths
+            // can end the keys before Sk (those rows would hold real data).
+            if (tid != 0) return;
+            constexpr uint32_t kStepBytes = kSub * 2 * 64 * WT::kHeadDim * 2;
+            for (int it = 0; ws_take_step<kSub>(cur, p, 0, st); ++it) {
+                const int s = it % kStages;
+                if (it >= kStages) mbar_wait(empty_bar(s), ((it / kStages) + 1) & 1);
+                const uint32_t sK = sKV + s * 2 * WT::kSmemKV;
+                mbar_expect_tx(full_bar(s), kStepBytes);
+#pragma unroll
+                for (int hh = 0; hh < kSub; ++hh) {
+                    const int n0 = st.n0[hh] >= 0 ? st.n0[hh] : st.n0[0];
+#pragma unroll
+                    for (int cb = 0; cb < WT::kHeadDim / 64; ++cb) {
+                        const uint32_t off = cb * kBlockN * 128 + hh * 64 * 128;
+                        tma_load_4d(sK + off, &p.tma_k, cb * 64, n0, h, b, full_bar(s));
+                        tma_load_4d(sK + WT::kSmemKV + off, &p.tma_v, cb * 64, n0, h, b, full_bar(s));
+                    }
+                }
+            }
+            return;
+        }
         const int ptid = tid;
         for (int it = 0; ws_take_step<kSub>(cur, p, 0, st); ++it) {
             const int s = it % kStages;
@@ -261,27 +305,23 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const Kern
         }
 #pragma unroll
         for (int hh = 0; hh < kSub; ++hh) {
-            float part[32];
-#pragma unroll
-            for (int i = 0; i < 32; ++i) part[i] = rS[hh * 32 + i];
+            // A sub-block this consumer lacks is masked through all-zero words: every path masks rS in place
+            // (FSEL), so no branch leaves the scores in other registers (a -inf fill on one path made ptxas copy
+            // all 32 scores on every step).
             const int e = st.ent[hh];
-            if (e < 0) {
+            const int n0 = st.n0[hh];
+            const int bm_idx = e >= 0 ? __ldg(p.tile_bitmap_index + e) : -1;
+            const bool bound = e >= 0 && (n0 + 64 > kv_len || kpm != nullptr);
+            if (e < 0 || bm_idx >= 0 || bound) {
+                uint32_t bits[2][2] = {{0u, 0u}, {0u, 0u}};
+                if (e >= 0) {
 #pragma unroll
-                for (int i = 0; i < 32; ++i) part[i] = -INFINITY;
-            } else {
-                const int n0 = st.n0[hh];
-                const int bm_idx = __ldg(p.tile_bitmap_index + e);
-                const bool bound = n0 + 64 > kv_len || kpm != nullptr;
-                if (bm_idx >= 0 || bound) {
-                    uint32_t bits[2][2];
-#pragma unroll
-                    for (int r2 = 0; r2 < 2; ++r2) row_bits(bits[r2], p, bm_idx, my_a0 + warp * 16 + r2 * 8 + g, st.sub[hh]);
+                    for (int r2 = 0; r2 < 2; ++r2)
+                        row_bits(bits[r2], p, bm_idx, my_a0 + warp * 16 + r2 * 8 + g, st.sub[hh]);
                     if (bound) and_key_words(bits, n0, kv_len, kpm, lane);
-                    mask_scores<8>(part, bits, tig);
                 }
+                mask_scores<8>(rS, bits, tig, hh * 32);
             }
-#pragma unroll
-            for (int i = 0; i < 32; ++i) rS[hh * 32 + i] = part[i];
         }
         return online_softmax<kNI>(rS, row_max, row_sum, alpha, mul);
     };
@@ -336,10 +376,24 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const Kern
 #endif
 }
 
+// Host: K and V tensor maps; false when the driver entry point or an encoding is unavailable (the caller falls back).
+bool encode_kv_maps(KernelParams& p, int head_dim, bool bf16);
+
 template <class WT>
 cudaError_t launch_hopper_ws(const KernelParams& params, cudaStream_t stream) {
-    return launch_scheduled<WT::kBlockM, WT::kHeadDim>(hopper_ws_attn_fwd<WT>, params, WT::kThreads, WT::kSmemSize,
-                                                       stream);
+    if constexpr (WT::kTma) {
+        using CpAsync = WsTraits<WT::kHeadDim, WT::kStages, WT::kSub, typename WT::Elem, false>;
+        KernelParams p = params;
+        // key_lengths can end a batch's keys before Sk, where the TMA would bring real rows (see the producer)
+        if (p.key_lengths == nullptr &&
+            encode_kv_maps(p, WT::kHeadDim, !std::is_same<typename WT::Elem, __half>::value))
+            return launch_scheduled<WT::kBlockM, WT::kHeadDim>(hopper_ws_attn_fwd<WT>, p, WT::kThreads,
+                                                               WT::kSmemSize, stream);
+        return launch_hopper_ws<CpAsync>(params, stream);
+    } else {
+        return launch_scheduled<WT::kBlockM, WT::kHeadDim>(hopper_ws_attn_fwd<WT>, params, WT::kThreads,
+                                                           WT::kSmemSize, stream);
+    }
 }
 
 }  // namespace stof
