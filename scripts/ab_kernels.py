@@ -3,6 +3,7 @@
 
     python scripts/ab_kernels.py --libs base=build/plugins_cu/libstof_kernels.so,emu=build_emu/plugins_cu/libstof_kernels.so \\
         --tactics 13,19 --cells "64:4096:causal;64:4096:sliding:window=256" --rounds 2 --out $OUT/ab.json
+    python scripts/ab_kernels.py --libs ws=build/plugins_cu/libstof_kernels.so,nows=build/plugins_cu/libstof_kernels.so#noworkspace ...
 
 Each library runs in its own process (one libstof_kernels per process), in rounds A B C A B C ... so clock and
 thermal drift hit every build alike; a cell's time is the median over rounds of each round's do_bench median.
@@ -58,7 +59,7 @@ def worker(a):
             if t not in valid:
                 print(f"ab_kernels: tactic {t} is not valid for {cell} in this build: skipped", file=sys.stderr)
                 continue
-            r = Runner(q, k, v, dl, tactic=t)
+            r = Runner(q, k, v, dl, tactic=t, workspace=not a.no_workspace)
             r.out.fill_(float("nan"))
             r()
             torch.cuda.synchronize()
@@ -70,7 +71,9 @@ def worker(a):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--libs", required=True, help="name=path,... (libstof_kernels.so builds to compare)")
+    ap.add_argument("--libs", required=True,
+                    help="name=path,... (libstof_kernels.so builds to compare; a path ending in '#noworkspace' runs "
+                         "that build without the C ABI workspace, e.g. non-persistent warp-specialised tactics)")
     ap.add_argument("--tactics", default="13,19")
     ap.add_argument("--cells", default="64:4096:causal;64:4096:sliding",
                     help="D:S:mask;... (mask: a name of the issue-3 benchmark, or a mask spec)")
@@ -80,6 +83,7 @@ def main():
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
     ap.add_argument("--out", default=None, help="write every round's results as JSON here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--no-workspace", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         return worker(a)
@@ -91,6 +95,7 @@ def main():
             sys.exit(f"ab_kernels: --libs wants distinct name=path entries, got {item!r}")
         libs[name] = path
     for name, path in libs.items():
+        path = path.removesuffix("#noworkspace")
         if not Path(path).is_file():
             sys.exit(f"ab_kernels: library {name}={path} not found")
     rounds = {name: [] for name in libs}
@@ -98,8 +103,10 @@ def main():
            f"--rep={a.rep}"]
     for rnd in range(a.rounds):
         for name, path in libs.items():
-            env = dict(os.environ, STOF_KERNELS_LIB=str(Path(path).resolve()))
-            p = subprocess.run([sys.executable, __file__, "--worker", "--libs=x", *fwd], env=env,
+            nows = path.endswith("#noworkspace")
+            env = dict(os.environ, STOF_KERNELS_LIB=str(Path(path.removesuffix("#noworkspace")).resolve()))
+            p = subprocess.run([sys.executable, __file__, "--worker", "--libs=x", *fwd,
+                                *(["--no-workspace"] if nows else [])], env=env,
                                capture_output=True, text=True, timeout=1800)
             line = next((ln for ln in p.stdout.splitlines() if ln.startswith("AB_JSON ")), None)
             if p.returncode != 0 or line is None:

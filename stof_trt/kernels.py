@@ -40,7 +40,7 @@ __all__ = [
     "native_sched_chunk",
 ]
 
-ABI_VERSION = 2  # STOF_ABI_VERSION of the header this module mirrors
+ABI_VERSION = 3  # STOF_ABI_VERSION of the header this module mirrors
 
 STATUS = {0: "SUCCESS", 1: "INVALID_ARGUMENT", 2: "UNSUPPORTED", 3: "INVALID_TACTIC", 4: "CUDA",
           5: "INSUFFICIENT_BUFFER"}
@@ -74,7 +74,8 @@ class _Params(ctypes.Structure):
         ("layout_seq_q", ctypes.c_int32), ("layout_seq_k", ctypes.c_int32),
         ("key_lengths", ctypes.c_void_p), ("key_padding_mask", ctypes.c_void_p),
         ("row_order", ctypes.c_void_p),  # ABI version 2
-        ("sched_chunk", ctypes.c_int32),  # ABI version 2 (then 4 bytes of tail padding, as in C)
+        ("sched_chunk", ctypes.c_int32),  # ABI version 2 (then 4 bytes of padding, as in C)
+        ("workspace", ctypes.c_void_p), ("workspace_bytes", ctypes.c_int64),  # ABI version 3
     ]
 
 
@@ -301,6 +302,20 @@ def _make_params(q, k, v, o, dl: DeviceLayout, scale, key_lengths, key_padding_m
     return p
 
 
+def _attach_workspace(lib, p: _Params, tactic: int, device):
+    """Allocate the workspace the library asks for (C ABI v3; the warp-specialised tactics then run persistent)
+    and point p at it; returns the tensor (keep it alive while the call runs) or None."""
+    import torch
+
+    n = ctypes.c_size_t()
+    _check(lib.stof_attn_workspace_size(ctypes.byref(p), int(tactic), ctypes.byref(n)))
+    if n.value == 0:
+        return None
+    ws = torch.empty(n.value, dtype=torch.uint8, device=device)  # the caching allocator aligns to 512 bytes
+    p.workspace, p.workspace_bytes = ws.data_ptr(), n.value
+    return ws
+
+
 def list_tactics(q, k, v, dl: DeviceLayout, *, bhsd: bool = True, row_order: bool = True,
                  sched_chunk: int | None = None) -> list[int]:
     """Tactic ids valid for this problem (library's static order)."""
@@ -314,14 +329,16 @@ def list_tactics(q, k, v, dl: DeviceLayout, *, bhsd: bool = True, row_order: boo
 
 def sparse_attention(q, k, v, dl: DeviceLayout, *, scale: float | None = None, tactic: int = 0,
                      key_lengths=None, key_padding_mask=None, out=None, bhsd: bool = True, stream=None,
-                     row_order: bool = True, sched_chunk: int | None = None):
+                     row_order: bool = True, sched_chunk: int | None = None, workspace: bool = True):
     """O = softmax(scale * Q K^T, masked by the layout and padding) V on the current (or given) CUDA stream.
 
     q: [B,H,Sq,D] (or [B,Sq,H,D] with bhsd=False), k/v: [B,H,Sk,D]; fp16 or bf16; D in {64, 128}.
     scale defaults to 1/sqrt(D); tactic 0 lets the library choose.  row_order=False runs without the layout's
     longest-rows-first schedule (the kernels' default order; same result).  sched_chunk: (batch, head) pairs whose
     CTAs are interleaved (C ABI v2; 0 = the library's L2-sized default, 1 = one pair at a time; same result);
-    None = the layout's ``DeviceLayout.sched_chunk``.  Returns `out` (allocated if None).
+    None = the layout's ``DeviceLayout.sched_chunk``.  workspace=False passes no workspace (C ABI v3: the
+    warp-specialised tactics then run one CTA per work item instead of persistent; same result).  Returns `out`
+    (allocated if None).
     """
     import torch
 
@@ -330,10 +347,15 @@ def sparse_attention(q, k, v, dl: DeviceLayout, *, scale: float | None = None, t
     if out is None:
         out = torch.empty_like(q)
     p = _make_params(q, k, v, out, dl, scale, key_lengths, key_padding_mask, bhsd, row_order, sched_chunk)
+    ws = _attach_workspace(lib, p, tactic, q.device) if workspace else None
     if stream is None:
         stream = torch.cuda.current_stream(q.device).cuda_stream
-    elif hasattr(stream, "cuda_stream"):
-        stream = stream.cuda_stream
+    else:
+        if ws is not None:  # the allocation belongs to the current stream: keep it until the call's stream is done
+            ws.record_stream(stream if isinstance(stream, torch.cuda.Stream)
+                             else torch.cuda.ExternalStream(getattr(stream, "cuda_stream", stream), device=q.device))
+        if hasattr(stream, "cuda_stream"):
+            stream = stream.cuda_stream
     _check(lib.stof_attn_run(ctypes.byref(p), int(tactic), ctypes.c_void_p(stream)))
     return out
 
@@ -343,7 +365,7 @@ class Runner:
 
     def __init__(self, q, k, v, dl: DeviceLayout, *, out=None, tactic: int = 0, scale=None, key_lengths=None,
                  key_padding_mask=None, bhsd: bool = True, stream=None, row_order: bool = True,
-                 sched_chunk: int | None = None):
+                 sched_chunk: int | None = None, workspace: bool = True):
         import torch
 
         self._lib = load_library()
@@ -353,6 +375,7 @@ class Runner:
                                sched_chunk)
         self._pref = ctypes.byref(self._p)
         self.tactic = int(tactic)
+        self._ws = _attach_workspace(self._lib, self._p, self.tactic, q.device) if workspace else None
         s = torch.cuda.current_stream(q.device).cuda_stream if stream is None else getattr(stream, "cuda_stream", stream)
         self._stream = ctypes.c_void_p(s)
         _check(self._lib.stof_attn_validate(self._pref))

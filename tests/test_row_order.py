@@ -135,10 +135,43 @@ def test_native_errors(kernels):
 
 def test_abi_version(kernels):
     lib = kernels.load_library()
-    assert lib.stof_abi_version() == kernels.ABI_VERSION == 2
+    assert lib.stof_abi_version() == kernels.ABI_VERSION == 3
     names = [f[0] for f in kernels._Params._fields_]
-    assert names[-2:] == ["row_order", "sched_chunk"]
+    assert names[-4:] == ["row_order", "sched_chunk", "workspace", "workspace_bytes"]
     p = kernels._Params()
     lib.stof_attn_params_init(ctypes.byref(p))
     assert p.row_order is None                                           # init leaves it NULL
     assert p.sched_chunk == 0                                            # and sched_chunk 0 (library default)
+    assert p.workspace is None and p.workspace_bytes == 0                # and no workspace (ABI 3)
+
+
+def _valid_params(kernels):
+    """A problem the library validates (host-side checks only: pointers are not dereferenced)."""
+    p = kernels._Params()
+    kernels.load_library().stof_attn_params_init(ctypes.byref(p))
+    p.batch, p.num_heads, p.seq_q, p.seq_k, p.head_dim = 1, 1, 128, 128, 64
+    fake = 1 << 20  # 16-byte aligned, never dereferenced by validate / workspace_size
+    p.q = p.k = p.v = p.o = p.row_ptr = p.col_idx = p.tile_bitmap_index = p.bitmaps = fake
+    p.q_stride_s = p.k_stride_s = p.v_stride_s = p.o_stride_s = 64
+    p.q_stride_h = p.k_stride_h = p.v_stride_h = p.o_stride_h = 128 * 64
+    p.q_stride_b = p.k_stride_b = p.v_stride_b = p.o_stride_b = 128 * 64
+    p.layout_seq_q = p.layout_seq_k = 128
+    return p
+
+
+def test_workspace_size_and_checks(kernels):
+    """ABI 3: the warp-specialised tactics ask for a 16-byte work counter, the others for nothing; tactic 0 gets
+    the most any tactic uses; a misaligned workspace or a negative size is INVALID_ARGUMENT."""
+    lib = kernels.load_library()
+    p = _valid_params(kernels)
+    assert lib.stof_attn_validate(ctypes.byref(p)) in (0, 2), kernels.load_library().stof_last_error_message()
+    n = ctypes.c_size_t(123)
+    for tactic, want in ((23, 16), (21, 16), (13, 0), (1, 0), (11, 0), (0, 16)):
+        assert lib.stof_attn_workspace_size(ctypes.byref(p), tactic, ctypes.byref(n)) == 0, tactic
+        assert n.value == want, (tactic, n.value)
+    assert lib.stof_attn_workspace_size(ctypes.byref(p), 999, ctypes.byref(n)) == 3   # INVALID_TACTIC
+    p.workspace, p.workspace_bytes = (1 << 20) + 4, 16
+    assert lib.stof_attn_workspace_size(ctypes.byref(p), 23, ctypes.byref(n)) == 1    # misaligned
+    assert b"aligned" in lib.stof_last_error_message()
+    p.workspace, p.workspace_bytes = 1 << 20, -1
+    assert lib.stof_attn_workspace_size(ctypes.byref(p), 23, ctypes.byref(n)) == 1    # negative size

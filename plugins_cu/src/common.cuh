@@ -35,8 +35,12 @@ struct KernelParams {
     // sched_chunk = heads*batch pairs whose CTAs are interleaved (see block_work).
     const int32_t* row_order;
     int sched_chunk;
-    // K and V as TMA tensor maps (hopper_tma.cuh; encoded by its launcher, unused by every other kernel)
-    CUtensorMap tma_k, tma_v;
+    // K and V (and Q) as TMA tensor maps (encoded by the TMA kernels' launchers, unused by every other kernel)
+    CUtensorMap tma_k, tma_v, tma_q;
+    // Persistent kernels (hopper_ws_persist_fwd): the work counter (zeroed by the launcher; C ABI workspace),
+    // the items of the schedule's grid and its query blocks per (batch, head)
+    int* work_counter;
+    int persist_items, persist_nqb;
 };
 
 using LaunchFn = cudaError_t (*)(const KernelParams&, cudaStream_t);
@@ -130,11 +134,10 @@ struct BlockWork {
     int qb, h, b;
 };
 
+// Work item `lin` (0 .. nqb * heads * batch - 1, in start order) of a grid of nqb query blocks per (batch, head).
 template <int kBlockM>
-__device__ __forceinline__ BlockWork block_work(const KernelParams& p) {
-    const int nqb = gridDim.x;
-    const int64_t nhb = static_cast<int64_t>(gridDim.y) * gridDim.z;
-    const int64_t lin = blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + static_cast<int64_t>(gridDim.y) * blockIdx.z);
+__device__ __forceinline__ BlockWork block_work_at(const KernelParams& p, int64_t lin, int nqb) {
+    const int64_t nhb = static_cast<int64_t>(p.heads) * p.batch;
     const int64_t per_chunk = static_cast<int64_t>(p.sched_chunk) * nqb;
     const int chunk = static_cast<int>(lin / per_chunk);
     const int hb0 = chunk * p.sched_chunk;
@@ -143,8 +146,8 @@ __device__ __forceinline__ BlockWork block_work(const KernelParams& p) {
     const int pos = r / width;
     const int hb = hb0 + (r - pos * width);
     BlockWork w;
-    w.h = hb % gridDim.y;
-    w.b = hb / gridDim.y;
+    w.h = hb % p.heads;
+    w.b = hb / p.heads;
     if (p.row_order != nullptr) {
         const int f = p.tile_m / kBlockM;  // CTAs per tile row
         const int t = pos / f;
@@ -156,6 +159,13 @@ __device__ __forceinline__ BlockWork block_work(const KernelParams& p) {
         w.qb = nqb - 1 - pos;
     }
     return w;
+}
+
+// This CTA's work item (grid = schedule_grid's: nqb x heads x batch).
+template <int kBlockM>
+__device__ __forceinline__ BlockWork block_work(const KernelParams& p) {
+    const int64_t lin = blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + static_cast<int64_t>(gridDim.y) * blockIdx.z);
+    return block_work_at<kBlockM>(p, lin, gridDim.x);
 }
 
 // Host: fill the schedule fields of p for a kernel of kBlockM query rows per CTA and return its grid.  The row

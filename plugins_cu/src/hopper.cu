@@ -3,10 +3,6 @@
 #include "hopper_tma.cuh"
 #include "tactics.h"
 
-#ifndef STOF_WS_TMA
-#define STOF_WS_TMA 1  // A/B switch (session 5): warp-specialised tactics 21-24 with the TMA producer
-#endif
-
 namespace stof {
 
 #define STOF_HOPPER_ROW(T, D) {STOF_HOPPER_TACTICS(STOF_HX_##D##_##T)}
@@ -15,7 +11,7 @@ constexpr LaunchFn hopper_launcher() {
     if constexpr (PIPE == 4 && D == 128) {
         return nullptr;  // S, P and O of a 128-key step at head dim 128 exceed the consumers' 216 registers
     } else if constexpr (PIPE == 3 || PIPE == 4) {
-        return &launch_hopper_ws<WsTraits<D, S, PIPE == 4 ? 2 : 1, T, STOF_WS_TMA != 0>>;
+        return &launch_hopper_ws<WsTraits<D, S, PIPE == 4 ? 2 : 1, T, true>>;  // TMA (cp.async for key_lengths)
     } else if constexpr (PIPE == 5) {
         return &launch_hopper_tma<TmaTraits<D, S, 64, T>, &launch_hopper<HopperTraits<D, 1, S, T>>>;
     } else if constexpr (PIPE == 6 && D == 128) {
@@ -45,10 +41,11 @@ extern const LaunchFn kHopperLaunchers[2][2][kNumHopperTactics] = {
     {STOF_HOPPER_ROW(BF16, 64), STOF_HOPPER_ROW(BF16, 128)},
 };
 
-bool encode_kv_maps(KernelParams& p, int head_dim, bool bf16) {
-    using EncodeFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                  const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                  CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+namespace {
+using EncodeFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                              const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                              CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+EncodeFn tensor_map_encoder() {
     static const EncodeFn encode = [] {
         void* fn = nullptr;
         cudaDriverEntryPointQueryResult q{};
@@ -58,25 +55,39 @@ bool encode_kv_maps(KernelParams& p, int head_dim, bool bf16) {
             fn = nullptr;
         return reinterpret_cast<EncodeFn>(fn);
     }();
+    return encode;
+}
+
+// A [B, H, rows, D] view of a strided tensor, boxes of 64 rows x 64 elements in the wgmma's 128-byte swizzle; a dim
+// of extent 1 gets a harmless stride (the TMA never steps it).
+bool encode_rows_map(CUtensorMap* map, const void* base, int64_t ss, int64_t sh, int64_t sb, int rows, int heads,
+                     int batch, int head_dim, bool bf16) {
+    const EncodeFn encode = tensor_map_encoder();
     if (encode == nullptr) return false;
-    auto one = [&](CUtensorMap* map, const void* base, int64_t ss, int64_t sh, int64_t sb) {
-        // dims (innermost first) D, Sk, H, B; a dim of extent 1 gets a harmless stride (the TMA never steps it)
-        const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(p.seq_k),
-                                    static_cast<cuuint64_t>(p.heads), static_cast<cuuint64_t>(p.batch)};
-        const int64_t row = ss * 2;
-        const int64_t hs = p.heads > 1 ? sh * 2 : row * p.seq_k;
-        const int64_t bs = p.batch > 1 ? sb * 2 : hs * p.heads;
-        if (row <= 0 || hs <= 0 || bs <= 0) return false;
-        const cuuint64_t strides[3] = {static_cast<cuuint64_t>(row), static_cast<cuuint64_t>(hs),
-                                       static_cast<cuuint64_t>(bs)};
-        const cuuint32_t box[4] = {64, 64, 1, 1};
-        const cuuint32_t estr[4] = {1, 1, 1, 1};
-        return encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
-                      const_cast<void*>(base), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-                      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-    };
-    return one(&p.tma_k, p.k, p.k_ss, p.k_sh, p.k_sb) && one(&p.tma_v, p.v, p.v_ss, p.v_sh, p.v_sb);
+    const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(rows),
+                                static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
+    const int64_t row = ss * 2;
+    const int64_t hs = heads > 1 ? sh * 2 : row * rows;
+    const int64_t bs = batch > 1 ? sb * 2 : hs * heads;
+    if (row <= 0 || hs <= 0 || bs <= 0) return false;
+    const cuuint64_t strides[3] = {static_cast<cuuint64_t>(row), static_cast<cuuint64_t>(hs),
+                                   static_cast<cuuint64_t>(bs)};
+    const cuuint32_t box[4] = {64, 64, 1, 1};
+    const cuuint32_t estr[4] = {1, 1, 1, 1};
+    return encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+                  const_cast<void*>(base), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+}  // namespace
+
+bool encode_kv_maps(KernelParams& p, int head_dim, bool bf16) {
+    return encode_rows_map(&p.tma_k, p.k, p.k_ss, p.k_sh, p.k_sb, p.seq_k, p.heads, p.batch, head_dim, bf16) &&
+           encode_rows_map(&p.tma_v, p.v, p.v_ss, p.v_sh, p.v_sb, p.seq_k, p.heads, p.batch, head_dim, bf16);
+}
+
+bool encode_q_map(KernelParams& p, int head_dim, bool bf16) {
+    return encode_rows_map(&p.tma_q, p.q, p.q_ss, p.q_sh, p.q_sb, p.seq_q, p.heads, p.batch, head_dim, bf16);
 }
 
 #if defined(STOF_HAS_SM90A)

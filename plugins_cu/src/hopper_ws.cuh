@@ -51,7 +51,9 @@ struct WsTraits {
     static constexpr int kSmemSize = kSmemQ + 2 * kStages * kSmemKV + kSmemBar + 1024;
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim");
     static_assert(kSub == 1 || kSub == 2, "64 or 128 keys per step");
-    static_assert(kSmemSize <= 227 * 1024, "shared memory");
+    // persistent form: two Q buffers, the ring, full/empty[kStages] + q_full/q_empty[2] mbarriers, 2 item slots
+    static constexpr int kSmemPersist = 2 * kSmemQ + 2 * kStages * kSmemKV + 8 * (2 * kStages + 4) + 32 + 1024;
+    static_assert(kSmemSize <= 227 * 1024 && kSmemPersist <= 227 * 1024, "shared memory");
 };
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
@@ -146,124 +148,72 @@ __device__ __forceinline__ void ws_load_sub(uint32_t s_tile, int h, const typena
     }
 }
 
-template <class WT>
-__global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __grid_constant__ KernelParams p) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using Elem = typename WT::Elem;
-    constexpr int kNI = WT::kNI, kKD = WT::kKD, kKN = WT::kKN, kDI = WT::kDI;
-    constexpr int kBlockM = WT::kBlockM, kBlockN = WT::kBlockN, kStages = WT::kStages, kSub = WT::kSub;
-
-    extern __shared__ __align__(1024) unsigned char smem[];
-    const uint32_t sQ = (smem_u32(smem) + 1023u) & ~1023u;
-    const uint32_t sKV = sQ + WT::kSmemQ;  // stage s: K at sKV + 2 s kSmemKV, V right after
-    const uint32_t sBar = sKV + 2 * kStages * WT::kSmemKV;
-    auto full_bar = [&](int s) { return sBar + 8 * s; };
-    auto empty_bar = [&](int s) { return sBar + 8 * (kStages + s); };
-
-    const int tid = threadIdx.x;
-    const int wg = tid / 128;
-    const BlockWork work = block_work<kBlockM>(p);
-    const int qb = work.qb, h = work.h, b = work.b;
-    const int q0 = qb * kBlockM;
-    if (q0 >= p.seq_q) return;  // a tile row past the run-time Sq (ordered schedule)
-    const int kv_len = effective_kv_len(p, b);
+// The merged walk of the (up to) two 64-row tile rows of the 128-row work item at q0 of head h.
+__device__ __forceinline__ void ws_item_cursor(MergedCursor<2>& cur, const KernelParams& p, int q0, int h, int kv_len) {
     const int layout_row0 = (h % p.num_layouts) * p.tq;
     int rows[2];
 #pragma unroll
     for (int w = 0; w < 2; ++w) rows[w] = q0 + 64 * w < p.seq_q ? layout_row0 + (q0 + 64 * w) / p.tile_m : -1;
-
-    const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_sb + h * p.k_sh;
-    const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_sb + h * p.v_sh;
-
-    if (tid == 0) {
-#pragma unroll
-        for (int s = 0; s < kStages; ++s) {
-            mbar_init(full_bar(s), WT::kTma ? 1 : 128);  // TMA: the expect_tx arrival; else one cp.async arrival per producer thread
-            mbar_init(empty_bar(s), 128 * WT::kConsumers);  // one arrival per consumer thread
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
-
-    MergedCursor<2> cur;
     cur.init(p, rows, kv_len);
+}
+
+// Producer (one thread), TMA: the K/V of one work item's steps into the ring from position it on; returns the
+// ring position after the item.  kSub (K, V) boxes of 64 keys per step; an absent sub-block (odd walk end)
+// re-loads the step's first one: its scores are masked, so it only has to hold finite values.  Rows past Sk are
+// zero-filled by the TMA; the launchers run the cp.async producer when key_lengths can end the keys before Sk
+// (those rows would hold real data).
+template <class WT>
+__device__ __forceinline__ int ws_produce_tma(const KernelParams& p, int q0, int h, int b, int it, uint32_t sKV,
+                                              uint32_t sBar) {
+    constexpr int kStages = WT::kStages, kSub = WT::kSub;
+    constexpr uint32_t kStepBytes = kSub * 2 * 64 * WT::kHeadDim * 2;
+    MergedCursor<2> cur;
+    ws_item_cursor(cur, p, q0, h, p.seq_k);
     WsStep<kSub> st;
-
-    if (wg == 0) {
-        // ---------------- producer ----------------
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WT::kProducerRegs));
-        if constexpr (WT::kTma) {
-            // One thread walks and issues kSub x (K, V) boxes of 64 keys per step.  An absent sub-block (odd walk
-            // end) re-loads the step's first one: its scores are masked, so it only has to hold finite values.
-            // Rows past Sk are zero-filled by the TMA; the launcher runs the cp.async producer when key_lengths
-            // can end the keys before Sk (those rows would hold real data).
-            if (tid != 0) return;
-            constexpr uint32_t kStepBytes = kSub * 2 * 64 * WT::kHeadDim * 2;
-            for (int it = 0; ws_take_step<kSub>(cur, p, 0, st); ++it) {
-                const int s = it % kStages;
-                if (it >= kStages) mbar_wait(empty_bar(s), ((it / kStages) + 1) & 1);
-                const uint32_t sK = sKV + s * 2 * WT::kSmemKV;
-                mbar_expect_tx(full_bar(s), kStepBytes);
+    for (; ws_take_step<kSub>(cur, p, 0, st); ++it) {
+        const int s = it % kStages;
+        if (it >= kStages) mbar_wait(sBar + 8 * (kStages + s), ((it / kStages) + 1) & 1);  // empty[s]
+        const uint32_t full = sBar + 8 * s;
+        const uint32_t sK = sKV + s * 2 * WT::kSmemKV;
+        mbar_expect_tx(full, kStepBytes);
 #pragma unroll
-                for (int hh = 0; hh < kSub; ++hh) {
-                    const int n0 = st.n0[hh] >= 0 ? st.n0[hh] : st.n0[0];
+        for (int hh = 0; hh < kSub; ++hh) {
+            const int n0 = st.n0[hh] >= 0 ? st.n0[hh] : st.n0[0];
 #pragma unroll
-                    for (int cb = 0; cb < WT::kHeadDim / 64; ++cb) {
-                        const uint32_t off = cb * kBlockN * 128 + hh * 64 * 128;
-                        tma_load_4d(sK + off, &p.tma_k, cb * 64, n0, h, b, full_bar(s));
-                        tma_load_4d(sK + WT::kSmemKV + off, &p.tma_v, cb * 64, n0, h, b, full_bar(s));
-                    }
-                }
+            for (int cb = 0; cb < WT::kHeadDim / 64; ++cb) {
+                const uint32_t off = cb * WT::kBlockN * 128 + hh * 64 * 128;
+                tma_load_4d(sK + off, &p.tma_k, cb * 64, n0, h, b, full);
+                tma_load_4d(sK + WT::kSmemKV + off, &p.tma_v, cb * 64, n0, h, b, full);
             }
-            return;
         }
-        const int ptid = tid;
-        for (int it = 0; ws_take_step<kSub>(cur, p, 0, st); ++it) {
-            const int s = it % kStages;
-            if (it >= kStages) mbar_wait(empty_bar(s), ((it / kStages) + 1) & 1);
-            const uint32_t sK = sKV + s * 2 * WT::kSmemKV;
-#pragma unroll
-            for (int hh = 0; hh < kSub; ++hh) {
-                ws_load_sub<WT>(sK, hh, gK, p.k_ss, st.n0[hh], kv_len, ptid);
-                ws_load_sub<WT>(sK + WT::kSmemKV, hh, gV, p.v_ss, st.n0[hh], kv_len, ptid);
-            }
-            cp_async_mbar_arrive(full_bar(s));
-        }
-        cp_async_wait<0>();
-        return;
     }
+    return it;
+}
 
-    // ---------------- consumers ----------------
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WT::kConsumerRegs));
-    const int w = wg - 1;
-    const int ctid = tid - 128 * wg;  // 0..127 inside the consumer warpgroup
-    const int warp = ctid >> 5, lane = tid & 31;
+// Consumer warpgroup w of one work item (its 64 Q rows already in the 128-row swizzled tile at sQ): every step
+// of the item's merged walk from ring position it on, then the epilogue (O staged through its own Q rows and
+// stored).  Returns the ring position after the item.  Both consumers run the same steps, so the MMA turns
+// (named barriers 3 and 4) stay paired across items.
+template <class WT>
+__device__ __forceinline__ int ws_consume(const KernelParams& p, int q0, int h, int b, int it, uint32_t sQ,
+                                          uint32_t sKV, uint32_t sBar, int w, int ctid) {
+    using Elem = typename WT::Elem;
+    constexpr int kNI = WT::kNI, kKD = WT::kKD, kKN = WT::kKN, kDI = WT::kDI;
+    constexpr int kBlockM = WT::kBlockM, kBlockN = WT::kBlockN, kStages = WT::kStages, kSub = WT::kSub;
+    auto full_bar = [&](int s) { return sBar + 8 * s; };
+    auto empty_bar = [&](int s) { return sBar + 8 * (kStages + s); };
+    const int warp = ctid >> 5, lane = ctid & 31;
     const int g = lane >> 2, tig = lane & 3;
+    const int kv_len = effective_kv_len(p, b);
+    MergedCursor<2> cur;
+    ws_item_cursor(cur, p, q0, h, kv_len);
+    WsStep<kSub> st;
     const int my_a0 = (q0 + 64 * w) % p.tile_m;  // first bitmap row of this warpgroup inside its tile
-    const Elem* gQ = static_cast<const Elem*>(p.q) + b * p.q_sb + h * p.q_sh;
     Elem* gO = static_cast<Elem*>(p.o) + b * p.o_sb + h * p.o_sh;
     const int32_t* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.seq_k : nullptr;
     const float sl2 = p.scale_log2;
     const bool fold = sl2 > 0.f;          // scale folded into the exp2 FFMA (max taken on raw scores)
     const float mul = fold ? sl2 : 1.f;  // otherwise scores are pre-scaled, then masked
-
-    // this consumer's 64 Q rows (rows 64 w .. 64 w + 63 of the 128-row swizzled Q tile)
-    {
-        constexpr int kIters = 64 * WT::kChunks / 128;
-#pragma unroll
-        for (int i = 0; i < kIters; ++i) {
-            const int c = ctid + i * 128;
-            const int r = c / WT::kChunks, ch = c % WT::kChunks;
-            const int grow = q0 + 64 * w + r;
-            const bool ok = grow < p.seq_q;
-            cp_async16(sQ + swz128<kBlockM>(64 * w + r, ch),
-                       gQ + (ok ? static_cast<int64_t>(grow) * p.q_ss + ch * 8 : 0), ok ? 16 : 0);
-        }
-        cp_async_commit();
-        cp_async_wait<0>();
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        named_barrier_sync(1 + w, 128);
-    }
 
     float rO[kDI * 4];
     float rS[kNI * 4];
@@ -271,7 +221,6 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
 #pragma unroll
     for (int i = 0; i < kDI * 4; ++i) rO[i] = 0.f;
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
-    int prev_stage = 0;
 
     // descriptors = base + (byte offset >> 4) (shared addresses < 2^18: the 14-bit field never carries)
     const uint64_t dQ0 = gmma_desc(sQ + w * 64 * 128, 16, 1024);
@@ -326,25 +275,22 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
         return online_softmax<kNI>(rS, row_max, row_sum, alpha, mul);
     };
 
-    // The consumers take turns issuing their MMAs (FlashAttention-3's ping-pong, named barriers 3 and 4): while
-    // one runs its softmax the other's MMAs own the tensor cores.  Both run the same steps (the walk's union),
-    // so the turns always pair up; consumer 1 hands the first turn to consumer 0.
-    if (w == 1) named_barrier_arrive(3, 256);
-
     // First step: S_0 and its softmax (nothing to overlap with yet).
     if (ws_take_step<kSub>(cur, p, w, st)) {
-        mbar_wait(full_bar(0), 0);
+        int prev_stage = it % kStages;
+        mbar_wait(full_bar(prev_stage), (it / kStages) & 1);
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async writes -> wgmma reads
         named_barrier_sync(3 + w, 256);  // my turn on the tensor cores
-        issue_s(0);
+        issue_s(prev_stage);
         named_barrier_arrive(3 + (1 - w), 256);  // the other consumer's turn
         wgmma_wait<0>();
         fence_regs(rS);
         float alpha[2];
         softmax(alpha);  // O is still zero: no rescale
         pack_p<Elem, kKN>(rP, rS);
+        ++it;
         // Steady state, step i: S_i and P_{i-1} V_{i-1} in flight together; softmax of S_i while P V runs.
-        for (int it = 1; ws_take_step<kSub>(cur, p, w, st); ++it) {
+        for (; ws_take_step<kSub>(cur, p, w, st); ++it) {
             const int stage = it % kStages;
             mbar_wait(full_bar(stage), (it / kStages) & 1);
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -365,31 +311,238 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
         issue_pv(prev_stage);
         wgmma_wait<0>();
         fence_regs(rO);
+        mbar_arrive(empty_bar(prev_stage));
     }
 
     // Epilogue: normalise, stage through this consumer's (now unused) Q rows, 16-byte stores.
     stage_o<Elem, kDI, kBlockM>(rO, row_sum, sQ, 64 * w + warp * 16, g, tig);
     named_barrier_sync(1 + w, 128);
     store_o<Elem, kBlockM, 64, WT::kChunks, 128>(sQ, gO, p.o_ss, q0, 64 * w, p.seq_q, ctid);
+    return it;
+}
+
+template <class WT>
+__global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __grid_constant__ KernelParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using Elem = typename WT::Elem;
+    constexpr int kBlockM = WT::kBlockM, kStages = WT::kStages, kSub = WT::kSub;
+
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const uint32_t sQ = (smem_u32(smem) + 1023u) & ~1023u;
+    const uint32_t sKV = sQ + WT::kSmemQ;  // stage s: K at sKV + 2 s kSmemKV, V right after
+    const uint32_t sBar = sKV + 2 * kStages * WT::kSmemKV;
+    auto full_bar = [&](int s) { return sBar + 8 * s; };
+    auto empty_bar = [&](int s) { return sBar + 8 * (kStages + s); };
+
+    const int tid = threadIdx.x;
+    const int wg = tid / 128;
+    const BlockWork work = block_work<kBlockM>(p);
+    const int qb = work.qb, h = work.h, b = work.b;
+    const int q0 = qb * kBlockM;
+    if (q0 >= p.seq_q) return;  // a tile row past the run-time Sq (ordered schedule)
+
+    if (tid == 0) {
+#pragma unroll
+        for (int s = 0; s < kStages; ++s) {
+            mbar_init(full_bar(s), WT::kTma ? 1 : 128);  // TMA: the expect_tx arrival; else one cp.async arrival per producer thread
+            mbar_init(empty_bar(s), 128 * WT::kConsumers);  // one arrival per consumer thread
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        // ---------------- producer ----------------
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WT::kProducerRegs));
+        if constexpr (WT::kTma) {
+            if (tid == 0) ws_produce_tma<WT>(p, q0, h, b, 0, sKV, sBar);
+            return;
+        }
+        const int kv_len = effective_kv_len(p, b);
+        const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_sb + h * p.k_sh;
+        const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_sb + h * p.v_sh;
+        MergedCursor<2> cur;
+        ws_item_cursor(cur, p, q0, h, kv_len);
+        WsStep<kSub> st;
+        const int ptid = tid;
+        for (int it = 0; ws_take_step<kSub>(cur, p, 0, st); ++it) {
+            const int s = it % kStages;
+            if (it >= kStages) mbar_wait(empty_bar(s), ((it / kStages) + 1) & 1);
+            const uint32_t sK = sKV + s * 2 * WT::kSmemKV;
+#pragma unroll
+            for (int hh = 0; hh < kSub; ++hh) {
+                ws_load_sub<WT>(sK, hh, gK, p.k_ss, st.n0[hh], kv_len, ptid);
+                ws_load_sub<WT>(sK + WT::kSmemKV, hh, gV, p.v_ss, st.n0[hh], kv_len, ptid);
+            }
+            cp_async_mbar_arrive(full_bar(s));
+        }
+        cp_async_wait<0>();
+        return;
+    }
+
+    // ---------------- consumers ----------------
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WT::kConsumerRegs));
+    const int w = wg - 1;
+    const int ctid = tid - 128 * wg;  // 0..127 inside the consumer warpgroup
+    const Elem* gQ = static_cast<const Elem*>(p.q) + b * p.q_sb + h * p.q_sh;
+    // this consumer's 64 Q rows (rows 64 w .. 64 w + 63 of the 128-row swizzled Q tile)
+    {
+        constexpr int kIters = 64 * WT::kChunks / 128;
+#pragma unroll
+        for (int i = 0; i < kIters; ++i) {
+            const int c = ctid + i * 128;
+            const int r = c / WT::kChunks, ch = c % WT::kChunks;
+            const int grow = q0 + 64 * w + r;
+            const bool ok = grow < p.seq_q;
+            cp_async16(sQ + swz128<kBlockM>(64 * w + r, ch),
+                       gQ + (ok ? static_cast<int64_t>(grow) * p.q_ss + ch * 8 : 0), ok ? 16 : 0);
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        named_barrier_sync(1 + w, 128);
+    }
+    // The consumers take turns issuing their MMAs (FlashAttention-3's ping-pong, named barriers 3 and 4): while
+    // one runs its softmax the other's MMAs own the tensor cores; consumer 1 hands the first turn to consumer 0.
+    if (w == 1) named_barrier_arrive(3, 256);
+    ws_consume<WT>(p, q0, h, b, 0, sQ, sKV, sBar, w, ctid);
 #else
     __trap();  // built without sm_90a: the dispatcher never selects this tactic then
 #endif
 }
 
-// Host: K and V tensor maps; false when the driver entry point or an encoding is unavailable (the caller falls back).
+// Persistent form (TMA producer; the launcher needs a work counter, zeroed before the launch): one CTA per SM
+// takes work items from the counter (atomicAdd: dynamic list scheduling in the schedule's order, so the longest
+// rows still go first) until they run out.  The producer thread runs up to two items ahead: it loads the next
+// item's Q (TMA, double-buffered) and its first K/V while the consumers finish the current one, so an item's
+// start (Q load, pipeline fill) and end (O store) overlap other work instead of leaving the SM idle -- the
+// non-persistent kernel paid that per 128-row CTA at one CTA per SM.  Item hand-off: per Q buffer, the item's
+// (qb, h, b) in shared memory and two mbarriers (q_full: Q landed / no more items; q_empty: both consumers
+// stored the item's O, which is staged in that buffer).
+template <class WT>
+__global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const __grid_constant__ KernelParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int kBlockM = WT::kBlockM, kStages = WT::kStages;
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const uint32_t sQ0 = (smem_u32(smem) + 1023u) & ~1023u;  // Q buffer j: sQ0 + j kSmemQ
+    const uint32_t sKV = sQ0 + 2 * WT::kSmemQ;
+    const uint32_t sBar = sKV + 2 * kStages * WT::kSmemKV;  // full[kStages], empty[kStages], q_full[2], q_empty[2]
+    const uint32_t sItem = sBar + 8 * (2 * kStages + 4);     // int4 per Q buffer: qb, h, b, valid
+    auto q_full = [&](int j) { return sBar + 8 * (2 * kStages + j); };
+    auto q_empty = [&](int j) { return sBar + 8 * (2 * kStages + 2 + j); };
+
+    const int tid = threadIdx.x;
+    const int wg = tid / 128;
+    if (tid == 0) {
+#pragma unroll
+        for (int s = 0; s < kStages; ++s) {
+            mbar_init(sBar + 8 * s, 1);
+            mbar_init(sBar + 8 * (kStages + s), 128 * WT::kConsumers);
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            mbar_init(q_full(j), 1);
+            mbar_init(q_empty(j), 128 * WT::kConsumers);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    const int n_items = p.persist_items;
+    if (wg == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WT::kProducerRegs));
+        if (tid != 0) return;
+        int it = 0;
+        for (int j = 0;; ++j) {
+            const int buf = j & 1;
+            if (j >= 2) mbar_wait(q_empty(buf), ((j >> 1) + 1) & 1);  // item j - 2's O is out of this buffer
+            BlockWork wk{0, 0, 0};
+            int item;
+            do {  // items past the run-time Sq (row-ordered grids) have nothing to do
+                item = atomicAdd(p.work_counter, 1);
+                if (item < n_items) wk = block_work_at<kBlockM>(p, item, p.persist_nqb);
+            } while (item < n_items && wk.qb * kBlockM >= p.seq_q);
+            const bool valid = item < n_items;
+            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(sItem + 16 * buf), "r"(wk.qb), "r"(wk.h),
+                         "r"(wk.b), "r"(valid ? 1 : 0)
+                         : "memory");
+            if (!valid) {
+                mbar_arrive(q_full(buf));  // releases the consumers' last wait: no more items
+                break;
+            }
+            const uint32_t sQ = sQ0 + buf * WT::kSmemQ;
+            const int q0 = wk.qb * kBlockM;
+            mbar_expect_tx(q_full(buf), kBlockM * WT::kHeadDim * 2);
+#pragma unroll
+            for (int cb = 0; cb < WT::kHeadDim / 64; ++cb)
+#pragma unroll
+                for (int r = 0; r < kBlockM / 64; ++r)
+                    tma_load_4d(sQ + cb * kBlockM * 128 + r * 64 * 128, &p.tma_q, cb * 64, q0 + 64 * r, wk.h, wk.b,
+                                q_full(buf));
+            it = ws_produce_tma<WT>(p, q0, wk.h, wk.b, it, sKV, sBar);
+        }
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WT::kConsumerRegs));
+    const int w = wg - 1;
+    const int ctid = tid - 128 * wg;
+    if (w == 1) named_barrier_arrive(3, 256);  // consumer 0 takes the first MMA turn
+    int it = 0;
+    for (int j = 0;; ++j) {
+        const int buf = j & 1;
+        mbar_wait(q_full(buf), (j >> 1) & 1);
+        int qb, h, b, valid;
+        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(qb), "=r"(h), "=r"(b), "=r"(valid)
+                     : "r"(sItem + 16 * buf)
+                     : "memory");
+        if (!valid) break;
+        const uint32_t sQ = sQ0 + buf * WT::kSmemQ;
+        it = ws_consume<WT>(p, qb * kBlockM, h, b, it, sQ, sKV, sBar, w, ctid);
+        // the O stores read sQ through the generic proxy; the next TMA write of this buffer is async-proxy
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        mbar_arrive(q_empty(buf));
+    }
+#else
+    __trap();  // built without sm_90a: the dispatcher never selects this tactic then
+#endif
+}
+
+// Host: K and V (encode_kv_maps) or Q (encode_q_map) tensor maps; false when the driver entry point or an encoding
+// is unavailable (the caller falls back).
 bool encode_kv_maps(KernelParams& p, int head_dim, bool bf16);
+bool encode_q_map(KernelParams& p, int head_dim, bool bf16);
 
 template <class WT>
 cudaError_t launch_hopper_ws(const KernelParams& params, cudaStream_t stream) {
     if constexpr (WT::kTma) {
         using CpAsync = WsTraits<WT::kHeadDim, WT::kStages, WT::kSub, typename WT::Elem, false>;
+        constexpr bool kBf16 = !std::is_same<typename WT::Elem, __half>::value;
         KernelParams p = params;
-        // key_lengths can end a batch's keys before Sk, where the TMA would bring real rows (see the producer)
-        if (p.key_lengths == nullptr &&
-            encode_kv_maps(p, WT::kHeadDim, !std::is_same<typename WT::Elem, __half>::value))
+        // key_lengths can end a batch's keys before Sk, where the TMA would bring real rows (see ws_produce_tma)
+        if (p.key_lengths != nullptr || !encode_kv_maps(p, WT::kHeadDim, kBf16))
+            return launch_hopper_ws<CpAsync>(params, stream);
+        if (p.work_counter == nullptr || !encode_q_map(p, WT::kHeadDim, kBf16))
             return launch_scheduled<WT::kBlockM, WT::kHeadDim>(hopper_ws_attn_fwd<WT>, p, WT::kThreads,
                                                                WT::kSmemSize, stream);
-        return launch_hopper_ws<CpAsync>(params, stream);
+        // persistent: one CTA per SM (at most one per item) over the schedule's grid of items
+        const dim3 grid = schedule_grid<WT::kBlockM, WT::kHeadDim>(p);
+        const int64_t items = static_cast<int64_t>(grid.x) * grid.y * grid.z;
+        if (items > INT_MAX / 2) return cudaErrorInvalidValue;
+        p.persist_items = static_cast<int>(items);
+        p.persist_nqb = static_cast<int>(grid.x);
+        int dev = 0, sms = 0;
+        cudaError_t err = cudaGetDevice(&dev);
+        if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+        if (err == cudaSuccess)
+            err = cudaFuncSetAttribute(hopper_ws_persist_fwd<WT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       WT::kSmemPersist);
+        if (err == cudaSuccess) err = cudaMemsetAsync(p.work_counter, 0, sizeof(int), stream);
+        if (err != cudaSuccess) return err;
+        const int ctas = static_cast<int>(std::min<int64_t>(items, std::max(sms, 1)));
+        hopper_ws_persist_fwd<WT><<<ctas, WT::kThreads, WT::kSmemPersist, stream>>>(p);
+        return cudaGetLastError();
     } else {
         return launch_scheduled<WT::kBlockM, WT::kHeadDim>(hopper_ws_attn_fwd<WT>, params, WT::kThreads,
                                                            WT::kSmemSize, stream);

@@ -28,11 +28,14 @@ stof_status_t fail(stof_status_t s, const char* fmt, ...) {
 struct TacticDesc {
     int id, family, block_m, block_n, warps, stages;
     const char* name;
+    bool persistent;  // runs persistent when given a workspace (its work counter)
 };
 
+constexpr int64_t kWorkspaceBytes = 16;
+
 #define STOF_BLOCK_DESC(id, bm, bn, w, s, mb, q) \
-    {id, 1, bm, bn, w, s, "block_m" #bm "_n" #bn "_w" #w "_s" #s "_occ" #mb "_q" #q},
-#define STOF_ROW_DESC(id, w) {id, 2, 1, 32, w, 1, "row_w" #w},
+    {id, 1, bm, bn, w, s, "block_m" #bm "_n" #bn "_w" #w "_s" #s "_occ" #mb "_q" #q, false},
+#define STOF_ROW_DESC(id, w) {id, 2, 1, 32, w, 1, "row_w" #w, false},
 // warp-specialised variants (3, 4) add the producer warpgroup to the warp count
 #define STOF_HOPPER_DESC(id, wg, s, pipe) \
     {id, 3, 64 * wg, 64, 4 * wg + (pipe == 3 || pipe == 4 ? 4 : 0), s,                                                 \
@@ -42,7 +45,8 @@ struct TacticDesc {
      : pipe == 4 ? "wgmma_ws_m" #wg "x64_n128_s" #s                                                     \
      : pipe == 5 ? "wgmma_m" #wg "x64_n64_s" #s "_tma"                                                  \
      : pipe == 6 ? "wgmma_m" #wg "x64_n128_s" #s "_tma"                                                 \
-                 : "wgmma_m" #wg "x64_n64_s" #s},
+                 : "wgmma_m" #wg "x64_n64_s" #s,                                                    \
+     pipe == 3 || pipe == 4},
 // Listed (and tried by tactic 0) in this order: Hopper first where it can run, then mma.sync, then row-wise.
 const TacticDesc kTactics[] = {STOF_HOPPER_TACTICS(STOF_HOPPER_DESC) STOF_BLOCK_TACTICS(STOF_BLOCK_DESC)
                                    STOF_ROW_TACTICS(STOF_ROW_DESC)};
@@ -125,6 +129,8 @@ stof_status_t validate(const stof_attn_params_t* p) {
         return fail(STOF_ERROR_INVALID_ARGUMENT, "num_layouts %d must be 1 or num_heads (%d)", p->num_layouts,
                     p->num_heads);
     if (p->sched_chunk < 0) return fail(STOF_ERROR_INVALID_ARGUMENT, "sched_chunk %d must be >= 0", p->sched_chunk);
+    if (p->workspace != nullptr && (p->workspace_bytes < 0 || reinterpret_cast<uintptr_t>(p->workspace) % 16 != 0))
+        return fail(STOF_ERROR_INVALID_ARGUMENT, "workspace must be 16-byte aligned with workspace_bytes >= 0");
     if (p->layout_seq_q < 1 || p->layout_seq_k < 1)
         return fail(STOF_ERROR_INVALID_ARGUMENT, "compiled layout sizes must be >= 1");
     if (p->seq_q > p->layout_seq_q || p->seq_k > p->layout_seq_k)
@@ -160,6 +166,8 @@ KernelParams kernel_params(const stof_attn_params_t& p) {
     k.key_lengths = p.key_lengths, k.key_padding_mask = p.key_padding_mask;
     k.row_order = p.row_order;  // schedule_grid keeps it or drops it per kernel
     k.sched_chunk = p.sched_chunk;  // 0: schedule_grid picks it
+    k.work_counter = p.workspace != nullptr && p.workspace_bytes >= kWorkspaceBytes ? static_cast<int*>(p.workspace)
+                                                                                     : nullptr;
     return k;
 }
 
@@ -232,8 +240,9 @@ stof_status_t stof_attn_workspace_size(const stof_attn_params_t* p, int32_t tact
     *bytes = 0;
     stof_status_t s = validate(p);
     if (s != STOF_SUCCESS) return s;
-    if (tactic > 0 && find_tactic(tactic) == nullptr)
-        return fail(STOF_ERROR_INVALID_TACTIC, "unknown tactic %d", tactic);
+    const TacticDesc* t = tactic > 0 ? find_tactic(tactic) : nullptr;
+    if (tactic > 0 && t == nullptr) return fail(STOF_ERROR_INVALID_TACTIC, "unknown tactic %d", tactic);
+    *bytes = t == nullptr || t->persistent ? kWorkspaceBytes : 0;
     return STOF_SUCCESS;
 }
 

@@ -51,8 +51,9 @@ def _to_bhsd(t, bhsd):
 
 
 def check_all_tactics(case: str, dense_np: np.ndarray, layout: TileLayout, *, B, H, Sq, Sk, D, dtype, seed,
-                      bhsd=True, lengths=None, kpm=None, scale=None):
-    """Run every listed tactic on one problem and compare with the float64 reference."""
+                      bhsd=True, lengths=None, kpm=None, scale=None, workspace=True, only=None):
+    """Run every listed tactic (or those of `only`) on one problem and compare with the float64 reference.
+    workspace=False runs without the C ABI workspace (the warp-specialised tactics then one CTA per work item)."""
     if dense_np.ndim == 2:
         dense_np = dense_np[None]
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -73,17 +74,20 @@ def check_all_tactics(case: str, dense_np: np.ndarray, layout: TileLayout, *, B,
     tactics = list_tactics(q, k, v, dl, bhsd=bhsd)
     assert tactics, "no tactic listed"
     invalid = [t.id for t in all_tactics() if t.id not in tactics]
+    if only is not None:
+        tactics = [t for t in tactics if t in only]
+        assert tactics, f"none of {only} listed"
     tol = TOL[dtype]
     for t in tactics:
         out = torch.full_like(q, float("nan"))
         sparse_attention(q, k, v, dl, scale=scale, tactic=t, key_lengths=lengths_t, key_padding_mask=kpm_t,
-                         out=out, bhsd=bhsd)
+                         out=out, bhsd=bhsd, workspace=workspace)
         torch.cuda.synchronize()
         o = _to_bhsd(out, bhsd)
         finite = bool(torch.isfinite(o).all())
         err = rel_err(o, ref) if finite else float("nan")
         zero_rows_ok = bool((o[~has_key] == 0).all())
-        _log({"case": case, "tactic": tactic_info(t).name, "dtype": str(dtype).split(".")[-1], "D": D,
+        _log({"case": case + ("" if workspace else " (no workspace)"), "tactic": tactic_info(t).name, "dtype": str(dtype).split(".")[-1], "D": D,
               "Sq": Sq, "Sk": Sk, "err": err, "tol": tol, "zero_rows_ok": zero_rows_ok,
               "ok": finite and err <= tol and zero_rows_ok})
         assert finite, f"{case} tactic {tactic_info(t).name}: non-finite output (unwritten or NaN)"
@@ -156,6 +160,27 @@ def test_long_rows_and_all_masked():
     empty = np.zeros((1, 100, 130), bool)
     check_all_tactics("empty mask", empty, TileLayout.from_dense(empty, 64, 64), B=1, H=2, Sq=100, Sk=130, D=64,
                       dtype=torch.bfloat16, seed=1)
+
+
+WS_TACTICS = (21, 22, 23, 24)  # warp-specialised: persistent with a workspace, one CTA per work item without
+
+
+@pytest.mark.parametrize("workspace", [True, False], ids=["persistent", "cta_per_item"])
+@pytest.mark.parametrize("D", HEAD_DIMS)
+def test_warp_specialised_forms(D, workspace):
+    """Tactics 21-24 both ways.  Persistent: more 128-row work items than SMs (each CTA takes many, from the work
+    counter), a per-head BigBird layout, and a 128-row-tile layout run at Sq below its compiled size (the row order
+    is kept, so the schedule holds items past Sq, which the producer skips)."""
+    for spec, S, H in (("causal", 2048, 6), ("bigbird:block=64,window=1,global=1,random=0.1,seed=5,per_head=1", 1536, 4)):
+        mask = parse_mask(spec)
+        layout = compile_mask(mask, S, S, num_heads=H)
+        check_all_tactics(f"ws {spec} S={S}", mask.dense(S, S, num_heads=H), layout, B=2, H=H, Sq=S, Sk=S, D=D,
+                          dtype=torch.bfloat16 if D == 128 else torch.float16, seed=S + D, workspace=workspace,
+                          only=WS_TACTICS)
+    mask = parse_mask("longformer:window=100,global=7")
+    layout = compile_mask(mask, 1024, 1024, tile_m=128, tile_n=64)
+    check_all_tactics("ws 128-row tiles Sq=800", mask.dense(1024, 1024), layout, B=3, H=5, Sq=800, Sk=1000, D=D,
+                      dtype=torch.float16, seed=D, workspace=workspace, only=WS_TACTICS)
 
 
 def _problem(D=64, Sq=128, Sk=128, dtype=torch.float16):

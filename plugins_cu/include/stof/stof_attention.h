@@ -21,7 +21,7 @@ extern "C" {
 #endif
 
 #define STOF_FORMAT_VERSION 1
-#define STOF_ABI_VERSION 2
+#define STOF_ABI_VERSION 3
 
 #if defined(_WIN32)
 #define STOF_API __declspec(dllexport)
@@ -87,6 +87,14 @@ typedef struct {
      * (as many pairs as fit a share of L2), 1 = one pair at a time.  stof_layout_sched_chunk() gives the value for
      * a layout: 1 when its rows are of near-equal length (interleaving measured 4-5 % slower there), else 0. */
     int32_t sched_chunk;
+
+    /* --- workspace (optional; ABI version 3) ------------------------------------------------------------ */
+    /* Device memory of at least stof_attn_workspace_size() bytes, 16-byte aligned, for this call only (the next
+     * call may reuse it once this one's stream work is ordered before it), or NULL.  The warp-specialised tactics
+     * (21-24) use it for a work counter and then run persistent (one CTA per SM taking work items in the
+     * schedule's order); with NULL they run one CTA per work item.  Same result either way. */
+    void* workspace;
+    int64_t workspace_bytes;
 } stof_attn_params_t;
 
 /* Zero the struct and fill the defaults (dtype fp16, num_layouts 1, tile 64x64). */
@@ -112,7 +120,8 @@ STOF_API stof_status_t stof_attn_tactic_info(int32_t tactic, int32_t* family, in
 /* "block_m64_n64_w4_s2" etc.; "invalid" for an unknown id.  Static storage. */
 STOF_API const char* stof_attn_tactic_name(int32_t tactic);
 
-/* Workspace bytes the tactic needs (0 for every tactic of this version). */
+/* Workspace bytes the tactic can use (16 for the warp-specialised tactics, else 0; tactic 0: the most any tactic
+ * uses), see stof_attn_params_t.workspace. */
 STOF_API stof_status_t stof_attn_workspace_size(const stof_attn_params_t* p, int32_t tactic, size_t* bytes);
 
 /* Run the forward pass on the stream.  tactic 0 (or < 0) = the library's default choice for the problem. */
