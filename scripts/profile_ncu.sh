@@ -34,7 +34,7 @@ profile() {  # name, kernel regex, profile_attention.py arguments...
 status=0
 for t in $TACTICS; do
     echo "== tactic $t ($MASK, S=$S, D=$D)"
-    profile "t$t" "attn_fwd" --tactics "$t" || status=1
+    profile "t$t" "attn_fwd|persist_fwd" --tactics "$t" || status=1
 done
 if [[ -n ${SDPA:-} ]]; then
     echo "== SDPA is_causal (cuDNN)"

@@ -48,11 +48,12 @@ struct WsTraits {
     static constexpr int kSmemQ = kBlockM * kHeadDim * 2;
     static constexpr int kSmemKV = kBlockN * kHeadDim * 2;  // one of K or V, one stage
     static constexpr int kSmemBar = 16 * kStages;            // full[] and empty[] mbarriers
-    static constexpr int kSmemSize = kSmemQ + 2 * kStages * kSmemKV + kSmemBar + 1024;
+    static constexpr int kSmemDesc = 64 * kStages;           // a step descriptor per stage (kWsDescBytes)
+    static constexpr int kSmemSize = kSmemQ + 2 * kStages * kSmemKV + kSmemBar + kSmemDesc + 1024;
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim");
     static_assert(kSub == 1 || kSub == 2, "64 or 128 keys per step");
     // persistent form: two Q buffers, the ring, full/empty[kStages] + q_full/q_empty[2] mbarriers, 2 item slots
-    static constexpr int kSmemPersist = 2 * kSmemQ + 2 * kStages * kSmemKV + 8 * (2 * kStages + 4) + 32 + 1024;
+    static constexpr int kSmemPersist = 2 * kSmemQ + 2 * kStages * kSmemKV + 8 * (2 * kStages + 4) + 32 + kSmemDesc + 1024;
     static_assert(kSmemSize <= 227 * 1024 && kSmemPersist <= 227 * 1024, "shared memory");
 };
 
@@ -95,15 +96,15 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-// One step of the merged walk: up to kSub sub-blocks; n0 = first key (-1: absent), ent[h] = the format entry of
-// the calling consumer's tile row there (-1: none; w = 0 or 1; the producer passes 0 and ignores it).
+// One step of the merged walk: up to kSub sub-blocks; n0 = first key (-1: absent), sub = the 64-key sub-block
+// inside its tile, ent[w][h] = the format entry of consumer w's tile row there (-1: none).
 template <int kSub>
 struct WsStep {
-    int n0[kSub], sub[kSub], ent[kSub];
+    int n0[kSub], sub[kSub], ent[2][kSub];
 };
 
 template <int kSub>
-__device__ __forceinline__ bool ws_take_step(MergedCursor<2>& cur, const KernelParams& p, int w, WsStep<kSub>& st) {
+__device__ __forceinline__ bool ws_take_step(MergedCursor<2>& cur, const KernelParams& p, WsStep<kSub>& st) {
     bool any = false;
 #pragma unroll
     for (int h = 0; h < kSub; ++h) {
@@ -112,16 +113,67 @@ __device__ __forceinline__ bool ws_take_step(MergedCursor<2>& cur, const KernelP
         if (j == INT_MAX) {
             st.n0[h] = -1;
             st.sub[h] = 0;
-            st.ent[h] = -1;
+            st.ent[0][h] = st.ent[1][h] = -1;
         } else {
             st.n0[h] = j * p.tile_n + cur.sub * 64;
             st.sub[h] = cur.sub;
-            st.ent[h] = w == 0 ? ent[0] : ent[1];  // a select, not a dynamic index (keeps st in registers)
+            st.ent[0][h] = ent[0];
+            st.ent[1][h] = ent[1];
             cur.advance(p);
             any = true;
         }
     }
     return any;
+}
+
+// The step descriptor the producer publishes with each ring stage (64 bytes of shared memory per stage, written
+// before the stage's full-barrier arrival, which releases it): the step's sub-blocks and, per consumer, the bitmap
+// index of its tile there.  The consumers read it instead of walking the tile lists themselves: the walk's
+// dependent index loads (col_idx, then tile_bitmap_index) stalled them on every step (ncu, session 5).
+//   int n0[2]      first key of sub-block h (-1: absent)
+//   int sub[2]     the sub-block's 64-key index inside its tile
+//   int bm[2][2]   [consumer][h]: tile_bitmap_index of the consumer's entry (-1: FULL), -2: no tile there
+//   int more       1 when the work item has a further step
+constexpr int kWsDescBytes = 64;
+
+template <int kSub>
+__device__ __forceinline__ void ws_write_desc(uint32_t d, const WsStep<kSub>& st, bool more, const KernelParams& p) {
+    int bm[2][2];
+#pragma unroll
+    for (int w = 0; w < 2; ++w)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            bm[w][h] = h < kSub && st.ent[w][h < kSub ? h : 0] >= 0
+                           ? __ldg(p.tile_bitmap_index + st.ent[w][h < kSub ? h : 0])
+                           : -2;
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(d), "r"(st.n0[0]), "r"(kSub > 1 ? st.n0[kSub - 1] : -1),
+                 "r"(st.sub[0]), "r"(kSub > 1 ? st.sub[kSub - 1] : 0)
+                 : "memory");
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(d + 16), "r"(bm[0][0]), "r"(bm[0][1]), "r"(bm[1][0]),
+                 "r"(bm[1][1])
+                 : "memory");
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(d + 32), "r"(more ? 1 : 0) : "memory");
+}
+
+struct WsDesc {
+    int n0[2], sub[2], bm[2], more;  // bm: the reading consumer's
+};
+
+__device__ __forceinline__ WsDesc ws_read_desc(uint32_t d, int w) {
+    WsDesc r;
+    int b00, b01, b10, b11;
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r.n0[0]), "=r"(r.n0[1]), "=r"(r.sub[0]), "=r"(r.sub[1])
+                 : "r"(d)
+                 : "memory");
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(b00), "=r"(b01), "=r"(b10), "=r"(b11)
+                 : "r"(d + 16)
+                 : "memory");
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(r.more) : "r"(d + 32) : "memory");
+    r.bm[0] = w == 0 ? b00 : b10;  // selects: no dynamic register indexing
+    r.bm[1] = w == 0 ? b01 : b11;
+    return r;
 }
 
 // K or V rows [n0, n0 + 64) into rows [64 h, 64 h + 64) of a kBlockN-row swizzled tile, by the 128 producer
@@ -164,18 +216,20 @@ __device__ __forceinline__ void ws_item_cursor(MergedCursor<2>& cur, const Kerne
 // (those rows would hold real data).
 template <class WT>
 __device__ __forceinline__ int ws_produce_tma(const KernelParams& p, int q0, int h, int b, int it, uint32_t sKV,
-                                              uint32_t sBar) {
+                                              uint32_t sBar, uint32_t sDesc) {
     constexpr int kStages = WT::kStages, kSub = WT::kSub;
     constexpr uint32_t kStepBytes = kSub * 2 * 64 * WT::kHeadDim * 2;
     MergedCursor<2> cur;
     ws_item_cursor(cur, p, q0, h, p.seq_k);
-    WsStep<kSub> st;
-    for (; ws_take_step<kSub>(cur, p, 0, st); ++it) {
+    WsStep<kSub> st, next;
+    for (bool have = ws_take_step<kSub>(cur, p, st); have; ++it) {
+        const bool more = ws_take_step<kSub>(cur, p, next);  // one step ahead: the descriptor's `more`
         const int s = it % kStages;
         if (it >= kStages) mbar_wait(sBar + 8 * (kStages + s), ((it / kStages) + 1) & 1);  // empty[s]
         const uint32_t full = sBar + 8 * s;
         const uint32_t sK = sKV + s * 2 * WT::kSmemKV;
-        mbar_expect_tx(full, kStepBytes);
+        ws_write_desc<kSub>(sDesc + s * kWsDescBytes, st, more, p);
+        mbar_expect_tx(full, kStepBytes);  // the arrival releases the descriptor
 #pragma unroll
         for (int hh = 0; hh < kSub; ++hh) {
             const int n0 = st.n0[hh] >= 0 ? st.n0[hh] : st.n0[0];
@@ -186,6 +240,8 @@ __device__ __forceinline__ int ws_produce_tma(const KernelParams& p, int q0, int
                 tma_load_4d(sK + WT::kSmemKV + off, &p.tma_v, cb * 64, n0, h, b, full);
             }
         }
+        st = next;
+        have = more;
     }
     return it;
 }
@@ -196,7 +252,7 @@ __device__ __forceinline__ int ws_produce_tma(const KernelParams& p, int q0, int
 // (named barriers 3 and 4) stay paired across items.
 template <class WT>
 __device__ __forceinline__ int ws_consume(const KernelParams& p, int q0, int h, int b, int it, uint32_t sQ,
-                                          uint32_t sKV, uint32_t sBar, int w, int ctid) {
+                                          uint32_t sKV, uint32_t sBar, uint32_t sDesc, int w, int ctid) {
     using Elem = typename WT::Elem;
     constexpr int kNI = WT::kNI, kKD = WT::kKD, kKN = WT::kKN, kDI = WT::kDI;
     constexpr int kBlockM = WT::kBlockM, kBlockN = WT::kBlockN, kStages = WT::kStages, kSub = WT::kSub;
@@ -205,9 +261,14 @@ __device__ __forceinline__ int ws_consume(const KernelParams& p, int q0, int h, 
     const int warp = ctid >> 5, lane = ctid & 31;
     const int g = lane >> 2, tig = lane & 3;
     const int kv_len = effective_kv_len(p, b);
-    MergedCursor<2> cur;
-    ws_item_cursor(cur, p, q0, h, kv_len);
-    WsStep<kSub> st;
+    bool has_steps;  // the steps themselves come as descriptors with the stages (ws_write_desc)
+    {
+        MergedCursor<2> cur;
+        ws_item_cursor(cur, p, q0, h, kv_len);
+        int ent[2];
+        has_steps = cur.peek(ent) != INT_MAX;
+    }
+    WsDesc st;
     const int my_a0 = (q0 + 64 * w) % p.tile_m;  // first bitmap row of this warpgroup inside its tile
     Elem* gO = static_cast<Elem*>(p.o) + b * p.o_sb + h * p.o_sh;
     const int32_t* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.seq_k : nullptr;
@@ -247,7 +308,7 @@ __device__ __forceinline__ int ws_consume(const KernelParams& p, int q0, int h, 
     // Mask (sub-blocks this consumer's tile row lacks are -inf: the MMAs of a step run for both consumers, so
     // no wgmma sits under a data-dependent branch, which would make ptxas serialise them), online softmax;
     // leaves P in rS; true when O must be rescaled by alpha (see online_softmax).
-    auto softmax = [&](float (&alpha)[2]) -> bool {
+    auto softmax = [&](float (&alpha)[2]) -> bool {  // for the step described by st
         if (!fold) {
 #pragma unroll
             for (int i = 0; i < kNI * 4; ++i) rS[i] *= sl2;
@@ -257,13 +318,12 @@ __device__ __forceinline__ int ws_consume(const KernelParams& p, int q0, int h, 
             // A sub-block this consumer lacks is masked through all-zero words: every path masks rS in place
             // (FSEL), so no branch leaves the scores in other registers (a -inf fill on one path made ptxas copy
             // all 32 scores on every step).
-            const int e = st.ent[hh];
+            const int bm_idx = st.bm[hh];  // -2: this consumer has no tile there
             const int n0 = st.n0[hh];
-            const int bm_idx = e >= 0 ? __ldg(p.tile_bitmap_index + e) : -1;
-            const bool bound = e >= 0 && (n0 + 64 > kv_len || kpm != nullptr);
-            if (e < 0 || bm_idx >= 0 || bound) {
+            const bool bound = bm_idx != -2 && (n0 + 64 > kv_len || kpm != nullptr);
+            if (bm_idx != -1 || bound) {
                 uint32_t bits[2][2] = {{0u, 0u}, {0u, 0u}};
-                if (e >= 0) {
+                if (bm_idx != -2) {
 #pragma unroll
                     for (int r2 = 0; r2 < 2; ++r2)
                         row_bits(bits[r2], p, bm_idx, my_a0 + warp * 16 + r2 * 8 + g, st.sub[hh]);
@@ -276,10 +336,11 @@ __device__ __forceinline__ int ws_consume(const KernelParams& p, int q0, int h, 
     };
 
     // First step: S_0 and its softmax (nothing to overlap with yet).
-    if (ws_take_step<kSub>(cur, p, w, st)) {
+    if (has_steps) {
         int prev_stage = it % kStages;
         mbar_wait(full_bar(prev_stage), (it / kStages) & 1);
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async writes -> wgmma reads
+        st = ws_read_desc(sDesc + prev_stage * kWsDescBytes, w);
         named_barrier_sync(3 + w, 256);  // my turn on the tensor cores
         issue_s(prev_stage);
         named_barrier_arrive(3 + (1 - w), 256);  // the other consumer's turn
@@ -290,10 +351,11 @@ __device__ __forceinline__ int ws_consume(const KernelParams& p, int q0, int h, 
         pack_p<Elem, kKN>(rP, rS);
         ++it;
         // Steady state, step i: S_i and P_{i-1} V_{i-1} in flight together; softmax of S_i while P V runs.
-        for (; ws_take_step<kSub>(cur, p, w, st); ++it) {
+        for (bool more = st.more != 0; more; ++it) {
             const int stage = it % kStages;
             mbar_wait(full_bar(stage), (it / kStages) & 1);
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            st = ws_read_desc(sDesc + stage * kWsDescBytes, w);
             named_barrier_sync(3 + w, 256);
             issue_s(stage);
             issue_pv(prev_stage);
@@ -307,6 +369,7 @@ __device__ __forceinline__ int ws_consume(const KernelParams& p, int q0, int h, 
             if (rescale) rescale_o<kDI>(rO, alpha);
             pack_p<Elem, kKN>(rP, rS);
             prev_stage = stage;
+            more = st.more != 0;
         }
         issue_pv(prev_stage);
         wgmma_wait<0>();
@@ -331,6 +394,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
     const uint32_t sQ = (smem_u32(smem) + 1023u) & ~1023u;
     const uint32_t sKV = sQ + WT::kSmemQ;  // stage s: K at sKV + 2 s kSmemKV, V right after
     const uint32_t sBar = sKV + 2 * kStages * WT::kSmemKV;
+    const uint32_t sDesc = sBar + 16 * kStages;  // step descriptors (ws_write_desc), one per stage
     auto full_bar = [&](int s) { return sBar + 8 * s; };
     auto empty_bar = [&](int s) { return sBar + 8 * (kStages + s); };
 
@@ -344,7 +408,8 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
     if (tid == 0) {
 #pragma unroll
         for (int s = 0; s < kStages; ++s) {
-            mbar_init(full_bar(s), WT::kTma ? 1 : 128);  // TMA: the expect_tx arrival; else one cp.async arrival per producer thread
+            // TMA: the expect_tx arrival; cp.async: one arrival per producer thread's copies + thread 0's (the descriptor)
+            mbar_init(full_bar(s), WT::kTma ? 1 : 129);
             mbar_init(empty_bar(s), 128 * WT::kConsumers);  // one arrival per consumer thread
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -355,7 +420,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
         // ---------------- producer ----------------
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WT::kProducerRegs));
         if constexpr (WT::kTma) {
-            if (tid == 0) ws_produce_tma<WT>(p, q0, h, b, 0, sKV, sBar);
+            if (tid == 0) ws_produce_tma<WT>(p, q0, h, b, 0, sKV, sBar, sDesc);
             return;
         }
         const int kv_len = effective_kv_len(p, b);
@@ -363,9 +428,11 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
         const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_sb + h * p.v_sh;
         MergedCursor<2> cur;
         ws_item_cursor(cur, p, q0, h, kv_len);
-        WsStep<kSub> st;
+        WsStep<kSub> st, next;
         const int ptid = tid;
-        for (int it = 0; ws_take_step<kSub>(cur, p, 0, st); ++it) {
+        int it = 0;
+        for (bool have = ws_take_step<kSub>(cur, p, st); have; ++it) {
+            const bool more = ws_take_step<kSub>(cur, p, next);
             const int s = it % kStages;
             if (it >= kStages) mbar_wait(empty_bar(s), ((it / kStages) + 1) & 1);
             const uint32_t sK = sKV + s * 2 * WT::kSmemKV;
@@ -374,7 +441,13 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
                 ws_load_sub<WT>(sK, hh, gK, p.k_ss, st.n0[hh], kv_len, ptid);
                 ws_load_sub<WT>(sK + WT::kSmemKV, hh, gV, p.v_ss, st.n0[hh], kv_len, ptid);
             }
+            if (ptid == 0) {
+                ws_write_desc<kSub>(sDesc + s * kWsDescBytes, st, more, p);
+                mbar_arrive(full_bar(s));  // releases the descriptor
+            }
             cp_async_mbar_arrive(full_bar(s));
+            st = next;
+            have = more;
         }
         cp_async_wait<0>();
         return;
@@ -405,7 +478,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
     // The consumers take turns issuing their MMAs (FlashAttention-3's ping-pong, named barriers 3 and 4): while
     // one runs its softmax the other's MMAs own the tensor cores; consumer 1 hands the first turn to consumer 0.
     if (w == 1) named_barrier_arrive(3, 256);
-    ws_consume<WT>(p, q0, h, b, 0, sQ, sKV, sBar, w, ctid);
+    ws_consume<WT>(p, q0, h, b, 0, sQ, sKV, sBar, sDesc, w, ctid);
 #else
     __trap();  // built without sm_90a: the dispatcher never selects this tactic then
 #endif
@@ -428,6 +501,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
     const uint32_t sKV = sQ0 + 2 * WT::kSmemQ;
     const uint32_t sBar = sKV + 2 * kStages * WT::kSmemKV;  // full[kStages], empty[kStages], q_full[2], q_empty[2]
     const uint32_t sItem = sBar + 8 * (2 * kStages + 4);     // int4 per Q buffer: qb, h, b, valid
+    const uint32_t sDesc = sItem + 32;                         // step descriptors (ws_write_desc), one per stage
     auto q_full = [&](int j) { return sBar + 8 * (2 * kStages + j); };
     auto q_empty = [&](int j) { return sBar + 8 * (2 * kStages + 2 + j); };
 
@@ -479,7 +553,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                 for (int r = 0; r < kBlockM / 64; ++r)
                     tma_load_4d(sQ + cb * kBlockM * 128 + r * 64 * 128, &p.tma_q, cb * 64, q0 + 64 * r, wk.h, wk.b,
                                 q_full(buf));
-            it = ws_produce_tma<WT>(p, q0, wk.h, wk.b, it, sKV, sBar);
+            it = ws_produce_tma<WT>(p, q0, wk.h, wk.b, it, sKV, sBar, sDesc);
         }
         return;
     }
@@ -499,7 +573,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                      : "memory");
         if (!valid) break;
         const uint32_t sQ = sQ0 + buf * WT::kSmemQ;
-        it = ws_consume<WT>(p, qb * kBlockM, h, b, it, sQ, sKV, sBar, w, ctid);
+        it = ws_consume<WT>(p, qb * kBlockM, h, b, it, sQ, sKV, sBar, sDesc, w, ctid);
         // the O stores read sQ through the generic proxy; the next TMA write of this buffer is async-proxy
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         mbar_arrive(q_empty(buf));
