@@ -209,20 +209,20 @@ __device__ __forceinline__ void ws_item_cursor(MergedCursor<2>& cur, const Kerne
     cur.init(p, rows, kv_len);
 }
 
-// Producer (one thread), TMA: the K/V of one work item's steps into the ring from position it on; returns the
-// ring position after the item.  kSub (K, V) boxes of 64 keys per step; an absent sub-block (odd walk end)
+// Producer (one thread), TMA: the K/V of one work item's steps into the ring from position it on (the caller has
+// started the walk: cur after the first step st, have = whether there is one); returns the ring position after the
+// item.  kSub (K, V) boxes of 64 keys per step; an absent sub-block (odd walk end)
 // re-loads the step's first one: its scores are masked, so it only has to hold finite values.  Rows past Sk are
 // zero-filled by the TMA; the launchers run the cp.async producer when key_lengths can end the keys before Sk
 // (those rows would hold real data).
 template <class WT>
-__device__ __forceinline__ int ws_produce_tma(const KernelParams& p, int q0, int h, int b, int it, uint32_t sKV,
-                                              uint32_t sBar, uint32_t sDesc) {
+__device__ __forceinline__ int ws_produce_tma(const KernelParams& p, MergedCursor<2>& cur, WsStep<WT::kSub> st,
+                                              bool have, int h, int b, int it, uint32_t sKV, uint32_t sBar,
+                                              uint32_t sDesc) {
     constexpr int kStages = WT::kStages, kSub = WT::kSub;
     constexpr uint32_t kStepBytes = kSub * 2 * 64 * WT::kHeadDim * 2;
-    MergedCursor<2> cur;
-    ws_item_cursor(cur, p, q0, h, p.seq_k);
-    WsStep<kSub> st, next;
-    for (bool have = ws_take_step<kSub>(cur, p, st); have; ++it) {
+    WsStep<kSub> next;
+    for (; have; ++it) {
         const bool more = ws_take_step<kSub>(cur, p, next);  // one step ahead: the descriptor's `more`
         const int s = it % kStages;
         if (it >= kStages) mbar_wait(sBar + 8 * (kStages + s), ((it / kStages) + 1) & 1);  // empty[s]
@@ -247,12 +247,13 @@ __device__ __forceinline__ int ws_produce_tma(const KernelParams& p, int q0, int
 }
 
 // Consumer warpgroup w of one work item (its 64 Q rows already in the 128-row swizzled tile at sQ): every step
-// of the item's merged walk from ring position it on, then the epilogue (O staged through its own Q rows and
+// of the item's merged walk (has_steps_given: whether it has one, -1 = find out) from ring position it on, then the epilogue (O staged through its own Q rows and
 // stored).  Returns the ring position after the item.  Both consumers run the same steps, so the MMA turns
 // (named barriers 3 and 4) stay paired across items.
 template <class WT>
 __device__ __forceinline__ int ws_consume(const KernelParams& p, int q0, int h, int b, int it, uint32_t sQ,
-                                          uint32_t sKV, uint32_t sBar, uint32_t sDesc, int w, int ctid) {
+                                          uint32_t sKV, uint32_t sBar, uint32_t sDesc, int w, int ctid,
+                                          int has_steps_given = -1) {
     using Elem = typename WT::Elem;
     constexpr int kNI = WT::kNI, kKD = WT::kKD, kKN = WT::kKN, kDI = WT::kDI;
     constexpr int kBlockM = WT::kBlockM, kBlockN = WT::kBlockN, kStages = WT::kStages, kSub = WT::kSub;
@@ -261,8 +262,10 @@ __device__ __forceinline__ int ws_consume(const KernelParams& p, int q0, int h, 
     const int warp = ctid >> 5, lane = ctid & 31;
     const int g = lane >> 2, tig = lane & 3;
     const int kv_len = effective_kv_len(p, b);
-    bool has_steps;  // the steps themselves come as descriptors with the stages (ws_write_desc)
-    {
+    // the steps come as descriptors with the stages (ws_write_desc); whether there is one comes with a
+    // persistent kernel's item, else from the walk's first entries
+    bool has_steps = has_steps_given > 0;
+    if (has_steps_given < 0) {
         MergedCursor<2> cur;
         ws_item_cursor(cur, p, q0, h, kv_len);
         int ent[2];
@@ -420,7 +423,13 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
         // ---------------- producer ----------------
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WT::kProducerRegs));
         if constexpr (WT::kTma) {
-            if (tid == 0) ws_produce_tma<WT>(p, q0, h, b, 0, sKV, sBar, sDesc);
+            if (tid == 0) {
+                MergedCursor<2> cur;
+                ws_item_cursor(cur, p, q0, h, p.seq_k);
+                WsStep<kSub> st;
+                const bool have = ws_take_step<kSub>(cur, p, st);
+                ws_produce_tma<WT>(p, cur, st, have, h, b, 0, sKV, sBar, sDesc);
+            }
             return;
         }
         const int kv_len = effective_kv_len(p, b);
@@ -500,7 +509,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
     const uint32_t sQ0 = (smem_u32(smem) + 1023u) & ~1023u;  // Q buffer j: sQ0 + j kSmemQ
     const uint32_t sKV = sQ0 + 2 * WT::kSmemQ;
     const uint32_t sBar = sKV + 2 * kStages * WT::kSmemKV;  // full[kStages], empty[kStages], q_full[2], q_empty[2]
-    const uint32_t sItem = sBar + 8 * (2 * kStages + 4);     // int4 per Q buffer: qb, h, b, valid
+    const uint32_t sItem = sBar + 8 * (2 * kStages + 4);     // int4 per Q buffer: qb, h, b, flags
     const uint32_t sDesc = sItem + 32;                         // step descriptors (ws_write_desc), one per stage
     auto q_full = [&](int j) { return sBar + 8 * (2 * kStages + j); };
     auto q_empty = [&](int j) { return sBar + 8 * (2 * kStages + 2 + j); };
@@ -537,15 +546,23 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                 if (item < n_items) wk = block_work_at<kBlockM>(p, item, p.persist_nqb);
             } while (item < n_items && wk.qb * kBlockM >= p.seq_q);
             const bool valid = item < n_items;
+            const int q0 = wk.qb * kBlockM;
+            MergedCursor<2> cur;
+            WsStep<WT::kSub> st;
+            bool have = false;
+            if (valid) {
+                ws_item_cursor(cur, p, q0, wk.h, p.seq_k);
+                have = ws_take_step<WT::kSub>(cur, p, st);
+            }
+            // flags: 1 = an item, 2 = it has a step (the consumers then need no walk of their own)
             asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(sItem + 16 * buf), "r"(wk.qb), "r"(wk.h),
-                         "r"(wk.b), "r"(valid ? 1 : 0)
+                         "r"(wk.b), "r"((valid ? 1 : 0) | (have ? 2 : 0))
                          : "memory");
             if (!valid) {
                 mbar_arrive(q_full(buf));  // releases the consumers' last wait: no more items
                 break;
             }
             const uint32_t sQ = sQ0 + buf * WT::kSmemQ;
-            const int q0 = wk.qb * kBlockM;
             mbar_expect_tx(q_full(buf), kBlockM * WT::kHeadDim * 2);
 #pragma unroll
             for (int cb = 0; cb < WT::kHeadDim / 64; ++cb)
@@ -553,7 +570,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                 for (int r = 0; r < kBlockM / 64; ++r)
                     tma_load_4d(sQ + cb * kBlockM * 128 + r * 64 * 128, &p.tma_q, cb * 64, q0 + 64 * r, wk.h, wk.b,
                                 q_full(buf));
-            it = ws_produce_tma<WT>(p, q0, wk.h, wk.b, it, sKV, sBar, sDesc);
+            it = ws_produce_tma<WT>(p, cur, st, have, wk.h, wk.b, it, sKV, sBar, sDesc);
         }
         return;
     }
@@ -566,14 +583,14 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
     for (int j = 0;; ++j) {
         const int buf = j & 1;
         mbar_wait(q_full(buf), (j >> 1) & 1);
-        int qb, h, b, valid;
+        int qb, h, b, flags;
         asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(qb), "=r"(h), "=r"(b), "=r"(valid)
+                     : "=r"(qb), "=r"(h), "=r"(b), "=r"(flags)
                      : "r"(sItem + 16 * buf)
                      : "memory");
-        if (!valid) break;
+        if (!(flags & 1)) break;
         const uint32_t sQ = sQ0 + buf * WT::kSmemQ;
-        it = ws_consume<WT>(p, qb * kBlockM, h, b, it, sQ, sKV, sBar, sDesc, w, ctid);
+        it = ws_consume<WT>(p, qb * kBlockM, h, b, it, sQ, sKV, sBar, sDesc, w, ctid, (flags >> 1) & 1);
         // the O stores read sQ through the generic proxy; the next TMA write of this buffer is async-proxy
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         mbar_arrive(q_empty(buf));
