@@ -7,6 +7,8 @@
 #include "onnxruntime_cxx_api.h"
 #undef ORT_API_MANUAL_INIT
 
+#include <cuda_runtime.h>
+
 #include <cstdint>
 #include <cstdio>
 #include <sstream>
@@ -133,6 +135,30 @@ void setVerbose(bool on);
 OrtStatusPtr inferShapeFromInput(OrtShapeInferContext* ctx, size_t input, ONNXTensorElementDataType outType,
                                  int64_t lastDimFromInput, int lastDimInputAxis, size_t nbOutputs = 1,
                                  size_t dropAxisForRank = 0, size_t dropAxis = 0) noexcept;
+
+// Scratch memory from the EP's allocator, returned when the kernel call ends (stream-ordered reuse).
+class ScopedScratch {
+public:
+    ScopedScratch(Ort::KernelContext& ctx, size_t bytes) {
+        int dev = 0;
+        if (bytes == 0 || cudaGetDevice(&dev) != cudaSuccess) return;
+        Ort::MemoryInfo info("Cuda", OrtDeviceAllocator, dev, OrtMemTypeDefault);
+        mAlloc = ctx.GetAllocator(*info);
+        if (mAlloc == nullptr) return;
+        mPtr = mAlloc->Alloc(mAlloc, bytes);
+        if (mPtr != nullptr) mBytes = bytes;
+    }
+    ~ScopedScratch() {
+        if (mPtr != nullptr) mAlloc->Free(mAlloc, mPtr);
+    }
+    void* data() const { return mPtr; }
+    size_t bytes() const { return mBytes; }
+
+private:
+    OrtAllocator* mAlloc{nullptr};
+    void* mPtr{nullptr};
+    size_t mBytes{0};
+};
 
 }  // namespace stof_ort
 

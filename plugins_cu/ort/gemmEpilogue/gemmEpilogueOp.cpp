@@ -14,30 +14,6 @@ int32_t epiDType(ONNXTensorElementDataType t) {
     }
 }
 
-// Scratch memory from the EP's allocator, returned when the kernel call ends (stream-ordered reuse).
-class ScopedScratch {
-public:
-    ScopedScratch(Ort::KernelContext& ctx, size_t bytes) {
-        int dev = 0;
-        if (bytes == 0 || cudaGetDevice(&dev) != cudaSuccess) return;
-        Ort::MemoryInfo info("Cuda", OrtDeviceAllocator, dev, OrtMemTypeDefault);
-        mAlloc = ctx.GetAllocator(*info);
-        if (mAlloc == nullptr) return;
-        mPtr = mAlloc->Alloc(mAlloc, bytes);
-        if (mPtr != nullptr) mBytes = bytes;
-    }
-    ~ScopedScratch() {
-        if (mPtr != nullptr) mAlloc->Free(mAlloc, mPtr);
-    }
-    void* data() const { return mPtr; }
-    size_t bytes() const { return mBytes; }
-
-private:
-    OrtAllocator* mAlloc{nullptr};
-    void* mPtr{nullptr};
-    size_t mBytes{0};
-};
-
 }  // namespace
 
 GemmEpilogueKernel::GemmEpilogueKernel(OrtKernelInfo const* info, ONNXTensorElementDataType type) : mType(type) {

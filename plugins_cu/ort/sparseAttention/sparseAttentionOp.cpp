@@ -420,6 +420,13 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
             // the layout check stays valid while the layout inputs are constant (it is re-made otherwise)
             tactic = presearchTactic(p, maskSig, shapeBucket(B, Sq, Sk) + "|" + maskSig);
         }
+        // the work counter of the persistent (warp-specialised) tactics, ABI v3; without it they run one CTA
+        // per work item
+        size_t wsBytes = 0;
+        if (stof_attn_workspace_size(&p, tactic, &wsBytes) != STOF_SUCCESS) wsBytes = 0;
+        ScopedScratch ws(ctx, wsBytes);
+        p.workspace = ws.data();
+        p.workspace_bytes = static_cast<int64_t>(ws.bytes());
         stof_status_t s = stof_attn_run(&p, tactic, reinterpret_cast<stof_stream_t>(stream));
         if (s == STOF_ERROR_INVALID_TACTIC && tactic != 0) {  // a stale cache entry or pre-search pick: the library's
             if (verboseEnabled())
