@@ -184,6 +184,55 @@ int occupancy(TacticRow const& t, int D, stof_gpu_props_t const& g) {
     return static_cast<int>(std::max<int64_t>(0, occ));
 }
 
+// presearch._schedule_order: the CTA durations (ctaWork's reversed-row order) in the order the library starts them
+// (common.cuh block_work): (batch, head) pairs in chunks (1 for near-equal rows, else as many as fit 16 MiB of
+// K/V), position-major inside a chunk; positions follow the layout's row order (longest first, ties the higher row)
+// when a CTA covers at most one tile row and Sq covers >= 3/4 of the layout's rows, else the reversed rows.
+std::vector<double> scheduleOrder(Stats const& s, TacticRow const& t, std::vector<std::vector<double>> const& dur,
+                                  int batch, int heads, int D, int seqK) {
+    int const L = s.L;
+    int64_t const nCta = static_cast<int64_t>(dur[0].size());
+    int64_t const nhb = static_cast<int64_t>(batch) * heads;
+    bool uniform = true;
+    for (int l = 0; l < L; ++l) {
+        int64_t longest = 0, total = 0;
+        for (int r = 0; r < s.Tq; ++r) {
+            longest = std::max(longest, s.rowNnz[static_cast<size_t>(l) * s.Tq + r]);
+            total += s.rowNnz[static_cast<size_t>(l) * s.Tq + r];
+        }
+        if (4LL * s.Tq * longest > 5 * total) uniform = false;
+    }
+    int64_t const chunk = uniform ? 1 : std::max<int64_t>(1, std::min<int64_t>(nhb, (16LL << 20) / (4LL * seqK * D)));
+    int const f = s.tileM % t.blockM == 0 ? s.tileM / t.blockM : 0;
+    std::vector<std::vector<double>> ordered(L);
+    for (int l = 0; l < L; ++l) {
+        if (f >= 1 && 4 * nCta >= 3LL * s.Tq * f) {
+            std::vector<int> order(s.Tq);
+            for (int r = 0; r < s.Tq; ++r) order[r] = r;
+            int64_t const* nnz = s.rowNnz.data() + static_cast<size_t>(l) * s.Tq;
+            std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+                return nnz[a] != nnz[b] ? nnz[a] > nnz[b] : a > b;
+            });
+            for (int r : order)
+                for (int j = 0; j < f; ++j) {
+                    int64_t const qb = static_cast<int64_t>(r) * f + (f - 1 - j);
+                    if (qb < nCta) ordered[l].push_back(dur[l][nCta - 1 - qb]);
+                }
+        } else {
+            ordered[l] = dur[l];
+        }
+    }
+    std::vector<double> out;
+    out.reserve(static_cast<size_t>(nhb * nCta));
+    for (int64_t c0 = 0; c0 < nhb; c0 += chunk) {
+        int64_t const c1 = std::min(nhb, c0 + chunk);
+        size_t const n = ordered[static_cast<size_t>((c0 % heads) % L)].size();
+        for (size_t pos = 0; pos < n; ++pos)
+            for (int64_t hb = c0; hb < c1; ++hb) out.push_back(ordered[static_cast<size_t>((hb % heads) % L)][pos]);
+    }
+    return out;
+}
+
 double makespan(std::vector<double> const& d, int64_t slots) {
     if (static_cast<int64_t>(d.size()) <= slots) {
         double m = 0.0;
@@ -233,10 +282,7 @@ double predict(Stats const& s, TacticRow const& t, int batch, int heads, int D, 
             dur[l].resize(full[l].size());
             for (size_t i = 0; i < full[l].size(); ++i) dur[l][i] = c[0] * full[l][i] + c[1] * part[l][i] + c[2];
         }
-        std::vector<double> ctas;
-        ctas.reserve(static_cast<size_t>(batch) * heads * (dur[0].size()));
-        for (int b = 0; b < batch; ++b)
-            for (int h = 0; h < heads; ++h) ctas.insert(ctas.end(), dur[h % L].begin(), dur[h % L].end());
+        std::vector<double> const ctas = scheduleOrder(s, t, dur, batch, heads, D, seqK);
         return (makespan(ctas, static_cast<int64_t>(g.sm_count) * occ) + c[3]) * 1e-6;
     }
     double const bytesIo = static_cast<double>(2LL * D * batch * heads * (2LL * seqQ + 2LL * seqK));
