@@ -294,20 +294,22 @@ def _schedule_order(stats: TileStats, t: TacticSpec, dur: np.ndarray, *, batch: 
     f = stats.tile_m // t.block_m if stats.tile_m % t.block_m == 0 else 0
     all_ctas = rows.shape[1] * f
     if f >= 1 and 4 * n_cta >= 3 * all_ctas:
-        perms = []
+        # the grid spans every tile row of the layout; positions whose rows lie past Sq start and exit at once
+        # (NaN here, dropped after the interleave, which runs over the raw positions as the kernels' does)
+        ordered = []
         for l in range(L):
             order = sorted(range(rows.shape[1]), key=lambda r: (-rows[l, r], -r))
             qbs = [r * f + (f - 1 - j) for r in order for j in range(f)]
-            perms.append(np.array([n_cta - 1 - qb for qb in qbs if qb < n_cta]))
+            ordered.append(np.array([dur[l][n_cta - 1 - qb] if qb < n_cta else np.nan for qb in qbs]))
     else:
-        perms = [perm] * L
-    ordered = [dur[l][perms[l]] for l in range(L)]
+        ordered = [dur[l][perm] for l in range(L)]
     out = []
     for c0 in range(0, nhb, chunk):
         hb = np.arange(c0, min(nhb, c0 + chunk))
         block = np.stack([ordered[(x % heads) % L] for x in hb])  # [pairs, positions]
         out.append(block.T.reshape(-1))
-    return np.concatenate(out)
+    out = np.concatenate(out)
+    return out[~np.isnan(out)]
 
 
 def _makespan(durations: np.ndarray, slots: int) -> float:

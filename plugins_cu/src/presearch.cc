@@ -213,10 +213,12 @@ std::vector<double> scheduleOrder(Stats const& s, TacticRow const& t, std::vecto
             std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
                 return nnz[a] != nnz[b] ? nnz[a] > nnz[b] : a > b;
             });
+            // the grid spans every tile row; positions past Sq exit at once (-1 here, dropped after the interleave,
+            // which runs over the raw positions as the kernels' does)
             for (int r : order)
                 for (int j = 0; j < f; ++j) {
                     int64_t const qb = static_cast<int64_t>(r) * f + (f - 1 - j);
-                    if (qb < nCta) ordered[l].push_back(dur[l][nCta - 1 - qb]);
+                    ordered[l].push_back(qb < nCta ? dur[l][nCta - 1 - qb] : -1.0);
                 }
         } else {
             ordered[l] = dur[l];
@@ -228,7 +230,10 @@ std::vector<double> scheduleOrder(Stats const& s, TacticRow const& t, std::vecto
         int64_t const c1 = std::min(nhb, c0 + chunk);
         size_t const n = ordered[static_cast<size_t>((c0 % heads) % L)].size();
         for (size_t pos = 0; pos < n; ++pos)
-            for (int64_t hb = c0; hb < c1; ++hb) out.push_back(ordered[static_cast<size_t>((hb % heads) % L)][pos]);
+            for (int64_t hb = c0; hb < c1; ++hb) {
+                double const d = ordered[static_cast<size_t>((hb % heads) % L)][pos];
+                if (d >= 0.0) out.push_back(d);
+            }
     }
     return out;
 }
