@@ -376,6 +376,10 @@ class Runner:
         self._pref = ctypes.byref(self._p)
         self.tactic = int(tactic)
         self._ws = _attach_workspace(self._lib, self._p, self.tactic, q.device) if workspace else None
+        if self._ws is not None and stream is not None:  # allocated on the current stream, used on `stream`
+            self._ws.record_stream(stream if isinstance(stream, torch.cuda.Stream)
+                                   else torch.cuda.ExternalStream(getattr(stream, "cuda_stream", stream),
+                                                                  device=q.device))
         s = torch.cuda.current_stream(q.device).cuda_stream if stream is None else getattr(stream, "cuda_stream", stream)
         self._stream = ctypes.c_void_p(s)
         _check(self._lib.stof_attn_validate(self._pref))

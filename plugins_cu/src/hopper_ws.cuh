@@ -55,6 +55,7 @@ struct WsTraits {
     // persistent form: two Q buffers, the ring, full/empty[kStages] + q_full/q_empty[2] mbarriers, 2 item slots
     static constexpr int kSmemPersist = 2 * kSmemQ + 2 * kStages * kSmemKV + 8 * (2 * kStages + 4) + 32 + kSmemDesc + 1024;
     static_assert(kSmemSize <= 227 * 1024 && kSmemPersist <= 227 * 1024, "shared memory");
+    static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= 65536, "setmaxnreg budget");
 };
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
@@ -618,9 +619,13 @@ cudaError_t launch_hopper_ws(const KernelParams& params, cudaStream_t stream) {
             return launch_scheduled<WT::kBlockM, WT::kHeadDim>(hopper_ws_attn_fwd<WT>, p, WT::kThreads,
                                                                WT::kSmemSize, stream);
         // persistent: one CTA per SM (at most one per item) over the schedule's grid of items
-        const dim3 grid = schedule_grid<WT::kBlockM, WT::kHeadDim>(p);
+        KernelParams probe = p;
+        const dim3 grid = schedule_grid<WT::kBlockM, WT::kHeadDim>(probe);
         const int64_t items = static_cast<int64_t>(grid.x) * grid.y * grid.z;
-        if (items > INT_MAX / 2) return cudaErrorInvalidValue;
+        if (items > INT_MAX / 2)  // the counter is an int: one CTA per item instead
+            return launch_scheduled<WT::kBlockM, WT::kHeadDim>(hopper_ws_attn_fwd<WT>, p, WT::kThreads,
+                                                               WT::kSmemSize, stream);
+        p = probe;
         p.persist_items = static_cast<int>(items);
         p.persist_nqb = static_cast<int>(grid.x);
         int dev = 0, sms = 0;

@@ -136,21 +136,31 @@ OrtStatusPtr inferShapeFromInput(OrtShapeInferContext* ctx, size_t input, ONNXTe
                                  int64_t lastDimFromInput, int lastDimInputAxis, size_t nbOutputs = 1,
                                  size_t dropAxisForRank = 0, size_t dropAxis = 0) noexcept;
 
-// Scratch memory from the EP's allocator, returned when the kernel call ends (stream-ordered reuse).
+// Scratch memory from the EP's allocator, returned when the kernel call ends.  Freed before the launched work
+// completes: safe because the CUDA EP runs its kernels on one compute stream, in order (the arena's reuse is
+// stream-ordered).  No allocator (or a failing one) leaves data() NULL: callers run without scratch.
 class ScopedScratch {
 public:
     ScopedScratch(Ort::KernelContext& ctx, size_t bytes) {
         int dev = 0;
         if (bytes == 0 || cudaGetDevice(&dev) != cudaSuccess) return;
-        Ort::MemoryInfo info("Cuda", OrtDeviceAllocator, dev, OrtMemTypeDefault);
-        mAlloc = ctx.GetAllocator(*info);
+        try {
+            Ort::MemoryInfo info("Cuda", OrtDeviceAllocator, dev, OrtMemTypeDefault);
+            mAlloc = ctx.GetAllocator(*info);
+        } catch (Ort::Exception const&) {
+            mAlloc = nullptr;
+        }
         if (mAlloc == nullptr) return;
         mPtr = mAlloc->Alloc(mAlloc, bytes);
         if (mPtr != nullptr) mBytes = bytes;
     }
     ~ScopedScratch() {
+        if (mAlloc == nullptr) return;
         if (mPtr != nullptr) mAlloc->Free(mAlloc, mPtr);
+        Ort::GetApi().ReleaseAllocator(mAlloc);  // GetAllocator hands out a wrapper object per call
     }
+    ScopedScratch(ScopedScratch const&) = delete;
+    ScopedScratch& operator=(ScopedScratch const&) = delete;
     void* data() const { return mPtr; }
     size_t bytes() const { return mBytes; }
 

@@ -422,8 +422,8 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
         }
         // the work counter of the persistent (warp-specialised) tactics, ABI v3; without it they run one CTA
         // per work item
-        size_t wsBytes = 0;
-        if (stof_attn_workspace_size(&p, tactic, &wsBytes) != STOF_SUCCESS) wsBytes = 0;
+        size_t wsBytes = 0;  // tactic 0: the most any tactic uses (also covers the retry with tactic 0 below)
+        if (stof_attn_workspace_size(&p, 0, &wsBytes) != STOF_SUCCESS) wsBytes = 0;
         ScopedScratch ws(ctx, wsBytes);
         p.workspace = ws.data();
         p.workspace_bytes = static_cast<int64_t>(ws.bytes());
