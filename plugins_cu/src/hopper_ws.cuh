@@ -1,19 +1,21 @@
 // Warp-specialised block-wise sparse attention on Hopper (sm_90a), FlashAttention-3's structure over the STOF
 // tile format.  Same semantics as blockwise.cuh / hopper.cuh.
 //
-// One CTA = 128 query rows, three warpgroups:
+// One CTA = 128 query rows (a work item), three warpgroups:
 //   warpgroup 0, the producer: walks the union of the two 64-row halves' non-empty columns (MergedCursor, as in
 //     hopper.cuh), gathers kSub 64-key sub-blocks per step (they need not be adjacent keys: a step of a sparse row
-//     joins its next two non-empty sub-blocks) and streams K and V into a kStages-deep ring with cp.async
-//     (zero-fill past the key length, so V never brings garbage into a P V product), signalling one mbarrier
-//     (full[stage]) per step.  It gives its registers to the consumers (setmaxnreg).
+//     joins its next two non-empty sub-blocks), streams K and V into a kStages-deep ring (one thread issuing TMA
+//     boxes; 128 threads with cp.async and zero-fill when key_lengths is given) and publishes a step descriptor
+//     with each stage (ws_write_desc), signalling one mbarrier (full[stage]) per step.  It gives its registers
+//     to the consumers (setmaxnreg).
 //   warpgroups 1 and 2, the consumers: each owns 64 query rows (one format tile row) and runs, per step,
 //     S_i = Q K_i^T  (wgmma, issued before the previous step's P V so the tensor cores stay fed),
 //     O += P_{i-1} V_{i-1},
 //     mask + online softmax of S_i while P_{i-1} V_{i-1} runs, then O rescaled and the stage released
-//     (mbarrier empty[stage], one arrival per consumer thread).  A consumer whose tile row has no tile in a step
-//     only releases it.  The two consumers are not synchronised with each other, so one's softmax overlaps the
-//     other's MMAs.
+//     (mbarrier empty[stage], one arrival per consumer thread).  A consumer whose tile row has no tile in a
+//     sub-block masks it.  The two consumers are not synchronised with each other, so one's softmax overlaps the
+//     other's MMAs (FlashAttention-3's ping-pong turns on named barriers were measured 2-4 % slower here, session 5).
+//   hopper_ws_persist_fwd: the same, persistent (one CTA per SM taking items from a work counter).
 // Why: the one-warpgroup kernels (hopper.cuh) serialise barrier -> QK^T -> softmax -> PV inside each CTA and
 // re-read K/V for every 64 rows; here loads never stall the math warps, K/V are read once per 128 rows, and a
 // 128-key step (kSub = 2) halves the per-step softmax bookkeeping (max reductions, O rescale, barriers).
@@ -249,8 +251,7 @@ __device__ __forceinline__ int ws_produce_tma(const KernelParams& p, MergedCurso
 
 // Consumer warpgroup w of one work item (its 64 Q rows already in the 128-row swizzled tile at sQ): every step
 // of the item's merged walk (has_steps_given: whether it has one, -1 = find out) from ring position it on, then the epilogue (O staged through its own Q rows and
-// stored).  Returns the ring position after the item.  Both consumers run the same steps, so the MMA turns
-// (named barriers 3 and 4) stay paired across items.
+// stored).  Returns the ring position after the item.
 template <class WT>
 __device__ __forceinline__ int ws_consume(const KernelParams& p, int q0, int h, int b, int it, uint32_t sQ,
                                           uint32_t sKV, uint32_t sBar, uint32_t sDesc, int w, int ctid,
@@ -345,9 +346,7 @@ __device__ __forceinline__ int ws_consume(const KernelParams& p, int q0, int h, 
         mbar_wait(full_bar(prev_stage), (it / kStages) & 1);
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async writes -> wgmma reads
         st = ws_read_desc(sDesc + prev_stage * kWsDescBytes, w);
-        named_barrier_sync(3 + w, 256);  // my turn on the tensor cores
         issue_s(prev_stage);
-        named_barrier_arrive(3 + (1 - w), 256);  // the other consumer's turn
         wgmma_wait<0>();
         fence_regs(rS);
         float alpha[2];
@@ -360,10 +359,8 @@ __device__ __forceinline__ int ws_consume(const KernelParams& p, int q0, int h, 
             mbar_wait(full_bar(stage), (it / kStages) & 1);
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
             st = ws_read_desc(sDesc + stage * kWsDescBytes, w);
-            named_barrier_sync(3 + w, 256);
             issue_s(stage);
             issue_pv(prev_stage);
-            named_barrier_arrive(3 + (1 - w), 256);
             wgmma_wait<1>();  // S_i
             fence_regs(rS);
             const bool rescale = softmax(alpha);
@@ -485,9 +482,6 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         named_barrier_sync(1 + w, 128);
     }
-    // The consumers take turns issuing their MMAs (FlashAttention-3's ping-pong, named barriers 3 and 4): while
-    // one runs its softmax the other's MMAs own the tensor cores; consumer 1 hands the first turn to consumer 0.
-    if (w == 1) named_barrier_arrive(3, 256);
     ws_consume<WT>(p, q0, h, b, 0, sQ, sKV, sBar, sDesc, w, ctid);
 #else
     __trap();  // built without sm_90a: the dispatcher never selects this tactic then
@@ -579,7 +573,6 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WT::kConsumerRegs));
     const int w = wg - 1;
     const int ctid = tid - 128 * wg;
-    if (w == 1) named_barrier_arrive(3, 256);  // consumer 0 takes the first MMA turn
     int it = 0;
     for (int j = 0;; ++j) {
         const int buf = j & 1;
