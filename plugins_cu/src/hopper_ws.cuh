@@ -57,7 +57,9 @@ struct WsTraits {
     // persistent form: two Q buffers, the ring, full/empty[kStages] + q_full/q_empty[2] mbarriers, 2 item slots
     static constexpr int kSmemPersist = 2 * kSmemQ + 2 * kStages * kSmemKV + 8 * (2 * kStages + 4) + 32 + kSmemDesc + 1024;
     static_assert(kSmemSize <= 227 * 1024 && kSmemPersist <= 227 * 1024, "shared memory");
-    static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= 65536, "setmaxnreg budget");
+    // setmaxnreg moves registers inside what the CTA got at launch (ptxas: 65536 / kThreads, rounded down to 8)
+    static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= kThreads * ((65536 / kThreads) & ~7),
+                  "setmaxnreg budget");
 };
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {

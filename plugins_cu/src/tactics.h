@@ -44,10 +44,11 @@
 //     registers); K/V ring 3 (17) or 4 (18, head dim 64 only: 4 x 32 KB at 128 would leave 1 CTA per SM).
 // 19, 20: as 13 and 14, with the P V MMA's completion awaited together with the next S MMA (back to back on the
 //     tensor cores) instead of at the end of each step.
-// 21-24: warp-specialised (hopper_ws.cuh, FlashAttention-3's structure): a producer warpgroup streams K/V with
-//     cp.async into an mbarrier ring, two consumer warpgroups (128 rows per CTA, one CTA per SM) each overlap
-//     their softmax with their own P V MMA and with the other consumer's MMAs.  21/22: 64-key steps, 2/3 stages;
-//     23/24: 128-key steps (two 64-key sub-blocks of the walk per step), 2/3 stages.
+// 21-24: warp-specialised (hopper_ws.cuh, FlashAttention-3's structure): a producer (one thread issuing TMA
+//     boxes; 128 cp.async threads with key_lengths) streams K/V and step descriptors into an mbarrier ring, two
+//     consumer warpgroups (128 rows per work item, one CTA per SM) each overlap their softmax with their own P V
+//     MMA and with the other consumer's MMAs; persistent (work counter in the C ABI workspace) when given one.
+//     21/22: 64-key steps, 2/3 stages; 23/24: 128-key steps (two 64-key sub-blocks of the walk per step), 2/3 stages.
 // 25, 26: as 13 and 14 with K/V loaded by the TMA (hopper_tma.cuh): one thread issues the copies, mbarriers
 //     instead of a CTA barrier per step, no per-thread address arithmetic.
 // 27: as 25 with 128-key steps (two 64-key sub-blocks of the walk per step, S as one m64n128 MMA), head dim 64,

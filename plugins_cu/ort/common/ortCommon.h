@@ -137,8 +137,9 @@ OrtStatusPtr inferShapeFromInput(OrtShapeInferContext* ctx, size_t input, ONNXTe
                                  size_t dropAxisForRank = 0, size_t dropAxis = 0) noexcept;
 
 // Scratch memory from the EP's allocator, returned when the kernel call ends.  Freed before the launched work
-// completes: safe because the CUDA EP runs its kernels on one compute stream, in order (the arena's reuse is
-// stream-ordered).  No allocator (or a failing one) leaves data() NULL: callers run without scratch.
+// completes: this assumes the session's kernels run on one compute stream, in order (a plain Alloc carries no
+// stream; concurrent Run() calls on separate streams of one arena could reuse the block early -- the same holds for
+// the GEMM-epilogue workspace).  No allocator, or a failing Alloc, leaves data() NULL: callers run without scratch.
 class ScopedScratch {
 public:
     ScopedScratch(Ort::KernelContext& ctx, size_t bytes) {
@@ -151,7 +152,11 @@ public:
             mAlloc = nullptr;
         }
         if (mAlloc == nullptr) return;
-        mPtr = mAlloc->Alloc(mAlloc, bytes);
+        try {
+            mPtr = mAlloc->Alloc(mAlloc, bytes);
+        } catch (...) {  // ORT's arena throws when out of memory
+            mPtr = nullptr;
+        }
         if (mPtr != nullptr) mBytes = bytes;
     }
     ~ScopedScratch() {
