@@ -316,6 +316,16 @@ def _attach_workspace(lib, p: _Params, tactic: int, device):
     return ws
 
 
+def _keep_for_stream(ws, stream, device) -> None:
+    """ws was allocated on the current stream; the call runs on `stream` (a torch stream or a raw handle): keep
+    the memory from the caching allocator until that stream's work is done."""
+    import torch
+
+    if ws is not None and stream is not None:
+        ws.record_stream(stream if isinstance(stream, torch.cuda.Stream)
+                         else torch.cuda.ExternalStream(getattr(stream, "cuda_stream", stream), device=device))
+
+
 def list_tactics(q, k, v, dl: DeviceLayout, *, bhsd: bool = True, row_order: bool = True,
                  sched_chunk: int | None = None) -> list[int]:
     """Tactic ids valid for this problem (library's static order)."""
@@ -351,9 +361,7 @@ def sparse_attention(q, k, v, dl: DeviceLayout, *, scale: float | None = None, t
     if stream is None:
         stream = torch.cuda.current_stream(q.device).cuda_stream
     else:
-        if ws is not None:  # the allocation belongs to the current stream: keep it until the call's stream is done
-            ws.record_stream(stream if isinstance(stream, torch.cuda.Stream)
-                             else torch.cuda.ExternalStream(getattr(stream, "cuda_stream", stream), device=q.device))
+        _keep_for_stream(ws, stream, q.device)
         if hasattr(stream, "cuda_stream"):
             stream = stream.cuda_stream
     _check(lib.stof_attn_run(ctypes.byref(p), int(tactic), ctypes.c_void_p(stream)))
@@ -376,10 +384,7 @@ class Runner:
         self._pref = ctypes.byref(self._p)
         self.tactic = int(tactic)
         self._ws = _attach_workspace(self._lib, self._p, self.tactic, q.device) if workspace else None
-        if self._ws is not None and stream is not None:  # allocated on the current stream, used on `stream`
-            self._ws.record_stream(stream if isinstance(stream, torch.cuda.Stream)
-                                   else torch.cuda.ExternalStream(getattr(stream, "cuda_stream", stream),
-                                                                  device=q.device))
+        _keep_for_stream(self._ws, stream, q.device)
         s = torch.cuda.current_stream(q.device).cuda_stream if stream is None else getattr(stream, "cuda_stream", stream)
         self._stream = ctypes.c_void_p(s)
         _check(self._lib.stof_attn_validate(self._pref))

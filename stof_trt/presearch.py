@@ -179,6 +179,7 @@ class TileStats:
     num_partial: int
     row_cols: list = None     # [L][Tq] ascending tile columns of each tile row
     row_pcols: list = None    # [L][Tq] the PARTIAL ones among them
+    sched_chunk: int = 0      # TileLayout.sched_chunk(): 1 for near-equal rows (one (batch, head) pair at a time)
 
     @property
     def partial_fraction(self) -> float:
@@ -206,7 +207,7 @@ def tile_stats(layout) -> TileStats:
                   for i in range(Tq)] for l in range(L)]
     return TileStats(layout.tile_m, layout.tile_n, int(layout.seq_q), int(layout.seq_k), L, nnz_row, part_row,
                      words_partial + words_full, allowed, int(layout.nnz), int(layout.num_partial), row_cols,
-                     row_pcols)
+                     row_pcols, int(layout.sched_chunk()))
 
 
 def cta_work(stats: TileStats, t: TacticSpec, seq_q: int) -> tuple[np.ndarray, np.ndarray]:
@@ -288,8 +289,7 @@ def _schedule_order(stats: TileStats, t: TacticSpec, dur: np.ndarray, *, batch: 
     L, n_cta = dur.shape
     nhb = batch * heads
     rows = stats.row_nnz
-    uniform = bool(np.all(4 * rows.shape[1] * rows.max(axis=1, initial=0) <= 5 * rows.sum(axis=1)))
-    chunk = 1 if uniform else max(1, min(nhb, (16 << 20) // (2 * seq_k * head_dim * 2)))
+    chunk = 1 if stats.sched_chunk == 1 else max(1, min(nhb, (16 << 20) // (2 * seq_k * head_dim * 2)))
     perm = np.arange(n_cta)
     f = stats.tile_m // t.block_m if stats.tile_m % t.block_m == 0 else 0
     all_ctas = rows.shape[1] * f

@@ -600,23 +600,25 @@ bool encode_q_map(KernelParams& p, int head_dim, bool bf16);
 
 template <class WT>
 cudaError_t launch_hopper_ws(const KernelParams& params, cudaStream_t stream) {
-    if constexpr (WT::kTma) {
+    auto one_cta_per_item = [&](const KernelParams& kp) {
+        return launch_scheduled<WT::kBlockM, WT::kHeadDim>(hopper_ws_attn_fwd<WT>, kp, WT::kThreads, WT::kSmemSize,
+                                                           stream);
+    };
+    if constexpr (!WT::kTma) {
+        return one_cta_per_item(params);
+    } else {
         using CpAsync = WsTraits<WT::kHeadDim, WT::kStages, WT::kSub, typename WT::Elem, false>;
         constexpr bool kBf16 = !std::is_same<typename WT::Elem, __half>::value;
         KernelParams p = params;
         // key_lengths can end a batch's keys before Sk, where the TMA would bring real rows (see ws_produce_tma)
         if (p.key_lengths != nullptr || !encode_kv_maps(p, WT::kHeadDim, kBf16))
             return launch_hopper_ws<CpAsync>(params, stream);
-        if (p.work_counter == nullptr || !encode_q_map(p, WT::kHeadDim, kBf16))
-            return launch_scheduled<WT::kBlockM, WT::kHeadDim>(hopper_ws_attn_fwd<WT>, p, WT::kThreads,
-                                                               WT::kSmemSize, stream);
+        if (p.work_counter == nullptr || !encode_q_map(p, WT::kHeadDim, kBf16)) return one_cta_per_item(p);
         // persistent: one CTA per SM (at most one per item) over the schedule's grid of items
         KernelParams probe = p;
         const dim3 grid = schedule_grid<WT::kBlockM, WT::kHeadDim>(probe);
         const int64_t items = static_cast<int64_t>(grid.x) * grid.y * grid.z;
-        if (items > INT_MAX / 2)  // the counter is an int: one CTA per item instead
-            return launch_scheduled<WT::kBlockM, WT::kHeadDim>(hopper_ws_attn_fwd<WT>, p, WT::kThreads,
-                                                               WT::kSmemSize, stream);
+        if (items > INT_MAX / 2) return one_cta_per_item(p);  // the counter is an int
         p = probe;
         p.persist_items = static_cast<int>(items);
         p.persist_nqb = static_cast<int>(grid.x);
@@ -631,9 +633,6 @@ cudaError_t launch_hopper_ws(const KernelParams& params, cudaStream_t stream) {
         const int ctas = static_cast<int>(std::min<int64_t>(items, std::max(sms, 1)));
         hopper_ws_persist_fwd<WT><<<ctas, WT::kThreads, WT::kSmemPersist, stream>>>(p);
         return cudaGetLastError();
-    } else {
-        return launch_scheduled<WT::kBlockM, WT::kHeadDim>(hopper_ws_attn_fwd<WT>, params, WT::kThreads,
-                                                           WT::kSmemSize, stream);
     }
 }
 

@@ -51,6 +51,7 @@ struct Stats {
     std::vector<std::vector<int32_t>> cols;      // [L*Tq] ascending tile columns
     std::vector<std::vector<int32_t>> pcols;     // [L*Tq] the partial ones
     double words{0}, allowed{0};
+    int32_t schedChunk{0};                       // stof_layout_sched_chunk: 1 for near-equal rows
 };
 
 int popcount32(uint32_t v) {
@@ -93,6 +94,7 @@ Stats tileStats(stof_host_layout_t const& lay) {
         bitsPartial += popcount32(w);
     }
     int64_t const wordsFull = nFull * lay.tile_m * (lay.tile_n / 32);
+    if (stof_layout_sched_chunk(lay.row_ptr, s.L, s.Tq, &s.schedChunk) != STOF_SUCCESS) s.schedChunk = 0;
     s.words = static_cast<double>(wordsPartial + wordsFull);
     s.allowed = static_cast<double>(bitsPartial + nFull * lay.tile_m * lay.tile_n);
     return s;
@@ -193,16 +195,8 @@ std::vector<double> scheduleOrder(Stats const& s, TacticRow const& t, std::vecto
     int const L = s.L;
     int64_t const nCta = static_cast<int64_t>(dur[0].size());
     int64_t const nhb = static_cast<int64_t>(batch) * heads;
-    bool uniform = true;
-    for (int l = 0; l < L; ++l) {
-        int64_t longest = 0, total = 0;
-        for (int r = 0; r < s.Tq; ++r) {
-            longest = std::max(longest, s.rowNnz[static_cast<size_t>(l) * s.Tq + r]);
-            total += s.rowNnz[static_cast<size_t>(l) * s.Tq + r];
-        }
-        if (4LL * s.Tq * longest > 5 * total) uniform = false;
-    }
-    int64_t const chunk = uniform ? 1 : std::max<int64_t>(1, std::min<int64_t>(nhb, (16LL << 20) / (4LL * seqK * D)));
+    int64_t const chunk =
+        s.schedChunk == 1 ? 1 : std::max<int64_t>(1, std::min<int64_t>(nhb, (16LL << 20) / (4LL * seqK * D)));
     int const f = s.tileM % t.blockM == 0 ? s.tileM / t.blockM : 0;
     std::vector<std::vector<double>> ordered(L);
     for (int l = 0; l < L; ++l) {
