@@ -29,19 +29,22 @@
 
 namespace stof {
 
-template <int kHeadDim_, int kStages_, int kSub_, typename Elem_, bool kTma_ = false>
+template <int kHeadDim_, int kStages_, int kSub_, typename Elem_, bool kTma_ = false, int kConsumers_ = 2>
 struct WsTraits {
     using Elem = Elem_;
     static constexpr bool kTma = kTma_;  // producer: one thread issuing TMA boxes instead of 128 threads' cp.async
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kStages = kStages_;
     static constexpr int kSub = kSub_;  // 64-key sub-blocks per step
-    static constexpr int kConsumers = 2;
+    static constexpr int kConsumers = kConsumers_;  // 2, or 3 (FlashAttention-3's D=64 shape; TMA producer only)
+    static_assert(kConsumers == 2 || (kConsumers == 3 && kTma), "consumers");
     static constexpr int kBlockM = 64 * kConsumers;
     static constexpr int kBlockN = 64 * kSub;
     static constexpr int kThreads = 128 * (kConsumers + 1);
-    static constexpr int kProducerRegs = 72;  // the unrolled cp.async address arithmetic spills below ~72
-    static constexpr int kConsumerRegs = 216;  // 128 * 72 + 256 * 216 <= 64K registers
+    // 2 consumers: the unrolled cp.async address arithmetic spills below ~72; 128 * 72 + 256 * 216 = 64,512.
+    // 3 consumers (512 threads, 128 registers each at launch): 128 * 32 + 384 * 160 = 65,536.
+    static constexpr int kProducerRegs = kConsumers == 2 ? 72 : 32;
+    static constexpr int kConsumerRegs = kConsumers == 2 ? 216 : 160;
     static constexpr int kNI = kBlockN / 8;
     static constexpr int kKD = kHeadDim / 16;
     static constexpr int kKN = kBlockN / 16;
@@ -100,27 +103,28 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
 
 // One step of the merged walk: up to kSub sub-blocks; n0 = first key (-1: absent), sub = the 64-key sub-block
 // inside its tile, ent[w][h] = the format entry of consumer w's tile row there (-1: none).
-template <int kSub>
+template <int kSub, int kC = 2>
 struct WsStep {
-    int n0[kSub], sub[kSub], ent[2][kSub];
+    int n0[kSub], sub[kSub], ent[kC][kSub];
 };
 
-template <int kSub>
-__device__ __forceinline__ bool ws_take_step(MergedCursor<2>& cur, const KernelParams& p, WsStep<kSub>& st) {
+template <int kSub, int kC>
+__device__ __forceinline__ bool ws_take_step(MergedCursor<kC>& cur, const KernelParams& p, WsStep<kSub, kC>& st) {
     bool any = false;
 #pragma unroll
     for (int h = 0; h < kSub; ++h) {
-        int ent[2];
+        int ent[kC];
         const int j = cur.peek(ent);
         if (j == INT_MAX) {
             st.n0[h] = -1;
             st.sub[h] = 0;
-            st.ent[0][h] = st.ent[1][h] = -1;
+#pragma unroll
+            for (int w = 0; w < kC; ++w) st.ent[w][h] = -1;
         } else {
             st.n0[h] = j * p.tile_n + cur.sub * 64;
             st.sub[h] = cur.sub;
-            st.ent[0][h] = ent[0];
-            st.ent[1][h] = ent[1];
+#pragma unroll
+            for (int w = 0; w < kC; ++w) st.ent[w][h] = ent[w];
             cur.advance(p);
             any = true;
         }
@@ -132,21 +136,24 @@ __device__ __forceinline__ bool ws_take_step(MergedCursor<2>& cur, const KernelP
 // before the stage's full-barrier arrival, which releases it): the step's sub-blocks and, per consumer, the bitmap
 // index of its tile there.  The consumers read it instead of walking the tile lists themselves: the walk's
 // dependent index loads (col_idx, then tile_bitmap_index) stalled them on every step (ncu, session 5).
-//   int n0[2]      first key of sub-block h (-1: absent)
+//   int n0[2]      first key of sub-block h (-1: absent)                             bytes  0..15 (with sub)
 //   int sub[2]     the sub-block's 64-key index inside its tile
-//   int bm[2][2]   [consumer][h]: tile_bitmap_index of the consumer's entry (-1: FULL), -2: no tile there
-//   int more       1 when the work item has a further step
+//   int bm[2][2]   [consumer][h] for consumers 0, 1: tile_bitmap_index of the          bytes 16..31
+//                  consumer's entry (-1: FULL), -2: no tile there
+//   int more       1 when the work item has a further step                            bytes 32..35
+//   int bm2[2]     consumer 2's (three-consumer kernels)                              bytes 40..47
 constexpr int kWsDescBytes = 64;
 
-template <int kSub>
-__device__ __forceinline__ void ws_write_desc(uint32_t d, const WsStep<kSub>& st, bool more, const KernelParams& p) {
-    int bm[2][2];
+template <int kSub, int kC>
+__device__ __forceinline__ void ws_write_desc(uint32_t d, const WsStep<kSub, kC>& st, bool more,
+                                              const KernelParams& p) {
+    int bm[3][2];
 #pragma unroll
-    for (int w = 0; w < 2; ++w)
+    for (int w = 0; w < 3; ++w)
 #pragma unroll
         for (int h = 0; h < 2; ++h)
-            bm[w][h] = h < kSub && st.ent[w][h < kSub ? h : 0] >= 0
-                           ? __ldg(p.tile_bitmap_index + st.ent[w][h < kSub ? h : 0])
+            bm[w][h] = w < kC && h < kSub && st.ent[w < kC ? w : 0][h < kSub ? h : 0] >= 0
+                           ? __ldg(p.tile_bitmap_index + st.ent[w < kC ? w : 0][h < kSub ? h : 0])
                            : -2;
     asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(d), "r"(st.n0[0]), "r"(kSub > 1 ? st.n0[kSub - 1] : -1),
                  "r"(st.sub[0]), "r"(kSub > 1 ? st.sub[kSub - 1] : 0)
@@ -155,12 +162,15 @@ __device__ __forceinline__ void ws_write_desc(uint32_t d, const WsStep<kSub>& st
                  "r"(bm[1][1])
                  : "memory");
     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(d + 32), "r"(more ? 1 : 0) : "memory");
+    if constexpr (kC == 3)
+        asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(d + 40), "r"(bm[2][0]), "r"(bm[2][1]) : "memory");
 }
 
 struct WsDesc {
     int n0[2], sub[2], bm[2], more;  // bm: the reading consumer's
 };
 
+template <int kC>
 __device__ __forceinline__ WsDesc ws_read_desc(uint32_t d, int w) {
     WsDesc r;
     int b00, b01, b10, b11;
@@ -175,6 +185,12 @@ __device__ __forceinline__ WsDesc ws_read_desc(uint32_t d, int w) {
     asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(r.more) : "r"(d + 32) : "memory");
     r.bm[0] = w == 0 ? b00 : b10;  // selects: no dynamic register indexing
     r.bm[1] = w == 0 ? b01 : b11;
+    if constexpr (kC == 3) {
+        int b20, b21;
+        asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(b20), "=r"(b21) : "r"(d + 40) : "memory");
+        r.bm[0] = w == 2 ? b20 : r.bm[0];
+        r.bm[1] = w == 2 ? b21 : r.bm[1];
+    }
     return r;
 }
 
@@ -203,11 +219,12 @@ __device__ __forceinline__ void ws_load_sub(uint32_t s_tile, int h, const typena
 }
 
 // The merged walk of the (up to) two 64-row tile rows of the 128-row work item at q0 of head h.
-__device__ __forceinline__ void ws_item_cursor(MergedCursor<2>& cur, const KernelParams& p, int q0, int h, int kv_len) {
+template <int kC>
+__device__ __forceinline__ void ws_item_cursor(MergedCursor<kC>& cur, const KernelParams& p, int q0, int h, int kv_len) {
     const int layout_row0 = (h % p.num_layouts) * p.tq;
-    int rows[2];
+    int rows[kC];
 #pragma unroll
-    for (int w = 0; w < 2; ++w) rows[w] = q0 + 64 * w < p.seq_q ? layout_row0 + (q0 + 64 * w) / p.tile_m : -1;
+    for (int w = 0; w < kC; ++w) rows[w] = q0 + 64 * w < p.seq_q ? layout_row0 + (q0 + 64 * w) / p.tile_m : -1;
     cur.init(p, rows, kv_len);
 }
 
@@ -218,19 +235,20 @@ __device__ __forceinline__ void ws_item_cursor(MergedCursor<2>& cur, const Kerne
 // zero-filled by the TMA; the launchers run the cp.async producer when key_lengths can end the keys before Sk
 // (those rows would hold real data).
 template <class WT>
-__device__ __forceinline__ int ws_produce_tma(const KernelParams& p, MergedCursor<2>& cur, WsStep<WT::kSub> st,
+__device__ __forceinline__ int ws_produce_tma(const KernelParams& p, MergedCursor<WT::kConsumers>& cur,
+                                              WsStep<WT::kSub, WT::kConsumers> st,
                                               bool have, int h, int b, int it, uint32_t sKV, uint32_t sBar,
                                               uint32_t sDesc) {
     constexpr int kStages = WT::kStages, kSub = WT::kSub;
     constexpr uint32_t kStepBytes = kSub * 2 * 64 * WT::kHeadDim * 2;
-    WsStep<kSub> next;
+    WsStep<kSub, WT::kConsumers> next;
     for (; have; ++it) {
         const bool more = ws_take_step<kSub>(cur, p, next);  // one step ahead: the descriptor's `more`
         const int s = it % kStages;
         if (it >= kStages) mbar_wait(sBar + 8 * (kStages + s), ((it / kStages) + 1) & 1);  // empty[s]
         const uint32_t full = sBar + 8 * s;
         const uint32_t sK = sKV + s * 2 * WT::kSmemKV;
-        ws_write_desc<kSub>(sDesc + s * kWsDescBytes, st, more, p);
+        ws_write_desc(sDesc + s * kWsDescBytes, st, more, p);
         mbar_expect_tx(full, kStepBytes);  // the arrival releases the descriptor
 #pragma unroll
         for (int hh = 0; hh < kSub; ++hh) {
@@ -267,9 +285,9 @@ __device__ __forceinline__ int ws_consume(const KernelParams& p, int q0, int h, 
     // persistent kernel's item, else from the walk's first entries
     bool has_steps = has_steps_given > 0;
     if (has_steps_given < 0) {
-        MergedCursor<2> cur;
+        MergedCursor<WT::kConsumers> cur;
         ws_item_cursor(cur, p, q0, h, kv_len);
-        int ent[2];
+        int ent[WT::kConsumers];
         has_steps = cur.peek(ent) != INT_MAX;
     }
     WsDesc st;
@@ -344,7 +362,7 @@ __device__ __forceinline__ int ws_consume(const KernelParams& p, int q0, int h, 
         int prev_stage = it % kStages;
         mbar_wait(full_bar(prev_stage), (it / kStages) & 1);
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async writes -> wgmma reads
-        st = ws_read_desc(sDesc + prev_stage * kWsDescBytes, w);
+        st = ws_read_desc<WT::kConsumers>(sDesc + prev_stage * kWsDescBytes, w);
         issue_s(prev_stage);
         wgmma_wait<0>();
         fence_regs(rS);
@@ -357,7 +375,7 @@ __device__ __forceinline__ int ws_consume(const KernelParams& p, int q0, int h, 
             const int stage = it % kStages;
             mbar_wait(full_bar(stage), (it / kStages) & 1);
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            st = ws_read_desc(sDesc + stage * kWsDescBytes, w);
+            st = ws_read_desc<WT::kConsumers>(sDesc + stage * kWsDescBytes, w);
             issue_s(stage);
             issue_pv(prev_stage);
             wgmma_wait<1>();  // S_i
@@ -421,42 +439,43 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WT::kProducerRegs));
         if constexpr (WT::kTma) {
             if (tid == 0) {
-                MergedCursor<2> cur;
+                MergedCursor<WT::kConsumers> cur;
                 ws_item_cursor(cur, p, q0, h, p.seq_k);
-                WsStep<kSub> st;
+                WsStep<kSub, WT::kConsumers> st;
                 const bool have = ws_take_step<kSub>(cur, p, st);
                 ws_produce_tma<WT>(p, cur, st, have, h, b, 0, sKV, sBar, sDesc);
             }
             return;
-        }
-        const int kv_len = effective_kv_len(p, b);
-        const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_sb + h * p.k_sh;
-        const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_sb + h * p.v_sh;
-        MergedCursor<2> cur;
-        ws_item_cursor(cur, p, q0, h, kv_len);
-        WsStep<kSub> st, next;
-        const int ptid = tid;
-        int it = 0;
-        for (bool have = ws_take_step<kSub>(cur, p, st); have; ++it) {
-            const bool more = ws_take_step<kSub>(cur, p, next);
-            const int s = it % kStages;
-            if (it >= kStages) mbar_wait(empty_bar(s), ((it / kStages) + 1) & 1);
-            const uint32_t sK = sKV + s * 2 * WT::kSmemKV;
+        } else {
+            const int kv_len = effective_kv_len(p, b);
+            const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_sb + h * p.k_sh;
+            const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_sb + h * p.v_sh;
+            MergedCursor<2> cur;
+            ws_item_cursor(cur, p, q0, h, kv_len);
+            WsStep<kSub> st, next;
+            const int ptid = tid;
+            int it = 0;
+            for (bool have = ws_take_step<kSub>(cur, p, st); have; ++it) {
+                const bool more = ws_take_step<kSub>(cur, p, next);
+                const int s = it % kStages;
+                if (it >= kStages) mbar_wait(empty_bar(s), ((it / kStages) + 1) & 1);
+                const uint32_t sK = sKV + s * 2 * WT::kSmemKV;
 #pragma unroll
-            for (int hh = 0; hh < kSub; ++hh) {
-                ws_load_sub<WT>(sK, hh, gK, p.k_ss, st.n0[hh], kv_len, ptid);
-                ws_load_sub<WT>(sK + WT::kSmemKV, hh, gV, p.v_ss, st.n0[hh], kv_len, ptid);
+                for (int hh = 0; hh < kSub; ++hh) {
+                    ws_load_sub<WT>(sK, hh, gK, p.k_ss, st.n0[hh], kv_len, ptid);
+                    ws_load_sub<WT>(sK + WT::kSmemKV, hh, gV, p.v_ss, st.n0[hh], kv_len, ptid);
+                }
+                if (ptid == 0) {
+                    ws_write_desc<kSub>(sDesc + s * kWsDescBytes, st, more, p);
+                    mbar_arrive(full_bar(s));  // releases the descriptor
+                }
+                cp_async_mbar_arrive(full_bar(s));
+                st = next;
+                have = more;
             }
-            if (ptid == 0) {
-                ws_write_desc<kSub>(sDesc + s * kWsDescBytes, st, more, p);
-                mbar_arrive(full_bar(s));  // releases the descriptor
-            }
-            cp_async_mbar_arrive(full_bar(s));
-            st = next;
-            have = more;
+            cp_async_wait<0>();
+            return;
         }
-        cp_async_wait<0>();
-        return;
     }
 
     // ---------------- consumers ----------------
@@ -541,8 +560,8 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
             } while (item < n_items && wk.qb * kBlockM >= p.seq_q);
             const bool valid = item < n_items;
             const int q0 = wk.qb * kBlockM;
-            MergedCursor<2> cur;
-            WsStep<WT::kSub> st;
+            MergedCursor<WT::kConsumers> cur;
+            WsStep<WT::kSub, WT::kConsumers> st;
             bool have = false;
             if (valid) {
                 ws_item_cursor(cur, p, q0, wk.h, p.seq_k);
@@ -607,7 +626,8 @@ cudaError_t launch_hopper_ws(const KernelParams& params, cudaStream_t stream) {
     if constexpr (!WT::kTma) {
         return one_cta_per_item(params);
     } else {
-        using CpAsync = WsTraits<WT::kHeadDim, WT::kStages, WT::kSub, typename WT::Elem, false>;
+        // key_lengths / no tensor map: the cp.async producer with two consumers (same result)
+        using CpAsync = WsTraits<WT::kHeadDim, WT::kStages, WT::kSub, typename WT::Elem, false, 2>;
         constexpr bool kBf16 = !std::is_same<typename WT::Elem, __half>::value;
         KernelParams p = params;
         // key_lengths can end a batch's keys before Sk, where the TMA would bring real rows (see ws_produce_tma)

@@ -100,21 +100,6 @@ Stats tileStats(stof_host_layout_t const& lay) {
     return s;
 }
 
-size_t unionCount(std::vector<int32_t> const& a, std::vector<int32_t> const& b) {
-    size_t i = 0, j = 0, n = 0;
-    while (i < a.size() || j < b.size()) {
-        if (j == b.size() || (i < a.size() && a[i] < b[j])) {
-            ++i;
-        } else if (i == a.size() || b[j] < a[i]) {
-            ++j;
-        } else {
-            ++i, ++j;
-        }
-        ++n;
-    }
-    return n;
-}
-
 // presearch.cta_work: per layout, CTAs in launch order (reversed rows): (full, partial) sub-block iterations
 void ctaWork(Stats const& s, TacticRow const& t, int seqQ, std::vector<std::vector<double>>& full,
              std::vector<std::vector<double>>& part) {
@@ -137,10 +122,17 @@ void ctaWork(Stats const& s, TacticRow const& t, int seqQ, std::vector<std::vect
             if (rows.size() == 1) {
                 size_t const r = static_cast<size_t>(l) * s.Tq + rows[0];
                 nAll = s.cols[r].size(), nP = s.pcols[r].size();
-            } else if (rows.size() >= 2) {
-                size_t const r0 = static_cast<size_t>(l) * s.Tq + rows[0], r1 = static_cast<size_t>(l) * s.Tq + rows[1];
-                nAll = unionCount(s.cols[r0], s.cols[r1]);
-                nP = unionCount(s.pcols[r0], s.pcols[r1]);
+            } else if (rows.size() >= 2) {  // the union of the CTA's tile rows (2 or 3 warpgroups)
+                std::vector<int32_t> all, part;
+                for (int row : rows) {
+                    size_t const r = static_cast<size_t>(l) * s.Tq + row;
+                    all.insert(all.end(), s.cols[r].begin(), s.cols[r].end());
+                    part.insert(part.end(), s.pcols[r].begin(), s.pcols[r].end());
+                }
+                std::sort(all.begin(), all.end());
+                std::sort(part.begin(), part.end());
+                nAll = static_cast<size_t>(std::unique(all.begin(), all.end()) - all.begin());
+                nP = static_cast<size_t>(std::unique(part.begin(), part.end()) - part.begin());
             }
             full[l][c] = static_cast<double>((static_cast<int64_t>(nAll) - static_cast<int64_t>(nP)) * nsub);
             part[l][c] = static_cast<double>(static_cast<int64_t>(nP) * nsub);

@@ -51,6 +51,8 @@
 //     21/22: 64-key steps, 2/3 stages; 23/24: 128-key steps (two 64-key sub-blocks of the walk per step), 2/3 stages.
 // 25, 26: as 13 and 14 with K/V loaded by the TMA (hopper_tma.cuh): one thread issues the copies, mbarriers
 //     instead of a CTA barrier per step, no per-thread address arithmetic.
+// 28, 29: as 23 / 24 with three consumer warpgroups (192-row work items, 512 threads: FlashAttention-3's D=64
+//     shape; consumers at 160 registers), TMA producer only (key_lengths: 23 / 24's cp.async form), head dim 64.
 // 27: as 25 with 128-key steps (two 64-key sub-blocks of the walk per step, S as one m64n128 MMA), head dim 64,
 //     3 CTAs per SM.
 // X(id, warpgroups (consumers for 21+), stages, variant: 0 plain, 1 pipelined, 2 deferred P V wait,
@@ -70,14 +72,16 @@
     X(24, 2, 3, 4)             \
     X(25, 1, 2, 5)             \
     X(26, 1, 3, 5)             \
-    X(27, 1, 2, 6)
+    X(27, 1, 2, 6)             \
+    X(28, 3, 2, 4)             \
+    X(29, 3, 3, 4)
 
 namespace stof {
 
 constexpr int kNumBlockTactics = 10;
 constexpr bool kQFrags_reg = false, kQFrags_smem = true;
 constexpr int kNumRowTactics = 2;
-constexpr int kNumHopperTactics = 15;
+constexpr int kNumHopperTactics = 17;
 // first id of each family (ids are consecutive inside a family; the offset indexes the launcher tables)
 constexpr int kFirstBlockId = 1, kFirstRowId = 11, kFirstHopperId = 13;
 

@@ -162,7 +162,7 @@ def test_long_rows_and_all_masked():
                       dtype=torch.bfloat16, seed=1)
 
 
-WS_TACTICS = (21, 22, 23, 24)  # warp-specialised: persistent with a workspace, one CTA per work item without
+WS_TACTICS = (21, 22, 23, 24, 28, 29)  # warp-specialised: persistent with a workspace, one CTA per work item without
 
 
 @pytest.mark.parametrize("workspace", [True, False], ids=["persistent", "cta_per_item"])
