@@ -5,7 +5,8 @@
 
 (no caching allocator: every tensor is its own cudaMalloc, so out-of-bounds accesses are visible).  Covers
 tails (S=200/333 not multiples of 64), partial and full tiles, Sq != Sk, key_lengths and key_padding_mask, both
-dtypes and head dims, every valid tactic of a 128x64 layout (all block shapes) and a 32x32 one (row-wise).
+dtypes and head dims, every valid tactic of a 128x64 layout (all block shapes) and a 32x32 one (row-wise), and
+the warp-specialised tactics without key_lengths (TMA producer), persistent and one CTA per item.
 """
 
 import sys
@@ -49,6 +50,25 @@ def main():
                     assert err <= TOL[dtype], (tactic_info(t).name, dtype, D, err)
                     worst = max(worst, err / TOL[dtype])
                     n += 1
+    # The TMA producer and the persistent form run only without key_lengths (the cp.async form above otherwise):
+    # one causal-ish case per warp-specialised tactic, with and without the work-counter workspace.
+    layout = TileLayout.from_dense(dense, 128, 64)
+    dl = DeviceLayout(layout)
+    for D in (64, 128):
+        gen = torch.Generator(device="cuda").manual_seed(D + 1)
+        q, k, v = rand_qkv(B, H, Sq, Sk, D, torch.float16, gen)
+        ref, _ = reference(q, k, v, torch.from_numpy(dense).cuda(), D**-0.5, None)
+        for t in list_tactics(q, k, v, dl):
+            if "_ws_" not in tactic_info(t).name:
+                continue
+            for workspace in (True, False):
+                out = torch.full_like(q, float("nan"))
+                sparse_attention(q, k, v, dl, tactic=t, out=out, workspace=workspace)
+                torch.cuda.synchronize()
+                err = rel_err(out, ref)
+                assert err <= TOL[torch.float16], (tactic_info(t).name, D, workspace, err)
+                worst = max(worst, err / TOL[torch.float16])
+                n += 1
     print(f"sanitize_case: {n} runs ok, worst err/tol {worst:.3f}")
 
 
