@@ -328,8 +328,9 @@ def _makespan(durations: np.ndarray, slots: int) -> float:
 # and d per launch, fitted by calibrate() on scripts/bench_attention.py measurements (H100, B=8, H=12, fp16,
 # the 5 benchmark masks, S in {1024, 4096} only; session 3: the final head dim 64 and 128 runs (docs/performance.md),
 # library with the longest-rows-first schedule; the model's launch order is still the reversed rows per head;
-# session 5: 27 from device run 1; 21-24 (persistent, TMA producer, step descriptors) from the session-5 final
-# benchmark runs, S in {1024, 4096}).  Tactics without an entry use the uncalibrated rate model below.
+# session 5: 27 from device run 1; session 6: 21-24 (after the ping-pong removal) and 28/29 (three consumers)
+# from the session-6 benchmark runs, S in {1024, 4096}).  Tactics without an entry use the uncalibrated rate
+# model below.
 COEF = {
     (1, 64): (1.25486, 1.63926, 3.38084, 7.83825),
     (1, 128): (2.10254, 2.37502, 5.29991, 4.96612),
@@ -359,18 +360,16 @@ COEF = {
     (19, 128): (1.34774, 1.38716, 4.98748, 5.62451),
     (20, 64): (1.21824, 1.37761, 4.65095, 7.36644),
     (20, 128): (1.36339, 1.40896, 5.02036, 6.83313),
-    (21, 64): (0.96928, 1.01999, 5.54803, 5.75649),
-    (21, 128): (1.34615, 1.32767, 6.59811, 8.78732),
-    (22, 64): (0.76174, 0.97407, 3.62635, 9.26867),
-    (22, 128): (1.02627, 1.12087, 4.86362, 10.91875),
-    (23, 64): (0.73341, 0.83914, 5.12339, 6.60597),
-    (24, 64): (0.62522, 0.76349, 4.0227, 8.96643),
+    (21, 64): (1.00192, 1.08329, 5.03617, 7.19272),
+    (21, 128): (1.35369, 1.39518, 6.32961, 7.07725),
+    (22, 64): (0.74444, 0.88177, 3.77788, 9.42035),
+    (22, 128): (1.0228, 1.05245, 5.02023, 9.98279),
+    (23, 64): (0.77825, 0.87725, 4.75985, 7.1042),
+    (24, 64): (0.58113, 0.69307, 4.41177, 8.61079),
     (25, 64): (1.44047, 1.60949, 6.56236, 11.46697),
     (27, 64): (1.123, 1.63256, 6.42741, 7.9981),
-    # placeholders until 28/29 (three consumers) are measured: 24's constants x 1.2 scaled to 192-row items
-    # (pessimistic, so the pre-search never puts an untested kernel first)
-    (28, 64): (1.12555, 1.37428, 7.24086, 16.13957),
-    (29, 64): (1.12555, 1.37428, 7.24086, 16.13957),
+    (28, 64): (1.06074, 1.05006, 8.9206, 3.64746),
+    (29, 64): (0.86976, 1.01177, 6.27808, 8.32383),
     (25, 128): (1.37512, 1.474, 5.87342, 4.86012),
     (26, 64): (1.21588, 1.41936, 5.33862, 8.04979),
     (26, 128): (2.36085, 2.64478, 7.118, 8.63134),
