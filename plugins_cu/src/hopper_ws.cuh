@@ -1,19 +1,19 @@
 // Warp-specialised block-wise sparse attention on Hopper (sm_90a), FlashAttention-3's structure over the STOF
 // tile format.  Same semantics as blockwise.cuh / hopper.cuh.
 //
-// One CTA = 128 query rows (a work item), three warpgroups:
-//   warpgroup 0, the producer: walks the union of the two 64-row halves' non-empty columns (MergedCursor, as in
+// One CTA = a work item of 64 * kConsumers query rows (128, or 192 for tactics 28/29), 1 + kConsumers warpgroups:
+//   warpgroup 0, the producer: walks the union of the consumers' 64-row tile rows' non-empty columns (MergedCursor, as in
 //     hopper.cuh), gathers kSub 64-key sub-blocks per step (they need not be adjacent keys: a step of a sparse row
 //     joins its next two non-empty sub-blocks), streams K and V into a kStages-deep ring (one thread issuing TMA
 //     boxes; 128 threads with cp.async and zero-fill when key_lengths is given) and publishes a step descriptor
 //     with each stage (ws_write_desc), signalling one mbarrier (full[stage]) per step.  It gives its registers
 //     to the consumers (setmaxnreg).
-//   warpgroups 1 and 2, the consumers: each owns 64 query rows (one format tile row) and runs, per step,
+//   warpgroups 1 .. kConsumers, the consumers: each owns 64 query rows (inside one format tile row) and runs, per step,
 //     S_i = Q K_i^T  (wgmma, issued before the previous step's P V so the tensor cores stay fed),
 //     O += P_{i-1} V_{i-1},
 //     mask + online softmax of S_i while P_{i-1} V_{i-1} runs, then O rescaled and the stage released
 //     (mbarrier empty[stage], one arrival per consumer thread).  A consumer whose tile row has no tile in a
-//     sub-block masks it.  The two consumers are not synchronised with each other, so one's softmax overlaps the
+//     sub-block masks it.  The consumers are not synchronised with each other, so one's softmax overlaps the
 //     other's MMAs (FlashAttention-3's ping-pong turns on named barriers were measured 2-4 % slower here, session 5).
 //   hopper_ws_persist_fwd: the same, persistent (one CTA per SM taking items from a work counter).
 // Why: the one-warpgroup kernels (hopper.cuh) serialise barrier -> QK^T -> softmax -> PV inside each CTA and
@@ -218,7 +218,7 @@ __device__ __forceinline__ void ws_load_sub(uint32_t s_tile, int h, const typena
     }
 }
 
-// The merged walk of the (up to) two 64-row tile rows of the 128-row work item at q0 of head h.
+// The merged walk of the (up to) kC 64-row tile rows of the work item at q0 of head h.
 template <int kC>
 __device__ __forceinline__ void ws_item_cursor(MergedCursor<kC>& cur, const KernelParams& p, int q0, int h, int kv_len) {
     const int layout_row0 = (h % p.num_layouts) * p.tq;
@@ -266,13 +266,34 @@ __device__ __forceinline__ int ws_produce_tma(const KernelParams& p, MergedCurso
     return it;
 }
 
-// Consumer warpgroup w of one work item (its 64 Q rows already in the 128-row swizzled tile at sQ): every step
+// Consumer warpgroup w of one work item (its 64 Q rows already in the item's swizzled Q tile at sQ): every step
 // of the item's merged walk (has_steps_given: whether it has one, -1 = find out) from ring position it on, then the epilogue (O staged through its own Q rows and
 // stored).  Returns the ring position after the item.
+#ifdef STOF_WS_PROFILE
+// Diagnostic build only (-DSTOF_WS_PROFILE): SM clock cycles per phase of the consumers' steady loop, printed per
+// CTA 0/1 consumer warp at the end of the persistent kernel.  [0] full-barrier wait, [1] MMA issue + wait for S,
+// [2] softmax up to the P V wait, [3] the rest (exps ptxas put after that wait, rescale, pack), [4] steps,
+// [5] epilogue, [6] first steps.
+__device__ __forceinline__ uint32_t ws_clock() {
+    uint32_t t;
+    asm volatile("mov.u32 %0, %%clock;\n" : "=r"(t)::"memory");
+    return t;
+}
+#define STOF_PROF_T(var) const uint32_t var = ws_clock()
+#define STOF_PROF_ADD(i, v) prof[i] += (v)
+#else
+#define STOF_PROF_T(var)
+#define STOF_PROF_ADD(i, v)
+#endif
+
 template <class WT>
 __device__ __forceinline__ int ws_consume(const KernelParams& p, int q0, int h, int b, int it, uint32_t sQ,
                                           uint32_t sKV, uint32_t sBar, uint32_t sDesc, int w, int ctid,
-                                          int has_steps_given = -1) {
+                                          int has_steps_given = -1
+#ifdef STOF_WS_PROFILE
+                                          , uint32_t* prof = nullptr
+#endif
+) {
     using Elem = typename WT::Elem;
     constexpr int kNI = WT::kNI, kKD = WT::kKD, kKN = WT::kKN, kDI = WT::kDI;
     constexpr int kBlockM = WT::kBlockM, kBlockN = WT::kBlockN, kStages = WT::kStages, kSub = WT::kSub;
@@ -327,7 +348,7 @@ __device__ __forceinline__ int ws_consume(const KernelParams& p, int q0, int h, 
         for (int kk = 0; kk < kKN; ++kk) wgmma_rs<WT::kHeadDim, Elem>(rO, rP[kk], dV + ((kk * 16 * 128) >> 4), 1);
         wgmma_commit();
     };
-    // Mask (sub-blocks this consumer's tile row lacks are -inf: the MMAs of a step run for both consumers, so
+    // Mask (sub-blocks this consumer's tile row lacks are -inf: the MMAs of a step run for every consumer, so
     // no wgmma sits under a data-dependent branch, which would make ptxas serialise them), online softmax;
     // leaves P in rS; true when O must be rescaled by alpha (see online_softmax).
     auto softmax = [&](float (&alpha)[2]) -> bool {  // for the step described by st
@@ -359,6 +380,7 @@ __device__ __forceinline__ int ws_consume(const KernelParams& p, int q0, int h, 
 
     // First step: S_0 and its softmax (nothing to overlap with yet).
     if (has_steps) {
+        STOF_PROF_T(tf0);
         int prev_stage = it % kStages;
         mbar_wait(full_bar(prev_stage), (it / kStages) & 1);
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async writes -> wgmma reads
@@ -370,24 +392,42 @@ __device__ __forceinline__ int ws_consume(const KernelParams& p, int q0, int h, 
         softmax(alpha);  // O is still zero: no rescale
         pack_p<Elem, kKN>(rP, rS);
         ++it;
+        STOF_PROF_T(tf1);
+        STOF_PROF_ADD(6, tf1 - tf0);
         // Steady state, step i: S_i and P_{i-1} V_{i-1} in flight together; softmax of S_i while P V runs.
         for (bool more = st.more != 0; more; ++it) {
+            STOF_PROF_T(t0);
             const int stage = it % kStages;
             mbar_wait(full_bar(stage), (it / kStages) & 1);
+            STOF_PROF_T(t1);
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
             st = ws_read_desc<WT::kConsumers>(sDesc + stage * kWsDescBytes, w);
             issue_s(stage);
             issue_pv(prev_stage);
             wgmma_wait<1>();  // S_i
             fence_regs(rS);
+            STOF_PROF_T(t2);
             const bool rescale = softmax(alpha);
             wgmma_wait<0>();  // P_{i-1} V_{i-1}: O and rP free, stage i-1 no longer read
             fence_regs(rO);
+            STOF_PROF_T(t3);
             mbar_arrive(empty_bar(prev_stage));
             if (rescale) rescale_o<kDI>(rO, alpha);
             pack_p<Elem, kKN>(rP, rS);
             prev_stage = stage;
             more = st.more != 0;
+#ifdef STOF_WS_PROFILE
+            fence_regs(rS);
+            uint32_t dep = 0;
+            for (int kk = 0; kk < kKN; ++kk) dep |= rP[kk][0];
+            asm volatile("" ::"r"(dep) : "memory");
+#endif
+            STOF_PROF_T(t4);
+            STOF_PROF_ADD(0, t1 - t0);
+            STOF_PROF_ADD(1, t2 - t1);
+            STOF_PROF_ADD(2, t3 - t2);
+            STOF_PROF_ADD(3, t4 - t3);
+            STOF_PROF_ADD(4, 1u);
         }
         issue_pv(prev_stage);
         wgmma_wait<0>();
@@ -396,9 +436,12 @@ __device__ __forceinline__ int ws_consume(const KernelParams& p, int q0, int h, 
     }
 
     // Epilogue: normalise, stage through this consumer's (now unused) Q rows, 16-byte stores.
+    STOF_PROF_T(te0);
     stage_o<Elem, kDI, kBlockM>(rO, row_sum, sQ, 64 * w + warp * 16, g, tig);
     named_barrier_sync(1 + w, 128);
     store_o<Elem, kBlockM, 64, WT::kChunks, 128>(sQ, gO, p.o_ss, q0, 64 * w, p.seq_q, ctid);
+    STOF_PROF_T(te1);
+    STOF_PROF_ADD(5, te1 - te0);
     return it;
 }
 
@@ -483,7 +526,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
     const int w = wg - 1;
     const int ctid = tid - 128 * wg;  // 0..127 inside the consumer warpgroup
     const Elem* gQ = static_cast<const Elem*>(p.q) + b * p.q_sb + h * p.q_sh;
-    // this consumer's 64 Q rows (rows 64 w .. 64 w + 63 of the 128-row swizzled Q tile)
+    // this consumer's 64 Q rows (rows 64 w .. 64 w + 63 of the item's swizzled Q tile)
     {
         constexpr int kIters = 64 * WT::kChunks / 128;
 #pragma unroll
@@ -511,8 +554,8 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
 // rows still go first) until they run out.  The producer thread runs up to two items ahead: it loads the next
 // item's Q (TMA, double-buffered) and its first K/V while the consumers finish the current one, so an item's
 // start (Q load, pipeline fill) and end (O store) overlap other work instead of leaving the SM idle -- the
-// non-persistent kernel paid that per 128-row CTA at one CTA per SM.  Item hand-off: per Q buffer, the item's
-// (qb, h, b) in shared memory and two mbarriers (q_full: Q landed / no more items; q_empty: both consumers
+// non-persistent kernel paid that per CTA at one CTA per SM.  Item hand-off: per Q buffer, the item's
+// (qb, h, b) in shared memory and two mbarriers (q_full: Q landed / no more items; q_empty: all consumers
 // stored the item's O, which is staged in that buffer).
 template <class WT>
 __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const __grid_constant__ KernelParams p) {
@@ -592,6 +635,10 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
     const int w = wg - 1;
     const int ctid = tid - 128 * wg;
     int it = 0;
+#ifdef STOF_WS_PROFILE
+    uint32_t prof[7] = {0, 0, 0, 0, 0, 0, 0};
+    const uint32_t tk0 = ws_clock();
+#endif
     for (int j = 0;; ++j) {
         const int buf = j & 1;
         mbar_wait(q_full(buf), (j >> 1) & 1);
@@ -602,11 +649,20 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                      : "memory");
         if (!(flags & 1)) break;
         const uint32_t sQ = sQ0 + buf * WT::kSmemQ;
-        it = ws_consume<WT>(p, qb * kBlockM, h, b, it, sQ, sKV, sBar, sDesc, w, ctid, (flags >> 1) & 1);
+        it = ws_consume<WT>(p, qb * kBlockM, h, b, it, sQ, sKV, sBar, sDesc, w, ctid, (flags >> 1) & 1
+#ifdef STOF_WS_PROFILE
+                            , prof
+#endif
+        );
         // the O stores read sQ through the generic proxy; the next TMA write of this buffer is async-proxy
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         mbar_arrive(q_empty(buf));
     }
+#ifdef STOF_WS_PROFILE
+    if (blockIdx.x < 2 && (ctid & 63) == 0)
+        printf("WSPROF cta %d cons %d warp %d total %u full %u issue_waitS %u softmax_waitPV %u rest %u steps %u epi %u first %u\n",
+               blockIdx.x, w, ctid >> 5, ws_clock() - tk0, prof[0], prof[1], prof[2], prof[3], prof[4], prof[5], prof[6]);
+#endif
 #else
     __trap();  // built without sm_90a: the dispatcher never selects this tactic then
 #endif

@@ -168,9 +168,10 @@ WS_TACTICS = (21, 22, 23, 24, 28, 29)  # warp-specialised: persistent with a wor
 @pytest.mark.parametrize("workspace", [True, False], ids=["persistent", "cta_per_item"])
 @pytest.mark.parametrize("D", HEAD_DIMS)
 def test_warp_specialised_forms(D, workspace):
-    """Tactics 21-24 both ways.  Persistent: more 128-row work items than SMs (each CTA takes many, from the work
-    counter), a per-head BigBird layout, and a 128-row-tile layout run at Sq below its compiled size (the row order
-    is kept, so the schedule holds items past Sq, which the producer skips)."""
+    """Tactics 21-24, 28, 29 both ways.  Persistent: more work items (128 rows; 192 for 28/29) than SMs (each CTA
+    takes many, from the work counter), a per-head BigBird layout, and layouts of 128-, 192- and 256-row tiles run
+    at Sq below their compiled size (where a kernel's items match the tile rows, the row order is kept, so the
+    schedule holds items past Sq, which the producer skips: 128-row tiles for 21-24, 192-row tiles for 28/29)."""
     for spec, S, H in (("causal", 2048, 6), ("bigbird:block=64,window=1,global=1,random=0.1,seed=5,per_head=1", 1536, 4)):
         mask = parse_mask(spec)
         layout = compile_mask(mask, S, S, num_heads=H)
@@ -181,6 +182,13 @@ def test_warp_specialised_forms(D, workspace):
     layout = compile_mask(mask, 1024, 1024, tile_m=128, tile_n=64)
     check_all_tactics("ws 128-row tiles Sq=800", mask.dense(1024, 1024), layout, B=3, H=5, Sq=800, Sk=1000, D=D,
                       dtype=torch.float16, seed=D, workspace=workspace, only=WS_TACTICS)
+    layout = compile_mask(mask, 1152, 1152, tile_m=192, tile_n=64)
+    check_all_tactics("ws 192-row tiles Sq=900", mask.dense(1152, 1152), layout, B=2, H=3, Sq=900, Sk=1000, D=D,
+                      dtype=torch.bfloat16, seed=D + 1, workspace=workspace, only=WS_TACTICS)
+    mask = parse_mask("bigbird:block=64,window=1,global=1,random=0.1,seed=3")
+    layout = compile_mask(mask, 1024, 1024, tile_m=256, tile_n=64)
+    check_all_tactics("ws 256-row tiles Sq=1000", mask.dense(1024, 1024), layout, B=2, H=3, Sq=1000, Sk=1024, D=D,
+                      dtype=torch.float16, seed=D + 2, workspace=workspace, only=WS_TACTICS)
 
 
 def _problem(D=64, Sq=128, Sk=128, dtype=torch.float16):
