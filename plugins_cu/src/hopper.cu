@@ -90,6 +90,14 @@ bool encode_q_map(KernelParams& p, int head_dim, bool bf16) {
     return encode_rows_map(&p.tma_q, p.q, p.q_ss, p.q_sh, p.q_sb, p.seq_q, p.heads, p.batch, head_dim, bf16);
 }
 
+#ifdef STOF_WS_PROFILE
+// Diagnostic build only: copies the warp-specialised kernels' phase counters (g_ws_prof, hopper_ws.cuh) to `out`.
+extern "C" __attribute__((visibility("default"))) int stof_ws_prof_read(uint32_t* out, int n) {
+    n = std::min<int>(n, static_cast<int>(sizeof(g_ws_prof) / sizeof(uint32_t)));
+    return static_cast<int>(cudaMemcpyFromSymbol(out, g_ws_prof, n * sizeof(uint32_t)));
+}
+#endif
+
 #if defined(STOF_HAS_SM90A)
 extern const bool kHopperCompiled = true;
 #else

@@ -101,6 +101,7 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+
 // One step of the merged walk: up to kSub sub-blocks; n0 = first key (-1: absent), sub = the 64-key sub-block
 // inside its tile, ent[w][h] = the format entry of consumer w's tile row there (-1: none).
 template <int kSub, int kC = 2>
@@ -270,10 +271,12 @@ __device__ __forceinline__ int ws_produce_tma(const KernelParams& p, MergedCurso
 // of the item's merged walk (has_steps_given: whether it has one, -1 = find out) from ring position it on, then the epilogue (O staged through its own Q rows and
 // stored).  Returns the ring position after the item.
 #ifdef STOF_WS_PROFILE
-// Diagnostic build only (-DSTOF_WS_PROFILE): SM clock cycles per phase of the consumers' steady loop, printed per
-// CTA 0/1 consumer warp at the end of the persistent kernel.  [0] full-barrier wait, [1] MMA issue + wait for S,
-// [2] softmax up to the P V wait, [3] the rest (exps ptxas put after that wait, rescale, pack), [4] steps,
-// [5] epilogue, [6] first steps.
+// Diagnostic build only (-DSTOF_WS_PROFILE): SM clock cycles per phase of the consumers' steady loop, stored per
+// consumer warp of CTAs 0 and 1 of the persistent kernel into g_ws_prof (read with stof_ws_prof_read(), hopper.cu;
+// not printf: a call in the kernel makes ptxas serialise every wgmma, warning C7510).  [0] full-barrier wait,
+// [1] MMA issue + wait for S, [2] softmax up to the P V wait, [3] the rest (exps ptxas put after that wait,
+// rescale, pack), [4] steps, [5] epilogue, [6] first steps, [7] the MMA issue alone (part of [1]), [8] total.
+static __device__ uint32_t g_ws_prof[2 * 3 * 4 * 9];
 __device__ __forceinline__ uint32_t ws_clock() {
     uint32_t t;
     asm volatile("mov.u32 %0, %%clock;\n" : "=r"(t)::"memory");
@@ -404,10 +407,17 @@ __device__ __forceinline__ int ws_consume(const KernelParams& p, int q0, int h, 
             st = ws_read_desc<WT::kConsumers>(sDesc + stage * kWsDescBytes, w);
             issue_s(stage);
             issue_pv(prev_stage);
+            STOF_PROF_T(t1b);
             wgmma_wait<1>();  // S_i
             fence_regs(rS);
             STOF_PROF_T(t2);
+#ifdef STOF_WS_PROFILE_NO_SOFTMAX
+            // diagnostic only (wrong results): the step loop without its softmax, to time the MMAs alone
+            alpha[0] = alpha[1] = 1.f;
+            const bool rescale = false;
+#else
             const bool rescale = softmax(alpha);
+#endif
             wgmma_wait<0>();  // P_{i-1} V_{i-1}: O and rP free, stage i-1 no longer read
             fence_regs(rO);
             STOF_PROF_T(t3);
@@ -428,6 +438,7 @@ __device__ __forceinline__ int ws_consume(const KernelParams& p, int q0, int h, 
             STOF_PROF_ADD(2, t3 - t2);
             STOF_PROF_ADD(3, t4 - t3);
             STOF_PROF_ADD(4, 1u);
+            STOF_PROF_ADD(7, t1b - t1);
         }
         issue_pv(prev_stage);
         wgmma_wait<0>();
@@ -636,7 +647,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
     const int ctid = tid - 128 * wg;
     int it = 0;
 #ifdef STOF_WS_PROFILE
-    uint32_t prof[7] = {0, 0, 0, 0, 0, 0, 0};
+    uint32_t prof[9] = {0, 0, 0, 0, 0, 0, 0, 0, 0};
     const uint32_t tk0 = ws_clock();
 #endif
     for (int j = 0;; ++j) {
@@ -659,9 +670,10 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
         mbar_arrive(q_empty(buf));
     }
 #ifdef STOF_WS_PROFILE
-    if (blockIdx.x < 2 && (ctid & 63) == 0)
-        printf("WSPROF cta %d cons %d warp %d total %u full %u issue_waitS %u softmax_waitPV %u rest %u steps %u epi %u first %u\n",
-               blockIdx.x, w, ctid >> 5, ws_clock() - tk0, prof[0], prof[1], prof[2], prof[3], prof[4], prof[5], prof[6]);
+    prof[8] = ws_clock() - tk0;
+    if (blockIdx.x < 2 && (ctid & 31) == 0)
+#pragma unroll
+        for (int i = 0; i < 9; ++i) g_ws_prof[((blockIdx.x * 3 + w) * 4 + (ctid >> 5)) * 9 + i] = prof[i];
 #endif
 #else
     __trap();  // built without sm_90a: the dispatcher never selects this tactic then

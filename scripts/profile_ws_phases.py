@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""Per-phase SM clock cycles of the warp-specialised consumers (tactics 21-24, 28, 29; persistent form).
+
+Needs a diagnostic build of the kernels library (wrong to ship: every phase boundary reads the SM clock):
+
+    cmake -S . -B /tmp/b_prof -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a -DSTOF_BUILD_ADAPTERS=OFF \\
+          "-DCMAKE_CUDA_FLAGS=-DSTOF_WS_PROFILE" && cmake --build /tmp/b_prof -j 16 --target stof_kernels
+    STOF_KERNELS_LIB=/tmp/b_prof/plugins_cu/libstof_kernels.so python scripts/profile_ws_phases.py \\
+          --cells "64:4096:causal:24;64:4096:sliding:24"
+
+Add -DSTOF_WS_PROFILE_NO_SOFTMAX to time the step loop without its softmax (wrong results; the MMAs, loads and
+barriers alone).  For each cell the kernel runs twice (the second run is reported); the counters of consumer
+warps 0 and 2 of CTA 0 are printed per steady-state step: full (waiting for the K/V stage), issue (the S and P V
+MMAs), waitS, softmax+waitPV (mask, online softmax, then the wait for P V), rest (rescale, pack, release); plus
+the first steps' and epilogues' totals.  The instrumented build is slower than the real one (about 40 % on
+causal S=4096): compare phases, not times.  Needs a CUDA GPU; a diagnostic, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+NUM_COUNTERS = 9  # hopper_ws.cuh g_ws_prof: [cta 0..1][consumer 0..2][warp 0..3][counter]
+NAMES = ["full", "issue_and_wait_s", "softmax_and_wait_pv", "rest", "steps", "epilogue", "first_steps", "issue",
+         "total"]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cells", default="64:4096:causal:24;64:4096:sliding:24",
+                    help="D:S:mask:tactic;... (mask: a name of the issue-3 benchmark, or a mask spec)")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--json", default=None, help="also write the raw counters here")
+    a = ap.parse_args()
+
+    lib_path = os.environ.get("STOF_KERNELS_LIB")
+    if not lib_path:
+        sys.exit("profile_ws_phases: set STOF_KERNELS_LIB to a library built with -DSTOF_WS_PROFILE")
+    lib = ctypes.CDLL(lib_path)
+    if not hasattr(lib, "stof_ws_prof_read"):
+        sys.exit(f"profile_ws_phases: {lib_path} was not built with -DSTOF_WS_PROFILE")
+
+    import torch
+
+    from bench_attention import MASKS
+    from stof_trt.format import compile_mask
+    from stof_trt.kernels import DeviceLayout, sparse_attention
+    from stof_trt.masks import parse_mask
+
+    n = 2 * 3 * 4 * NUM_COUNTERS
+    buf = (ctypes.c_uint32 * n)()
+    out = []
+    for cell in a.cells.split(";"):
+        D, S, mname, tactic = cell.split(":")
+        D, S, tactic = int(D), int(S), int(tactic)
+        mask = parse_mask(MASKS.get(mname, mname))
+        dl = DeviceLayout(compile_mask(mask, S, S, num_heads=a.heads))
+        q, k, v = (torch.randn(a.batch, a.heads, S, D, device="cuda", dtype=torch.float16) for _ in range(3))
+        for _ in range(2):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            sparse_attention(q, k, v, dl, tactic=tactic)  # with a workspace: the persistent form
+            end.record()
+            torch.cuda.synchronize()
+        if lib.stof_ws_prof_read(buf, n) != 0:
+            sys.exit("profile_ws_phases: reading the counters failed")
+        print(f"== D={D} S={S} {mname} tactic {tactic}: {start.elapsed_time(end):.3f} ms (instrumented)")
+        rec = {"cell": cell, "ms": start.elapsed_time(end), "warps": []}
+        for cons in range(2):
+            for warp in (0, 2):
+                x = list(buf[((0 * 3 + cons) * 4 + warp) * NUM_COUNTERS:][:NUM_COUNTERS])
+                rec["warps"].append({"consumer": cons, "warp": warp, **dict(zip(NAMES, x))})
+                steps = max(x[4], 1)
+                print(f"  consumer {cons} warp {warp}: {x[4]} steps; per step: full {x[0] / steps:.0f}, "
+                      f"issue {x[7] / steps:.0f}, waitS {(x[1] - x[7]) / steps:.0f}, softmax+waitPV "
+                      f"{x[2] / steps:.0f}, rest {x[3] / steps:.0f}; first steps {x[6]}, epilogues {x[5]}, "
+                      f"total {x[8]} cycles")
+        out.append(rec)
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
