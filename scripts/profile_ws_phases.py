@@ -9,11 +9,12 @@ Needs a diagnostic build of the kernels library (wrong to ship: every phase boun
           --cells "64:4096:causal:24;64:4096:sliding:24"
 
 Add -DSTOF_WS_PROFILE_NO_SOFTMAX to time the step loop without its softmax (wrong results; the MMAs, loads and
-barriers alone).  For each cell the kernel runs twice (the second run is reported); the counters of consumer
-warps 0 and 2 of CTA 0 are printed per steady-state step: full (waiting for the K/V stage), issue (the S and P V
+barriers alone).  For each cell the kernel runs twice (the second run is reported); the counters of warps 0 and 2
+of each consumer of CTA 0 are printed per steady-state step: full (waiting for the K/V stage), issue (the S and P V
 MMAs), waitS, softmax+waitPV (mask, online softmax, then the wait for P V), rest (rescale, pack, release); plus
-the first steps' and epilogues' totals.  The instrumented build is slower than the real one (about 40 % on
-causal S=4096): compare phases, not times.  Needs a CUDA GPU; a diagnostic, not a test.
+the first steps' and epilogues' totals, and CTA 0's clock total (the kernel's duration on that SM; the event
+time printed with it also holds the call's host work).  The instrumented build is slower than the real one:
+compare phases, not times.  Needs a CUDA GPU; a diagnostic, not a test.
 """
 
 from __future__ import annotations
@@ -46,12 +47,23 @@ def main():
     lib_path = os.environ.get("STOF_KERNELS_LIB")
     if not lib_path:
         sys.exit("profile_ws_phases: set STOF_KERNELS_LIB to a library built with -DSTOF_WS_PROFILE")
-    lib = ctypes.CDLL(lib_path)
+    try:
+        lib = ctypes.CDLL(lib_path)
+    except OSError as e:
+        sys.exit(f"profile_ws_phases: cannot load {lib_path}: {e}")
     if not hasattr(lib, "stof_ws_prof_read"):
         sys.exit(f"profile_ws_phases: {lib_path} was not built with -DSTOF_WS_PROFILE")
 
     import torch
 
+    if not torch.cuda.is_available():
+        sys.exit("profile_ws_phases: needs a CUDA GPU (torch.cuda.is_available() is False)")
+    cells = []
+    for cell in a.cells.split(";"):
+        parts = cell.split(":")
+        if len(parts) != 4 or not (parts[0].isdigit() and parts[1].isdigit() and parts[3].isdigit()):
+            sys.exit(f"profile_ws_phases: --cells wants D:S:mask:tactic entries, got {cell!r}")
+        cells.append((int(parts[0]), int(parts[1]), parts[2], int(parts[3])))
     from bench_attention import MASKS
     from stof_trt.format import compile_mask
     from stof_trt.kernels import DeviceLayout, sparse_attention
@@ -60,9 +72,9 @@ def main():
     n = 2 * 3 * 4 * NUM_COUNTERS
     buf = (ctypes.c_uint32 * n)()
     out = []
-    for cell in a.cells.split(";"):
-        D, S, mname, tactic = cell.split(":")
-        D, S, tactic = int(D), int(S), int(tactic)
+    lib.stof_ws_prof_read(buf, n)  # zeroes the counters
+    for D, S, mname, tactic in cells:
+        cell = f"{D}:{S}:{mname}:{tactic}"
         mask = parse_mask(MASKS.get(mname, mname))
         dl = DeviceLayout(compile_mask(mask, S, S, num_heads=a.heads))
         q, k, v = (torch.randn(a.batch, a.heads, S, D, device="cuda", dtype=torch.float16) for _ in range(3))
@@ -74,17 +86,21 @@ def main():
             torch.cuda.synchronize()
         if lib.stof_ws_prof_read(buf, n) != 0:
             sys.exit("profile_ws_phases: reading the counters failed")
-        print(f"== D={D} S={S} {mname} tactic {tactic}: {start.elapsed_time(end):.3f} ms (instrumented)")
+        print(f"== D={D} S={S} {mname} tactic {tactic}: {start.elapsed_time(end):.3f} ms per call (instrumented)")
         rec = {"cell": cell, "ms": start.elapsed_time(end), "warps": []}
-        for cons in range(2):
+        for cons in range(3):
             for warp in (0, 2):
                 x = list(buf[((0 * 3 + cons) * 4 + warp) * NUM_COUNTERS:][:NUM_COUNTERS])
+                if x[8] == 0:
+                    continue  # no such consumer, or not the persistent warp-specialised kernel
                 rec["warps"].append({"consumer": cons, "warp": warp, **dict(zip(NAMES, x))})
                 steps = max(x[4], 1)
                 print(f"  consumer {cons} warp {warp}: {x[4]} steps; per step: full {x[0] / steps:.0f}, "
                       f"issue {x[7] / steps:.0f}, waitS {(x[1] - x[7]) / steps:.0f}, softmax+waitPV "
                       f"{x[2] / steps:.0f}, rest {x[3] / steps:.0f}; first steps {x[6]}, epilogues {x[5]}, "
                       f"total {x[8]} cycles")
+        if not rec["warps"]:
+            print("  no counters: this tactic did not run the persistent warp-specialised kernel")
         out.append(rec)
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))

@@ -91,10 +91,15 @@ bool encode_q_map(KernelParams& p, int head_dim, bool bf16) {
 }
 
 #ifdef STOF_WS_PROFILE
-// Diagnostic build only: copies the warp-specialised kernels' phase counters (g_ws_prof, hopper_ws.cuh) to `out`.
+// Diagnostic build only: copies the warp-specialised kernels' phase counters (g_ws_prof, hopper_ws.cuh) to `out`
+// and zeroes them (so a launch that is not the persistent kernel reads as zeros).  Returns a cudaError_t.
 extern "C" __attribute__((visibility("default"))) int stof_ws_prof_read(uint32_t* out, int n) {
     n = std::min<int>(n, static_cast<int>(sizeof(g_ws_prof) / sizeof(uint32_t)));
-    return static_cast<int>(cudaMemcpyFromSymbol(out, g_ws_prof, n * sizeof(uint32_t)));
+    if (n <= 0) return static_cast<int>(cudaErrorInvalidValue);
+    cudaError_t err = cudaMemcpyFromSymbol(out, g_ws_prof, n * sizeof(uint32_t));
+    static const uint32_t zeros[sizeof(g_ws_prof) / sizeof(uint32_t)] = {};
+    if (err == cudaSuccess) err = cudaMemcpyToSymbol(g_ws_prof, zeros, sizeof(zeros));
+    return static_cast<int>(err);
 }
 #endif
 

@@ -283,7 +283,10 @@ __device__ __forceinline__ uint32_t ws_clock() {
     return t;
 }
 #define STOF_PROF_T(var) const uint32_t var = ws_clock()
-#define STOF_PROF_ADD(i, v) prof[i] += (v)
+#define STOF_PROF_ADD(i, v) \
+    do {                    \
+        if (prof) prof[i] += (v); \
+    } while (0)  // the one-CTA-per-item kernel passes none
 #else
 #define STOF_PROF_T(var)
 #define STOF_PROF_ADD(i, v)
