@@ -101,7 +101,6 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-
 // One step of the merged walk: up to kSub sub-blocks; n0 = first key (-1: absent), sub = the 64-key sub-block
 // inside its tile, ent[w][h] = the format entry of consumer w's tile row there (-1: none).
 template <int kSub, int kC = 2>
@@ -267,9 +266,6 @@ __device__ __forceinline__ int ws_produce_tma(const KernelParams& p, MergedCurso
     return it;
 }
 
-// Consumer warpgroup w of one work item (its 64 Q rows already in the item's swizzled Q tile at sQ): every step
-// of the item's merged walk (has_steps_given: whether it has one, -1 = find out) from ring position it on, then the epilogue (O staged through its own Q rows and
-// stored).  Returns the ring position after the item.
 #ifdef STOF_WS_PROFILE
 // Diagnostic build only (-DSTOF_WS_PROFILE): SM clock cycles per phase of the consumers' steady loop, stored per
 // consumer warp of CTAs 0 and 1 of the persistent kernel into g_ws_prof (read with stof_ws_prof_read(), hopper.cu;
@@ -292,6 +288,9 @@ __device__ __forceinline__ uint32_t ws_clock() {
 #define STOF_PROF_ADD(i, v)
 #endif
 
+// Consumer warpgroup w of one work item (its 64 Q rows already in the item's swizzled Q tile at sQ): every step
+// of the item's merged walk (has_steps_given: whether it has one, -1 = find out) from ring position it on, then
+// the epilogue (O staged through its own Q rows and stored).  Returns the ring position after the item.
 template <class WT>
 __device__ __forceinline__ int ws_consume(const KernelParams& p, int q0, int h, int b, int it, uint32_t sQ,
                                           uint32_t sKV, uint32_t sBar, uint32_t sDesc, int w, int ctid,
@@ -674,9 +673,10 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
     }
 #ifdef STOF_WS_PROFILE
     prof[8] = ws_clock() - tk0;
-    if (blockIdx.x < 2 && (ctid & 31) == 0)
+    if (blockIdx.x < 2 && (ctid & 31) == 0) {
 #pragma unroll
         for (int i = 0; i < 9; ++i) g_ws_prof[((blockIdx.x * 3 + w) * 4 + (ctid >> 5)) * 9 + i] = prof[i];
+    }
 #endif
 #else
     __trap();  // built without sm_90a: the dispatcher never selects this tactic then
