@@ -45,7 +45,7 @@ class TacticSpec:
     q_in_smem: bool = False  # block family: Q fragments re-read from shared memory
     pipelined: bool = False  # Hopper family: S_{i+1} MMA overlapped with the softmax of S_i
     defer_pv: bool = False   # Hopper family: P V completion awaited with the next S MMA
-    warp_specialized: bool = False  # Hopper family: producer warpgroup + 2 consumer warpgroups (hopper_ws.cuh)
+    warp_specialized: bool = False  # Hopper family: producer warpgroup + 2 or 3 consumer warpgroups (hopper_ws.cuh)
     key_step: int = 64       # keys per softmax step (warp-specialised and TMA: 64 or 128 = two sub-blocks of the walk)
     tma: bool = False        # Hopper family: K/V copied by the TMA, mbarrier pipeline (hopper_tma.cuh)
 
@@ -293,7 +293,6 @@ def _schedule_order(stats: TileStats, t: TacticSpec, dur: np.ndarray, *, batch: 
     nhb = batch * heads
     rows = stats.row_nnz
     chunk = 1 if stats.sched_chunk == 1 else max(1, min(nhb, (16 << 20) // (2 * seq_k * head_dim * 2)))
-    perm = np.arange(n_cta)
     f = stats.tile_m // t.block_m if stats.tile_m % t.block_m == 0 else 0
     all_ctas = rows.shape[1] * f
     if f >= 1 and 4 * n_cta >= 3 * all_ctas:
@@ -305,7 +304,7 @@ def _schedule_order(stats: TileStats, t: TacticSpec, dur: np.ndarray, *, batch: 
             qbs = [r * f + (f - 1 - j) for r in order for j in range(f)]
             ordered.append(np.array([dur[l][n_cta - 1 - qb] if qb < n_cta else np.nan for qb in qbs]))
     else:
-        ordered = [dur[l][perm] for l in range(L)]
+        ordered = list(dur)
     out = []
     for c0 in range(0, nhb, chunk):
         hb = np.arange(c0, min(nhb, c0 + chunk))

@@ -51,10 +51,10 @@
 //     21/22: 64-key steps, 2/3 stages; 23/24: 128-key steps (two 64-key sub-blocks of the walk per step), 2/3 stages.
 // 25, 26: as 13 and 14 with K/V loaded by the TMA (hopper_tma.cuh): one thread issues the copies, mbarriers
 //     instead of a CTA barrier per step, no per-thread address arithmetic.
-// 28, 29: as 23 / 24 with three consumer warpgroups (192-row work items, 512 threads: FlashAttention-3's D=64
-//     shape; consumers at 160 registers), TMA producer only (key_lengths: 23 / 24's cp.async form), head dim 64.
 // 27: as 25 with 128-key steps (two 64-key sub-blocks of the walk per step, S as one m64n128 MMA), head dim 64,
 //     3 CTAs per SM.
+// 28, 29: as 23 / 24 with three consumer warpgroups (192-row work items, 512 threads: FlashAttention-3's D=64
+//     shape; consumers at 160 registers), TMA producer only (key_lengths: 23 / 24's cp.async form), head dim 64.
 // X(id, warpgroups (consumers for 21+), stages, variant: 0 plain, 1 pipelined, 2 deferred P V wait,
 //   3 warp-specialised with 64-key steps, 4 warp-specialised with 128-key steps, 5 TMA K/V loads, 6 TMA with 128-key steps)
 #define STOF_HOPPER_TACTICS(X) \
