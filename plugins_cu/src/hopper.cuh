@@ -185,7 +185,11 @@ constexpr float kRescaleSlack = 8.f;
 // exponentiates rS in place and updates row_max / row_sum.  The running max is only moved when a row's max grows
 // by more than kRescaleSlack (FlashAttention-4's lazy rescaling); returns true (warp-uniform) when some row of the
 // warp moved it, and then O must be multiplied by alpha (per row) -- most steps skip that multiply.
-template <int kNI>
+// kInterleaved: both rows' exps in one pass, each one's sum added as it comes.  ptxas then interleaves the MUFU
+// ops with the FFMA/FADD work; row by row it issued ~30 MUFU ops back to back, each a stall for the warp (ncu,
+// session 7; cuDNN's SDPA kernel interleaves them).  Measured (A/B, session 7): warp-specialised tactics 24
+// -1.5 to -2.3 %, 22 -1.3 to -5 %; the one-warpgroup tactic 13 +1 to +2.7 %, so only hopper_ws.cuh uses it.
+template <int kNI, bool kInterleaved = false>
 __device__ __forceinline__ bool online_softmax(float (&rS)[kNI * 4], float (&row_max)[2], float (&row_sum)[2],
                                                float (&alpha)[2], float mul) {
     float mx[2];
@@ -205,6 +209,7 @@ __device__ __forceinline__ bool online_softmax(float (&rS)[kNI * 4], float (&row
         grow[hh] = m * mul > row_max[hh] * mul + kRescaleSlack;  // false for a fully masked row (-inf)
     }
     const bool rescale = __any_sync(0xffffffffu, grow[0] || grow[1]);
+    float m_use[2];  // log2 domain
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
         alpha[hh] = 1.f;
@@ -215,18 +220,33 @@ __device__ __forceinline__ bool online_softmax(float (&rS)[kNI * 4], float (&row
             }
             row_sum[hh] *= alpha[hh];
         }
-        const float m_use = row_max[hh] == -INFINITY ? 0.f : row_max[hh] * mul;  // log2 domain
-        float t[kNI];
+        m_use[hh] = row_max[hh] == -INFINITY ? 0.f : row_max[hh] * mul;
+        if constexpr (!kInterleaved) {
+            float t[kNI];
 #pragma unroll
-        for (int ni = 0; ni < kNI; ++ni) {
-            const float p0 = fast_exp2(fmaf(rS[ni * 4 + hh * 2], mul, -m_use));
-            const float p1 = fast_exp2(fmaf(rS[ni * 4 + hh * 2 + 1], mul, -m_use));
-            rS[ni * 4 + hh * 2] = p0;
-            rS[ni * 4 + hh * 2 + 1] = p1;
-            t[ni] = p0 + p1;
+            for (int ni = 0; ni < kNI; ++ni) {
+                const float p0 = fast_exp2(fmaf(rS[ni * 4 + hh * 2], mul, -m_use[hh]));
+                const float p1 = fast_exp2(fmaf(rS[ni * 4 + hh * 2 + 1], mul, -m_use[hh]));
+                rS[ni * 4 + hh * 2] = p0;
+                rS[ni * 4 + hh * 2 + 1] = p1;
+                t[ni] = p0 + p1;
+            }
+            tree_reduce<kNI / 2>(t, [](float x, float y) { return x + y; });
+            row_sum[hh] += t[0];
         }
-        tree_reduce<kNI / 2>(t, [](float x, float y) { return x + y; });
-        row_sum[hh] += t[0];
+    }
+    if constexpr (kInterleaved) {
+        float acc[2][2] = {{0.f, 0.f}, {0.f, 0.f}};  // two chains per row
+#pragma unroll
+        for (int ni = 0; ni < kNI; ++ni)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {  // j: row j / 2, column j % 2 of group ni
+                const float pv = fast_exp2(fmaf(rS[ni * 4 + j], mul, -m_use[j >> 1]));
+                rS[ni * 4 + j] = pv;
+                acc[j >> 1][ni & 1] += pv;
+            }
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) row_sum[hh] += acc[hh][0] + acc[hh][1];
     }
     return rescale;
 }

@@ -380,7 +380,7 @@ __device__ __forceinline__ int ws_consume(const KernelParams& p, int q0, int h, 
                 mask_scores<8>(rS, bits, tig, hh * 32);
             }
         }
-        return online_softmax<kNI>(rS, row_max, row_sum, alpha, mul);
+        return online_softmax<kNI, true>(rS, row_max, row_sum, alpha, mul);
     };
 
     // First step: S_0 and its softmax (nothing to overlap with yet).
