@@ -19,7 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mask", default="causal")
+    ap.add_argument("--mask", default="causal",
+                    help="a mask spec (stof_trt.masks.parse_mask) or a benchmark mask name: "
+                         "causal, sliding, dilated, longformer, bigbird (scripts/bench_attention.py)")
     ap.add_argument("--S", type=int, default=4096)
     ap.add_argument("--D", type=int, default=64)
     ap.add_argument("--B", type=int, default=8)
@@ -38,7 +40,10 @@ def main():
     from stof_trt.kernels import DeviceLayout, sparse_attention
     from stof_trt.masks import parse_mask
 
-    mask = parse_mask(a.mask)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_attention import MASKS  # the issue-3 benchmark masks, by name
+
+    mask = parse_mask(MASKS.get(a.mask, a.mask))
     layout = compile_mask(mask, a.S, a.S)
     dl = DeviceLayout(layout)
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -85,14 +85,14 @@ TACTICS = [
     TacticSpec(19, FAMILY_HOPPER, 64, 64, 4, 2, defer_pv=True),
     TacticSpec(20, FAMILY_HOPPER, 64, 64, 4, 3, defer_pv=True),
     TacticSpec(21, FAMILY_HOPPER, 128, 64, 12, 2, warp_specialized=True),
-    TacticSpec(22, FAMILY_HOPPER, 128, 64, 12, 3, warp_specialized=True),
+    TacticSpec(22, FAMILY_HOPPER, 128, 64, 12, 4, warp_specialized=True),
     TacticSpec(23, FAMILY_HOPPER, 128, 64, 12, 2, warp_specialized=True, key_step=128),
-    TacticSpec(24, FAMILY_HOPPER, 128, 64, 12, 3, warp_specialized=True, key_step=128),
+    TacticSpec(24, FAMILY_HOPPER, 128, 64, 12, 4, warp_specialized=True, key_step=128),
     TacticSpec(25, FAMILY_HOPPER, 64, 64, 4, 2, tma=True),
     TacticSpec(26, FAMILY_HOPPER, 64, 64, 4, 3, tma=True),
     TacticSpec(27, FAMILY_HOPPER, 64, 64, 4, 2, tma=True, key_step=128),
     TacticSpec(28, FAMILY_HOPPER, 192, 64, 16, 2, warp_specialized=True, key_step=128),
-    TacticSpec(29, FAMILY_HOPPER, 192, 64, 16, 3, warp_specialized=True, key_step=128),
+    TacticSpec(29, FAMILY_HOPPER, 192, 64, 16, 4, warp_specialized=True, key_step=128),
 ]
 _BY_ID = {t.id: t for t in TACTICS}
 

@@ -48,7 +48,8 @@
 //     boxes; 128 cp.async threads with key_lengths) streams K/V and step descriptors into an mbarrier ring, two
 //     consumer warpgroups (128 rows per work item, one CTA per SM) each overlap their softmax with their own P V
 //     MMA and with the other consumer's MMAs; persistent (work counter in the C ABI workspace) when given one.
-//     21/22: 64-key steps, 2/3 stages; 23/24: 128-key steps (two 64-key sub-blocks of the walk per step), 2/3 stages.
+//     21/22: 64-key steps, 2/4 stages; 23/24: 128-key steps (two 64-key sub-blocks of the walk per step), 2/4 stages
+//     (4 rather than 3: -1 to -7 % on 22/24, session 7).
 // 25, 26: as 13 and 14 with K/V loaded by the TMA (hopper_tma.cuh): one thread issues the copies, mbarriers
 //     instead of a CTA barrier per step, no per-thread address arithmetic.
 // 27: as 25 with 128-key steps (two 64-key sub-blocks of the walk per step, S as one m64n128 MMA), head dim 64,
@@ -67,14 +68,14 @@
     X(19, 1, 2, 2)             \
     X(20, 1, 3, 2)             \
     X(21, 2, 2, 3)             \
-    X(22, 2, 3, 3)             \
+    X(22, 2, 4, 3)             \
     X(23, 2, 2, 4)             \
-    X(24, 2, 3, 4)             \
+    X(24, 2, 4, 4)             \
     X(25, 1, 2, 5)             \
     X(26, 1, 3, 5)             \
     X(27, 1, 2, 6)             \
     X(28, 3, 2, 4)             \
-    X(29, 3, 3, 4)
+    X(29, 3, 4, 4)
 
 namespace stof {
 
