@@ -328,9 +328,9 @@ def _makespan(durations: np.ndarray, slots: int) -> float:
 # the 5 benchmark masks, S in {1024, 4096} only; session 3: the final head dim 64 and 128 runs (docs/performance.md),
 # library with the longest-rows-first schedule; the model's launch order is still the reversed rows per head;
 # session 5: 27 from device run 1; session 6: 21-24 (after the ping-pong removal) and 28/29 (three consumers)
-# from the session-6 benchmark runs, S in {1024, 4096}; session 7: 21-24, 28, 29 again, after the interleaved exps
-# and the 4-stage ring of 22/24/29, from the session-7 final runs, S in {1024, 4096}).  Tactics without an entry use the uncalibrated rate
-# model below.
+# from the session-6 benchmark runs, S in {1024, 4096}; session 7: 21-24, 28, 29 again, after the
+# interleaved exps and the 4-stage ring of 22/24/29, from the session-7 final runs, S in {1024, 4096}).
+# Tactics without an entry use the uncalibrated rate model below.
 COEF = {
     (1, 64): (1.25486, 1.63926, 3.38084, 7.83825),
     (1, 128): (2.10254, 2.37502, 5.29991, 4.96612),

@@ -188,7 +188,7 @@ constexpr float kRescaleSlack = 8.f;
 // kInterleaved: both rows' exps in one pass, each one's sum added as it comes.  ptxas then interleaves the MUFU
 // ops with the FFMA/FADD work; row by row it issued ~30 MUFU ops back to back, each a stall for the warp (ncu,
 // session 7; cuDNN's SDPA kernel interleaves them).  Measured (A/B, session 7): warp-specialised tactics 24
-// -1.5 to -2.3 %, 22 -1.3 to -5 %; the one-warpgroup tactic 13 +1 to +2.7 %, so only hopper_ws.cuh uses it.
+// -0.9 to -2.8 %, 22 -1 to -6 %; the one-warpgroup tactic 13 -1.4 to +2.7 %, so only hopper_ws.cuh uses it.
 template <int kNI, bool kInterleaved = false>
 __device__ __forceinline__ bool online_softmax(float (&rS)[kNI * 4], float (&row_max)[2], float (&row_sum)[2],
                                                float (&alpha)[2], float mul) {

@@ -49,7 +49,7 @@
 //     consumer warpgroups (128 rows per work item, one CTA per SM) each overlap their softmax with their own P V
 //     MMA and with the other consumer's MMAs; persistent (work counter in the C ABI workspace) when given one.
 //     21/22: 64-key steps, 2/4 stages; 23/24: 128-key steps (two 64-key sub-blocks of the walk per step), 2/4 stages
-//     (4 rather than 3: -1 to -7 % on 22/24, session 7).
+//     (4 rather than 3: -1 to -7 % on causal for 22/24, session 7).
 // 25, 26: as 13 and 14 with K/V loaded by the TMA (hopper_tma.cuh): one thread issues the copies, mbarriers
 //     instead of a CTA barrier per step, no per-thread address arithmetic.
 // 27: as 25 with 128-key steps (two 64-key sub-blocks of the walk per step, S as one m64n128 MMA), head dim 64,
