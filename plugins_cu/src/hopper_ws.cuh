@@ -388,7 +388,9 @@ __device__ __forceinline__ int ws_consume(const KernelParams& p, int q0, int h, 
         STOF_PROF_T(tf0);
         int prev_stage = it % kStages;
         mbar_wait(full_bar(prev_stage), (it / kStages) & 1);
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async writes -> wgmma reads
+        // cp.async writes -> wgmma reads (the cp.async producer); redundant with the TMA producer, whose writes are
+        // async-proxy like the wgmma reads, but dropping it there measured as noise (session 7, A/B run 5)
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         st = ws_read_desc<WT::kConsumers>(sDesc + prev_stage * kWsDescBytes, w);
         issue_s(prev_stage);
         wgmma_wait<0>();
