@@ -30,9 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-NUM_COUNTERS = 9  # hopper_ws.cuh g_ws_prof: [cta 0..1][consumer 0..2][warp 0..3][counter]
+NUM_COUNTERS = 12  # hopper_ws.cuh g_ws_prof: [cta 0..1][slot: consumer 0..2, producer][warp 0..3][counter]
 NAMES = ["full", "issue_and_wait_s", "softmax_and_wait_pv", "rest", "steps", "epilogue", "first_steps", "issue",
-         "total"]
+         "total", "items", "handoff", "last_pv"]
+PRODUCER_NAMES = ["empty_waits", "q_empty_waits", "claims", "item_start", "items", "", "", "", "total", "", "", ""]
 
 
 def main():
@@ -69,10 +70,12 @@ def main():
     from stof_trt.kernels import DeviceLayout, sparse_attention
     from stof_trt.masks import parse_mask
 
-    n = 2 * 3 * 4 * NUM_COUNTERS
+    n = 2 * 4 * 4 * NUM_COUNTERS
     buf = (ctypes.c_uint32 * n)()
     out = []
     lib.stof_ws_prof_read(buf, n)  # zeroes the counters
+    span = (ctypes.c_ulonglong * 2048)()
+    lib.stof_ws_span_read(span, 2048)
     for D, S, mname, tactic in cells:
         cell = f"{D}:{S}:{mname}:{tactic}"
         mask = parse_mask(MASKS.get(mname, mname))
@@ -84,13 +87,22 @@ def main():
             sparse_attention(q, k, v, dl, tactic=tactic)  # with a workspace: the persistent form
             end.record()
             torch.cuda.synchronize()
-        if lib.stof_ws_prof_read(buf, n) != 0:
+        if lib.stof_ws_prof_read(buf, n) != 0 or lib.stof_ws_span_read(span, 2048) != 0:
             sys.exit("profile_ws_phases: reading the counters failed")
         print(f"== D={D} S={S} {mname} tactic {tactic}: {start.elapsed_time(end):.3f} ms per call (instrumented)")
+        starts = [span[2 * i] for i in range(1024) if span[2 * i + 1]]
+        ends = [span[2 * i + 1] for i in range(1024) if span[2 * i + 1]]
+        if ends:
+            t0 = min(starts)
+            e = sorted(x - t0 for x in ends)
+            s_ = sorted(x - t0 for x in starts)
+            print(f"  {len(ends)} CTAs: starts {s_[0] / 1e3:.1f}-{s_[-1] / 1e3:.1f} us, consumers done at min "
+                  f"{e[0] / 1e3:.1f}, median {e[len(e) // 2] / 1e3:.1f}, max {e[-1] / 1e3:.1f} us after the first start; "
+                  f"idle tail {sum(e[-1] - x for x in e) / len(e) / max(e[-1], 1):.1%} of the span (mean)")
         rec = {"cell": cell, "ms": start.elapsed_time(end), "warps": []}
         for cons in range(3):
             for warp in (0, 2):
-                x = list(buf[((0 * 3 + cons) * 4 + warp) * NUM_COUNTERS:][:NUM_COUNTERS])
+                x = list(buf[((0 * 4 + cons) * 4 + warp) * NUM_COUNTERS:][:NUM_COUNTERS])
                 if x[8] == 0:
                     continue  # no such consumer, or not the persistent warp-specialised kernel
                 rec["warps"].append({"consumer": cons, "warp": warp, **dict(zip(NAMES, x))})
@@ -99,6 +111,18 @@ def main():
                       f"issue {x[7] / steps:.0f}, waitS {(x[1] - x[7]) / steps:.0f}, softmax+waitPV "
                       f"{x[2] / steps:.0f}, rest {x[3] / steps:.0f}; first steps {x[6]}, epilogues {x[5]}, "
                       f"total {x[8]} cycles")
+                items = max(x[9] - 1, 1)  # the last hand-off says "no more items"
+                loop = x[0] + x[1] + x[2] + x[3]
+                print(f"    {items} items; per item: first step {x[6] / items:.0f}, epilogue {x[5] / items:.0f}, "
+                      f"hand-off {x[10] / items:.0f}, last P V {x[11] / items:.0f}, "
+                      f"other {(x[8] - loop - x[5] - x[6] - x[10] - x[11]) / items:.0f}; "
+                      f"steady steps {loop / x[8]:.0%} of the total")
+        x = list(buf[((0 * 4 + 3) * 4) * NUM_COUNTERS:][:NUM_COUNTERS])
+        if x[8]:
+            rec["producer"] = dict(zip(PRODUCER_NAMES, x))
+            items = max(x[4], 1)
+            print(f"  producer: {x[4]} items; per item: q_empty wait {x[1] / items:.0f}, claim {x[2] / items:.0f}, "
+                  f"walk start + Q {x[3] / items:.0f}, empty waits {x[0] / items:.0f}; total {x[8]} cycles")
         if not rec["warps"]:
             print("  no counters: this tactic did not run the persistent warp-specialised kernel")
         out.append(rec)

@@ -101,6 +101,15 @@ extern "C" __attribute__((visibility("default"))) int stof_ws_prof_read(uint32_t
     if (err == cudaSuccess) err = cudaMemcpyToSymbol(g_ws_prof, zeros, sizeof(zeros));
     return static_cast<int>(err);
 }
+// The same for the per-CTA start/end times (g_ws_span: 2 x 1024 nanosecond stamps).
+extern "C" __attribute__((visibility("default"))) int stof_ws_span_read(unsigned long long* out, int n) {
+    n = std::min<int>(n, static_cast<int>(sizeof(g_ws_span) / sizeof(unsigned long long)));
+    if (n <= 0) return static_cast<int>(cudaErrorInvalidValue);
+    cudaError_t err = cudaMemcpyFromSymbol(out, g_ws_span, n * sizeof(unsigned long long));
+    static const unsigned long long zeros[sizeof(g_ws_span) / sizeof(unsigned long long)] = {};
+    if (err == cudaSuccess) err = cudaMemcpyToSymbol(g_ws_span, zeros, sizeof(zeros));
+    return static_cast<int>(err);
+}
 #endif
 
 #if defined(STOF_HAS_SM90A)

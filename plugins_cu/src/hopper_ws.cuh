@@ -57,8 +57,14 @@ struct WsTraits {
     static constexpr int kSmemSize = kSmemQ + 2 * kStages * kSmemKV + kSmemBar + kSmemDesc + 1024;
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim");
     static_assert(kSub == 1 || kSub == 2, "64 or 128 keys per step");
-    // persistent form: two Q buffers, the ring, full/empty[kStages] + q_full/q_empty[2] mbarriers, 2 item slots
-    static constexpr int kSmemPersist = 2 * kSmemQ + 2 * kStages * kSmemKV + 8 * (2 * kStages + 4) + 32 + kSmemDesc + 1024;
+    // persistent form: kQBufs Q buffers, the ring, full/empty[kStages] + q_full/q_empty[kQBufs] mbarriers, an item
+    // slot per Q buffer
+    static constexpr int persist_smem(int qbufs) {
+        return qbufs * kSmemQ + 2 * kStages * kSmemKV + 8 * (2 * kStages + 2 * qbufs) + 16 * qbufs + kSmemDesc + 1024;
+    }
+    // 3 buffers measured as noise (session 8)
+    static constexpr int kQBufs = 2;
+    static constexpr int kSmemPersist = persist_smem(kQBufs);
     static_assert(kSmemSize <= 227 * 1024 && kSmemPersist <= 227 * 1024, "shared memory");
     // setmaxnreg moves registers inside what the CTA got at launch (ptxas: 65536 / kThreads, rounded down to 8)
     static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= kThreads * ((65536 / kThreads) & ~7),
@@ -228,6 +234,39 @@ __device__ __forceinline__ void ws_item_cursor(MergedCursor<kC>& cur, const Kern
     cur.init(p, rows, kv_len);
 }
 
+#ifdef STOF_WS_PROFILE
+// Diagnostic build only (-DSTOF_WS_PROFILE): SM clock cycles per phase of the consumers' steady loop, stored per
+// consumer warp of CTAs 0 and 1 of the persistent kernel into g_ws_prof (read with stof_ws_prof_read(), hopper.cu;
+// not printf: a call in the kernel makes ptxas serialise every wgmma, warning C7510).  [0] full-barrier wait,
+// [1] MMA issue + wait for S, [2] softmax up to the P V wait, [3] the rest (exps ptxas put after that wait,
+// rescale, pack), [4] steps, [5] epilogue, [6] first steps, [7] the MMA issue alone (part of [1]), [8] total,
+// [9] items, [10] the item hand-offs (q_full wait and the item's read), [11] the last P V of each item.  Slot 3 is the producer thread's (warp 0):
+// [0] empty-barrier waits, [1] q_empty waits, [2] claiming items (the atomics), [3] from the claim to the item's
+// first stage (walk start, Q copy), [4] items, [8] total.
+constexpr int kWsProfCounters = 12;
+static __device__ uint32_t g_ws_prof[2 * 4 * 4 * kWsProfCounters];
+// each CTA's (up to 1024) %globaltimer (ns) at its start and when its consumers finished: the schedule's tail
+static __device__ unsigned long long g_ws_span[2 * 1024];
+__device__ __forceinline__ unsigned long long ws_globaltimer() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t)::"memory");
+    return t;
+}
+__device__ __forceinline__ uint32_t ws_clock() {
+    uint32_t t;
+    asm volatile("mov.u32 %0, %%clock;\n" : "=r"(t)::"memory");
+    return t;
+}
+#define STOF_PROF_T(var) const uint32_t var = ws_clock()
+#define STOF_PROF_ADD(i, v) \
+    do {                    \
+        if (prof) prof[i] += (v); \
+    } while (0)  // the one-CTA-per-item kernel passes none
+#else
+#define STOF_PROF_T(var)
+#define STOF_PROF_ADD(i, v)
+#endif
+
 // Producer (one thread), TMA: the K/V of one work item's steps into the ring from position it on (the caller has
 // started the walk: cur after the first step st, have = whether there is one); returns the ring position after the
 // item.  kSub (K, V) boxes of 64 keys per step; an absent sub-block (odd walk end)
@@ -238,14 +277,21 @@ template <class WT>
 __device__ __forceinline__ int ws_produce_tma(const KernelParams& p, MergedCursor<WT::kConsumers>& cur,
                                               WsStep<WT::kSub, WT::kConsumers> st,
                                               bool have, int h, int b, int it, uint32_t sKV, uint32_t sBar,
-                                              uint32_t sDesc) {
+                                              uint32_t sDesc
+#ifdef STOF_WS_PROFILE
+                                              , uint32_t* prof = nullptr
+#endif
+) {
     constexpr int kStages = WT::kStages, kSub = WT::kSub;
     constexpr uint32_t kStepBytes = kSub * 2 * 64 * WT::kHeadDim * 2;
     WsStep<kSub, WT::kConsumers> next;
     for (; have; ++it) {
         const bool more = ws_take_step<kSub>(cur, p, next);  // one step ahead: the descriptor's `more`
         const int s = it % kStages;
+        STOF_PROF_T(te0);
         if (it >= kStages) mbar_wait(sBar + 8 * (kStages + s), ((it / kStages) + 1) & 1);  // empty[s]
+        STOF_PROF_T(te1);
+        STOF_PROF_ADD(0, te1 - te0);
         const uint32_t full = sBar + 8 * s;
         const uint32_t sK = sKV + s * 2 * WT::kSmemKV;
         ws_write_desc(sDesc + s * kWsDescBytes, st, more, p);
@@ -266,27 +312,6 @@ __device__ __forceinline__ int ws_produce_tma(const KernelParams& p, MergedCurso
     return it;
 }
 
-#ifdef STOF_WS_PROFILE
-// Diagnostic build only (-DSTOF_WS_PROFILE): SM clock cycles per phase of the consumers' steady loop, stored per
-// consumer warp of CTAs 0 and 1 of the persistent kernel into g_ws_prof (read with stof_ws_prof_read(), hopper.cu;
-// not printf: a call in the kernel makes ptxas serialise every wgmma, warning C7510).  [0] full-barrier wait,
-// [1] MMA issue + wait for S, [2] softmax up to the P V wait, [3] the rest (exps ptxas put after that wait,
-// rescale, pack), [4] steps, [5] epilogue, [6] first steps, [7] the MMA issue alone (part of [1]), [8] total.
-static __device__ uint32_t g_ws_prof[2 * 3 * 4 * 9];
-__device__ __forceinline__ uint32_t ws_clock() {
-    uint32_t t;
-    asm volatile("mov.u32 %0, %%clock;\n" : "=r"(t)::"memory");
-    return t;
-}
-#define STOF_PROF_T(var) const uint32_t var = ws_clock()
-#define STOF_PROF_ADD(i, v) \
-    do {                    \
-        if (prof) prof[i] += (v); \
-    } while (0)  // the one-CTA-per-item kernel passes none
-#else
-#define STOF_PROF_T(var)
-#define STOF_PROF_ADD(i, v)
-#endif
 
 // Consumer warpgroup w of one work item (its 64 Q rows already in the item's swizzled Q tile at sQ): every step
 // of the item's merged walk (has_steps_given: whether it has one, -1 = find out) from ring position it on, then
@@ -444,10 +469,13 @@ __device__ __forceinline__ int ws_consume(const KernelParams& p, int q0, int h, 
             STOF_PROF_ADD(4, 1u);
             STOF_PROF_ADD(7, t1b - t1);
         }
+        STOF_PROF_T(tl0);
         issue_pv(prev_stage);
         wgmma_wait<0>();
         fence_regs(rO);
         mbar_arrive(empty_bar(prev_stage));
+        STOF_PROF_T(tl1);
+        STOF_PROF_ADD(11, tl1 - tl0);
     }
 
     // Epilogue: normalise, stage through this consumer's (now unused) Q rows, 16-byte stores.
@@ -575,15 +603,16 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
 template <class WT>
 __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const __grid_constant__ KernelParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr int kBlockM = WT::kBlockM, kStages = WT::kStages;
+    constexpr int kBlockM = WT::kBlockM, kStages = WT::kStages, kQBufs = WT::kQBufs;
     extern __shared__ __align__(1024) unsigned char smem[];
     const uint32_t sQ0 = (smem_u32(smem) + 1023u) & ~1023u;  // Q buffer j: sQ0 + j kSmemQ
-    const uint32_t sKV = sQ0 + 2 * WT::kSmemQ;
-    const uint32_t sBar = sKV + 2 * kStages * WT::kSmemKV;  // full[kStages], empty[kStages], q_full[2], q_empty[2]
-    const uint32_t sItem = sBar + 8 * (2 * kStages + 4);     // int4 per Q buffer: qb, h, b, flags
-    const uint32_t sDesc = sItem + 32;                         // step descriptors (ws_write_desc), one per stage
+    const uint32_t sKV = sQ0 + kQBufs * WT::kSmemQ;
+    // full[kStages], empty[kStages], q_full[kQBufs], q_empty[kQBufs]
+    const uint32_t sBar = sKV + 2 * kStages * WT::kSmemKV;
+    const uint32_t sItem = sBar + 8 * (2 * kStages + 2 * kQBufs);  // int4 per Q buffer: qb, h, b, flags
+    const uint32_t sDesc = sItem + 16 * kQBufs;                      // step descriptors (ws_write_desc), one per stage
     auto q_full = [&](int j) { return sBar + 8 * (2 * kStages + j); };
-    auto q_empty = [&](int j) { return sBar + 8 * (2 * kStages + 2 + j); };
+    auto q_empty = [&](int j) { return sBar + 8 * (2 * kStages + kQBufs + j); };
 
     const int tid = threadIdx.x;
     const int wg = tid / 128;
@@ -594,7 +623,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
             mbar_init(sBar + 8 * (kStages + s), 128 * WT::kConsumers);
         }
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
+        for (int j = 0; j < kQBufs; ++j) {
             mbar_init(q_full(j), 1);
             mbar_init(q_empty(j), 128 * WT::kConsumers);
         }
@@ -607,17 +636,36 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WT::kProducerRegs));
         if (tid != 0) return;
         int it = 0;
+#ifdef STOF_WS_PROFILE
+        uint32_t prof[kWsProfCounters] = {};
+        const uint32_t tk0 = ws_clock();
+#endif
+        int buf = 0, qphase = 0;  // item j's Q buffer (j % kQBufs) and the parity of its (j / kQBufs)-th use
         for (int j = 0;; ++j) {
-            const int buf = j & 1;
-            if (j >= 2) mbar_wait(q_empty(buf), ((j >> 1) + 1) & 1);  // item j - 2's O is out of this buffer
+            STOF_PROF_T(tq0);
+            if (j >= kQBufs) mbar_wait(q_empty(buf), qphase ^ 1);  // item j - kQBufs's O is out of this buffer
+            STOF_PROF_T(tq1);
             BlockWork wk{0, 0, 0};
             int item;
+            // Claiming the next item one item early (its atomic off this chain) measured slower at S=1024 (session 8):
+            // each CTA then holds one more item at the end, so the tail grows.
             do {  // items past the run-time Sq (row-ordered grids) have nothing to do
                 item = atomicAdd(p.work_counter, 1);
                 if (item < n_items) wk = block_work_at<kBlockM>(p, item, p.persist_nqb);
             } while (item < n_items && wk.qb * kBlockM >= p.seq_q);
             const bool valid = item < n_items;
+            STOF_PROF_T(tq2);
             const int q0 = wk.qb * kBlockM;
+            const uint32_t sQ = sQ0 + buf * WT::kSmemQ;
+            auto load_q = [&]() {
+                mbar_expect_tx(q_full(buf), kBlockM * WT::kHeadDim * 2);
+#pragma unroll
+                for (int cb = 0; cb < WT::kHeadDim / 64; ++cb)
+#pragma unroll
+                    for (int r = 0; r < kBlockM / 64; ++r)
+                        tma_load_4d(sQ + cb * kBlockM * 128 + r * 64 * 128, &p.tma_q, cb * 64, q0 + 64 * r, wk.h,
+                                    wk.b, q_full(buf));
+            };
             MergedCursor<WT::kConsumers> cur;
             WsStep<WT::kSub, WT::kConsumers> st;
             bool have = false;
@@ -633,16 +681,26 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                 mbar_arrive(q_full(buf));  // releases the consumers' last wait: no more items
                 break;
             }
-            const uint32_t sQ = sQ0 + buf * WT::kSmemQ;
-            mbar_expect_tx(q_full(buf), kBlockM * WT::kHeadDim * 2);
-#pragma unroll
-            for (int cb = 0; cb < WT::kHeadDim / 64; ++cb)
-#pragma unroll
-                for (int r = 0; r < kBlockM / 64; ++r)
-                    tma_load_4d(sQ + cb * kBlockM * 128 + r * 64 * 128, &p.tma_q, cb * 64, q0 + 64 * r, wk.h, wk.b,
-                                q_full(buf));
-            it = ws_produce_tma<WT>(p, cur, st, have, wk.h, wk.b, it, sKV, sBar, sDesc);
+            load_q();
+            STOF_PROF_T(tq3);
+            STOF_PROF_ADD(1, tq1 - tq0);
+            STOF_PROF_ADD(2, tq2 - tq1);
+            STOF_PROF_ADD(3, tq3 - tq2);
+            STOF_PROF_ADD(4, 1u);
+            it = ws_produce_tma<WT>(p, cur, st, have, wk.h, wk.b, it, sKV, sBar, sDesc
+#ifdef STOF_WS_PROFILE
+                                    , prof
+#endif
+            );
+            if (++buf == kQBufs) buf = 0, qphase ^= 1;
         }
+#ifdef STOF_WS_PROFILE
+        prof[8] = ws_clock() - tk0;
+        if (blockIdx.x < 2) {
+#pragma unroll
+            for (int i = 0; i < kWsProfCounters; ++i) g_ws_prof[((blockIdx.x * 4 + 3) * 4) * kWsProfCounters + i] = prof[i];
+        }
+#endif
         return;
     }
 
@@ -651,17 +709,21 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
     const int ctid = tid - 128 * wg;
     int it = 0;
 #ifdef STOF_WS_PROFILE
-    uint32_t prof[9] = {0, 0, 0, 0, 0, 0, 0, 0, 0};
+    uint32_t prof[kWsProfCounters] = {};
     const uint32_t tk0 = ws_clock();
+    if (ctid == 0 && w == 0 && blockIdx.x < 1024) g_ws_span[2 * blockIdx.x] = ws_globaltimer();
 #endif
-    for (int j = 0;; ++j) {
-        const int buf = j & 1;
-        mbar_wait(q_full(buf), (j >> 1) & 1);
+    for (int buf = 0, qphase = 0;; buf == kQBufs - 1 ? (buf = 0, qphase ^= 1) : ++buf) {
+        STOF_PROF_T(th0);
+        mbar_wait(q_full(buf), qphase);
         int qb, h, b, flags;
         asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
                      : "=r"(qb), "=r"(h), "=r"(b), "=r"(flags)
                      : "r"(sItem + 16 * buf)
                      : "memory");
+        STOF_PROF_T(th1);
+        STOF_PROF_ADD(10, th1 - th0);
+        STOF_PROF_ADD(9, 1u);
         if (!(flags & 1)) break;
         const uint32_t sQ = sQ0 + buf * WT::kSmemQ;
         it = ws_consume<WT>(p, qb * kBlockM, h, b, it, sQ, sKV, sBar, sDesc, w, ctid, (flags >> 1) & 1
@@ -675,9 +737,11 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
     }
 #ifdef STOF_WS_PROFILE
     prof[8] = ws_clock() - tk0;
+    if (ctid == 0 && blockIdx.x < 1024) atomicMax(&g_ws_span[2 * blockIdx.x + 1], ws_globaltimer());
     if (blockIdx.x < 2 && (ctid & 31) == 0) {
 #pragma unroll
-        for (int i = 0; i < 9; ++i) g_ws_prof[((blockIdx.x * 3 + w) * 4 + (ctid >> 5)) * 9 + i] = prof[i];
+        for (int i = 0; i < kWsProfCounters; ++i)
+            g_ws_prof[((blockIdx.x * 4 + w) * 4 + (ctid >> 5)) * kWsProfCounters + i] = prof[i];
     }
 #endif
 #else
