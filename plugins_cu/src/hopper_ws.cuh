@@ -15,7 +15,8 @@
 //     (mbarrier empty[stage], one arrival per consumer thread).  A consumer whose tile row has no tile in a
 //     sub-block masks it.  The consumers are not synchronised with each other, so one's softmax overlaps the
 //     other's MMAs (FlashAttention-3's ping-pong turns on named barriers were measured 2-4 % slower here, session 5).
-//   hopper_ws_persist_fwd: the same, persistent (one CTA per SM taking items from a work counter).
+//   hopper_ws_persist_fwd: the same, persistent (one CTA per SM taking items from a work counter); the consumers
+//     issue an item's first S with the previous item's last P V (ws_consume_items).
 // Why: the one-warpgroup kernels (hopper.cuh) serialise barrier -> QK^T -> softmax -> PV inside each CTA and
 // re-read K/V for every 64 rows; here loads never stall the math warps, K/V are read once per 128 rows, and a
 // 128-key step (kSub = 2) halves the per-step softmax bookkeeping (max reductions, O rescale, barriers).
@@ -62,8 +63,9 @@ struct WsTraits {
     static constexpr int persist_smem(int qbufs) {
         return qbufs * kSmemQ + 2 * kStages * kSmemKV + 8 * (2 * kStages + 2 * qbufs) + 16 * qbufs + kSmemDesc + 1024;
     }
-    // 3 buffers measured as noise (session 8)
-    static constexpr int kQBufs = 2;
+    // three when they fit (head dim 64): the chained consumers release an item's buffer only at the next item's
+    // first step, and with two the producer then waits to load the next Q (session 8: sliding +12 % with two)
+    static constexpr int kQBufs = persist_smem(3) <= 227 * 1024 ? 3 : 2;
     static constexpr int kSmemPersist = persist_smem(kQBufs);
     static_assert(kSmemSize <= 227 * 1024 && kSmemPersist <= 227 * 1024, "shared memory");
     // setmaxnreg moves registers inside what the CTA got at launch (ptxas: 65536 / kThreads, rounded down to 8)
@@ -313,15 +315,26 @@ __device__ __forceinline__ int ws_produce_tma(const KernelParams& p, MergedCurso
 }
 
 
-// Consumer warpgroup w of one work item (its 64 Q rows already in the item's swizzled Q tile at sQ): every step
-// of the item's merged walk (has_steps_given: whether it has one, -1 = find out) from ring position it on, then
-// the epilogue (O staged through its own Q rows and stored).  Returns the ring position after the item.
-template <class WT>
-__device__ __forceinline__ int ws_consume(const KernelParams& p, int q0, int h, int b, int it, uint32_t sQ,
-                                          uint32_t sKV, uint32_t sBar, uint32_t sDesc, int w, int ctid,
-                                          int has_steps_given = -1
+// A work item as the consumers see it: first query row, head, batch, whether its walk has a step, its Q tile
+// (swizzled, 64 kConsumers rows; the consumers stage the item's O through their own rows of it) and the source's
+// tag (the persistent kernel's Q buffer).
+struct WsItem {
+    int q0, h, b;
+    bool has_steps;
+    uint32_t sQ;
+    int tag;
+};
+
+// Consumer warpgroup w: every work item next_item(WsItem&) hands out (false: no more), chained -- an item's first
+// step issues its S = Q K^T together with the previous item's last P V, and that item's epilogue (O normalised,
+// staged through its own Q rows, stored; then item_done(item)) runs once both are done, so the tensor cores never
+// wait for an epilogue and an item's first softmax overlaps the previous item's last MMA.  Steps come as
+// descriptors with the ring stages (ws_write_desc), from ring position 0 on.
+template <class WT, class NextItem, class ItemDone>
+__device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem&& next_item, ItemDone&& item_done,
+                                                 uint32_t sKV, uint32_t sBar, uint32_t sDesc, int w, int ctid
 #ifdef STOF_WS_PROFILE
-                                          , uint32_t* prof = nullptr
+                                                 , uint32_t* prof = nullptr
 #endif
 ) {
     using Elem = typename WT::Elem;
@@ -331,20 +344,6 @@ __device__ __forceinline__ int ws_consume(const KernelParams& p, int q0, int h, 
     auto empty_bar = [&](int s) { return sBar + 8 * (kStages + s); };
     const int warp = ctid >> 5, lane = ctid & 31;
     const int g = lane >> 2, tig = lane & 3;
-    const int kv_len = effective_kv_len(p, b);
-    // the steps come as descriptors with the stages (ws_write_desc); whether there is one comes with a
-    // persistent kernel's item, else from the walk's first entries
-    bool has_steps = has_steps_given > 0;
-    if (has_steps_given < 0) {
-        MergedCursor<WT::kConsumers> cur;
-        ws_item_cursor(cur, p, q0, h, kv_len);
-        int ent[WT::kConsumers];
-        has_steps = cur.peek(ent) != INT_MAX;
-    }
-    WsDesc st;
-    const int my_a0 = (q0 + 64 * w) % p.tile_m;  // first bitmap row of this warpgroup inside its tile
-    Elem* gO = static_cast<Elem*>(p.o) + b * p.o_sb + h * p.o_sh;
-    const int32_t* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.seq_k : nullptr;
     const float sl2 = p.scale_log2;
     const bool fold = sl2 > 0.f;          // scale folded into the exp2 FFMA (max taken on raw scores)
     const float mul = fold ? sl2 : 1.f;  // otherwise scores are pre-scaled, then masked
@@ -352,12 +351,14 @@ __device__ __forceinline__ int ws_consume(const KernelParams& p, int q0, int h, 
     float rO[kDI * 4];
     float rS[kNI * 4];
     uint32_t rP[kKN][4];
-#pragma unroll
-    for (int i = 0; i < kDI * 4; ++i) rO[i] = 0.f;
-    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+    float row_max[2], row_sum[2] = {0.f, 0.f};
+    // the current item's
+    int kv_len = 0, my_a0 = 0;  // my_a0: first bitmap row of this warpgroup inside its tile
+    const int32_t* kpm = nullptr;
+    uint64_t dQ0 = 0;
+    WsDesc st;
 
     // descriptors = base + (byte offset >> 4) (shared addresses < 2^18: the 14-bit field never carries)
-    const uint64_t dQ0 = gmma_desc(sQ + w * 64 * 128, 16, 1024);
     const uint64_t dK0 = gmma_desc(sKV, 16, 1024);
     const uint64_t dV0 = gmma_desc(sKV + WT::kSmemKV, kBlockN * 128, 1024);
     auto issue_s = [&](int stage) {  // S = Q K^T
@@ -407,22 +408,84 @@ __device__ __forceinline__ int ws_consume(const KernelParams& p, int q0, int h, 
         }
         return online_softmax<kNI, true>(rS, row_max, row_sum, alpha, mul);
     };
+    // an item's O (normalised by sum) staged through this consumer's (now unused) Q rows, 16-byte stores
+    auto epilogue = [&](const WsItem& item, const float (&sum)[2]) {
+        STOF_PROF_T(te0);
+        Elem* gO = static_cast<Elem*>(p.o) + item.b * p.o_sb + item.h * p.o_sh;
+        stage_o<Elem, kDI, kBlockM>(rO, sum, item.sQ, 64 * w + warp * 16, g, tig);
+        named_barrier_sync(1 + w, 128);
+        store_o<Elem, kBlockM, 64, WT::kChunks, 128>(item.sQ, gO, p.o_ss, item.q0, 64 * w, p.seq_q, ctid);
+        item_done(item);
+        STOF_PROF_T(te1);
+        STOF_PROF_ADD(5, te1 - te0);
+    };
+    auto zero_o = [&]() {
+#pragma unroll
+        for (int i = 0; i < kDI * 4; ++i) rO[i] = 0.f;
+    };
 
-    // First step: S_0 and its softmax (nothing to overlap with yet).
-    if (has_steps) {
+    WsItem cur, open;  // open: the item whose last P V (from ring stage prev_stage) and epilogue are outstanding
+    bool pending = false;
+    int it = 0, prev_stage = 0;
+    for (;;) {
+        STOF_PROF_T(th0);
+        const bool got = next_item(cur);
+        STOF_PROF_T(th1);
+        STOF_PROF_ADD(10, th1 - th0);
+        STOF_PROF_ADD(9, 1u);
+        if (!got) break;
+        if (!cur.has_steps) {  // no allowed key: zeros (the open item first, its P V still to issue)
+            if (pending) {
+                issue_pv(prev_stage);
+                wgmma_wait<0>();
+                fence_regs(rO);
+                mbar_arrive(empty_bar(prev_stage));
+                epilogue(open, row_sum);
+                pending = false;
+            }
+            zero_o();
+            row_sum[0] = row_sum[1] = 0.f;
+            epilogue(cur, row_sum);
+            continue;
+        }
+        kv_len = effective_kv_len(p, cur.b);
+        my_a0 = (cur.q0 + 64 * w) % p.tile_m;
+        kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(cur.b) * p.seq_k : nullptr;
+        dQ0 = gmma_desc(cur.sQ + w * 64 * 128, 16, 1024);
+
+        // First step: S_0 (with the open item's last P V) and its softmax.
         STOF_PROF_T(tf0);
-        int prev_stage = it % kStages;
-        mbar_wait(full_bar(prev_stage), (it / kStages) & 1);
+        const int stage0 = it % kStages;
+        mbar_wait(full_bar(stage0), (it / kStages) & 1);
         // cp.async writes -> wgmma reads (the cp.async producer); redundant with the TMA producer, whose writes are
         // async-proxy like the wgmma reads, but dropping it there measured as noise (session 7, A/B run 5)
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        st = ws_read_desc<WT::kConsumers>(sDesc + prev_stage * kWsDescBytes, w);
-        issue_s(prev_stage);
-        wgmma_wait<0>();
-        fence_regs(rS);
+        st = ws_read_desc<WT::kConsumers>(sDesc + stage0 * kWsDescBytes, w);
         float alpha[2];
-        softmax(alpha);  // O is still zero: no rescale
+        if (pending) {
+            issue_s(stage0);
+            issue_pv(prev_stage);
+            wgmma_wait<1>();  // S_0
+            fence_regs(rS);
+            const float open_sum[2] = {row_sum[0], row_sum[1]};
+            row_max[0] = row_max[1] = -INFINITY;
+            row_sum[0] = row_sum[1] = 0.f;
+            softmax(alpha);  // fresh row state: no rescale
+            wgmma_wait<0>();  // the open item's last P V
+            fence_regs(rO);
+            mbar_arrive(empty_bar(prev_stage));
+            epilogue(open, open_sum);
+        } else {
+            issue_s(stage0);
+            wgmma_wait<0>();
+            fence_regs(rS);
+            row_max[0] = row_max[1] = -INFINITY;
+            row_sum[0] = row_sum[1] = 0.f;
+            softmax(alpha);
+        }
+        zero_o();
         pack_p<Elem, kKN>(rP, rS);
+        prev_stage = stage0;
         ++it;
         STOF_PROF_T(tf1);
         STOF_PROF_ADD(6, tf1 - tf0);
@@ -469,6 +532,10 @@ __device__ __forceinline__ int ws_consume(const KernelParams& p, int q0, int h, 
             STOF_PROF_ADD(4, 1u);
             STOF_PROF_ADD(7, t1b - t1);
         }
+        open = cur;
+        pending = true;
+    }
+    if (pending) {
         STOF_PROF_T(tl0);
         issue_pv(prev_stage);
         wgmma_wait<0>();
@@ -476,16 +543,8 @@ __device__ __forceinline__ int ws_consume(const KernelParams& p, int q0, int h, 
         mbar_arrive(empty_bar(prev_stage));
         STOF_PROF_T(tl1);
         STOF_PROF_ADD(11, tl1 - tl0);
+        epilogue(open, row_sum);
     }
-
-    // Epilogue: normalise, stage through this consumer's (now unused) Q rows, 16-byte stores.
-    STOF_PROF_T(te0);
-    stage_o<Elem, kDI, kBlockM>(rO, row_sum, sQ, 64 * w + warp * 16, g, tig);
-    named_barrier_sync(1 + w, 128);
-    store_o<Elem, kBlockM, 64, WT::kChunks, 128>(sQ, gO, p.o_ss, q0, 64 * w, p.seq_q, ctid);
-    STOF_PROF_T(te1);
-    STOF_PROF_ADD(5, te1 - te0);
-    return it;
 }
 
 template <class WT>
@@ -586,7 +645,21 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         named_barrier_sync(1 + w, 128);
     }
-    ws_consume<WT>(p, q0, h, b, 0, sQ, sKV, sBar, sDesc, w, ctid);
+    bool has_steps;  // from the walk's first entries
+    {
+        MergedCursor<WT::kConsumers> cur;
+        ws_item_cursor(cur, p, q0, h, effective_kv_len(p, b));
+        int ent[WT::kConsumers];
+        has_steps = cur.peek(ent) != INT_MAX;
+    }
+    bool given = false;
+    auto next_item = [&](WsItem& item) {
+        if (given) return false;
+        given = true;
+        item = WsItem{q0, h, b, has_steps, sQ, 0};
+        return true;
+    };
+    ws_consume_items<WT>(p, next_item, [](const WsItem&) {}, sKV, sBar, sDesc, w, ctid);
 #else
     __trap();  // built without sm_90a: the dispatcher never selects this tactic then
 #endif
@@ -594,12 +667,13 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
 
 // Persistent form (TMA producer; the launcher needs a work counter, zeroed before the launch): one CTA per SM
 // takes work items from the counter (atomicAdd: dynamic list scheduling in the schedule's order, so the longest
-// rows still go first) until they run out.  The producer thread runs up to two items ahead: it loads the next
-// item's Q (TMA, double-buffered) and its first K/V while the consumers finish the current one, so an item's
+// rows still go first) until they run out.  The producer thread runs up to kQBufs items ahead: it loads the next
+// items' Q (TMA, kQBufs buffers) and their first K/V while the consumers finish the current one, so an item's
 // start (Q load, pipeline fill) and end (O store) overlap other work instead of leaving the SM idle -- the
-// non-persistent kernel paid that per CTA at one CTA per SM.  Item hand-off: per Q buffer, the item's
-// (qb, h, b) in shared memory and two mbarriers (q_full: Q landed / no more items; q_empty: all consumers
-// stored the item's O, which is staged in that buffer).
+// non-persistent kernel paid that per CTA at one CTA per SM.  The consumers chain the items (ws_consume_items:
+// an item's first S with the previous item's last P V).  Item hand-off: per Q buffer, the item's (qb, h, b) in
+// shared memory and two mbarriers (q_full: Q landed / no more items; q_empty: all consumers stored the item's O,
+// which is staged in that buffer).
 template <class WT>
 __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const __grid_constant__ KernelParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -707,34 +781,34 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WT::kConsumerRegs));
     const int w = wg - 1;
     const int ctid = tid - 128 * wg;
-    int it = 0;
 #ifdef STOF_WS_PROFILE
     uint32_t prof[kWsProfCounters] = {};
     const uint32_t tk0 = ws_clock();
     if (ctid == 0 && w == 0 && blockIdx.x < 1024) g_ws_span[2 * blockIdx.x] = ws_globaltimer();
 #endif
-    for (int buf = 0, qphase = 0;; buf == kQBufs - 1 ? (buf = 0, qphase ^= 1) : ++buf) {
-        STOF_PROF_T(th0);
+    int buf = 0, qphase = 0;
+    auto next_item = [&](WsItem& item) -> bool {
         mbar_wait(q_full(buf), qphase);
         int qb, h, b, flags;
         asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
                      : "=r"(qb), "=r"(h), "=r"(b), "=r"(flags)
                      : "r"(sItem + 16 * buf)
                      : "memory");
-        STOF_PROF_T(th1);
-        STOF_PROF_ADD(10, th1 - th0);
-        STOF_PROF_ADD(9, 1u);
-        if (!(flags & 1)) break;
-        const uint32_t sQ = sQ0 + buf * WT::kSmemQ;
-        it = ws_consume<WT>(p, qb * kBlockM, h, b, it, sQ, sKV, sBar, sDesc, w, ctid, (flags >> 1) & 1
-#ifdef STOF_WS_PROFILE
-                            , prof
-#endif
-        );
-        // the O stores read sQ through the generic proxy; the next TMA write of this buffer is async-proxy
+        if (!(flags & 1)) return false;
+        item = WsItem{qb * kBlockM, h, b, (flags & 2) != 0, sQ0 + buf * WT::kSmemQ, buf};
+        if (++buf == kQBufs) buf = 0, qphase ^= 1;
+        return true;
+    };
+    auto item_done = [&](const WsItem& item) {
+        // the O stores read the Q buffer through the generic proxy; its next TMA write is async-proxy
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        mbar_arrive(q_empty(buf));
-    }
+        mbar_arrive(q_empty(item.tag));
+    };
+    ws_consume_items<WT>(p, next_item, item_done, sKV, sBar, sDesc, w, ctid
+#ifdef STOF_WS_PROFILE
+                         , prof
+#endif
+    );
 #ifdef STOF_WS_PROFILE
     prof[8] = ws_clock() - tk0;
     if (ctid == 0 && blockIdx.x < 1024) atomicMax(&g_ws_span[2 * blockIdx.x + 1], ws_globaltimer());
