@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 NUM_COUNTERS = 12  # hopper_ws.cuh g_ws_prof: [cta 0..1][slot: consumer 0..2, producer][warp 0..3][counter]
 NAMES = ["full", "issue_and_wait_s", "softmax_and_wait_pv", "rest", "steps", "epilogue", "first_steps", "issue",
          "total", "items", "handoff", "last_pv"]
-PRODUCER_NAMES = ["empty_waits", "q_empty_waits", "claims", "item_start", "items", "", "", "", "total", "", "", ""]
+PRODUCER_NAMES = {0: "empty_waits", 1: "q_empty_waits", 2: "claims", 3: "item_start", 4: "items", 8: "total"}
 
 
 def main():
@@ -52,7 +52,7 @@ def main():
         lib = ctypes.CDLL(lib_path)
     except OSError as e:
         sys.exit(f"profile_ws_phases: cannot load {lib_path}: {e}")
-    if not hasattr(lib, "stof_ws_prof_read"):
+    if not hasattr(lib, "stof_ws_prof_read") or not hasattr(lib, "stof_ws_span_read"):
         sys.exit(f"profile_ws_phases: {lib_path} was not built with -DSTOF_WS_PROFILE")
 
     import torch
@@ -113,13 +113,15 @@ def main():
                       f"total {x[8]} cycles")
                 items = max(x[9] - 1, 1)  # the last hand-off says "no more items"
                 loop = x[0] + x[1] + x[2] + x[3]
+                # chained items (head dim 64): an item's first step also holds the previous item's last P V and
+                # epilogue, which the epilogue counter counts as well; [11] is then the CTA's last P V only
                 print(f"    {items} items; per item: first step {x[6] / items:.0f}, epilogue {x[5] / items:.0f}, "
-                      f"hand-off {x[10] / items:.0f}, last P V {x[11] / items:.0f}, "
-                      f"other {(x[8] - loop - x[5] - x[6] - x[10] - x[11]) / items:.0f}; "
-                      f"steady steps {loop / x[8]:.0%} of the total")
+                      f"hand-off {x[10] / items:.0f}; last P V outside first steps {x[11]} in all; "
+                      f"steady steps {loop / x[8]:.0%} of the total, first steps + hand-offs + that P V "
+                      f"{(x[6] + x[10] + x[11]) / x[8]:.0%}")
         x = list(buf[((0 * 4 + 3) * 4) * NUM_COUNTERS:][:NUM_COUNTERS])
         if x[8]:
-            rec["producer"] = dict(zip(PRODUCER_NAMES, x))
+            rec["producer"] = {name: x[i] for i, name in PRODUCER_NAMES.items()}
             items = max(x[4], 1)
             print(f"  producer: {x[4]} items; per item: q_empty wait {x[1] / items:.0f}, claim {x[2] / items:.0f}, "
                   f"walk start + Q {x[3] / items:.0f}, empty waits {x[0] / items:.0f}; total {x[8]} cycles")

@@ -16,7 +16,7 @@
 //     sub-block masks it.  The consumers are not synchronised with each other, so one's softmax overlaps the
 //     other's MMAs (FlashAttention-3's ping-pong turns on named barriers were measured 2-4 % slower here, session 5).
 //   hopper_ws_persist_fwd: the same, persistent (one CTA per SM taking items from a work counter); the consumers
-//     issue an item's first S with the previous item's last P V (ws_consume_items).
+//     issue an item's first S with the previous item's last P V at head dim 64 (ws_consume_items).
 // Why: the one-warpgroup kernels (hopper.cuh) serialise barrier -> QK^T -> softmax -> PV inside each CTA and
 // re-read K/V for every 64 rows; here loads never stall the math warps, K/V are read once per 128 rows, and a
 // 128-key step (kSub = 2) halves the per-step softmax bookkeeping (max reductions, O rescale, barriers).
@@ -63,9 +63,13 @@ struct WsTraits {
     static constexpr int persist_smem(int qbufs) {
         return qbufs * kSmemQ + 2 * kStages * kSmemKV + 8 * (2 * kStages + 2 * qbufs) + 16 * qbufs + kSmemDesc + 1024;
     }
-    // three when they fit (head dim 64): the chained consumers release an item's buffer only at the next item's
-    // first step, and with two the producer then waits to load the next Q (session 8: sliding +12 % with two)
-    static constexpr int kQBufs = persist_smem(3) <= 227 * 1024 ? 3 : 2;
+    // Consumers chain their work items (ws_consume_items) at head dim 64: tactic 24 sliding -5.6 %, causal within
+    // noise; at 128 (tactic 22) chaining measured +4 to +7 % on sliding, so those finish each item first (session 8).
+    static constexpr bool kChainItems = kHeadDim == 64;
+    // Chained consumers release an item's Q buffer only at the next item's first step; with two buffers the producer
+    // then waits to load the next Q (sliding +12 %), so they get three.
+    static constexpr int kQBufs = kChainItems ? 3 : 2;
+    static_assert(!kChainItems || persist_smem(3) <= 227 * 1024, "shared memory for three Q buffers");
     static constexpr int kSmemPersist = persist_smem(kQBufs);
     static_assert(kSmemSize <= 227 * 1024 && kSmemPersist <= 227 * 1024, "shared memory");
     // setmaxnreg moves registers inside what the CTA got at launch (ptxas: 65536 / kThreads, rounded down to 8)
@@ -242,7 +246,9 @@ __device__ __forceinline__ void ws_item_cursor(MergedCursor<kC>& cur, const Kern
 // not printf: a call in the kernel makes ptxas serialise every wgmma, warning C7510).  [0] full-barrier wait,
 // [1] MMA issue + wait for S, [2] softmax up to the P V wait, [3] the rest (exps ptxas put after that wait,
 // rescale, pack), [4] steps, [5] epilogue, [6] first steps, [7] the MMA issue alone (part of [1]), [8] total,
-// [9] items, [10] the item hand-offs (q_full wait and the item's read), [11] the last P V of each item.  Slot 3 is the producer thread's (warp 0):
+// [9] items, [10] the item hand-offs (q_full wait and the item's read), [11] the CTA's last P V (chained items:
+// [6] holds the previous item's last P V and its epilogue, which [5] also counts).  Slot 3 is the producer thread's
+// (warp 0):
 // [0] empty-barrier waits, [1] q_empty waits, [2] claiming items (the atomics), [3] from the claim to the item's
 // first stage (walk start, Q copy), [4] items, [8] total.
 constexpr int kWsProfCounters = 12;
@@ -314,7 +320,6 @@ __device__ __forceinline__ int ws_produce_tma(const KernelParams& p, MergedCurso
     return it;
 }
 
-
 // A work item as the consumers see it: first query row, head, batch, whether its walk has a step, its Q tile
 // (swizzled, 64 kConsumers rows; the consumers stage the item's O through their own rows of it) and the source's
 // tag (the persistent kernel's Q buffer).
@@ -325,11 +330,11 @@ struct WsItem {
     int tag;
 };
 
-// Consumer warpgroup w: every work item next_item(WsItem&) hands out (false: no more), chained -- an item's first
-// step issues its S = Q K^T together with the previous item's last P V, and that item's epilogue (O normalised,
-// staged through its own Q rows, stored; then item_done(item)) runs once both are done, so the tensor cores never
-// wait for an epilogue and an item's first softmax overlaps the previous item's last MMA.  Steps come as
-// descriptors with the ring stages (ws_write_desc), from ring position 0 on.
+// Consumer warpgroup w: every work item next_item(WsItem&) hands out (false: no more).  With WT::kChainItems the
+// items are chained: an item's first step issues its S = Q K^T together with the previous item's last P V, so the
+// first softmax overlaps that MMA, and the previous item's epilogue (O normalised, staged through its own Q rows,
+// stored; then item_done(item)) runs once both are done.  Otherwise each item's last P V and epilogue come right
+// after its last step.  Steps come as descriptors with the ring stages (ws_write_desc), from ring position 0 on.
 template <class WT, class NextItem, class ItemDone>
 __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem&& next_item, ItemDone&& item_done,
                                                  uint32_t sKV, uint32_t sBar, uint32_t sDesc, int w, int ctid
@@ -534,6 +539,14 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
         }
         open = cur;
         pending = true;
+        if constexpr (!WT::kChainItems) {  // the item's last P V and epilogue now
+            issue_pv(prev_stage);
+            wgmma_wait<0>();
+            fence_regs(rO);
+            mbar_arrive(empty_bar(prev_stage));
+            epilogue(open, row_sum);
+            pending = false;
+        }
     }
     if (pending) {
         STOF_PROF_T(tl0);
@@ -667,13 +680,13 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
 
 // Persistent form (TMA producer; the launcher needs a work counter, zeroed before the launch): one CTA per SM
 // takes work items from the counter (atomicAdd: dynamic list scheduling in the schedule's order, so the longest
-// rows still go first) until they run out.  The producer thread runs up to kQBufs items ahead: it loads the next
-// items' Q (TMA, kQBufs buffers) and their first K/V while the consumers finish the current one, so an item's
+// rows still go first) until they run out.  The producer thread runs up to kQBufs - 1 items ahead: it loads the
+// next items' Q (TMA, kQBufs buffers) and their first K/V while the consumers finish the current one, so an item's
 // start (Q load, pipeline fill) and end (O store) overlap other work instead of leaving the SM idle -- the
-// non-persistent kernel paid that per CTA at one CTA per SM.  The consumers chain the items (ws_consume_items:
-// an item's first S with the previous item's last P V).  Item hand-off: per Q buffer, the item's (qb, h, b) in
-// shared memory and two mbarriers (q_full: Q landed / no more items; q_empty: all consumers stored the item's O,
-// which is staged in that buffer).
+// non-persistent kernel paid that per CTA at one CTA per SM.  At head dim 64 the consumers chain the items
+// (ws_consume_items: an item's first S with the previous item's last P V).  Item hand-off: per Q buffer, the
+// item's (qb, h, b) in shared memory and two mbarriers (q_full: Q landed / no more items; q_empty: all consumers
+// stored the item's O, which is staged in that buffer).
 template <class WT>
 __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const __grid_constant__ KernelParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
