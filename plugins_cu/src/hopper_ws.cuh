@@ -246,8 +246,8 @@ __device__ __forceinline__ void ws_item_cursor(MergedCursor<kC>& cur, const Kern
 // not printf: a call in the kernel makes ptxas serialise every wgmma, warning C7510).  [0] full-barrier wait,
 // [1] MMA issue + wait for S, [2] softmax up to the P V wait, [3] the rest (exps ptxas put after that wait,
 // rescale, pack), [4] steps, [5] epilogue, [6] first steps, [7] the MMA issue alone (part of [1]), [8] total,
-// [9] items, [10] the item hand-offs (q_full wait and the item's read), [11] the CTA's last P V (chained items:
-// [6] holds the previous item's last P V and its epilogue, which [5] also counts).  Slot 3 is the producer thread's
+// [9] items, [10] the item hand-offs (q_full wait and the item's read), [11] last P Vs outside first steps (chained
+// items: [6] holds the previous item's last P V and its epilogue, which [5] also counts).  Slot 3 is the producer thread's
 // (warp 0):
 // [0] empty-barrier waits, [1] q_empty waits, [2] claiming items (the atomics), [3] from the claim to the item's
 // first stage (walk start, Q copy), [4] items, [8] total.
@@ -432,6 +432,17 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
     WsItem cur, open;  // open: the item whose last P V (from ring stage prev_stage) and epilogue are outstanding
     bool pending = false;
     int it = 0, prev_stage = 0;
+    auto finish_open = [&]() {  // the open item's last P V, then its epilogue
+        STOF_PROF_T(tl0);
+        issue_pv(prev_stage);
+        wgmma_wait<0>();
+        fence_regs(rO);
+        mbar_arrive(empty_bar(prev_stage));
+        STOF_PROF_T(tl1);
+        STOF_PROF_ADD(11, tl1 - tl0);
+        epilogue(open, row_sum);
+        pending = false;
+    };
     for (;;) {
         STOF_PROF_T(th0);
         const bool got = next_item(cur);
@@ -440,14 +451,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
         STOF_PROF_ADD(9, 1u);
         if (!got) break;
         if (!cur.has_steps) {  // no allowed key: zeros (the open item first, its P V still to issue)
-            if (pending) {
-                issue_pv(prev_stage);
-                wgmma_wait<0>();
-                fence_regs(rO);
-                mbar_arrive(empty_bar(prev_stage));
-                epilogue(open, row_sum);
-                pending = false;
-            }
+            if (pending) finish_open();
             zero_o();
             row_sum[0] = row_sum[1] = 0.f;
             epilogue(cur, row_sum);
@@ -539,25 +543,9 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
         }
         open = cur;
         pending = true;
-        if constexpr (!WT::kChainItems) {  // the item's last P V and epilogue now
-            issue_pv(prev_stage);
-            wgmma_wait<0>();
-            fence_regs(rO);
-            mbar_arrive(empty_bar(prev_stage));
-            epilogue(open, row_sum);
-            pending = false;
-        }
+        if constexpr (!WT::kChainItems) finish_open();  // not chained: the item ends here
     }
-    if (pending) {
-        STOF_PROF_T(tl0);
-        issue_pv(prev_stage);
-        wgmma_wait<0>();
-        fence_regs(rO);
-        mbar_arrive(empty_bar(prev_stage));
-        STOF_PROF_T(tl1);
-        STOF_PROF_ADD(11, tl1 - tl0);
-        epilogue(open, row_sum);
-    }
+    if (pending) finish_open();
 }
 
 template <class WT>
