@@ -97,8 +97,8 @@ def main():
             e = sorted(x - t0 for x in ends)
             s_ = sorted(x - t0 for x in starts)
             print(f"  {len(ends)} CTAs: starts {s_[0] / 1e3:.1f}-{s_[-1] / 1e3:.1f} us, consumers done at min "
-                  f"{e[0] / 1e3:.1f}, median {e[len(e) // 2] / 1e3:.1f}, max {e[-1] / 1e3:.1f} us after the first start; "
-                  f"idle tail {sum(e[-1] - x for x in e) / len(e) / max(e[-1], 1):.1%} of the span (mean)")
+                  f"{e[0] / 1e3:.1f}, median {e[len(e) // 2] / 1e3:.1f}, max {e[-1] / 1e3:.1f} us after the first "
+                  f"start; idle tail {sum(e[-1] - x for x in e) / len(e) / max(e[-1], 1):.1%} of the span (mean)")
         rec = {"cell": cell, "ms": start.elapsed_time(end), "warps": []}
         for cons in range(3):
             for warp in (0, 2):

@@ -247,10 +247,9 @@ __device__ __forceinline__ void ws_item_cursor(MergedCursor<kC>& cur, const Kern
 // [1] MMA issue + wait for S, [2] softmax up to the P V wait, [3] the rest (exps ptxas put after that wait,
 // rescale, pack), [4] steps, [5] epilogue, [6] first steps, [7] the MMA issue alone (part of [1]), [8] total,
 // [9] items, [10] the item hand-offs (q_full wait and the item's read), [11] last P Vs outside first steps (chained
-// items: [6] holds the previous item's last P V and its epilogue, which [5] also counts).  Slot 3 is the producer thread's
-// (warp 0):
-// [0] empty-barrier waits, [1] q_empty waits, [2] claiming items (the atomics), [3] from the claim to the item's
-// first stage (walk start, Q copy), [4] items, [8] total.
+// items: [6] holds the previous item's last P V and its epilogue, which [5] also counts).  Slot 3 is the producer
+// thread's (warp 0): [0] empty-barrier waits, [1] q_empty waits, [2] claiming items (the atomics), [3] from the
+// claim to the item's first stage (walk start, Q copy), [4] items, [8] total.
 constexpr int kWsProfCounters = 12;
 static __device__ uint32_t g_ws_prof[2 * 4 * 4 * kWsProfCounters];
 // each CTA's (up to 1024) %globaltimer (ns) at its start and when its consumers finished: the schedule's tail
@@ -773,7 +772,8 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
         prof[8] = ws_clock() - tk0;
         if (blockIdx.x < 2) {
 #pragma unroll
-            for (int i = 0; i < kWsProfCounters; ++i) g_ws_prof[((blockIdx.x * 4 + 3) * 4) * kWsProfCounters + i] = prof[i];
+            for (int i = 0; i < kWsProfCounters; ++i)
+                g_ws_prof[((blockIdx.x * 4 + 3) * 4) * kWsProfCounters + i] = prof[i];
         }
 #endif
         return;
