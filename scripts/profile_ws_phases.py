@@ -33,7 +33,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 NUM_COUNTERS = 12  # hopper_ws.cuh g_ws_prof: [cta 0..1][slot: consumer 0..2, producer][warp 0..3][counter]
 NAMES = ["full", "issue_and_wait_s", "softmax_and_wait_pv", "rest", "steps", "epilogue", "first_steps", "issue",
          "total", "items", "handoff", "last_pv"]
-PRODUCER_NAMES = {0: "empty_waits", 1: "q_empty_waits", 2: "claims", 3: "item_start", 4: "items", 8: "total"}
+PRODUCER_NAMES = {0: "empty_waits", 1: "q_empty_waits", 2: "claims", 3: "item_start", 4: "items", 5: "step_walks",
+                  6: "step_descriptors", 7: "step_tma_issue", 8: "total", 9: "steps"}
 
 
 def main():
@@ -125,6 +126,9 @@ def main():
             items = max(x[4], 1)
             print(f"  producer: {x[4]} items; per item: q_empty wait {x[1] / items:.0f}, claim {x[2] / items:.0f}, "
                   f"walk start + Q {x[3] / items:.0f}, empty waits {x[0] / items:.0f}; total {x[8]} cycles")
+            steps = max(x[9], 1)
+            print(f"  producer: {x[9]} steps; per step: next step's walk {x[5] / steps:.0f}, descriptor (bitmap-index "
+                  f"loads) {x[6] / steps:.0f}, TMA issue {x[7] / steps:.0f} cycles")
         if not rec["warps"]:
             print("  no counters: this tactic did not run the persistent warp-specialised kernel")
         out.append(rec)

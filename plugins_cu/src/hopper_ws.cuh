@@ -55,13 +55,23 @@ struct WsTraits {
     static constexpr int kSmemKV = kBlockN * kHeadDim * 2;  // one of K or V, one stage
     static constexpr int kSmemBar = 16 * kStages;            // full[] and empty[] mbarriers
     static constexpr int kSmemDesc = 64 * kStages;           // a step descriptor per stage (kWsDescBytes)
-    static constexpr int kSmemSize = kSmemQ + 2 * kStages * kSmemKV + kSmemBar + kSmemDesc + 1024;
+    // Row sums of P on the tensor cores: P V runs with N = kHeadDim + 8, the 8 extra columns of B read from a
+    // kBlockN-row block of ones after the K/V ring (kSmemOnes), so every consumer thread gets its two rows' full
+    // sums in rO -- no FADDs (64 per thread and 128-key step), no quad shuffles.  The sums are of the fp16/bf16
+    // P that P V multiplies.  Head dim 64 (softmax-bound): tactic 24 -0.2 to -2.5 %, 22 -3 to -6 % (session 9).
+    // Head dim 64 only: at 128 the ones would have to be V's third 64-column chunk, 2 LBOs on, where the next
+    // stage's K is (and the accumulators would need 136 / 2 registers).
+    static constexpr bool kSumMma = kHeadDim == 64;
+    static constexpr int kON = kHeadDim + (kSumMma ? 8 : 0);  // P V's N
+    static constexpr int kSmemOnes = kSumMma ? kBlockN * 128 : 0;
+    static constexpr int kSmemRing = 2 * kStages * kSmemKV + kSmemOnes;  // K/V stages, then the ones
+    static constexpr int kSmemSize = kSmemQ + kSmemRing + kSmemBar + kSmemDesc + 1024;
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim");
     static_assert(kSub == 1 || kSub == 2, "64 or 128 keys per step");
     // persistent form: kQBufs Q buffers, the ring, full/empty[kStages] + q_full/q_empty[kQBufs] mbarriers, an item
     // slot per Q buffer
     static constexpr int persist_smem(int qbufs) {
-        return qbufs * kSmemQ + 2 * kStages * kSmemKV + 8 * (2 * kStages + 2 * qbufs) + 16 * qbufs + kSmemDesc + 1024;
+        return qbufs * kSmemQ + kSmemRing + 8 * (2 * kStages + 2 * qbufs) + 16 * qbufs + kSmemDesc + 1024;
     }
     // Consumers chain their work items (ws_consume_items) at head dim 64: tactic 24 sliding -5.6 %, causal within
     // noise; at 128 (tactic 22) chaining measured +4 to +7 % on sliding, so those finish each item first (session 8).
@@ -111,6 +121,18 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map
 
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// The block of ones P V's extra columns read (WT::kSumMma), written by all threads before the CTA's first barrier.
+template <class WT>
+__device__ __forceinline__ void ws_fill_ones(uint32_t sKV, int tid) {
+    if constexpr (WT::kSumMma) {
+        const uint32_t one = std::is_same<typename WT::Elem, __half>::value ? 0x3C003C00u : 0x3F803F80u;
+        const uint32_t sOnes = sKV + 2 * WT::kStages * WT::kSmemKV;
+        for (int i = tid; i < WT::kSmemOnes / 16; i += WT::kThreads)
+            asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(sOnes + 16 * i), "r"(one) : "memory");
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // read by wgmma (async proxy)
+    }
 }
 
 // One step of the merged walk: up to kSub sub-blocks; n0 = first key (-1: absent), sub = the 64-key sub-block
@@ -249,7 +271,8 @@ __device__ __forceinline__ void ws_item_cursor(MergedCursor<kC>& cur, const Kern
 // [9] items, [10] the item hand-offs (q_full wait and the item's read), [11] last P Vs outside first steps (chained
 // items: [6] holds the previous item's last P V and its epilogue, which [5] also counts).  Slot 3 is the producer
 // thread's (warp 0): [0] empty-barrier waits, [1] q_empty waits, [2] claiming items (the atomics), [3] from the
-// claim to the item's first stage (walk start, Q copy), [4] items, [8] total.
+// claim to the item's first stage (walk start, Q copy), [4] items, [8] total; per step: [5] the walk of the next
+// step (ws_take_step), [6] the descriptor (its bitmap-index loads), [7] the TMA issue, [9] steps.
 constexpr int kWsProfCounters = 12;
 static __device__ uint32_t g_ws_prof[2 * 4 * 4 * kWsProfCounters];
 // each CTA's (up to 1024) %globaltimer (ns) at its start and when its consumers finished: the schedule's tail
@@ -293,15 +316,22 @@ __device__ __forceinline__ int ws_produce_tma(const KernelParams& p, MergedCurso
     constexpr uint32_t kStepBytes = kSub * 2 * 64 * WT::kHeadDim * 2;
     WsStep<kSub, WT::kConsumers> next;
     for (; have; ++it) {
+        STOF_PROF_T(tw0);
         const bool more = ws_take_step<kSub>(cur, p, next);  // one step ahead: the descriptor's `more`
         const int s = it % kStages;
+#ifdef STOF_WS_PROFILE
+        if (next.n0[0] == -12345) STOF_PROF_ADD(11, 1u);  // a use of the walk's result, so the timer waits for its loads
+#endif
         STOF_PROF_T(te0);
+        STOF_PROF_ADD(5, te0 - tw0);
         if (it >= kStages) mbar_wait(sBar + 8 * (kStages + s), ((it / kStages) + 1) & 1);  // empty[s]
         STOF_PROF_T(te1);
         STOF_PROF_ADD(0, te1 - te0);
         const uint32_t full = sBar + 8 * s;
         const uint32_t sK = sKV + s * 2 * WT::kSmemKV;
         ws_write_desc(sDesc + s * kWsDescBytes, st, more, p);
+        STOF_PROF_T(td1);
+        STOF_PROF_ADD(6, td1 - te1);
         mbar_expect_tx(full, kStepBytes);  // the arrival releases the descriptor
 #pragma unroll
         for (int hh = 0; hh < kSub; ++hh) {
@@ -313,6 +343,9 @@ __device__ __forceinline__ int ws_produce_tma(const KernelParams& p, MergedCurso
                 tma_load_4d(sK + WT::kSmemKV + off, &p.tma_v, cb * 64, n0, h, b, full);
             }
         }
+        STOF_PROF_T(tt1);
+        STOF_PROF_ADD(7, tt1 - td1);
+        STOF_PROF_ADD(9, 1u);
         st = next;
         have = more;
     }
@@ -352,7 +385,8 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
     const bool fold = sl2 > 0.f;          // scale folded into the exp2 FFMA (max taken on raw scores)
     const float mul = fold ? sl2 : 1.f;  // otherwise scores are pre-scaled, then masked
 
-    float rO[kDI * 4];
+    constexpr int kON = WT::kON;
+    float rO[kON / 2];  // O (kDI groups of 8 columns), then with kSumMma the row sums (rO[kDI * 4 + {0, 2}])
     float rS[kNI * 4];
     uint32_t rP[kKN][4];
     float row_max[2], row_sum[2] = {0.f, 0.f};
@@ -364,7 +398,10 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
 
     // descriptors = base + (byte offset >> 4) (shared addresses < 2^18: the 14-bit field never carries)
     const uint64_t dK0 = gmma_desc(sKV, 16, 1024);
-    const uint64_t dV0 = gmma_desc(sKV + WT::kSmemKV, kBlockN * 128, 1024);
+    // V: head-dim chunks of 64 kBlockN * 128 bytes apart (the LBO); with kSumMma the next "chunk" is the ones,
+    // after the ring, so each stage's V descriptor has its own LBO
+    const uint32_t sOnes = sKV + 2 * kStages * WT::kSmemKV;
+    const uint64_t dV0 = gmma_desc(sKV + WT::kSmemKV, WT::kSumMma ? sOnes - (sKV + WT::kSmemKV) : kBlockN * 128, 1024);
     auto issue_s = [&](int stage) {  // S = Q K^T
         const uint64_t dK = dK0 + static_cast<uint64_t>((stage * 2 * WT::kSmemKV) >> 4);
         wgmma_fence();
@@ -377,10 +414,11 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
         wgmma_commit();
     };
     auto issue_pv = [&](int stage) {  // O += P V
-        const uint64_t dV = dV0 + static_cast<uint64_t>((stage * 2 * WT::kSmemKV) >> 4);
+        const uint64_t off = static_cast<uint64_t>((stage * 2 * WT::kSmemKV) >> 4);
+        const uint64_t dV = dV0 + off - (WT::kSumMma ? off << 16 : 0);  // start + off; LBO - off (the ones stay)
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kKN; ++kk) wgmma_rs<WT::kHeadDim, Elem>(rO, rP[kk], dV + ((kk * 16 * 128) >> 4), 1);
+        for (int kk = 0; kk < kKN; ++kk) wgmma_rs<kON, Elem>(rO, rP[kk], dV + ((kk * 16 * 128) >> 4), 1);
         wgmma_commit();
     };
     // Mask (sub-blocks this consumer's tile row lacks are -inf: the MMAs of a step run for every consumer, so
@@ -410,13 +448,18 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
                 mask_scores<8>(rS, bits, tig, hh * 32);
             }
         }
-        return online_softmax<kNI, true>(rS, row_max, row_sum, alpha, mul);
+        return online_softmax<kNI, true, !WT::kSumMma>(rS, row_max, row_sum, alpha, mul);
     };
     // an item's O (normalised by sum) staged through this consumer's (now unused) Q rows, 16-byte stores
     auto epilogue = [&](const WsItem& item, const float (&sum)[2]) {
         STOF_PROF_T(te0);
         Elem* gO = static_cast<Elem*>(p.o) + item.b * p.o_sb + item.h * p.o_sh;
-        stage_o<Elem, kDI, kBlockM>(rO, sum, item.sQ, 64 * w + warp * 16, g, tig);
+        if constexpr (WT::kSumMma) {
+            const float mma_sum[2] = {rO[kDI * 4], rO[kDI * 4 + 2]};
+            stage_o<Elem, kDI, kBlockM, false>(rO, mma_sum, item.sQ, 64 * w + warp * 16, g, tig);
+        } else {
+            stage_o<Elem, kDI, kBlockM>(rO, sum, item.sQ, 64 * w + warp * 16, g, tig);
+        }
         named_barrier_sync(1 + w, 128);
         store_o<Elem, kBlockM, 64, WT::kChunks, 128>(item.sQ, gO, p.o_ss, item.q0, 64 * w, p.seq_q, ctid);
         item_done(item);
@@ -425,7 +468,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
     };
     auto zero_o = [&]() {
 #pragma unroll
-        for (int i = 0; i < kDI * 4; ++i) rO[i] = 0.f;
+        for (int i = 0; i < kON / 2; ++i) rO[i] = 0.f;
     };
 
     WsItem cur, open;  // open: the item whose last P V (from ring stage prev_stage) and epilogue are outstanding
@@ -522,7 +565,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
             fence_regs(rO);
             STOF_PROF_T(t3);
             mbar_arrive(empty_bar(prev_stage));
-            if (rescale) rescale_o<kDI>(rO, alpha);
+            if (rescale) rescale_o<kON / 8>(rO, alpha);  // with kSumMma the row sums too
             pack_p<Elem, kKN>(rP, rS);
             prev_stage = stage;
             more = st.more != 0;
@@ -555,8 +598,8 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
 
     extern __shared__ __align__(1024) unsigned char smem[];
     const uint32_t sQ = (smem_u32(smem) + 1023u) & ~1023u;
-    const uint32_t sKV = sQ + WT::kSmemQ;  // stage s: K at sKV + 2 s kSmemKV, V right after
-    const uint32_t sBar = sKV + 2 * kStages * WT::kSmemKV;
+    const uint32_t sKV = sQ + WT::kSmemQ;  // stage s: K at sKV + 2 s kSmemKV, V right after; then the ones
+    const uint32_t sBar = sKV + WT::kSmemRing;
     const uint32_t sDesc = sBar + 16 * kStages;  // step descriptors (ws_write_desc), one per stage
     auto full_bar = [&](int s) { return sBar + 8 * s; };
     auto empty_bar = [&](int s) { return sBar + 8 * (kStages + s); };
@@ -577,6 +620,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
+    ws_fill_ones<WT>(sKV, tid);
     __syncthreads();
 
     if (wg == 0) {
@@ -682,7 +726,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
     const uint32_t sQ0 = (smem_u32(smem) + 1023u) & ~1023u;  // Q buffer j: sQ0 + j kSmemQ
     const uint32_t sKV = sQ0 + kQBufs * WT::kSmemQ;
     // full[kStages], empty[kStages], q_full[kQBufs], q_empty[kQBufs]
-    const uint32_t sBar = sKV + 2 * kStages * WT::kSmemKV;
+    const uint32_t sBar = sKV + WT::kSmemRing;
     const uint32_t sItem = sBar + 8 * (2 * kStages + 2 * kQBufs);  // int4 per Q buffer: qb, h, b, flags
     const uint32_t sDesc = sItem + 16 * kQBufs;                      // step descriptors (ws_write_desc), one per stage
     auto q_full = [&](int j) { return sBar + 8 * (2 * kStages + j); };
@@ -703,6 +747,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
+    ws_fill_ones<WT>(sKV, tid);
     __syncthreads();
 
     const int n_items = p.persist_items;

@@ -5,6 +5,7 @@
 
 SS: D(64xN, f32) (+)= A(64x16, smem desc, K-major) * B(16xN, smem desc, K-major)     -- S = Q K^T
 RS: D(64xN, f32) (+)= A(64x16, registers)         * B(16xN, smem desc, MN-major)    -- O += P V
+    (N = 72: head dim 64 and 8 columns of ones, whose products are P's row sums; hopper_ws.cuh)
 """
 
 TYPES = {"__half": "f16", "__nv_bfloat16": "bf16"}
@@ -54,7 +55,7 @@ def main():
     for ctype, ptx in TYPES.items():
         for N in (64, 128):
             print(ss(N, ctype, ptx))
-        for N in (64, 128):
+        for N in (64, 72, 128):
             print(rs(N, ctype, ptx))
     print("#endif  // __CUDA_ARCH_FEAT_SM90_ALL\n\n}  // namespace stof")
 
