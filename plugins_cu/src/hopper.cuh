@@ -46,15 +46,7 @@ struct HopperTraits {
     static_assert(kWordsN == 2, "bitmap words are loaded as one uint2 per row");
     static constexpr int kSmemQ = kBlockM * kHeadDim * 2;
     static constexpr int kSmemKV = kBlockN * kHeadDim * 2;
-    // P's row sums on the tensor cores (hopper_attn_fwd; as WsTraits::kSumMma): a block of ones after the ring
-#ifdef STOF_WG_SUM_MMA
-    static constexpr bool kSumMma = kHeadDim == 64;
-#else
-    static constexpr bool kSumMma = false;
-#endif
-    static constexpr int kON = kHeadDim + (kSumMma ? 8 : 0);
-    static constexpr int kSmemOnes = kSumMma ? kBlockN * 128 : 0;
-    static constexpr int kSmemSize = kSmemQ + 2 * kStages * kSmemKV + kSmemOnes + 1024;  // + alignment slack
+    static constexpr int kSmemSize = kSmemQ + 2 * kStages * kSmemKV + 1024;  // + alignment slack
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim");
     static_assert(kSmemQ % 1024 == 0 && kSmemKV % 1024 == 0, "1024-byte aligned tiles");
     static_assert(!kDeferPV || kWG == 1, "deferred PV wait: one warpgroup per CTA");
@@ -301,8 +293,8 @@ __device__ __forceinline__ void issue_pv(float (&rO)[kHeadDim / 2], const uint32
 // Scale (unless folded into the exp2), mask (bitmap words in bits, ANDed here with the key bound / padding words
 // when the 64-key step at n0 can be cut by them) and run the online softmax of one 64-key step; rescales O when the
 // running max moved.  Warp-uniform call.
-template <int kNI, int kDI, bool kRowSum = true, int kNO = kDI * 4>
-__device__ __forceinline__ void mask_softmax_step(float (&rS)[kNI * 4], float (&rO)[kNO], float (&row_max)[2],
+template <int kNI, int kDI>
+__device__ __forceinline__ void mask_softmax_step(float (&rS)[kNI * 4], float (&rO)[kDI * 4], float (&row_max)[2],
                                                   float (&row_sum)[2], uint32_t (&bits)[2][kNI / 4], bool need_mask,
                                                   int n0, int kv_len, const int32_t* kpm, int lane, int tig,
                                                   bool fold, float sl2, float mul) {
@@ -315,7 +307,7 @@ __device__ __forceinline__ void mask_softmax_step(float (&rS)[kNI * 4], float (&
         mask_scores<kNI>(rS, bits, tig);
     }
     float alpha[2];
-    if (online_softmax<kNI, false, kRowSum>(rS, row_max, row_sum, alpha, mul)) rescale_o<kNO / 4>(rO, alpha);
+    if (online_softmax<kNI>(rS, row_max, row_sum, alpha, mul)) rescale_o<kDI>(rO, alpha);
 }
 
 // Epilogue, part 1: each thread normalises its two rows of O (row sums reduced over the quad; empty rows -> 0)
@@ -465,25 +457,17 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
         cp_async_commit();
     }
 
-    constexpr int kON = HT::kON;
-    float rO[kON / 2];  // O, then with kSumMma the row sums (rO[kDI * 4 + {0, 2}])
+    float rO[kDI * 4];
     float rS[kNI * 4];
 #pragma unroll
-    for (int i = 0; i < kON / 2; ++i) rO[i] = 0.f;
+    for (int i = 0; i < kDI * 4; ++i) rO[i] = 0.f;
 #pragma unroll
     for (int i = 0; i < kNI * 4; ++i) rS[i] = 0.f;
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
     const int warp_row0 = warp * 16;  // == 64*wg + 16*(warp % 4): the wgmma accumulator rows of this warp
     const uint64_t dQ0 = gmma_desc(sQ + wg * 64 * 128, 16, 1024);
     const uint64_t dK0 = gmma_desc(sKV, 16, 1024);
-    const uint32_t sOnes = sKV + 2 * kStages * HT::kSmemKV;
-    const uint64_t dV0 = gmma_desc(sKV + HT::kSmemKV, HT::kSumMma ? sOnes - (sKV + HT::kSmemKV) : kBlockN * 128, 1024);
-    if constexpr (HT::kSumMma) {  // read by the first P V, after the loop's first barrier
-        const uint32_t one = std::is_same<Elem, __half>::value ? 0x3C003C00u : 0x3F803F80u;
-        for (int i = tid; i < HT::kSmemOnes / 16; i += HT::kThreads)
-            asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(sOnes + 16 * i), "r"(one) : "memory");
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    }
+    const uint64_t dV0 = gmma_desc(sKV + HT::kSmemKV, kBlockN * 128, 1024);
 
     for (int it = 0;; ++it) {
         int ent[HT::kWG];
@@ -520,7 +504,7 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
         }
         // descriptors = base + (byte offset >> 4): shared addresses stay below 2^18, so the 14-bit field never carries
         const uint64_t stage_off = static_cast<uint64_t>(((it % kStages) * 2 * HT::kSmemKV) >> 4);
-        const uint64_t dK = dK0 + stage_off, dV = dV0 + stage_off - (HT::kSumMma ? stage_off << 16 : 0);
+        const uint64_t dK = dK0 + stage_off, dV = dV0 + stage_off;
 
         // S = Q K^T
         wgmma_fence();
@@ -539,13 +523,13 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
             prefetch();
         }
 
-        mask_softmax_step<kNI, kDI, !HT::kSumMma>(rS, rO, row_max, row_sum, bits, need_mask, n0, kv_len, kpm, lane, tig, fold, sl2,
+        mask_softmax_step<kNI, kDI>(rS, rO, row_max, row_sum, bits, need_mask, n0, kv_len, kpm, lane, tig, fold, sl2,
                                     mul);
 
         // O += P V
         uint32_t rP[kKN][4];
         pack_p<Elem, kKN>(rP, rS);
-        issue_pv<kON, Elem, kKN>(rO, rP, dV);
+        issue_pv<HT::kHeadDim, Elem, kKN>(rO, rP, dV);
         if constexpr (!HT::kDeferPV) {
             wgmma_wait<0>();
             fence_regs(rO);
@@ -559,12 +543,7 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
     // Epilogue
     cp_async_wait<0>();
     __syncthreads();
-    if constexpr (HT::kSumMma) {
-        const float mma_sum[2] = {rO[kDI * 4], rO[kDI * 4 + 2]};
-        stage_o<Elem, kDI, kBlockM, false>(rO, mma_sum, sQ, warp_row0, g, tig);
-    } else {
-        stage_o<Elem, kDI, kBlockM>(rO, row_sum, sQ, warp_row0, g, tig);
-    }
+    stage_o<Elem, kDI, kBlockM>(rO, row_sum, sQ, warp_row0, g, tig);
     __syncthreads();
     store_o<Elem, kBlockM, kBlockM, HT::kChunks, HT::kThreads>(sQ, gO, p.o_ss, q0, 0, p.seq_q, tid);
 #else

@@ -711,7 +711,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
 
 // Persistent form (TMA producer; the launcher needs a work counter, zeroed before the launch): one CTA per SM
 // takes work items from the counter (atomicAdd: dynamic list scheduling in the schedule's order, so the longest
-// rows still go first) until they run out.  The producer thread runs up to kQBufs - 1 items ahead: it loads the
+// rows still go first; a CTA's first item is its own index) until they run out.  The producer thread runs up to kQBufs - 1 items ahead: it loads the
 // next items' Q (TMA, kQBufs buffers) and their first K/V while the consumers finish the current one, so an item's
 // start (Q load, pipeline fill) and end (O store) overlap other work instead of leaving the SM idle -- the
 // non-persistent kernel paid that per CTA at one CTA per SM.  At head dim 64 the consumers chain the items
@@ -768,16 +768,19 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
             int item;
             // Claiming the next item one item early (its atomic off this chain) measured slower at S=1024 (session 8):
             // each CTA then holds one more item at the end, so the tail grows.
+            // A CTA's first item is its own index (no atomic on the kernel's start-up path); the counter hands out
+            // the items from gridDim.x on.
+            bool first = j == 0;
             do {  // items past the run-time Sq (row-ordered grids) have nothing to do
-                item = atomicAdd(p.work_counter, 1);
+                item = first ? static_cast<int>(blockIdx.x) : static_cast<int>(gridDim.x) + atomicAdd(p.work_counter, 1);
+                first = false;
                 if (item < n_items) wk = block_work_at<kBlockM>(p, item, p.persist_nqb);
             } while (item < n_items && wk.qb * kBlockM >= p.seq_q);
             const bool valid = item < n_items;
             STOF_PROF_T(tq2);
             const int q0 = wk.qb * kBlockM;
             const uint32_t sQ = sQ0 + buf * WT::kSmemQ;
-            auto load_q = [&]() {
-                mbar_expect_tx(q_full(buf), kBlockM * WT::kHeadDim * 2);
+            auto q_copies = [&]() {
 #pragma unroll
                 for (int cb = 0; cb < WT::kHeadDim / 64; ++cb)
 #pragma unroll
@@ -785,6 +788,9 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                         tma_load_4d(sQ + cb * kBlockM * 128 + r * 64 * 128, &p.tma_q, cb * 64, q0 + 64 * r, wk.h,
                                     wk.b, q_full(buf));
             };
+            // The Q copies go before the walk (their latency under its loads); the expect_tx arrival that completes
+            // q_full's phase comes after the item's slot is written (the tx-count may go negative until then).
+            if (valid) q_copies();
             MergedCursor<WT::kConsumers> cur;
             WsStep<WT::kSub, WT::kConsumers> st;
             bool have = false;
@@ -800,7 +806,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                 mbar_arrive(q_full(buf));  // releases the consumers' last wait: no more items
                 break;
             }
-            load_q();
+            mbar_expect_tx(q_full(buf), kBlockM * WT::kHeadDim * 2);
             STOF_PROF_T(tq3);
             STOF_PROF_ADD(1, tq1 - tq0);
             STOF_PROF_ADD(2, tq2 - tq1);
