@@ -16,8 +16,6 @@
 // kRows rows, 16-byte chunk c of row r at ((c ^ (r & 7)) * 16) inside the row; every tile 1024-byte aligned.
 #pragma once
 
-#include <type_traits>
-
 #include "common.cuh"
 #include "wgmma_ops.cuh"
 

@@ -58,13 +58,16 @@ struct WsTraits {
     // Row sums of P on the tensor cores: P V runs with N = kHeadDim + 8, the 8 extra columns of B read from a
     // kBlockN-row block of ones after the K/V ring (kSmemOnes), so every consumer thread gets its two rows' full
     // sums in rO -- no FADDs (64 per thread and 128-key step), no quad shuffles.  The sums are of the fp16/bf16
-    // P that P V multiplies.  Head dim 64 (softmax-bound): tactic 24 -0.2 to -2.5 %, 22 -3 to -6 % (session 9).
+    // P that P V multiplies.  Head dim 64 (softmax-bound): tactic 24 -0.1 to -2.5 %, 22 -1.4 to -6.2 % (session 9).
     // Head dim 64 only: at 128 the ones would have to be V's third 64-column chunk, 2 LBOs on, where the next
     // stage's K is (and the accumulators would need 136 / 2 registers).
     static constexpr bool kSumMma = kHeadDim == 64;
     static constexpr int kON = kHeadDim + (kSumMma ? 8 : 0);  // P V's N
     static constexpr int kSmemOnes = kSumMma ? kBlockN * 128 : 0;
-    static constexpr int kSmemRing = 2 * kStages * kSmemKV + kSmemOnes;  // K/V stages, then the ones
+    static constexpr int kOnesOffset = 2 * kStages * kSmemKV;  // from the ring's start
+    static constexpr int kSmemRing = kOnesOffset + kSmemOnes;  // K/V stages, then the ones
+    // each stage's V descriptor's LBO (14 bits of 16-byte units) reaches the ones
+    static_assert(!kSumMma || kOnesOffset - kSmemKV < (1 << 18), "ones block beyond the LBO field");
     static constexpr int kSmemSize = kSmemQ + kSmemRing + kSmemBar + kSmemDesc + 1024;
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim");
     static_assert(kSub == 1 || kSub == 2, "64 or 128 keys per step");
@@ -128,7 +131,7 @@ template <class WT>
 __device__ __forceinline__ void ws_fill_ones(uint32_t sKV, int tid) {
     if constexpr (WT::kSumMma) {
         const uint32_t one = std::is_same<typename WT::Elem, __half>::value ? 0x3C003C00u : 0x3F803F80u;
-        const uint32_t sOnes = sKV + 2 * WT::kStages * WT::kSmemKV;
+        const uint32_t sOnes = sKV + WT::kOnesOffset;
         for (int i = tid; i < WT::kSmemOnes / 16; i += WT::kThreads)
             asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(sOnes + 16 * i), "r"(one) : "memory");
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // read by wgmma (async proxy)
@@ -271,7 +274,7 @@ __device__ __forceinline__ void ws_item_cursor(MergedCursor<kC>& cur, const Kern
 // [9] items, [10] the item hand-offs (q_full wait and the item's read), [11] last P Vs outside first steps (chained
 // items: [6] holds the previous item's last P V and its epilogue, which [5] also counts).  Slot 3 is the producer
 // thread's (warp 0): [0] empty-barrier waits, [1] q_empty waits, [2] claiming items (the atomics), [3] from the
-// claim to the item's first stage (walk start, Q copy), [4] items, [8] total; per step: [5] the walk of the next
+// claim to the item's Q expect_tx (walk start, Q copies), [4] items, [8] total; per step: [5] the walk of the next
 // step (ws_take_step), [6] the descriptor (its bitmap-index loads), [7] the TMA issue, [9] steps.
 constexpr int kWsProfCounters = 12;
 static __device__ uint32_t g_ws_prof[2 * 4 * 4 * kWsProfCounters];
@@ -320,7 +323,7 @@ __device__ __forceinline__ int ws_produce_tma(const KernelParams& p, MergedCurso
         const bool more = ws_take_step<kSub>(cur, p, next);  // one step ahead: the descriptor's `more`
         const int s = it % kStages;
 #ifdef STOF_WS_PROFILE
-        if (next.n0[0] == -12345) STOF_PROF_ADD(11, 1u);  // a use of the walk's result, so the timer waits for its loads
+        if (next.n0[0] == -12345) STOF_PROF_ADD(11, 1u);  // uses the walk's result: the timer waits for its loads
 #endif
         STOF_PROF_T(te0);
         STOF_PROF_ADD(5, te0 - tw0);
@@ -400,7 +403,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
     const uint64_t dK0 = gmma_desc(sKV, 16, 1024);
     // V: head-dim chunks of 64 kBlockN * 128 bytes apart (the LBO); with kSumMma the next "chunk" is the ones,
     // after the ring, so each stage's V descriptor has its own LBO
-    const uint32_t sOnes = sKV + 2 * kStages * WT::kSmemKV;
+    const uint32_t sOnes = sKV + WT::kOnesOffset;
     const uint64_t dV0 = gmma_desc(sKV + WT::kSmemKV, WT::kSumMma ? sOnes - (sKV + WT::kSmemKV) : kBlockN * 128, 1024);
     auto issue_s = [&](int stage) {  // S = Q K^T
         const uint64_t dK = dK0 + static_cast<uint64_t>((stage * 2 * WT::kSmemKV) >> 4);
@@ -711,7 +714,8 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
 
 // Persistent form (TMA producer; the launcher needs a work counter, zeroed before the launch): one CTA per SM
 // takes work items from the counter (atomicAdd: dynamic list scheduling in the schedule's order, so the longest
-// rows still go first; a CTA's first item is its own index) until they run out.  The producer thread runs up to kQBufs - 1 items ahead: it loads the
+// rows still go first; a CTA's first item is its own index) until they run out.  The producer thread runs up to
+// kQBufs - 1 items ahead: it loads the
 // next items' Q (TMA, kQBufs buffers) and their first K/V while the consumers finish the current one, so an item's
 // start (Q load, pipeline fill) and end (O store) overlap other work instead of leaving the SM idle -- the
 // non-persistent kernel paid that per CTA at one CTA per SM.  At head dim 64 the consumers chain the items
@@ -772,7 +776,8 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
             // the items from gridDim.x on.
             bool first = j == 0;
             do {  // items past the run-time Sq (row-ordered grids) have nothing to do
-                item = first ? static_cast<int>(blockIdx.x) : static_cast<int>(gridDim.x) + atomicAdd(p.work_counter, 1);
+                item = first ? static_cast<int>(blockIdx.x)
+                             : static_cast<int>(gridDim.x) + atomicAdd(p.work_counter, 1);
                 first = false;
                 if (item < n_items) wk = block_work_at<kBlockM>(p, item, p.persist_nqb);
             } while (item < n_items && wk.qb * kBlockM >= p.seq_q);
