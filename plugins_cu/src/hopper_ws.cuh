@@ -712,15 +712,14 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
 #endif
 }
 
-// Persistent form (TMA producer; the launcher needs a work counter, zeroed before the launch): one CTA per SM
-// takes work items from the counter (atomicAdd: dynamic list scheduling in the schedule's order, so the longest
-// rows still go first; a CTA's first item is its own index) until they run out.  The producer thread runs up to
-// kQBufs - 1 items ahead: it loads the
-// next items' Q (TMA, kQBufs buffers) and their first K/V while the consumers finish the current one, so an item's
-// start (Q load, pipeline fill) and end (O store) overlap other work instead of leaving the SM idle -- the
-// non-persistent kernel paid that per CTA at one CTA per SM.  At head dim 64 the consumers chain the items
-// (ws_consume_items: an item's first S with the previous item's last P V).  Item hand-off: per Q buffer, the
-// item's (qb, h, b) in shared memory and two mbarriers (q_full: Q landed / no more items; q_empty: all consumers
+// Persistent form (TMA producer; the launcher needs a work counter, zeroed before the launch): one CTA per SM takes
+// work items from the counter (atomicAdd: dynamic list scheduling in the schedule's order, so the longest rows still
+// go first; a CTA's first item is its own index) until they run out.  The producer thread runs up to kQBufs - 1
+// items ahead: it loads the next items' Q (TMA, kQBufs buffers) and their first K/V while the consumers finish the
+// current one, so an item's start (Q load, pipeline fill) and end (O store) overlap other work instead of leaving
+// the SM idle -- the non-persistent kernel paid that per CTA at one CTA per SM.  At head dim 64 the consumers chain
+// the items (ws_consume_items: an item's first S with the previous item's last P V).  Item hand-off: per Q buffer,
+// the item's (qb, h, b) in shared memory and two mbarriers (q_full: Q landed / no more items; q_empty: all consumers
 // stored the item's O, which is staged in that buffer).
 template <class WT>
 __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const __grid_constant__ KernelParams p) {
