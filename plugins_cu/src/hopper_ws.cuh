@@ -82,6 +82,14 @@ struct WsTraits {
     // Chained consumers release an item's Q buffer only at the next item's first step; with two buffers the producer
     // then waits to load the next Q (sliding +12 %), so they get three.
     static constexpr int kQBufs = kChainItems ? 3 : 2;
+    // A consumer runs only the steps from its first tile of an item to its last (the descriptors' more_w,
+    // ws_consume_items); the others' MMAs would give masked scores only.  Three-consumer causal items end with a
+    // step of which consumer 0 has no tile, banded ones start with one of which consumer 2 has none, and a head's
+    // last item has rows past Sq.  Measured (session 10): 29 -2 to -8 % (causal S <= 4096, sliding, bigbird;
+    // noise at S = 8192).  Not with two consumers: nothing to skip on causal with 128-key steps, and with 64-key
+    // steps (22) sliding -4 % but causal +1 to +3 % (head dim 128: the step loop's MMA descriptors were
+    // rematerialised, 570 -> 590 instructions).
+    static constexpr bool kSkip = kConsumers == 3;
     static_assert(!kChainItems || persist_smem(3) <= 227 * 1024, "shared memory for three Q buffers");
     static constexpr int kSmemPersist = persist_smem(kQBufs);
     static_assert(kSmemSize <= 227 * 1024 && kSmemPersist <= 227 * 1024, "shared memory");
@@ -178,11 +186,28 @@ __device__ __forceinline__ bool ws_take_step(MergedCursor<kC>& cur, const Kernel
 //   int bm[2][2]   [consumer][h] for consumers 0, 1: tile_bitmap_index of the          bytes 16..31
 //                  consumer's entry (-1: FULL), -2: no tile there
 //   int more       1 when the work item has a further step                            bytes 32..35
+//   int more_w     bit w: consumer w has a tile in a further step (ws_more_mask;     bytes 36..39
+//                  WsTraits::kSkip kernels only)
 //   int bm2[2]     consumer 2's (three-consumer kernels)                              bytes 40..47
 constexpr int kWsDescBytes = 64;
 
+// Bit w: consumer w has a tile after the step being described (next: the step after it, cur: the walk after
+// next).  A row's cursor column stays set while any sub-block of its tiles is still to come.
 template <int kSub, int kC>
-__device__ __forceinline__ void ws_write_desc(uint32_t d, const WsStep<kSub, kC>& st, bool more,
+__device__ __forceinline__ int ws_more_mask(const MergedCursor<kC>& cur, const WsStep<kSub, kC>& next) {
+    int m = 0;
+#pragma unroll
+    for (int w = 0; w < kC; ++w) {
+        bool any = cur.c[w] != INT_MAX;
+#pragma unroll
+        for (int h = 0; h < kSub; ++h) any = any || next.ent[w][h] >= 0;
+        m |= any ? 1 << w : 0;
+    }
+    return m;
+}
+
+template <bool kSkip, int kSub, int kC>
+__device__ __forceinline__ void ws_write_desc(uint32_t d, const WsStep<kSub, kC>& st, bool more, int more_w,
                                               const KernelParams& p) {
     int bm[3][2];
 #pragma unroll
@@ -198,16 +223,23 @@ __device__ __forceinline__ void ws_write_desc(uint32_t d, const WsStep<kSub, kC>
     asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(d + 16), "r"(bm[0][0]), "r"(bm[0][1]), "r"(bm[1][0]),
                  "r"(bm[1][1])
                  : "memory");
-    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(d + 32), "r"(more ? 1 : 0) : "memory");
+    if constexpr (kSkip)
+        asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(d + 32), "r"(more ? 1 : 0), "r"(more_w) : "memory");
+    else
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(d + 32), "r"(more ? 1 : 0) : "memory");
     if constexpr (kC == 3)
         asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(d + 40), "r"(bm[2][0]), "r"(bm[2][1]) : "memory");
 }
 
 struct WsDesc {
     int n0[2], sub[2], bm[2], more;  // bm: the reading consumer's
+    bool mine;                       // kSkip: the reading consumer has a tile in a further step (more_w)
 };
 
-template <int kC>
+// kSkip: `mine` is made warp-uniform by a shuffle from lane 0 (it is: every thread reads the same word), as ptxas
+// cannot tell, and the ring position it steers would otherwise leave the uniform registers (the MMA descriptors
+// then cost 40 more instructions per step).
+template <int kC, bool kSkip = false>
 __device__ __forceinline__ WsDesc ws_read_desc(uint32_t d, int w) {
     WsDesc r;
     int b00, b01, b10, b11;
@@ -219,7 +251,14 @@ __device__ __forceinline__ WsDesc ws_read_desc(uint32_t d, int w) {
                  : "=r"(b00), "=r"(b01), "=r"(b10), "=r"(b11)
                  : "r"(d + 16)
                  : "memory");
-    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(r.more) : "r"(d + 32) : "memory");
+    if constexpr (kSkip) {
+        int more_w;
+        asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(r.more), "=r"(more_w) : "r"(d + 32) : "memory");
+        r.mine = __shfl_sync(0xffffffffu, (more_w >> w) & 1, 0) != 0;
+    } else {
+        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(r.more) : "r"(d + 32) : "memory");
+        r.mine = r.more != 0;
+    }
     r.bm[0] = w == 0 ? b00 : b10;  // selects: no dynamic register indexing
     r.bm[1] = w == 0 ? b01 : b11;
     if constexpr (kC == 3) {
@@ -332,7 +371,7 @@ __device__ __forceinline__ int ws_produce_tma(const KernelParams& p, MergedCurso
         STOF_PROF_ADD(0, te1 - te0);
         const uint32_t full = sBar + 8 * s;
         const uint32_t sK = sKV + s * 2 * WT::kSmemKV;
-        ws_write_desc(sDesc + s * kWsDescBytes, st, more, p);
+        ws_write_desc<WT::kSkip>(sDesc + s * kWsDescBytes, st, more, WT::kSkip ? ws_more_mask(cur, next) : 0, p);
         STOF_PROF_T(td1);
         STOF_PROF_ADD(6, td1 - te1);
         mbar_expect_tx(full, kStepBytes);  // the arrival releases the descriptor
@@ -477,6 +516,17 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
     WsItem cur, open;  // open: the item whose last P V (from ring stage prev_stage) and epilogue are outstanding
     bool pending = false;
     int it = 0, prev_stage = 0;
+    // WT::kSkip: a step with no tile of this consumer, before its first or after its last in the item, is released
+    // unread (its descriptor's `more` only)
+    auto skip_step = [&]() -> bool {
+        const int stage = it % kStages;
+        mbar_wait(full_bar(stage), (it / kStages) & 1);
+        int more;
+        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(more) : "r"(sDesc + stage * kWsDescBytes + 32) : "memory");
+        mbar_arrive(empty_bar(stage));
+        ++it;
+        return more != 0;
+    };
     auto finish_open = [&]() {  // the open item's last P V, then its epilogue
         STOF_PROF_T(tl0);
         issue_pv(prev_stage);
@@ -495,6 +545,36 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
         STOF_PROF_ADD(10, th1 - th0);
         STOF_PROF_ADD(9, 1u);
         if (!got) break;
+        int stage0 = 0;  // the first step's ring stage
+        if constexpr (WT::kSkip) {
+            stage0 = it % kStages;
+            if (cur.has_steps) {
+                mbar_wait(full_bar(stage0), (it / kStages) & 1);
+                // cp.async writes -> wgmma reads (the cp.async producer); see the first step below
+                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                st = ws_read_desc<WT::kConsumers, true>(sDesc + stage0 * kWsDescBytes, w);
+                bool here = __shfl_sync(0xffffffffu, st.bm[0] != -2 || st.bm[1] != -2, 0) != 0;  // uniform
+                if (!here) {
+                    // The open item is finished first: its stage may stay held over kStages - 2 skipped steps
+                    // only (see the item's end below), and these are not counted.
+                    if (pending) finish_open();
+                    while (!here && st.mine) {
+                        mbar_arrive(empty_bar(stage0));
+                        stage0 = ++it % kStages;
+                        mbar_wait(full_bar(stage0), (it / kStages) & 1);
+                        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                        st = ws_read_desc<WT::kConsumers, true>(sDesc + stage0 * kWsDescBytes, w);
+                        here = __shfl_sync(0xffffffffu, st.bm[0] != -2 || st.bm[1] != -2, 0) != 0;
+                    }
+                    if (!here) {  // no tile of this consumer in the item (rows past Sq, an empty tile row)
+                        mbar_arrive(empty_bar(stage0));
+                        ++it;
+                        for (bool more = st.more != 0; more;) more = skip_step();
+                        cur.has_steps = false;
+                    }
+                }
+            }
+        }
         if (!cur.has_steps) {  // no allowed key: zeros (the open item first, its P V still to issue)
             if (pending) finish_open();
             zero_o();
@@ -509,12 +589,14 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
 
         // First step: S_0 (with the open item's last P V) and its softmax.
         STOF_PROF_T(tf0);
-        const int stage0 = it % kStages;
-        mbar_wait(full_bar(stage0), (it / kStages) & 1);
-        // cp.async writes -> wgmma reads (the cp.async producer); redundant with the TMA producer, whose writes are
-        // async-proxy like the wgmma reads, but dropping it there measured as noise (session 7, A/B run 5)
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        st = ws_read_desc<WT::kConsumers>(sDesc + stage0 * kWsDescBytes, w);
+        if constexpr (!WT::kSkip) {  // (kSkip: read above)
+            stage0 = it % kStages;
+            mbar_wait(full_bar(stage0), (it / kStages) & 1);
+            // cp.async writes -> wgmma reads (the cp.async producer); redundant with the TMA producer, whose writes
+            // are async-proxy like the wgmma reads, but dropping it there measured as noise (session 7, A/B run 5)
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            st = ws_read_desc<WT::kConsumers>(sDesc + stage0 * kWsDescBytes, w);
+        }
         float alpha[2];
         if (pending) {
             issue_s(stage0);
@@ -544,13 +626,13 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
         STOF_PROF_T(tf1);
         STOF_PROF_ADD(6, tf1 - tf0);
         // Steady state, step i: S_i and P_{i-1} V_{i-1} in flight together; softmax of S_i while P V runs.
-        for (bool more = st.more != 0; more; ++it) {
+        for (bool more = st.mine; more; ++it) {
             STOF_PROF_T(t0);
             const int stage = it % kStages;
             mbar_wait(full_bar(stage), (it / kStages) & 1);
             STOF_PROF_T(t1);
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            st = ws_read_desc<WT::kConsumers>(sDesc + stage * kWsDescBytes, w);
+            st = ws_read_desc<WT::kConsumers, WT::kSkip>(sDesc + stage * kWsDescBytes, w);
             issue_s(stage);
             issue_pv(prev_stage);
             STOF_PROF_T(t1b);
@@ -571,7 +653,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
             if (rescale) rescale_o<kON / 8>(rO, alpha);  // with kSumMma the row sums too
             pack_p<Elem, kKN>(rP, rS);
             prev_stage = stage;
-            more = st.more != 0;
+            more = st.mine;
 #ifdef STOF_WS_PROFILE
             fence_regs(rS);
             uint32_t dep = 0;
@@ -588,7 +670,23 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
         }
         open = cur;
         pending = true;
-        if constexpr (!WT::kChainItems) finish_open();  // not chained: the item ends here
+        if constexpr (WT::kSkip) {
+            // Steps left in the item with no tile of this consumer are released unread.  Up to kStages - 2 of them
+            // while the item's last P V stays pending (its stage held), so the chain to the next item survives:
+            // the next item's first step, kStages on from the held stage at most, must not need it.  Beyond that,
+            // the item is finished first.
+            bool more = st.more != 0;
+            for (int n = 0; more && n < kStages - 2; ++n) more = skip_step();
+            if (more) {
+                finish_open();
+                while (more) more = skip_step();
+            }
+            if constexpr (!WT::kChainItems) {
+                if (pending) finish_open();  // not chained: the item ends here
+            }
+        } else if constexpr (!WT::kChainItems) {
+            finish_open();  // not chained: the item ends here
+        }
     }
     if (pending) finish_open();
 }
@@ -658,7 +756,8 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
                     ws_load_sub<WT>(sK + WT::kSmemKV, hh, gV, p.v_ss, st.n0[hh], kv_len, ptid);
                 }
                 if (ptid == 0) {
-                    ws_write_desc<kSub>(sDesc + s * kWsDescBytes, st, more, p);
+                    ws_write_desc<WT::kSkip>(sDesc + s * kWsDescBytes, st, more,
+                                             WT::kSkip ? ws_more_mask(cur, next) : 0, p);
                     mbar_arrive(full_bar(s));  // releases the descriptor
                 }
                 cp_async_mbar_arrive(full_bar(s));
