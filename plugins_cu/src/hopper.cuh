@@ -383,6 +383,10 @@ struct MergedCursor {
         for (int w = 0; w < kWG; ++w) ent[w] = (c[w] == j && j != INT_MAX) ? e[w] : -1;
         return j;
     }
+    // the descriptor's bitmap index of a tile handle from peek() (its format entry) -- warp-specialised producers
+    static __device__ __forceinline__ int bitmap_of(const KernelParams& p, int handle) {
+        return __ldg(p.tile_bitmap_index + handle);
+    }
     __device__ __forceinline__ void advance(const KernelParams& p) {
         if (++sub < nsub) return;
         sub = 0;

@@ -55,6 +55,7 @@ struct WsTraits {
     static constexpr int kSmemKV = kBlockN * kHeadDim * 2;  // one of K or V, one stage
     static constexpr int kSmemBar = 16 * kStages;            // full[] and empty[] mbarriers
     static constexpr int kSmemDesc = 64 * kStages;           // a step descriptor per stage (kWsDescBytes)
+    static constexpr int kSmemWalk = 2 * 32 * 8;             // the two-consumer TMA producer's walk (WsWalk)
     // Row sums of P on the tensor cores: P V runs with N = kHeadDim + 8, the 8 extra columns of B read from a
     // kBlockN-row block of ones after the K/V ring (kSmemOnes), so every consumer thread gets its two rows' full
     // sums in rO -- no FADDs (64 per thread and 128-key step), no quad shuffles.  The sums are of the fp16/bf16
@@ -68,13 +69,13 @@ struct WsTraits {
     static constexpr int kSmemRing = kOnesOffset + kSmemOnes;  // K/V stages, then the ones
     // each stage's V descriptor's LBO (14 bits of 16-byte units) reaches the ones
     static_assert(!kSumMma || kOnesOffset - kSmemKV < (1 << 18), "ones block beyond the LBO field");
-    static constexpr int kSmemSize = kSmemQ + kSmemRing + kSmemBar + kSmemDesc + 1024;
+    static constexpr int kSmemSize = kSmemQ + kSmemRing + kSmemBar + kSmemDesc + kSmemWalk + 1024;
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim");
     static_assert(kSub == 1 || kSub == 2, "64 or 128 keys per step");
     // persistent form: kQBufs Q buffers, the ring, full/empty[kStages] + q_full/q_empty[kQBufs] mbarriers, an item
     // slot per Q buffer
     static constexpr int persist_smem(int qbufs) {
-        return qbufs * kSmemQ + kSmemRing + 8 * (2 * kStages + 2 * qbufs) + 16 * qbufs + kSmemDesc + 1024;
+        return qbufs * kSmemQ + kSmemRing + 8 * (2 * kStages + 2 * qbufs) + 16 * qbufs + kSmemDesc + kSmemWalk + 1024;
     }
     // Consumers chain their work items (ws_consume_items) at head dim 64: tactic 24 sliding -5.6 %, causal within
     // noise; at 128 (tactic 22) chaining measured +4 to +7 % on sliding, so those finish each item first (session 8).
@@ -147,14 +148,137 @@ __device__ __forceinline__ void ws_fill_ones(uint32_t sKV, int tid) {
 }
 
 // One step of the merged walk: up to kSub sub-blocks; n0 = first key (-1: absent), sub = the 64-key sub-block
-// inside its tile, ent[w][h] = the format entry of consumer w's tile row there (-1: none).
+// inside its tile, ent[w][h] = consumer w's tile there as the cursor's handle (-1: none; Cursor::bitmap_of gives
+// its tile_bitmap_index).
 template <int kSub, int kC = 2>
 struct WsStep {
     int n0[kSub], sub[kSub], ent[kC][kSub];
 };
 
-template <int kSub, int kC>
-__device__ __forceinline__ bool ws_take_step(MergedCursor<kC>& cur, const KernelParams& p, WsStep<kSub, kC>& st) {
+// The merged walk as the two-consumer TMA producers run it: the producer warp's 32 lanes hold the same cursor, and
+// each tile row's col_idx and tile_bitmap_index entries come through a 32-entry window in shared memory that the
+// lanes fill with coalesced loads (both rows at once at an item's start), one L2 round trip per 32 tiles of a row
+// instead of a dependent load per tile, and the bitmap indices come with the walk (the descriptor loaded them).
+// Columns at or past the key bound end a row (they ascend), so no load trims its end.  MergedCursor's interface;
+// a handle is the tile's bitmap index + 2 (FULL: 1).  Measured (session 10, A/B run 9): tactic 24 -1.2 to -3.9 %
+// on causal S=1024-8192, -0.4 / -1.2 % on sliding S=1024 / 4096.  The producer's per-step chain stayed ~1,300
+// cycles (it is issue-bound, not load-bound); what shrank is the time from a stage's release to its TMA (the
+// descriptor's bitmap-index loads, 250-300 -> 60-70 cycles).  Not in the three-consumer kernels: their producer
+// has 32 registers (the same walk there measured +2 to +3 %).
+template <int kC>
+struct WsWalk {
+    int e[kC], end[kC], c[kC], win[kC];  // next entry, end, its column (INT_MAX when done), window's first entry
+    int sub, nsub, col_end, lane;
+    uint32_t sWin;  // [kC][2][32] int32: columns (INT_MAX past the row's end), then bitmap indices
+
+    __device__ __forceinline__ void fill(const KernelParams& p, int w) {  // the window of row w from entry e[w]
+        const int i = e[w] + lane;
+        int col = INT_MAX, bmi = -1;
+        if (i < end[w]) {
+            col = __ldg(p.col_idx + i);
+            bmi = __ldg(p.tile_bitmap_index + i);
+        }
+        __syncwarp();  // every lane is done with the old window
+        asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(sWin + (w * 32 + lane) * 8), "r"(col), "r"(bmi)
+                     : "memory");
+        win[w] = e[w];
+        __syncwarp();
+    }
+    __device__ __forceinline__ int load(const KernelParams& p, int w) {  // column of entry e[w] (INT_MAX: none)
+        if (e[w] - win[w] >= 32) fill(p, w);
+        int col;
+        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(col) : "r"(sWin + (w * 32 + e[w] - win[w]) * 8) : "memory");
+        return col < col_end ? col : INT_MAX;
+    }
+    __device__ __forceinline__ void init(const KernelParams& p, const int (&rows)[kC], int kv_len, uint32_t s_win,
+                                         int lane_) {
+        sWin = s_win;
+        lane = lane_;
+        col_end = (kv_len + p.tile_n - 1) / p.tile_n;
+        // lane 2 w + k loads row_ptr[rows[w] + k]: one round trip for every row's range
+        int row = -1;
+#pragma unroll
+        for (int w = 0; w < kC; ++w) row = lane >> 1 == w ? rows[w] : row;
+        const int rp = row >= 0 ? __ldg(p.row_ptr + row + (lane & 1)) : 0;
+#pragma unroll
+        for (int w = 0; w < kC; ++w) {
+            e[w] = __shfl_sync(0xffffffffu, rp, 2 * w);
+            end[w] = __shfl_sync(0xffffffffu, rp, 2 * w + 1);
+        }
+        // every row's window in one round trip
+        int col[kC], bmi[kC];
+#pragma unroll
+        for (int w = 0; w < kC; ++w) {
+            const int i = e[w] + lane;
+            col[w] = INT_MAX;
+            bmi[w] = -1;
+            if (i < end[w]) {
+                col[w] = __ldg(p.col_idx + i);
+                bmi[w] = __ldg(p.tile_bitmap_index + i);
+            }
+        }
+        __syncwarp();
+#pragma unroll
+        for (int w = 0; w < kC; ++w) {
+            asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(sWin + (w * 32 + lane) * 8), "r"(col[w]),
+                         "r"(bmi[w])
+                         : "memory");
+            win[w] = e[w];
+        }
+        __syncwarp();
+#pragma unroll
+        for (int w = 0; w < kC; ++w) c[w] = load(p, w);
+        sub = 0;
+        nsub = p.tile_n / 64;
+    }
+    __device__ __forceinline__ int peek(int (&ent)[kC]) const {
+        int j = INT_MAX;
+#pragma unroll
+        for (int w = 0; w < kC; ++w) j = min(j, c[w]);
+#pragma unroll
+        for (int w = 0; w < kC; ++w) {
+            int bmi = -1;
+            if (c[w] == j && j != INT_MAX)
+                asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(bmi) : "r"(sWin + (w * 32 + e[w] - win[w]) * 8 + 4)
+                             : "memory");
+            ent[w] = (c[w] == j && j != INT_MAX) ? bmi + 2 : -1;
+        }
+        return j;
+    }
+    static __device__ __forceinline__ int bitmap_of(const KernelParams&, int handle) { return handle - 2; }
+    __device__ __forceinline__ void advance(const KernelParams& p) {
+        if (++sub < nsub) return;
+        sub = 0;
+        int j = INT_MAX;
+#pragma unroll
+        for (int w = 0; w < kC; ++w) j = min(j, c[w]);
+#pragma unroll
+        for (int w = 0; w < kC; ++w)
+            if (c[w] == j && j != INT_MAX) {
+                ++e[w];
+                c[w] = load(p, w);
+            }
+    }
+};
+
+// The TMA producers' walk: two consumers, the producer warp's (WsWalk); three, one thread's (MergedCursor).
+template <int kC>
+using WsProducerWalk = std::conditional_t<kC == 2, WsWalk<kC>, MergedCursor<kC>>;
+template <int kC>
+constexpr int kWsProducerLanes = kC == 2 ? 32 : 1;
+template <int kC>
+__device__ __forceinline__ void ws_walk_init(MergedCursor<kC>& cur, const KernelParams& p, const int (&rows)[kC],
+                                             int kv_len, uint32_t, int) {
+    cur.init(p, rows, kv_len);
+}
+template <int kC>
+__device__ __forceinline__ void ws_walk_init(WsWalk<kC>& cur, const KernelParams& p, const int (&rows)[kC],
+                                             int kv_len, uint32_t s_win, int lane) {
+    cur.init(p, rows, kv_len, s_win, lane);
+}
+
+template <int kSub, int kC, class Cursor>
+__device__ __forceinline__ bool ws_take_step(Cursor& cur, const KernelParams& p, WsStep<kSub, kC>& st) {
     bool any = false;
 #pragma unroll
     for (int h = 0; h < kSub; ++h) {
@@ -193,8 +317,8 @@ constexpr int kWsDescBytes = 64;
 
 // Bit w: consumer w has a tile after the step being described (next: the step after it, cur: the walk after
 // next).  A row's cursor column stays set while any sub-block of its tiles is still to come.
-template <int kSub, int kC>
-__device__ __forceinline__ int ws_more_mask(const MergedCursor<kC>& cur, const WsStep<kSub, kC>& next) {
+template <int kSub, int kC, class Cursor>
+__device__ __forceinline__ int ws_more_mask(const Cursor& cur, const WsStep<kSub, kC>& next) {
     int m = 0;
 #pragma unroll
     for (int w = 0; w < kC; ++w) {
@@ -206,7 +330,7 @@ __device__ __forceinline__ int ws_more_mask(const MergedCursor<kC>& cur, const W
     return m;
 }
 
-template <bool kSkip, int kSub, int kC>
+template <bool kSkip, class Cursor, int kSub, int kC>
 __device__ __forceinline__ void ws_write_desc(uint32_t d, const WsStep<kSub, kC>& st, bool more, int more_w,
                                               const KernelParams& p) {
     int bm[3][2];
@@ -215,7 +339,7 @@ __device__ __forceinline__ void ws_write_desc(uint32_t d, const WsStep<kSub, kC>
 #pragma unroll
         for (int h = 0; h < 2; ++h)
             bm[w][h] = w < kC && h < kSub && st.ent[w < kC ? w : 0][h < kSub ? h : 0] >= 0
-                           ? __ldg(p.tile_bitmap_index + st.ent[w < kC ? w : 0][h < kSub ? h : 0])
+                           ? Cursor::bitmap_of(p, st.ent[w < kC ? w : 0][h < kSub ? h : 0])
                            : -2;
     asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(d), "r"(st.n0[0]), "r"(kSub > 1 ? st.n0[kSub - 1] : -1),
                  "r"(st.sub[0]), "r"(kSub > 1 ? st.sub[kSub - 1] : 0)
@@ -294,13 +418,17 @@ __device__ __forceinline__ void ws_load_sub(uint32_t s_tile, int h, const typena
     }
 }
 
-// The merged walk of the (up to) kC 64-row tile rows of the work item at q0 of head h.
+// The (up to) kC 64-row tile rows of the work item at q0 of head h (-1: past Sq), the rows of the merged walk.
 template <int kC>
-__device__ __forceinline__ void ws_item_cursor(MergedCursor<kC>& cur, const KernelParams& p, int q0, int h, int kv_len) {
+__device__ __forceinline__ void ws_item_rows(int (&rows)[kC], const KernelParams& p, int q0, int h) {
     const int layout_row0 = (h % p.num_layouts) * p.tq;
-    int rows[kC];
 #pragma unroll
     for (int w = 0; w < kC; ++w) rows[w] = q0 + 64 * w < p.seq_q ? layout_row0 + (q0 + 64 * w) / p.tile_m : -1;
+}
+template <int kC>
+__device__ __forceinline__ void ws_item_cursor(MergedCursor<kC>& cur, const KernelParams& p, int q0, int h, int kv_len) {
+    int rows[kC];
+    ws_item_rows(rows, p, q0, h);
     cur.init(p, rows, kv_len);
 }
 
@@ -339,14 +467,14 @@ __device__ __forceinline__ uint32_t ws_clock() {
 #define STOF_PROF_ADD(i, v)
 #endif
 
-// Producer (one thread), TMA: the K/V of one work item's steps into the ring from position it on (the caller has
-// started the walk: cur after the first step st, have = whether there is one); returns the ring position after the
-// item.  kSub (K, V) boxes of 64 keys per step; an absent sub-block (odd walk end)
+// Producer (one thread or warp, WsProducerWalk: all lanes walk, lane 0 issues), TMA: the K/V of one work item's
+// steps into the ring from position it on (the caller has started the walk: cur after the first step st, have =
+// whether there is one); returns the ring position after the item.  kSub (K, V) boxes of 64 keys per step; an absent sub-block (odd walk end)
 // re-loads the step's first one: its scores are masked, so it only has to hold finite values.  Rows past Sk are
 // zero-filled by the TMA; the launchers run the cp.async producer when key_lengths can end the keys before Sk
 // (those rows would hold real data).
 template <class WT>
-__device__ __forceinline__ int ws_produce_tma(const KernelParams& p, MergedCursor<WT::kConsumers>& cur,
+__device__ __forceinline__ int ws_produce_tma(const KernelParams& p, WsProducerWalk<WT::kConsumers>& cur, int lane,
                                               WsStep<WT::kSub, WT::kConsumers> st,
                                               bool have, int h, int b, int it, uint32_t sKV, uint32_t sBar,
                                               uint32_t sDesc
@@ -371,22 +499,25 @@ __device__ __forceinline__ int ws_produce_tma(const KernelParams& p, MergedCurso
         STOF_PROF_ADD(0, te1 - te0);
         const uint32_t full = sBar + 8 * s;
         const uint32_t sK = sKV + s * 2 * WT::kSmemKV;
-        ws_write_desc<WT::kSkip>(sDesc + s * kWsDescBytes, st, more, WT::kSkip ? ws_more_mask(cur, next) : 0, p);
-        STOF_PROF_T(td1);
-        STOF_PROF_ADD(6, td1 - te1);
-        mbar_expect_tx(full, kStepBytes);  // the arrival releases the descriptor
+        const int more_w = WT::kSkip ? ws_more_mask(cur, next) : 0;
+        if (lane == 0) {
+            ws_write_desc<WT::kSkip, WsProducerWalk<WT::kConsumers>>(sDesc + s * kWsDescBytes, st, more, more_w, p);
+            STOF_PROF_T(td1);
+            STOF_PROF_ADD(6, td1 - te1);
+            mbar_expect_tx(full, kStepBytes);  // the arrival releases the descriptor
 #pragma unroll
-        for (int hh = 0; hh < kSub; ++hh) {
-            const int n0 = st.n0[hh] >= 0 ? st.n0[hh] : st.n0[0];
+            for (int hh = 0; hh < kSub; ++hh) {
+                const int n0 = st.n0[hh] >= 0 ? st.n0[hh] : st.n0[0];
 #pragma unroll
-            for (int cb = 0; cb < WT::kHeadDim / 64; ++cb) {
-                const uint32_t off = cb * WT::kBlockN * 128 + hh * 64 * 128;
-                tma_load_4d(sK + off, &p.tma_k, cb * 64, n0, h, b, full);
-                tma_load_4d(sK + WT::kSmemKV + off, &p.tma_v, cb * 64, n0, h, b, full);
+                for (int cb = 0; cb < WT::kHeadDim / 64; ++cb) {
+                    const uint32_t off = cb * WT::kBlockN * 128 + hh * 64 * 128;
+                    tma_load_4d(sK + off, &p.tma_k, cb * 64, n0, h, b, full);
+                    tma_load_4d(sK + WT::kSmemKV + off, &p.tma_v, cb * 64, n0, h, b, full);
+                }
             }
+            STOF_PROF_T(tt1);
+            STOF_PROF_ADD(7, tt1 - td1);
         }
-        STOF_PROF_T(tt1);
-        STOF_PROF_ADD(7, tt1 - td1);
         STOF_PROF_ADD(9, 1u);
         st = next;
         have = more;
@@ -728,12 +859,14 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
         // ---------------- producer ----------------
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WT::kProducerRegs));
         if constexpr (WT::kTma) {
-            if (tid == 0) {
-                MergedCursor<WT::kConsumers> cur;
-                ws_item_cursor(cur, p, q0, h, p.seq_k);
+            if (tid < kWsProducerLanes<WT::kConsumers>) {
+                WsProducerWalk<WT::kConsumers> cur;
+                int rows[WT::kConsumers];
+                ws_item_rows(rows, p, q0, h);
+                ws_walk_init(cur, p, rows, p.seq_k, sDesc + WT::kSmemDesc, tid);
                 WsStep<kSub, WT::kConsumers> st;
                 const bool have = ws_take_step<kSub>(cur, p, st);
-                ws_produce_tma<WT>(p, cur, st, have, h, b, 0, sKV, sBar, sDesc);
+                ws_produce_tma<WT>(p, cur, tid, st, have, h, b, 0, sKV, sBar, sDesc);
             }
             return;
         } else {
@@ -756,8 +889,8 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
                     ws_load_sub<WT>(sK + WT::kSmemKV, hh, gV, p.v_ss, st.n0[hh], kv_len, ptid);
                 }
                 if (ptid == 0) {
-                    ws_write_desc<WT::kSkip>(sDesc + s * kWsDescBytes, st, more,
-                                             WT::kSkip ? ws_more_mask(cur, next) : 0, p);
+                    ws_write_desc<WT::kSkip, MergedCursor<2>>(sDesc + s * kWsDescBytes, st, more,
+                                                              WT::kSkip ? ws_more_mask(cur, next) : 0, p);
                     mbar_arrive(full_bar(s));  // releases the descriptor
                 }
                 cp_async_mbar_arrive(full_bar(s));
@@ -855,7 +988,9 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
     const int n_items = p.persist_items;
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WT::kProducerRegs));
-        if (tid != 0) return;
+        constexpr int kLanes = kWsProducerLanes<WT::kConsumers>;
+        if (tid >= kLanes) return;  // (a warp: all lanes walk, lane 0 issues)
+        const int lane = tid;
         int it = 0;
 #ifdef STOF_WS_PROFILE
         uint32_t prof[kWsProfCounters] = {};
@@ -874,8 +1009,10 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
             // the items from gridDim.x on.
             bool first = j == 0;
             do {  // items past the run-time Sq (row-ordered grids) have nothing to do
-                item = first ? static_cast<int>(blockIdx.x)
-                             : static_cast<int>(gridDim.x) + atomicAdd(p.work_counter, 1);
+                int claimed = 0;
+                if (!first && lane == 0) claimed = atomicAdd(p.work_counter, 1);
+                if constexpr (kLanes > 1) claimed = __shfl_sync(0xffffffffu, claimed, 0);
+                item = first ? static_cast<int>(blockIdx.x) : static_cast<int>(gridDim.x) + claimed;
                 first = false;
                 if (item < n_items) wk = block_work_at<kBlockM>(p, item, p.persist_nqb);
             } while (item < n_items && wk.qb * kBlockM >= p.seq_q);
@@ -893,29 +1030,33 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
             };
             // The Q copies go before the walk (their latency under its loads); the expect_tx arrival that completes
             // q_full's phase comes after the item's slot is written (the tx-count may go negative until then).
-            if (valid) q_copies();
-            MergedCursor<WT::kConsumers> cur;
+            if (valid && lane == 0) q_copies();
+            WsProducerWalk<WT::kConsumers> cur;
             WsStep<WT::kSub, WT::kConsumers> st;
             bool have = false;
             if (valid) {
-                ws_item_cursor(cur, p, q0, wk.h, p.seq_k);
+                int rows[WT::kConsumers];
+                ws_item_rows(rows, p, q0, wk.h);
+                ws_walk_init(cur, p, rows, p.seq_k, sDesc + WT::kSmemDesc, lane);
                 have = ws_take_step<WT::kSub>(cur, p, st);
             }
-            // flags: 1 = an item, 2 = it has a step (the consumers then need no walk of their own)
-            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(sItem + 16 * buf), "r"(wk.qb), "r"(wk.h),
-                         "r"(wk.b), "r"((valid ? 1 : 0) | (have ? 2 : 0))
-                         : "memory");
-            if (!valid) {
-                mbar_arrive(q_full(buf));  // releases the consumers' last wait: no more items
-                break;
+            if (lane == 0) {
+                // flags: 1 = an item, 2 = it has a step (the consumers then need no walk of their own)
+                asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(sItem + 16 * buf), "r"(wk.qb),
+                             "r"(wk.h), "r"(wk.b), "r"((valid ? 1 : 0) | (have ? 2 : 0))
+                             : "memory");
+                if (valid)
+                    mbar_expect_tx(q_full(buf), kBlockM * WT::kHeadDim * 2);
+                else
+                    mbar_arrive(q_full(buf));  // releases the consumers' last wait: no more items
             }
-            mbar_expect_tx(q_full(buf), kBlockM * WT::kHeadDim * 2);
+            if (!valid) break;
             STOF_PROF_T(tq3);
             STOF_PROF_ADD(1, tq1 - tq0);
             STOF_PROF_ADD(2, tq2 - tq1);
             STOF_PROF_ADD(3, tq3 - tq2);
             STOF_PROF_ADD(4, 1u);
-            it = ws_produce_tma<WT>(p, cur, st, have, wk.h, wk.b, it, sKV, sBar, sDesc
+            it = ws_produce_tma<WT>(p, cur, lane, st, have, wk.h, wk.b, it, sKV, sBar, sDesc
 #ifdef STOF_WS_PROFILE
                                     , prof
 #endif
@@ -924,7 +1065,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
         }
 #ifdef STOF_WS_PROFILE
         prof[8] = ws_clock() - tk0;
-        if (blockIdx.x < 2) {
+        if (blockIdx.x < 2 && lane == 0) {
 #pragma unroll
             for (int i = 0; i < kWsProfCounters; ++i)
                 g_ws_prof[((blockIdx.x * 4 + 3) * 4) * kWsProfCounters + i] = prof[i];
