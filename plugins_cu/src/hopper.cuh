@@ -352,11 +352,42 @@ __device__ __forceinline__ void store_o(uint32_t sTile, Elem* gO, int64_t o_ss, 
     }
 }
 
-// The merged walk over the tile rows of the kWG warpgroups: yields (column j, sub-block, entry per warpgroup or -1).
-template <int kWG>
-struct MergedCursor {
-    int e[kWG], end[kWG], c[kWG];  // next entry, end, its column (INT_MAX when exhausted)
+// The k-way merge of kWG tile rows' sorted column lists, one 64-key sub-block at a time: peek() gives the next column
+// (INT_MAX when done) and each row's tile handle there (-1: no tile), advance() moves past one sub-block.  Walk (CRTP)
+// holds c[] (each row's current column, INT_MAX when done) and provides handle(w) (the row's current tile) and
+// next(p, w) (moves row w to its next tile, returns that tile's column).  MergedCursor below; the warp-specialised
+// producers' WsWalk (hopper_ws.cuh).
+template <class Walk, int kWG>
+struct MergeWalk {
     int sub, nsub;
+
+    __device__ __forceinline__ int peek(int (&ent)[kWG]) const {
+        const Walk& self = static_cast<const Walk&>(*this);
+        int j = INT_MAX;
+#pragma unroll
+        for (int w = 0; w < kWG; ++w) j = min(j, self.c[w]);
+#pragma unroll
+        for (int w = 0; w < kWG; ++w) ent[w] = (self.c[w] == j && j != INT_MAX) ? self.handle(w) : -1;
+        return j;
+    }
+    __device__ __forceinline__ void advance(const KernelParams& p) {
+        Walk& self = static_cast<Walk&>(*this);
+        if (++sub < nsub) return;
+        sub = 0;
+        int j = INT_MAX;
+#pragma unroll
+        for (int w = 0; w < kWG; ++w) j = min(j, self.c[w]);
+#pragma unroll
+        for (int w = 0; w < kWG; ++w)
+            if (self.c[w] == j && j != INT_MAX) self.c[w] = self.next(p, w);
+    }
+};
+
+// The merged walk over the tile rows of the kWG warpgroups, reading the format arrays directly: a tile's handle is
+// its format entry.
+template <int kWG>
+struct MergedCursor : MergeWalk<MergedCursor<kWG>, kWG> {
+    int e[kWG], end[kWG], c[kWG];  // next entry, end, its column (INT_MAX when exhausted)
 
     __device__ __forceinline__ void init(const KernelParams& p, const int (&rows)[kWG], int kv_len) {
 #pragma unroll
@@ -371,34 +402,17 @@ struct MergedCursor {
             }
             c[w] = e[w] < end[w] ? __ldg(p.col_idx + e[w]) : INT_MAX;
         }
-        sub = 0;
-        nsub = p.tile_n / 64;
+        this->sub = 0;
+        this->nsub = p.tile_n / 64;
     }
-    // Current step: returns the column (INT_MAX = done) and each warpgroup's entry (-1 = no tile there).
-    __device__ __forceinline__ int peek(int (&ent)[kWG]) const {
-        int j = INT_MAX;
-#pragma unroll
-        for (int w = 0; w < kWG; ++w) j = min(j, c[w]);
-#pragma unroll
-        for (int w = 0; w < kWG; ++w) ent[w] = (c[w] == j && j != INT_MAX) ? e[w] : -1;
-        return j;
+    __device__ __forceinline__ int handle(int w) const { return e[w]; }
+    __device__ __forceinline__ int next(const KernelParams& p, int w) {
+        ++e[w];
+        return e[w] < end[w] ? __ldg(p.col_idx + e[w]) : INT_MAX;
     }
-    // the descriptor's bitmap index of a tile handle from peek() (its format entry) -- warp-specialised producers
+    // the descriptor's bitmap index of a tile handle from peek() -- warp-specialised producers
     static __device__ __forceinline__ int bitmap_of(const KernelParams& p, int handle) {
         return __ldg(p.tile_bitmap_index + handle);
-    }
-    __device__ __forceinline__ void advance(const KernelParams& p) {
-        if (++sub < nsub) return;
-        sub = 0;
-        int j = INT_MAX;
-#pragma unroll
-        for (int w = 0; w < kWG; ++w) j = min(j, c[w]);
-#pragma unroll
-        for (int w = 0; w < kWG; ++w)
-            if (c[w] == j && j != INT_MAX) {
-                ++e[w];
-                c[w] = e[w] < end[w] ? __ldg(p.col_idx + e[w]) : INT_MAX;
-            }
     }
 };
 

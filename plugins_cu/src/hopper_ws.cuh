@@ -2,12 +2,12 @@
 // tile format.  Same semantics as blockwise.cuh / hopper.cuh.
 //
 // One CTA = a work item of 64 * kConsumers query rows (128, or 192 for tactics 28/29), 1 + kConsumers warpgroups:
-//   warpgroup 0, the producer: walks the union of the consumers' 64-row tile rows' non-empty columns (MergedCursor, as in
-//     hopper.cuh), gathers kSub 64-key sub-blocks per step (they need not be adjacent keys: a step of a sparse row
-//     joins its next two non-empty sub-blocks), streams K and V into a kStages-deep ring (one thread issuing TMA
-//     boxes; 128 threads with cp.async and zero-fill when key_lengths is given) and publishes a step descriptor
-//     with each stage (ws_write_desc), signalling one mbarrier (full[stage]) per step.  It gives its registers
-//     to the consumers (setmaxnreg).
+//   warpgroup 0, the producer: walks the union of the consumers' 64-row tile rows' non-empty columns (a MergeWalk,
+//     hopper.cuh: WsWalk by one warp, or MergedCursor), gathers kSub 64-key sub-blocks per step (they need not be
+//     adjacent keys: a step of a sparse row joins its next two non-empty sub-blocks), streams K and V into a
+//     kStages-deep ring (lane 0 issuing TMA boxes; 128 threads with cp.async and zero-fill when key_lengths is
+//     given) and publishes a step descriptor with each stage (ws_write_desc), signalling one mbarrier (full[stage])
+//     per step.  It gives its registers to the consumers (setmaxnreg).
 //   warpgroups 1 .. kConsumers, the consumers: each owns 64 query rows (inside one format tile row) and runs, per step,
 //     S_i = Q K_i^T  (wgmma, issued before the previous step's P V so the tensor cores stay fed),
 //     O += P_{i-1} V_{i-1},
@@ -33,7 +33,7 @@ namespace stof {
 template <int kHeadDim_, int kStages_, int kSub_, typename Elem_, bool kTma_ = false, int kConsumers_ = 2>
 struct WsTraits {
     using Elem = Elem_;
-    static constexpr bool kTma = kTma_;  // producer: one thread issuing TMA boxes instead of 128 threads' cp.async
+    static constexpr bool kTma = kTma_;  // producer: one lane issuing TMA boxes instead of 128 threads' cp.async
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kStages = kStages_;
     static constexpr int kSub = kSub_;  // 64-key sub-blocks per step
@@ -157,19 +157,19 @@ struct WsStep {
 
 // The merged walk as the two-consumer TMA producers run it: the producer warp's 32 lanes hold the same cursor, and
 // each tile row's col_idx and tile_bitmap_index entries come through a 32-entry window in shared memory that the
-// lanes fill with coalesced loads (both rows at once at an item's start), one L2 round trip per 32 tiles of a row
+// lanes fill with coalesced loads (every row's at once at an item's start): one L2 round trip per 32 tiles of a row
 // instead of a dependent load per tile, and the bitmap indices come with the walk (the descriptor loaded them).
-// Columns at or past the key bound end a row (they ascend), so no load trims its end.  MergedCursor's interface;
-// a handle is the tile's bitmap index + 2 (FULL: 1).  Measured (session 10, A/B run 9): tactic 24 -1.2 to -3.9 %
-// on causal S=1024-8192, -0.4 / -1.2 % on sliding S=1024 / 4096.  The producer's per-step chain stayed ~1,300
-// cycles (it is issue-bound, not load-bound); what shrank is the time from a stage's release to its TMA (the
-// descriptor's bitmap-index loads, 250-300 -> 60-70 cycles).  Not in the three-consumer kernels: their producer
-// has 32 registers (the same walk there measured +2 to +3 %).
+// Columns at or past the key bound end a row (they ascend), so no load trims its end.  A MergeWalk (hopper.cuh) whose
+// tile handle is the tile's bitmap index + 2 (FULL: 1).  Measured (session 10, A/B run 9): tactic 24 -1.2 to -3.9 %
+// on causal S=1024-8192, -0.4 / -1.2 % on sliding S=1024 / 4096.  The producer's per-step chain did not shrink
+// (~1,300 cycles; ~1,150 with one thread: it is issue-bound, not load-bound); what shrank is the time from a stage's
+// release to its TMA (the descriptor's bitmap-index loads, 250-300 -> 60-70 cycles).  Not in the three-consumer
+// kernels: their producer has 32 registers (this walk measured +0.3 to +3.7 % there).
 template <int kC>
-struct WsWalk {
+struct WsWalk : MergeWalk<WsWalk<kC>, kC> {
     int e[kC], end[kC], c[kC], win[kC];  // next entry, end, its column (INT_MAX when done), window's first entry
-    int sub, nsub, col_end, lane;
-    uint32_t sWin;  // [kC][2][32] int32: columns (INT_MAX past the row's end), then bitmap indices
+    int col_end, lane;
+    uint32_t sWin;  // [kC][32] pairs of int32: column (INT_MAX past the row's end), bitmap index
 
     __device__ __forceinline__ void fill(const KernelParams& p, int w) {  // the window of row w from entry e[w]
         const int i = e[w] + lane;
@@ -196,12 +196,10 @@ struct WsWalk {
         lane = lane_;
         col_end = (kv_len + p.tile_n - 1) / p.tile_n;
         // lane 2 w + k loads row_ptr[rows[w] + k]: one round trip for every row's range
-        int row = -1;
-#pragma unroll
-        for (int w = 0; w < kC; ++w) row = lane >> 1 == w ? rows[w] : row;
-        const int rp = row >= 0 ? __ldg(p.row_ptr + row + (lane & 1)) : 0;
+        // (one value per row: a lane-indexed rows[] went to local memory)
 #pragma unroll
         for (int w = 0; w < kC; ++w) {
+            const int rp = lane >> 1 == w && rows[w] >= 0 ? __ldg(p.row_ptr + rows[w] + (lane & 1)) : 0;
             e[w] = __shfl_sync(0xffffffffu, rp, 2 * w);
             end[w] = __shfl_sync(0xffffffffu, rp, 2 * w + 1);
         }
@@ -228,37 +226,19 @@ struct WsWalk {
         __syncwarp();
 #pragma unroll
         for (int w = 0; w < kC; ++w) c[w] = load(p, w);
-        sub = 0;
-        nsub = p.tile_n / 64;
+        this->sub = 0;
+        this->nsub = p.tile_n / 64;
     }
-    __device__ __forceinline__ int peek(int (&ent)[kC]) const {
-        int j = INT_MAX;
-#pragma unroll
-        for (int w = 0; w < kC; ++w) j = min(j, c[w]);
-#pragma unroll
-        for (int w = 0; w < kC; ++w) {
-            int bmi = -1;
-            if (c[w] == j && j != INT_MAX)
-                asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(bmi) : "r"(sWin + (w * 32 + e[w] - win[w]) * 8 + 4)
-                             : "memory");
-            ent[w] = (c[w] == j && j != INT_MAX) ? bmi + 2 : -1;
-        }
-        return j;
+    __device__ __forceinline__ int handle(int w) const {  // the current tile's bitmap index + 2
+        int bmi;
+        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(bmi) : "r"(sWin + (w * 32 + e[w] - win[w]) * 8 + 4) : "memory");
+        return bmi + 2;
+    }
+    __device__ __forceinline__ int next(const KernelParams& p, int w) {
+        ++e[w];
+        return load(p, w);
     }
     static __device__ __forceinline__ int bitmap_of(const KernelParams&, int handle) { return handle - 2; }
-    __device__ __forceinline__ void advance(const KernelParams& p) {
-        if (++sub < nsub) return;
-        sub = 0;
-        int j = INT_MAX;
-#pragma unroll
-        for (int w = 0; w < kC; ++w) j = min(j, c[w]);
-#pragma unroll
-        for (int w = 0; w < kC; ++w)
-            if (c[w] == j && j != INT_MAX) {
-                ++e[w];
-                c[w] = load(p, w);
-            }
-    }
 };
 
 // The TMA producers' walk: two consumers, the producer warp's (WsWalk); three, one thread's (MergedCursor).
@@ -442,7 +422,7 @@ __device__ __forceinline__ void ws_item_cursor(MergedCursor<kC>& cur, const Kern
 // items: [6] holds the previous item's last P V and its epilogue, which [5] also counts).  Slot 3 is the producer
 // thread's (warp 0): [0] empty-barrier waits, [1] q_empty waits, [2] claiming items (the atomics), [3] from the
 // claim to the item's Q expect_tx (walk start, Q copies), [4] items, [8] total; per step: [5] the walk of the next
-// step (ws_take_step), [6] the descriptor (its bitmap-index loads), [7] the TMA issue, [9] steps.
+// step (ws_take_step), [6] the descriptor (the one-thread walk's bitmap-index loads), [7] the TMA issue, [9] steps.
 constexpr int kWsProfCounters = 12;
 static __device__ uint32_t g_ws_prof[2 * 4 * 4 * kWsProfCounters];
 // each CTA's (up to 1024) %globaltimer (ns) at its start and when its consumers finished: the schedule's tail
@@ -469,10 +449,10 @@ __device__ __forceinline__ uint32_t ws_clock() {
 
 // Producer (one thread or warp, WsProducerWalk: all lanes walk, lane 0 issues), TMA: the K/V of one work item's
 // steps into the ring from position it on (the caller has started the walk: cur after the first step st, have =
-// whether there is one); returns the ring position after the item.  kSub (K, V) boxes of 64 keys per step; an absent sub-block (odd walk end)
-// re-loads the step's first one: its scores are masked, so it only has to hold finite values.  Rows past Sk are
-// zero-filled by the TMA; the launchers run the cp.async producer when key_lengths can end the keys before Sk
-// (those rows would hold real data).
+// whether there is one); returns the ring position after the item.  kSub (K, V) boxes of 64 keys per step; an
+// absent sub-block (odd walk end) re-loads the step's first one: its scores are masked, so it only has to hold finite
+// values.  Rows past Sk are zero-filled by the TMA; the launchers run the cp.async producer when key_lengths can end
+// the keys before Sk (those rows would hold real data).
 template <class WT>
 __device__ __forceinline__ int ws_produce_tma(const KernelParams& p, WsProducerWalk<WT::kConsumers>& cur, int lane,
                                               WsStep<WT::kSub, WT::kConsumers> st,
@@ -501,7 +481,8 @@ __device__ __forceinline__ int ws_produce_tma(const KernelParams& p, WsProducerW
         const uint32_t sK = sKV + s * 2 * WT::kSmemKV;
         const int more_w = WT::kSkip ? ws_more_mask(cur, next) : 0;
         if (lane == 0) {
-            ws_write_desc<WT::kSkip, WsProducerWalk<WT::kConsumers>>(sDesc + s * kWsDescBytes, st, more, more_w, p);
+            using Walk = WsProducerWalk<WT::kConsumers>;
+            ws_write_desc<WT::kSkip, Walk>(sDesc + s * kWsDescBytes, st, more, more_w, p);
             STOF_PROF_T(td1);
             STOF_PROF_ADD(6, td1 - te1);
             mbar_expect_tx(full, kStepBytes);  // the arrival releases the descriptor
@@ -518,6 +499,8 @@ __device__ __forceinline__ int ws_produce_tma(const KernelParams& p, WsProducerW
             STOF_PROF_T(tt1);
             STOF_PROF_ADD(7, tt1 - td1);
         }
+        // the warp reconverges every step: no lane may fall kStages positions behind lane 0 in the parity waits above
+        if constexpr (kWsProducerLanes<WT::kConsumers> > 1) __syncwarp();
         STOF_PROF_ADD(9, 1u);
         st = next;
         have = more;
@@ -804,7 +787,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
         if constexpr (WT::kSkip) {
             // Steps left in the item with no tile of this consumer are released unread.  Up to kStages - 2 of them
             // while the item's last P V stays pending (its stage held), so the chain to the next item survives:
-            // the next item's first step, kStages on from the held stage at most, must not need it.  Beyond that,
+            // the next item's first step, kStages - 1 on from the held stage at most, must not need it.  Beyond that,
             // the item is finished first.
             bool more = st.more != 0;
             for (int n = 0; more && n < kStages - 2; ++n) more = skip_step();
@@ -889,8 +872,8 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
                     ws_load_sub<WT>(sK + WT::kSmemKV, hh, gV, p.v_ss, st.n0[hh], kv_len, ptid);
                 }
                 if (ptid == 0) {
-                    ws_write_desc<WT::kSkip, MergedCursor<2>>(sDesc + s * kWsDescBytes, st, more,
-                                                              WT::kSkip ? ws_more_mask(cur, next) : 0, p);
+                    ws_write_desc<WT::kSkip, decltype(cur)>(sDesc + s * kWsDescBytes, st, more,
+                                                            WT::kSkip ? ws_more_mask(cur, next) : 0, p);
                     mbar_arrive(full_bar(s));  // releases the descriptor
                 }
                 cp_async_mbar_arrive(full_bar(s));
@@ -946,7 +929,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
 
 // Persistent form (TMA producer; the launcher needs a work counter, zeroed before the launch): one CTA per SM takes
 // work items from the counter (atomicAdd: dynamic list scheduling in the schedule's order, so the longest rows still
-// go first; a CTA's first item is its own index) until they run out.  The producer thread runs up to kQBufs - 1
+// go first; a CTA's first item is its own index) until they run out.  The producer runs up to kQBufs - 1
 // items ahead: it loads the next items' Q (TMA, kQBufs buffers) and their first K/V while the consumers finish the
 // current one, so an item's start (Q load, pipeline fill) and end (O store) overlap other work instead of leaving
 // the SM idle -- the non-persistent kernel paid that per CTA at one CTA per SM.  At head dim 64 the consumers chain
