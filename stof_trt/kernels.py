@@ -302,15 +302,22 @@ def _make_params(q, k, v, o, dl: DeviceLayout, scale, key_lengths, key_padding_m
     return p
 
 
-def _attach_workspace(lib, p: _Params, tactic: int, device):
+def _attach_workspace(lib, p: _Params, tactic: int, device, given=None):
     """Allocate the workspace the library asks for (C ABI v3; the warp-specialised tactics then run persistent)
-    and point p at it; returns the tensor (keep it alive while the call runs) or None."""
+    and point p at it, or use `given` (a CUDA tensor of at least that many bytes, 16-byte aligned; its contents
+    need no initialisation); returns the tensor (keep it alive while the call runs) or None."""
     import torch
 
     n = ctypes.c_size_t()
     _check(lib.stof_attn_workspace_size(ctypes.byref(p), int(tactic), ctypes.byref(n)))
     if n.value == 0:
         return None
+    if given is not None:
+        nbytes = given.numel() * given.element_size()
+        if not given.is_cuda or nbytes < n.value or given.data_ptr() % 16 or not given.is_contiguous():
+            raise ValueError(f"workspace must be a contiguous, 16-byte aligned CUDA tensor of >= {n.value} bytes")
+        p.workspace, p.workspace_bytes = given.data_ptr(), nbytes
+        return given
     ws = torch.empty(n.value, dtype=torch.uint8, device=device)  # the caching allocator aligns to 512 bytes
     p.workspace, p.workspace_bytes = ws.data_ptr(), n.value
     return ws
@@ -339,7 +346,7 @@ def list_tactics(q, k, v, dl: DeviceLayout, *, bhsd: bool = True, row_order: boo
 
 def sparse_attention(q, k, v, dl: DeviceLayout, *, scale: float | None = None, tactic: int = 0,
                      key_lengths=None, key_padding_mask=None, out=None, bhsd: bool = True, stream=None,
-                     row_order: bool = True, sched_chunk: int | None = None, workspace: bool = True):
+                     row_order: bool = True, sched_chunk: int | None = None, workspace=True):
     """O = softmax(scale * Q K^T, masked by the layout and padding) V on the current (or given) CUDA stream.
 
     q: [B,H,Sq,D] (or [B,Sq,H,D] with bhsd=False), k/v: [B,H,Sk,D]; fp16 or bf16; D in {64, 128}.
@@ -347,8 +354,8 @@ def sparse_attention(q, k, v, dl: DeviceLayout, *, scale: float | None = None, t
     longest-rows-first schedule (the kernels' default order; same result).  sched_chunk: (batch, head) pairs whose
     CTAs are interleaved (C ABI v2; 0 = the library's L2-sized default, 1 = one pair at a time; same result);
     None = the layout's ``DeviceLayout.sched_chunk``.  workspace=False passes no workspace (C ABI v3: the
-    warp-specialised tactics then run one CTA per work item instead of persistent; same result).  Returns `out`
-    (allocated if None).
+    warp-specialised tactics then run one CTA per work item instead of persistent; same result); a CUDA tensor
+    is used as the workspace (any contents).  Returns `out` (allocated if None).
     """
     import torch
 
@@ -357,7 +364,10 @@ def sparse_attention(q, k, v, dl: DeviceLayout, *, scale: float | None = None, t
     if out is None:
         out = torch.empty_like(q)
     p = _make_params(q, k, v, out, dl, scale, key_lengths, key_padding_mask, bhsd, row_order, sched_chunk)
-    ws = _attach_workspace(lib, p, tactic, q.device) if workspace else None
+    if workspace is True or workspace is False:
+        ws = _attach_workspace(lib, p, tactic, q.device) if workspace else None
+    else:
+        ws = _attach_workspace(lib, p, tactic, q.device, given=workspace)
     if stream is None:
         stream = torch.cuda.current_stream(q.device).cuda_stream
     else:

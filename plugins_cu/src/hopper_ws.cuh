@@ -16,7 +16,8 @@
 //     sub-block masks it.  The consumers are not synchronised with each other, so one's softmax overlaps the
 //     other's MMAs (FlashAttention-3's ping-pong turns on named barriers were measured 2-4 % slower here, session 5).
 //   hopper_ws_persist_fwd: the same, persistent (one CTA per SM taking items from a work counter); the consumers
-//     issue an item's first S with the previous item's last P V at head dim 64 (ws_consume_items).
+//     issue an item's first S with the previous item's last P V at head dim 64 (ws_consume_items).  With two
+//     consumers a second producer warp starts the items (claim, Q, walk start) while the first streams K/V.
 // Why: the one-warpgroup kernels (hopper.cuh) serialise barrier -> QK^T -> softmax -> PV inside each CTA and
 // re-read K/V for every 64 rows; here loads never stall the math warps, K/V are read once per 128 rows, and a
 // 128-key step (kSub = 2) halves the per-step softmax bookkeeping (max reductions, O rescale, barriers).
@@ -72,10 +73,15 @@ struct WsTraits {
     static constexpr int kSmemSize = kSmemQ + kSmemRing + kSmemBar + kSmemDesc + kSmemWalk + 1024;
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim");
     static_assert(kSub == 1 || kSub == 2, "64 or 128 keys per step");
+    // The persistent two-consumer kernels start their items in a second producer warp (hopper_ws_persist_fwd):
+    // it claims the next item, loads its Q and starts its walk while the first warp streams the current item's
+    // K/V.  Measured (session 11): 22 -2 to -10 % (sliding and bigbird -5 to -10 %), 24 -1.5 to +1.7 % (noise).
+    static constexpr bool kSchedWarp = kConsumers == 2 && kTma;
     // persistent form: kQBufs Q buffers, the ring, full/empty[kStages] + q_full/q_empty[kQBufs] mbarriers, an item
-    // slot per Q buffer
+    // slot per Q buffer; kSchedWarp: per Q buffer a walk window and record, and kQBufs + 1 mbarriers
     static constexpr int persist_smem(int qbufs) {
-        return qbufs * kSmemQ + kSmemRing + 8 * (2 * kStages + 2 * qbufs) + 16 * qbufs + kSmemDesc + kSmemWalk + 1024;
+        return qbufs * kSmemQ + kSmemRing + 8 * (2 * kStages + 2 * qbufs) + 16 * qbufs + kSmemDesc + kSmemWalk + 1024 +
+               (kSchedWarp ? qbufs * (kSmemWalk + 128) + 8 * (1 + qbufs) : 0);
     }
     // Consumers chain their work items (ws_consume_items) at head dim 64: tactic 24 sliding -5.6 %, causal within
     // noise; at 128 (tactic 22) chaining measured +4 to +7 % on sliding, so those finish each item first (session 8).
@@ -423,6 +429,8 @@ __device__ __forceinline__ void ws_item_cursor(MergedCursor<kC>& cur, const Kern
 // thread's (warp 0): [0] empty-barrier waits, [1] q_empty waits, [2] claiming items (the atomics), [3] from the
 // claim to the item's Q expect_tx (walk start, Q copies), [4] items, [8] total; per step: [5] the walk of the next
 // step (ws_take_step), [6] the descriptor (the one-thread walk's bitmap-index loads), [7] the TMA issue, [9] steps.
+// (kSchedWarp kernels: the per-item producer counters stay 0 and the per-step ones are not stored: the items start in
+// the scheduler warp.)
 constexpr int kWsProfCounters = 12;
 static __device__ uint32_t g_ws_prof[2 * 4 * 4 * kWsProfCounters];
 // each CTA's (up to 1024) %globaltimer (ns) at its start and when its consumers finished: the schedule's tail
@@ -453,11 +461,15 @@ __device__ __forceinline__ uint32_t ws_clock() {
 // absent sub-block (odd walk end) re-loads the step's first one: its scores are masked, so it only has to hold finite
 // values.  Rows past Sk are zero-filled by the TMA; the launchers run the cp.async producer when key_lengths can end
 // the keys before Sk (those rows would hold real data).
-template <class WT>
+struct WsNoHook {
+    template <class C>
+    __device__ __forceinline__ void operator()(const C&) const {}
+};
+template <class WT, class Hook = WsNoHook>
 __device__ __forceinline__ int ws_produce_tma(const KernelParams& p, WsProducerWalk<WT::kConsumers>& cur, int lane,
                                               WsStep<WT::kSub, WT::kConsumers> st,
                                               bool have, int h, int b, int it, uint32_t sKV, uint32_t sBar,
-                                              uint32_t sDesc
+                                              uint32_t sDesc, Hook&& on_step = Hook{}
 #ifdef STOF_WS_PROFILE
                                               , uint32_t* prof = nullptr
 #endif
@@ -468,6 +480,7 @@ __device__ __forceinline__ int ws_produce_tma(const KernelParams& p, WsProducerW
     for (; have; ++it) {
         STOF_PROF_T(tw0);
         const bool more = ws_take_step<kSub>(cur, p, next);  // one step ahead: the descriptor's `more`
+        on_step(cur);
         const int s = it % kStages;
 #ifdef STOF_WS_PROFILE
         if (next.n0[0] == -12345) STOF_PROF_ADD(11, 1u);  // uses the walk's result: the timer waits for its loads
@@ -927,7 +940,110 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
 #endif
 }
 
-// Persistent form (TMA producer; the launcher needs a work counter, zeroed before the launch): one CTA per SM takes
+// The persistent kernels' item starts.  ws_claim_item: the CTA's j-th work item (the first is its own index, so no
+// atomic is on the kernel's start-up path; the counter hands out the items from gridDim.x on), skipping items past
+// the run-time Sq (row-ordered grids); n_items when none is left.  Called by the producer thread or warp that
+// claims (lane 0 issues the atomics).
+// The work counter needs no memset before the launch (session 11: -1.5 to -3 % at S = 1024, one operation less
+// per call): CTA 0's claiming thread zeroes it before its first claim.  A claim made elsewhere before that reads
+// whatever the workspace held: out of range, it ends that CTA's items (CTA 0 claims after the reset, so every item is
+// still handed out); in range, it runs an item that is handed out again after the reset -- twice, the same bytes.
+template <int kBlockM, int kLanes>
+__device__ __forceinline__ int ws_claim_item(const KernelParams& p, int j, int lane, int n_items, BlockWork& wk) {
+    if (j == 0 && blockIdx.x == 0 && lane == 0) atomicExch(p.work_counter, 0);
+    int item;
+    bool first = j == 0;
+    do {
+        int claimed = 0;
+        if (!first && lane == 0) claimed = atomicAdd(p.work_counter, 1);
+        if constexpr (kLanes > 1) claimed = __shfl_sync(0xffffffffu, claimed, 0);
+        const bool in_range = claimed >= 0 && claimed < n_items - static_cast<int>(gridDim.x);
+        item = first ? static_cast<int>(blockIdx.x) : in_range ? static_cast<int>(gridDim.x) + claimed : n_items;
+        first = false;
+        if (item < n_items) wk = block_work_at<kBlockM>(p, item, p.persist_nqb);
+    } while (item < n_items && wk.qb * kBlockM >= p.seq_q);
+    return item;
+}
+
+// An item's Q (kBlockM rows) into its buffer by TMA, completing on q_full (one lane).
+template <class WT>
+__device__ __forceinline__ void ws_q_copies(const KernelParams& p, uint32_t sQ, const BlockWork& wk, uint32_t q_full) {
+#pragma unroll
+    for (int cb = 0; cb < WT::kHeadDim / 64; ++cb)
+#pragma unroll
+        for (int r = 0; r < WT::kBlockM / 64; ++r)
+            tma_load_4d(sQ + cb * WT::kBlockM * 128 + r * 64 * 128, &p.tma_q, cb * 64, wk.qb * WT::kBlockM + 64 * r,
+                        wk.h, wk.b, q_full);
+}
+
+// The item's slot for the consumers (qb, h, b, flags: 1 = an item, 2 = it has a step, so the consumers need no walk
+// of their own), then q_full's arrival: expect_tx for the Q copies (issued before; the tx-count may go negative
+// until then), or a plain arrival that releases the consumers' last wait (no more items).  One lane.
+template <class WT>
+__device__ __forceinline__ void ws_publish_item(uint32_t slot, const BlockWork& wk, bool valid, bool have,
+                                                uint32_t q_full) {
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(slot), "r"(wk.qb), "r"(wk.h), "r"(wk.b),
+                 "r"((valid ? 1 : 0) | (have ? 2 : 0))
+                 : "memory");
+    if (valid)
+        mbar_expect_tx(q_full, WT::kBlockM * WT::kHeadDim * 2);
+    else
+        mbar_arrive(q_full);
+}
+
+// The scheduler warp's hand-off of a started item to the issuing warp (kSchedWarp kernels): the walk's state after
+// its first step (WsWalk: e, end, c, win per row, sub; the window itself stays in the item's shared-memory window),
+// that step, and the item's flags, head and batch, as 32-bit words of a kWsRecBytes record.
+constexpr int kWsRecBytes = 128;
+template <int kSub, int kC>
+struct WsRecord {
+    static constexpr int kWords = 4 * kC + 1 + 2 * kSub + kC * kSub + 3;
+    static_assert(4 * kWords <= kWsRecBytes, "record size");
+    static __device__ __forceinline__ void put(uint32_t rec, int i, int v) {
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(rec + 4 * i), "r"(v) : "memory");
+    }
+    static __device__ __forceinline__ int get(uint32_t rec, int i) {
+        int v;
+        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(rec + 4 * i) : "memory");
+        return v;
+    }
+    // one lane
+    static __device__ __forceinline__ void save(uint32_t rec, const WsWalk<kC>& cur, const WsStep<kSub, kC>& st,
+                                                int flags, int h, int b) {
+        int i = 0;
+#pragma unroll
+        for (int w = 0; w < kC; ++w) put(rec, i++, cur.e[w]), put(rec, i++, cur.end[w]), put(rec, i++, cur.c[w]),
+                                       put(rec, i++, cur.win[w]);
+        put(rec, i++, cur.sub);
+#pragma unroll
+        for (int hh = 0; hh < kSub; ++hh) {
+            put(rec, i++, st.n0[hh]);
+            put(rec, i++, st.sub[hh]);
+#pragma unroll
+            for (int w = 0; w < kC; ++w) put(rec, i++, st.ent[w][hh]);
+        }
+        put(rec, i++, flags), put(rec, i++, h), put(rec, i++, b);
+    }
+    // every lane of the issuing warp; the walk's per-launch fields are set by the caller's init_from
+    static __device__ __forceinline__ void load(uint32_t rec, WsWalk<kC>& cur, WsStep<kSub, kC>& st, int& flags,
+                                                int& h, int& b) {
+        int i = 0;
+#pragma unroll
+        for (int w = 0; w < kC; ++w) cur.e[w] = get(rec, i++), cur.end[w] = get(rec, i++), cur.c[w] = get(rec, i++),
+                                       cur.win[w] = get(rec, i++);
+        cur.sub = get(rec, i++);
+#pragma unroll
+        for (int hh = 0; hh < kSub; ++hh) {
+            st.n0[hh] = get(rec, i++);
+            st.sub[hh] = get(rec, i++);
+#pragma unroll
+            for (int w = 0; w < kC; ++w) st.ent[w][hh] = get(rec, i++);
+        }
+        flags = get(rec, i++), h = get(rec, i++), b = get(rec, i++);
+    }
+};
+
+// Persistent form (TMA producer; the launcher needs a work counter, which the kernel zeroes): one CTA per SM takes
 // work items from the counter (atomicAdd: dynamic list scheduling in the schedule's order, so the longest rows still
 // go first; a CTA's first item is its own index) until they run out.  The producer runs up to kQBufs - 1
 // items ahead: it loads the next items' Q (TMA, kQBufs buffers) and their first K/V while the consumers finish the
@@ -949,10 +1065,20 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
     const uint32_t sDesc = sItem + 16 * kQBufs;                      // step descriptors (ws_write_desc), one per stage
     auto q_full = [&](int j) { return sBar + 8 * (2 * kStages + j); };
     auto q_empty = [&](int j) { return sBar + 8 * (2 * kStages + kQBufs + j); };
+    // kSchedWarp: a walk window and a walk record per Q buffer, then the go and walk_ready[kQBufs] mbarriers
+    const uint32_t sWinB = sDesc + WT::kSmemDesc;
+    const uint32_t sRecB = sWinB + kQBufs * WT::kSmemWalk;
+    const uint32_t sGo = sRecB + kQBufs * kWsRecBytes;
+    auto walk_ready = [&](int j) { return sGo + 8 + 8 * j; };
 
     const int tid = threadIdx.x;
     const int wg = tid / 128;
     if (tid == 0) {
+        if constexpr (WT::kSchedWarp) {
+            mbar_init(sGo, 1);
+#pragma unroll
+            for (int j = 0; j < kQBufs; ++j) mbar_init(walk_ready(j), 32);
+        }
 #pragma unroll
         for (int s = 0; s < kStages; ++s) {
             mbar_init(sBar + 8 * s, 1);
@@ -971,89 +1097,118 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
     const int n_items = p.persist_items;
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WT::kProducerRegs));
-        constexpr int kLanes = kWsProducerLanes<WT::kConsumers>;
-        if (tid >= kLanes) return;  // (a warp: all lanes walk, lane 0 issues)
-        const int lane = tid;
-        int it = 0;
-#ifdef STOF_WS_PROFILE
-        uint32_t prof[kWsProfCounters] = {};
-        const uint32_t tk0 = ws_clock();
-#endif
-        int buf = 0, qphase = 0;  // item j's Q buffer (j % kQBufs) and the parity of its (j / kQBufs)-th use
-        for (int j = 0;; ++j) {
-            STOF_PROF_T(tq0);
-            if (j >= kQBufs) mbar_wait(q_empty(buf), qphase ^ 1);  // item j - kQBufs's O is out of this buffer
-            STOF_PROF_T(tq1);
-            BlockWork wk{0, 0, 0};
-            int item;
-            // Claiming the next item one item early (its atomic off this chain) measured slower at S=1024 (session 8):
-            // each CTA then holds one more item at the end, so the tail grows.
-            // A CTA's first item is its own index (no atomic on the kernel's start-up path); the counter hands out
-            // the items from gridDim.x on.
-            bool first = j == 0;
-            do {  // items past the run-time Sq (row-ordered grids) have nothing to do
-                int claimed = 0;
-                if (!first && lane == 0) claimed = atomicAdd(p.work_counter, 1);
-                if constexpr (kLanes > 1) claimed = __shfl_sync(0xffffffffu, claimed, 0);
-                item = first ? static_cast<int>(blockIdx.x) : static_cast<int>(gridDim.x) + claimed;
-                first = false;
-                if (item < n_items) wk = block_work_at<kBlockM>(p, item, p.persist_nqb);
-            } while (item < n_items && wk.qb * kBlockM >= p.seq_q);
-            const bool valid = item < n_items;
-            STOF_PROF_T(tq2);
-            const int q0 = wk.qb * kBlockM;
-            const uint32_t sQ = sQ0 + buf * WT::kSmemQ;
-            auto q_copies = [&]() {
-#pragma unroll
-                for (int cb = 0; cb < WT::kHeadDim / 64; ++cb)
-#pragma unroll
-                    for (int r = 0; r < kBlockM / 64; ++r)
-                        tma_load_4d(sQ + cb * kBlockM * 128 + r * 64 * 128, &p.tma_q, cb * 64, q0 + 64 * r, wk.h,
-                                    wk.b, q_full(buf));
-            };
-            // The Q copies go before the walk (their latency under its loads); the expect_tx arrival that completes
-            // q_full's phase comes after the item's slot is written (the tx-count may go negative until then).
-            if (valid && lane == 0) q_copies();
-            WsProducerWalk<WT::kConsumers> cur;
-            WsStep<WT::kSub, WT::kConsumers> st;
-            bool have = false;
-            if (valid) {
-                int rows[WT::kConsumers];
-                ws_item_rows(rows, p, q0, wk.h);
-                ws_walk_init(cur, p, rows, p.seq_k, sDesc + WT::kSmemDesc, lane);
-                have = ws_take_step<WT::kSub>(cur, p, st);
+        if constexpr (WT::kSchedWarp) {
+            // Two producer warps.  Warp 1, the scheduler, starts the items: it claims one, issues its Q copies, walks
+            // to its first step (row ranges and windows: two L2 round trips) and hands it to warp 0 through a record
+            // (walk_ready[buf]).  Warp 0 streams each item's K/V steps; once the item it streams has no walk left
+            // beyond its last two steps (ws_produce_tma's hook), it lets the scheduler start the next (go).  So the
+            // claim, about 1.7 k cycles, and the walk's start, about 2.8 k, leave warp 0's chain (session 10
+            // profile), but an item is claimed only about two steps before its predecessor's walk ends: claiming a
+            // whole item early measured slower at S = 1024 (session 8; the tail grows).
+            const int pw = tid >> 5, lane = tid & 31;
+            using Rec = WsRecord<WT::kSub, 2>;
+            if (pw == 1) {
+                int buf = 0, qphase = 0;
+                for (int j = 0;; ++j) {
+                    if (j >= 1) mbar_wait(sGo, (j - 1) & 1);
+                    if (j >= kQBufs) mbar_wait(q_empty(buf), qphase ^ 1);  // item j - kQBufs's O is out of it
+                    BlockWork wk{0, 0, 0};
+                    const bool valid = ws_claim_item<kBlockM, 32>(p, j, lane, n_items, wk) < n_items;
+                    if (valid && lane == 0) ws_q_copies<WT>(p, sQ0 + buf * WT::kSmemQ, wk, q_full(buf));
+                    WsWalk<2> cur;
+                    WsStep<WT::kSub, 2> st;
+                    bool have = false;
+                    if (valid) {
+                        int rows[2];
+                        ws_item_rows(rows, p, wk.qb * kBlockM, wk.h);
+                        cur.init(p, rows, p.seq_k, sWinB + buf * WT::kSmemWalk, lane);
+                        have = ws_take_step<WT::kSub>(cur, p, st);
+                    }
+                    if (lane == 0) {
+                        ws_publish_item<WT>(sItem + 16 * buf, wk, valid, have, q_full(buf));
+                        Rec::save(sRecB + buf * kWsRecBytes, cur, st, (valid ? 1 : 0) | (have ? 2 : 0), wk.h, wk.b);
+                    }
+                    __syncwarp();
+                    mbar_arrive(walk_ready(buf));  // by all 32 lanes: each releases its own window stores
+                    if (!valid) break;
+                    if (++buf == kQBufs) buf = 0, qphase ^= 1;
+                }
+            } else if (pw == 0) {
+                int buf = 0, qphase = 0, it = 0;
+                for (;;) {
+                    mbar_wait(walk_ready(buf), qphase);
+                    WsWalk<2> cur;
+                    WsStep<WT::kSub, 2> st;
+                    int flags, h, b;
+                    Rec::load(sRecB + buf * kWsRecBytes, cur, st, flags, h, b);
+                    if (!(flags & 1)) break;
+                    cur.nsub = p.tile_n / 64;
+                    cur.col_end = (p.seq_k + p.tile_n - 1) / p.tile_n;
+                    cur.lane = lane;
+                    cur.sWin = sWinB + buf * WT::kSmemWalk;
+                    bool go_sent = false;
+                    auto go = [&](const WsWalk<2>& c) {  // after each step's walk: the walk has ended
+                        if (!go_sent && max(c.end[0] - c.e[0], c.end[1] - c.e[1]) <= 0) {
+                            if (lane == 0) mbar_arrive(sGo);
+                            go_sent = true;
+                        }
+                    };
+                    it = ws_produce_tma<WT>(p, cur, lane, st, (flags & 2) != 0, h, b, it, sKV, sBar, sDesc, go);
+                    if (!go_sent && lane == 0) mbar_arrive(sGo);  // an item without steps
+                    if (++buf == kQBufs) buf = 0, qphase ^= 1;
+                }
             }
-            if (lane == 0) {
-                // flags: 1 = an item, 2 = it has a step (the consumers then need no walk of their own)
-                asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(sItem + 16 * buf), "r"(wk.qb),
-                             "r"(wk.h), "r"(wk.b), "r"((valid ? 1 : 0) | (have ? 2 : 0))
-                             : "memory");
-                if (valid)
-                    mbar_expect_tx(q_full(buf), kBlockM * WT::kHeadDim * 2);
-                else
-                    mbar_arrive(q_full(buf));  // releases the consumers' last wait: no more items
+        } else {
+            constexpr int kLanes = kWsProducerLanes<WT::kConsumers>;
+            if (tid >= kLanes) return;  // (one thread since the scheduler warp: the three-consumer kernels)
+            const int lane = tid;
+            int it = 0;
+#ifdef STOF_WS_PROFILE
+            uint32_t prof[kWsProfCounters] = {};
+            const uint32_t tk0 = ws_clock();
+#endif
+            int buf = 0, qphase = 0;  // item j's Q buffer (j % kQBufs) and the parity of its (j / kQBufs)-th use
+            for (int j = 0;; ++j) {
+                STOF_PROF_T(tq0);
+                if (j >= kQBufs) mbar_wait(q_empty(buf), qphase ^ 1);  // item j - kQBufs's O is out of this buffer
+                STOF_PROF_T(tq1);
+                BlockWork wk{0, 0, 0};
+                const bool valid = ws_claim_item<kBlockM, kLanes>(p, j, lane, n_items, wk) < n_items;
+                STOF_PROF_T(tq2);
+                // The Q copies go before the walk (their latency under its loads).
+                if (valid && lane == 0) ws_q_copies<WT>(p, sQ0 + buf * WT::kSmemQ, wk, q_full(buf));
+                WsProducerWalk<WT::kConsumers> cur;
+                WsStep<WT::kSub, WT::kConsumers> st;
+                bool have = false;
+                if (valid) {
+                    int rows[WT::kConsumers];
+                    ws_item_rows(rows, p, wk.qb * kBlockM, wk.h);
+                    ws_walk_init(cur, p, rows, p.seq_k, sDesc + WT::kSmemDesc, lane);
+                    have = ws_take_step<WT::kSub>(cur, p, st);
+                }
+                if (lane == 0) ws_publish_item<WT>(sItem + 16 * buf, wk, valid, have, q_full(buf));
+                if (!valid) break;
+                STOF_PROF_T(tq3);
+                STOF_PROF_ADD(1, tq1 - tq0);
+                STOF_PROF_ADD(2, tq2 - tq1);
+                STOF_PROF_ADD(3, tq3 - tq2);
+                STOF_PROF_ADD(4, 1u);
+                it = ws_produce_tma<WT>(p, cur, lane, st, have, wk.h, wk.b, it, sKV, sBar, sDesc, WsNoHook{}
+#ifdef STOF_WS_PROFILE
+                                        , prof
+#endif
+                );
+                if (++buf == kQBufs) buf = 0, qphase ^= 1;
             }
-            if (!valid) break;
-            STOF_PROF_T(tq3);
-            STOF_PROF_ADD(1, tq1 - tq0);
-            STOF_PROF_ADD(2, tq2 - tq1);
-            STOF_PROF_ADD(3, tq3 - tq2);
-            STOF_PROF_ADD(4, 1u);
-            it = ws_produce_tma<WT>(p, cur, lane, st, have, wk.h, wk.b, it, sKV, sBar, sDesc
 #ifdef STOF_WS_PROFILE
-                                    , prof
-#endif
-            );
-            if (++buf == kQBufs) buf = 0, qphase ^= 1;
-        }
-#ifdef STOF_WS_PROFILE
-        prof[8] = ws_clock() - tk0;
-        if (blockIdx.x < 2 && lane == 0) {
+            prof[8] = ws_clock() - tk0;
+            if (blockIdx.x < 2 && lane == 0) {
 #pragma unroll
-            for (int i = 0; i < kWsProfCounters; ++i)
-                g_ws_prof[((blockIdx.x * 4 + 3) * 4) * kWsProfCounters + i] = prof[i];
-        }
+                for (int i = 0; i < kWsProfCounters; ++i)
+                    g_ws_prof[((blockIdx.x * 4 + 3) * 4) * kWsProfCounters + i] = prof[i];
+            }
 #endif
+        }
         return;
     }
 
@@ -1138,7 +1293,6 @@ cudaError_t launch_hopper_ws(const KernelParams& params, cudaStream_t stream) {
         if (err == cudaSuccess)
             err = cudaFuncSetAttribute(hopper_ws_persist_fwd<WT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        WT::kSmemPersist);
-        if (err == cudaSuccess) err = cudaMemsetAsync(p.work_counter, 0, sizeof(int), stream);
         if (err != cudaSuccess) return err;
         const int ctas = static_cast<int>(std::min<int64_t>(items, std::max(sms, 1)));
         hopper_ws_persist_fwd<WT><<<ctas, WT::kThreads, WT::kSmemPersist, stream>>>(p);

@@ -87,7 +87,7 @@ def check_all_tactics(case: str, dense_np: np.ndarray, layout: TileLayout, *, B,
         finite = bool(torch.isfinite(o).all())
         err = rel_err(o, ref) if finite else float("nan")
         zero_rows_ok = bool((o[~has_key] == 0).all())
-        _log({"case": case + ("" if workspace else " (no workspace)"), "tactic": tactic_info(t).name, "dtype": str(dtype).split(".")[-1], "D": D,
+        _log({"case": case + (" (no workspace)" if workspace is False else ""), "tactic": tactic_info(t).name, "dtype": str(dtype).split(".")[-1], "D": D,
               "Sq": Sq, "Sk": Sk, "err": err, "tol": tol, "zero_rows_ok": zero_rows_ok,
               "ok": finite and err <= tol and zero_rows_ok})
         assert finite, f"{case} tactic {tactic_info(t).name}: non-finite output (unwritten or NaN)"
@@ -189,6 +189,22 @@ def test_warp_specialised_forms(D, workspace):
     layout = compile_mask(mask, 1024, 1024, tile_m=256, tile_n=64)
     check_all_tactics("ws 256-row tiles Sq=1000", mask.dense(1024, 1024), layout, B=2, H=3, Sq=1000, Sk=1024, D=D,
                       dtype=torch.float16, seed=D + 2, workspace=workspace, only=WS_TACTICS)
+
+
+@pytest.mark.parametrize("counter", [0, 1, 57, -1, -2**31, 2**31 - 1, 123456789])
+def test_workspace_needs_no_initialisation(counter):
+    """The persistent kernels zero their work counter themselves (no memset before the launch): a workspace holding
+    any value gives the same result.  192 work items of 128 rows (128 of 192 rows for 28/29) over the SMs, so
+    every CTA claims items from the counter; without the kernel's reset a stale count would skip items (their
+    rows stay NaN) or run past the schedule."""
+    mask = parse_mask("causal")
+    S, H = 2048, 6
+    layout = compile_mask(mask, S, S, num_heads=H)
+    ws = torch.empty(4, dtype=torch.int32, device="cuda")
+    for t in WS_TACTICS:
+        ws.fill_(counter)
+        check_all_tactics(f"workspace counter {counter}", mask.dense(S, S, num_heads=H), layout, B=2, H=H, Sq=S,
+                          Sk=S, D=64, dtype=torch.float16, seed=counter & 0xFFFF, workspace=ws, only=(t,))
 
 
 def _problem(D=64, Sq=128, Sk=128, dtype=torch.float16):

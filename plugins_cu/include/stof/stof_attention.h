@@ -93,7 +93,7 @@ typedef struct {
      * call may reuse it once this one's stream work is ordered before it), or NULL.  The warp-specialised tactics
      * (21-24, 28, 29) use it for a work counter and then run persistent (one CTA per SM taking work items in the
      * schedule's order) unless key_lengths is given; with NULL they run one CTA per work item.  Same result
-     * either way. */
+     * either way.  Its contents need no initialisation: the kernel resets its counter itself. */
     void* workspace;
     int64_t workspace_bytes;
 } stof_attn_params_t;
