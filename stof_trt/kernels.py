@@ -313,6 +313,8 @@ def _attach_workspace(lib, p: _Params, tactic: int, device, given=None):
     if n.value == 0:
         return None
     if given is not None:
+        if not isinstance(given, torch.Tensor):
+            raise TypeError(f"workspace must be a bool or a torch CUDA tensor, not {type(given).__name__}")
         nbytes = given.numel() * given.element_size()
         if not given.is_cuda or nbytes < n.value or given.data_ptr() % 16 or not given.is_contiguous():
             raise ValueError(f"workspace must be a contiguous, 16-byte aligned CUDA tensor of >= {n.value} bytes")
@@ -364,7 +366,7 @@ def sparse_attention(q, k, v, dl: DeviceLayout, *, scale: float | None = None, t
     if out is None:
         out = torch.empty_like(q)
     p = _make_params(q, k, v, out, dl, scale, key_lengths, key_padding_mask, bhsd, row_order, sched_chunk)
-    if workspace is True or workspace is False:
+    if workspace is None or isinstance(workspace, (bool, int)):
         ws = _attach_workspace(lib, p, tactic, q.device) if workspace else None
     else:
         ws = _attach_workspace(lib, p, tactic, q.device, given=workspace)

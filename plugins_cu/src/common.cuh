@@ -35,9 +35,9 @@ struct KernelParams {
     // sched_chunk = heads*batch pairs whose CTAs are interleaved (see block_work).
     const int32_t* row_order;
     int sched_chunk;
-    // K and V (and Q) as TMA tensor maps (encoded by the TMA kernels' launchers, unused by every other kernel)
-    CUtensorMap tma_k, tma_v, tma_q;
-    // Persistent kernels (hopper_ws_persist_fwd): the work counter (zeroed by the launcher; C ABI workspace),
+    // K and V (and Q, O) as TMA tensor maps (encoded by the TMA kernels' launchers, unused by every other kernel)
+    CUtensorMap tma_k, tma_v, tma_q, tma_o;
+    // Persistent kernels (hopper_ws_persist_fwd): the work counter (zeroed by the kernel; C ABI workspace),
     // the items of the schedule's grid and its query blocks per (batch, head)
     int* work_counter;
     int persist_items, persist_nqb;

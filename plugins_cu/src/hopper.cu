@@ -90,6 +90,10 @@ bool encode_q_map(KernelParams& p, int head_dim, bool bf16) {
     return encode_rows_map(&p.tma_q, p.q, p.q_ss, p.q_sh, p.q_sb, p.seq_q, p.heads, p.batch, head_dim, bf16);
 }
 
+bool encode_o_map(KernelParams& p, int head_dim, bool bf16) {
+    return encode_rows_map(&p.tma_o, p.o, p.o_ss, p.o_sh, p.o_sb, p.seq_q, p.heads, p.batch, head_dim, bf16);
+}
+
 #ifdef STOF_WS_PROFILE
 // Diagnostic build only: copies the warp-specialised kernels' phase counters (g_ws_prof, hopper_ws.cuh) to `out`
 // and zeroes them (so a launch that is not the persistent kernel reads as zeros).  Returns a cudaError_t.

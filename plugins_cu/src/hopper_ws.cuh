@@ -81,7 +81,7 @@ struct WsTraits {
     // slot per Q buffer; kSchedWarp: per Q buffer a walk window and record, and kQBufs + 1 mbarriers
     static constexpr int persist_smem(int qbufs) {
         return qbufs * kSmemQ + kSmemRing + 8 * (2 * kStages + 2 * qbufs) + 16 * qbufs + kSmemDesc + kSmemWalk + 1024 +
-               (kSchedWarp ? qbufs * (kSmemWalk + 128) + 8 * (1 + qbufs) : 0);
+               (kSchedWarp ? qbufs * (kSmemWalk + 128) + 8 * (1 + qbufs) : 0);  // 128: kWsRecBytes
     }
     // Consumers chain their work items (ws_consume_items) at head dim 64: tactic 24 sliding -5.6 %, causal within
     // noise; at 128 (tactic 22) chaining measured +4 to +7 % on sliding, so those finish each item first (session 8).
@@ -135,6 +135,25 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map
         "[%6];\n" ::"r"(dst),
         "l"(reinterpret_cast<uint64_t>(map)), "r"(d0), "r"(n0), "r"(h), "r"(b), "r"(bar)
         : "memory");
+}
+
+// Box (64 rows x 64 elements) from shared memory at src to coordinates (d0, n0, h, b) of a 4-d tensor map (rows past
+// the tensor's end are not written), in this thread's bulk group; ws_bulk_commit() closes the group.
+__device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, uint32_t src, int d0, int n0, int h, int b) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+            reinterpret_cast<uint64_t>(map)),
+        "r"(src), "r"(d0), "r"(n0), "r"(h), "r"(b)
+        : "memory");
+}
+__device__ __forceinline__ void ws_bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// until this thread's bulk stores have read their shared memory (kRead) or are complete
+template <bool kRead>
+__device__ __forceinline__ void ws_bulk_wait() {
+    if constexpr (kRead)
+        asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+    else
+        asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 }
 
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
@@ -429,8 +448,7 @@ __device__ __forceinline__ void ws_item_cursor(MergedCursor<kC>& cur, const Kern
 // thread's (warp 0): [0] empty-barrier waits, [1] q_empty waits, [2] claiming items (the atomics), [3] from the
 // claim to the item's Q expect_tx (walk start, Q copies), [4] items, [8] total; per step: [5] the walk of the next
 // step (ws_take_step), [6] the descriptor (the one-thread walk's bitmap-index loads), [7] the TMA issue, [9] steps.
-// (kSchedWarp kernels: the per-item producer counters stay 0 and the per-step ones are not stored: the items start in
-// the scheduler warp.)
+// (kSchedWarp kernels do not write slot 3: their items start in the scheduler warp.)
 constexpr int kWsProfCounters = 12;
 static __device__ uint32_t g_ws_prof[2 * 4 * 4 * kWsProfCounters];
 // each CTA's (up to 1024) %globaltimer (ns) at its start and when its consumers finished: the schedule's tail
@@ -536,7 +554,9 @@ struct WsItem {
 // first softmax overlaps that MMA, and the previous item's epilogue (O normalised, staged through its own Q rows,
 // stored; then item_done(item)) runs once both are done.  Otherwise each item's last P V and epilogue come right
 // after its last step.  Steps come as descriptors with the ring stages (ws_write_desc), from ring position 0 on.
-template <class WT, class NextItem, class ItemDone>
+// kStagedO: the epilogue only stages O in the item's Q buffer (then item_done); the producer stores it (the
+// persistent kSchedWarp kernels).
+template <class WT, bool kStagedO = false, class NextItem, class ItemDone>
 __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem&& next_item, ItemDone&& item_done,
                                                  uint32_t sKV, uint32_t sBar, uint32_t sDesc, int w, int ctid
 #ifdef STOF_WS_PROFILE
@@ -622,15 +642,17 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
     // an item's O (normalised by sum) staged through this consumer's (now unused) Q rows, 16-byte stores
     auto epilogue = [&](const WsItem& item, const float (&sum)[2]) {
         STOF_PROF_T(te0);
-        Elem* gO = static_cast<Elem*>(p.o) + item.b * p.o_sb + item.h * p.o_sh;
         if constexpr (WT::kSumMma) {
             const float mma_sum[2] = {rO[kDI * 4], rO[kDI * 4 + 2]};
             stage_o<Elem, kDI, kBlockM, false>(rO, mma_sum, item.sQ, 64 * w + warp * 16, g, tig);
         } else {
             stage_o<Elem, kDI, kBlockM>(rO, sum, item.sQ, 64 * w + warp * 16, g, tig);
         }
-        named_barrier_sync(1 + w, 128);
-        store_o<Elem, kBlockM, 64, WT::kChunks, 128>(item.sQ, gO, p.o_ss, item.q0, 64 * w, p.seq_q, ctid);
+        if constexpr (!kStagedO) {
+            named_barrier_sync(1 + w, 128);
+            Elem* gO = static_cast<Elem*>(p.o) + item.b * p.o_sb + item.h * p.o_sh;
+            store_o<Elem, kBlockM, 64, WT::kChunks, 128>(item.sQ, gO, p.o_ss, item.q0, 64 * w, p.seq_q, ctid);
+        }
         item_done(item);
         STOF_PROF_T(te1);
         STOF_PROF_ADD(5, te1 - te0);
@@ -994,7 +1016,7 @@ __device__ __forceinline__ void ws_publish_item(uint32_t slot, const BlockWork& 
 // The scheduler warp's hand-off of a started item to the issuing warp (kSchedWarp kernels): the walk's state after
 // its first step (WsWalk: e, end, c, win per row, sub; the window itself stays in the item's shared-memory window),
 // that step, and the item's flags, head and batch, as 32-bit words of a kWsRecBytes record.
-constexpr int kWsRecBytes = 128;
+constexpr int kWsRecBytes = 128;  // WsTraits::persist_smem counts it
 template <int kSub, int kC>
 struct WsRecord {
     static constexpr int kWords = 4 * kC + 1 + 2 * kSub + kC * kSub + 3;
@@ -1109,9 +1131,33 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
             using Rec = WsRecord<WT::kSub, 2>;
             if (pw == 1) {
                 int buf = 0, qphase = 0;
-                for (int j = 0;; ++j) {
+                // Item i's O, staged by the consumers in its Q buffer b, goes out by TMA once q_empty(b) completes
+                // for it (parity: the i / kQBufs-th use of b); the buffer's slot still names the item.
+                auto store_o_of = [&](int b, int parity) {
+                    mbar_wait(q_empty(b), parity);
+                    if (lane == 0) {
+                        int qb, h, bb, flags;
+                        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                                     : "=r"(qb), "=r"(h), "=r"(bb), "=r"(flags)
+                                     : "r"(sItem + 16 * b)
+                                     : "memory");
+                        const uint32_t sQ = sQ0 + b * WT::kSmemQ;
+#pragma unroll
+                        for (int cb = 0; cb < WT::kHeadDim / 64; ++cb)
+#pragma unroll
+                            for (int r = 0; r < kBlockM / 64; ++r)
+                                tma_store_4d(&p.tma_o, sQ + cb * kBlockM * 128 + r * 64 * 128, cb * 64,
+                                             qb * kBlockM + 64 * r, h, bb);
+                        ws_bulk_commit();
+                    }
+                };
+                int j = 0;
+                for (;; ++j) {
                     if (j >= 1) mbar_wait(sGo, (j - 1) & 1);
-                    if (j >= kQBufs) mbar_wait(q_empty(buf), qphase ^ 1);  // item j - kQBufs's O is out of it
+                    if (j >= kQBufs) {  // item j - kQBufs's O out of the buffer before its Q comes in
+                        store_o_of(buf, qphase ^ 1);
+                        if (lane == 0) ws_bulk_wait<true>();
+                    }
                     BlockWork wk{0, 0, 0};
                     const bool valid = ws_claim_item<kBlockM, 32>(p, j, lane, n_items, wk) < n_items;
                     if (valid && lane == 0) ws_q_copies<WT>(p, sQ0 + buf * WT::kSmemQ, wk, q_full(buf));
@@ -1133,6 +1179,9 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                     if (!valid) break;
                     if (++buf == kQBufs) buf = 0, qphase ^= 1;
                 }
+                // j: the first index without an item; the O of items max(0, j - kQBufs + 1) .. j - 1 is still to go
+                for (int i = max(0, j - kQBufs + 1); i < j; ++i) store_o_of(i % kQBufs, (i / kQBufs) & 1);
+                if (lane == 0) ws_bulk_wait<false>();
             } else if (pw == 0) {
                 int buf = 0, qphase = 0, it = 0;
                 for (;;) {
@@ -1141,20 +1190,23 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                     WsStep<WT::kSub, 2> st;
                     int flags, h, b;
                     Rec::load(sRecB + buf * kWsRecBytes, cur, st, flags, h, b);
+                    __syncwarp();  // every lane's record loads before lane 0's next arrival (the scheduler reuses it)
                     if (!(flags & 1)) break;
                     cur.nsub = p.tile_n / 64;
                     cur.col_end = (p.seq_k + p.tile_n - 1) / p.tile_n;
                     cur.lane = lane;
                     cur.sWin = sWinB + buf * WT::kSmemWalk;
                     bool go_sent = false;
-                    auto go = [&](const WsWalk<2>& c) {  // after each step's walk: the walk has ended
-                        if (!go_sent && max(c.end[0] - c.e[0], c.end[1] - c.e[1]) <= 0) {
+                    // after each step's walk: the walk has ended (every row past its last tile or the key bound;
+                    // its window is not read again)
+                    auto go = [&](const WsWalk<2>& c) {
+                        if (!go_sent && c.c[0] == INT_MAX && c.c[1] == INT_MAX) {
                             if (lane == 0) mbar_arrive(sGo);
                             go_sent = true;
                         }
                     };
                     it = ws_produce_tma<WT>(p, cur, lane, st, (flags & 2) != 0, h, b, it, sKV, sBar, sDesc, go);
-                    if (!go_sent && lane == 0) mbar_arrive(sGo);  // an item without steps
+                    if (!go_sent && lane == 0) mbar_arrive(sGo);  // an item without steps (the hook never ran)
                     if (++buf == kQBufs) buf = 0, qphase ^= 1;
                 }
             }
@@ -1234,11 +1286,12 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
         return true;
     };
     auto item_done = [&](const WsItem& item) {
-        // the O stores read the Q buffer through the generic proxy; its next TMA write is async-proxy
+        // the O stores read the Q buffer through the generic proxy (kSchedWarp: the staging writes it, and the
+        // producer's TMA store reads it); its next TMA access is async-proxy
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         mbar_arrive(q_empty(item.tag));
     };
-    ws_consume_items<WT>(p, next_item, item_done, sKV, sBar, sDesc, w, ctid
+    ws_consume_items<WT, WT::kSchedWarp>(p, next_item, item_done, sKV, sBar, sDesc, w, ctid
 #ifdef STOF_WS_PROFILE
                          , prof
 #endif
@@ -1257,10 +1310,11 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
 #endif
 }
 
-// Host: K and V (encode_kv_maps) or Q (encode_q_map) tensor maps; false when the driver entry point or an encoding
-// is unavailable (the caller falls back).
+// Host: K and V (encode_kv_maps), Q (encode_q_map) or O (encode_o_map) tensor maps; false when the driver entry
+// point or an encoding is unavailable (the caller falls back).
 bool encode_kv_maps(KernelParams& p, int head_dim, bool bf16);
 bool encode_q_map(KernelParams& p, int head_dim, bool bf16);
+bool encode_o_map(KernelParams& p, int head_dim, bool bf16);
 
 template <class WT>
 cudaError_t launch_hopper_ws(const KernelParams& params, cudaStream_t stream) {
@@ -1278,7 +1332,9 @@ cudaError_t launch_hopper_ws(const KernelParams& params, cudaStream_t stream) {
         // key_lengths can end a batch's keys before Sk, where the TMA would bring real rows (see ws_produce_tma)
         if (p.key_lengths != nullptr || !encode_kv_maps(p, WT::kHeadDim, kBf16))
             return launch_hopper_ws<CpAsync>(params, stream);
-        if (p.work_counter == nullptr || !encode_q_map(p, WT::kHeadDim, kBf16)) return one_cta_per_item(p);
+        if (p.work_counter == nullptr || !encode_q_map(p, WT::kHeadDim, kBf16) ||
+            (WT::kSchedWarp && !encode_o_map(p, WT::kHeadDim, kBf16)))
+            return one_cta_per_item(p);
         // persistent: one CTA per SM (at most one per item) over the schedule's grid of items
         KernelParams probe = p;
         const dim3 grid = schedule_grid<WT::kBlockM, WT::kHeadDim>(probe);

@@ -207,6 +207,21 @@ def test_workspace_needs_no_initialisation(counter):
                           Sk=S, D=64, dtype=torch.float16, seed=counter & 0xFFFF, workspace=ws, only=(t,))
 
 
+@pytest.mark.parametrize("D", HEAD_DIMS)
+def test_warp_specialised_long_rows(D):
+    """The persistent warp-specialised kernels on tile rows of more than 32 tiles (the producer's walk refills its
+    shared-memory windows, which the scheduler warp handed over), and on a layout run at Sk below its compiled size
+    (a walk that ends at the key bound, not at its row's last tile)."""
+    mask = parse_mask("causal")
+    layout = compile_mask(mask, 4096, 4096)
+    check_all_tactics("ws causal S=4096", mask.dense(4096, 4096), layout, B=1, H=2, Sq=4096, Sk=4096, D=D,
+                      dtype=torch.float16, seed=41 + D, only=WS_TACTICS)
+    mask = parse_mask("sliding:window=512")
+    layout = compile_mask(mask, 4096, 4096)
+    check_all_tactics("ws sliding:window=512 Sq=Sk=2200 on a 4096 layout", mask.dense(4096, 4096), layout, B=2, H=3, Sq=2200,
+                      Sk=2200, D=D, dtype=torch.bfloat16, seed=43 + D, only=WS_TACTICS)
+
+
 def _problem(D=64, Sq=128, Sk=128, dtype=torch.float16):
     gen = torch.Generator(device="cuda").manual_seed(0)
     return rand_qkv(1, 2, Sq, Sk, D, dtype, gen)

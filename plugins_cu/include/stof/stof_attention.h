@@ -57,7 +57,7 @@ typedef struct {
     const void* q;        /* [B,H,Sq,D] or any layout expressible with the strides below */
     const void* k;
     const void* v;
-    void* o;
+    void* o;              /* must not overlap q, k or v (a work item may run twice: see workspace) */
     int64_t q_stride_b, q_stride_h, q_stride_s;
     int64_t k_stride_b, k_stride_h, k_stride_s;
     int64_t v_stride_b, v_stride_h, v_stride_s;
