@@ -1073,7 +1073,8 @@ struct WsRecord {
 // the SM idle -- the non-persistent kernel paid that per CTA at one CTA per SM.  At head dim 64 the consumers chain
 // the items (ws_consume_items: an item's first S with the previous item's last P V).  Item hand-off: per Q buffer,
 // the item's (qb, h, b) in shared memory and two mbarriers (q_full: Q landed / no more items; q_empty: all consumers
-// stored the item's O, which is staged in that buffer).
+// are done with the buffer: they stored the item's O, which they stage in it -- or, kSchedWarp, staged it there for
+// the scheduler warp's TMA store).
 template <class WT>
 __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const __grid_constant__ KernelParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
