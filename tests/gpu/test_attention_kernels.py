@@ -211,15 +211,16 @@ def test_workspace_needs_no_initialisation(counter):
 def test_warp_specialised_long_rows(D):
     """The persistent warp-specialised kernels on tile rows of more than 32 tiles (the producer's walk refills its
     shared-memory windows, which the scheduler warp handed over), and on a layout run at Sk below its compiled size
-    (a walk that ends at the key bound, not at its row's last tile)."""
+    (a walk that ends at the key bound, not at its row's last tile), there with [B, S, H, D] tensors (the O tensor
+    map's strides, and rows past Sq clipped by its TMA stores)."""
     mask = parse_mask("causal")
     layout = compile_mask(mask, 4096, 4096)
     check_all_tactics("ws causal S=4096", mask.dense(4096, 4096), layout, B=1, H=2, Sq=4096, Sk=4096, D=D,
                       dtype=torch.float16, seed=41 + D, only=WS_TACTICS)
     mask = parse_mask("sliding:window=512")
     layout = compile_mask(mask, 4096, 4096)
-    check_all_tactics("ws sliding:window=512 Sq=Sk=2200 on a 4096 layout", mask.dense(4096, 4096), layout, B=2, H=3, Sq=2200,
-                      Sk=2200, D=D, dtype=torch.bfloat16, seed=43 + D, only=WS_TACTICS)
+    check_all_tactics("ws sliding:window=512 Sq=Sk=2200 on a 4096 layout, BSHD", mask.dense(4096, 4096), layout, B=2,
+                      H=3, Sq=2200, Sk=2200, D=D, dtype=torch.bfloat16, seed=43 + D, bhsd=False, only=WS_TACTICS)
 
 
 def _problem(D=64, Sq=128, Sk=128, dtype=torch.float16):
