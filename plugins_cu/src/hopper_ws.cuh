@@ -75,7 +75,8 @@ struct WsTraits {
     static_assert(kSub == 1 || kSub == 2, "64 or 128 keys per step");
     // The persistent two-consumer kernels start their items in a second producer warp (hopper_ws_persist_fwd):
     // it claims the next item, loads its Q and starts its walk while the first warp streams the current item's
-    // K/V.  Measured (session 11): 22 -2 to -10 % (sliding and bigbird -5 to -10 %), 24 -1.5 to +1.7 % (noise).
+    // K/V (session 11: 22 -2 to -10 %, 24 within noise), and it stores each item's O by TMA, so the consumers only
+    // stage it (epilogue ~1,000 -> ~500 cycles per item; 24 -1 to -4 %).
     static constexpr bool kSchedWarp = kConsumers == 2 && kTma;
     // persistent form: kQBufs Q buffers, the ring, full/empty[kStages] + q_full/q_empty[kQBufs] mbarriers, an item
     // slot per Q buffer; kSchedWarp: per Q buffer a walk window and record, and kQBufs + 1 mbarriers
@@ -639,7 +640,8 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
         }
         return online_softmax<kNI, true, !WT::kSumMma>(rS, row_max, row_sum, alpha, mul);
     };
-    // an item's O (normalised by sum) staged through this consumer's (now unused) Q rows, 16-byte stores
+    // an item's O (normalised by sum) staged through this consumer's (now unused) Q rows, then 16-byte stores
+    // (kStagedO: the producer's TMA store)
     auto epilogue = [&](const WsItem& item, const float (&sum)[2]) {
         STOF_PROF_T(te0);
         if constexpr (WT::kSumMma) {
@@ -966,7 +968,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
 // atomic is on the kernel's start-up path; the counter hands out the items from gridDim.x on), skipping items past
 // the run-time Sq (row-ordered grids); n_items when none is left.  Called by the producer thread or warp that
 // claims (lane 0 issues the atomics).
-// The work counter needs no memset before the launch (session 11: -1.5 to -3 % at S = 1024, one operation less
+// The work counter needs no memset before the launch (session 11: -1.5 to -2.5 % at S = 1024, one operation less
 // per call): CTA 0's claiming thread zeroes it before its first claim.  A claim made elsewhere before that reads
 // whatever the workspace held: out of range, it ends that CTA's items (CTA 0 claims after the reset, so every item is
 // still handed out); in range, it runs an item that is handed out again after the reset -- twice, the same bytes.
@@ -1046,7 +1048,7 @@ struct WsRecord {
         }
         put(rec, i++, flags), put(rec, i++, h), put(rec, i++, b);
     }
-    // every lane of the issuing warp; the walk's per-launch fields are set by the caller's init_from
+    // every lane of the issuing warp; the walk's per-launch fields (nsub, col_end, lane, sWin) are the caller's to set
     static __device__ __forceinline__ void load(uint32_t rec, WsWalk<kC>& cur, WsStep<kSub, kC>& st, int& flags,
                                                 int& h, int& b) {
         int i = 0;
