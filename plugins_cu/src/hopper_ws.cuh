@@ -197,17 +197,26 @@ struct WsWalk : MergeWalk<WsWalk<kC>, kC> {
     int col_end, lane;
     uint32_t sWin;  // [kC][32] pairs of int32: column (INT_MAX past the row's end), bitmap index
 
-    __device__ __forceinline__ void fill(const KernelParams& p, int w) {  // the window of row w from entry e[w]
+    // this lane's entry of row w's window from entry e[w] (INT_MAX, -1 past the row's end), and its store
+    __device__ __forceinline__ void fetch(const KernelParams& p, int w, int& col, int& bmi) const {
         const int i = e[w] + lane;
-        int col = INT_MAX, bmi = -1;
+        col = INT_MAX;
+        bmi = -1;
         if (i < end[w]) {
             col = __ldg(p.col_idx + i);
             bmi = __ldg(p.tile_bitmap_index + i);
         }
-        __syncwarp();  // every lane is done with the old window
+    }
+    __device__ __forceinline__ void put(int w, int col, int bmi) {
         asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(sWin + (w * 32 + lane) * 8), "r"(col), "r"(bmi)
                      : "memory");
         win[w] = e[w];
+    }
+    __device__ __forceinline__ void fill(const KernelParams& p, int w) {  // the window of row w from entry e[w]
+        int col, bmi;
+        fetch(p, w, col, bmi);
+        __syncwarp();  // every lane is done with the old window
+        put(w, col, bmi);
         __syncwarp();
     }
     __device__ __forceinline__ int load(const KernelParams& p, int w) {  // column of entry e[w] (INT_MAX: none)
@@ -232,23 +241,10 @@ struct WsWalk : MergeWalk<WsWalk<kC>, kC> {
         // every row's window in one round trip
         int col[kC], bmi[kC];
 #pragma unroll
-        for (int w = 0; w < kC; ++w) {
-            const int i = e[w] + lane;
-            col[w] = INT_MAX;
-            bmi[w] = -1;
-            if (i < end[w]) {
-                col[w] = __ldg(p.col_idx + i);
-                bmi[w] = __ldg(p.tile_bitmap_index + i);
-            }
-        }
+        for (int w = 0; w < kC; ++w) fetch(p, w, col[w], bmi[w]);
         __syncwarp();
 #pragma unroll
-        for (int w = 0; w < kC; ++w) {
-            asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(sWin + (w * 32 + lane) * 8), "r"(col[w]),
-                         "r"(bmi[w])
-                         : "memory");
-            win[w] = e[w];
-        }
+        for (int w = 0; w < kC; ++w) put(w, col[w], bmi[w]);
         __syncwarp();
 #pragma unroll
         for (int w = 0; w < kC; ++w) c[w] = load(p, w);
@@ -989,15 +985,22 @@ __device__ __forceinline__ int ws_claim_item(const KernelParams& p, int j, int l
     return item;
 }
 
-// An item's Q (kBlockM rows) into its buffer by TMA, completing on q_full (one lane).
-template <class WT>
-__device__ __forceinline__ void ws_q_copies(const KernelParams& p, uint32_t sQ, const BlockWork& wk, uint32_t q_full) {
+// An item's kBlockM x kHeadDim tile in its Q buffer (the wgmma's swizzled layout) as 64 x 64 TMA boxes:
+// f(byte offset in the buffer, first column, first row of the item) per box.
+template <class WT, class F>
+__device__ __forceinline__ void ws_item_boxes(F&& f) {
 #pragma unroll
     for (int cb = 0; cb < WT::kHeadDim / 64; ++cb)
 #pragma unroll
-        for (int r = 0; r < WT::kBlockM / 64; ++r)
-            tma_load_4d(sQ + cb * WT::kBlockM * 128 + r * 64 * 128, &p.tma_q, cb * 64, wk.qb * WT::kBlockM + 64 * r,
-                        wk.h, wk.b, q_full);
+        for (int r = 0; r < WT::kBlockM / 64; ++r) f(cb * WT::kBlockM * 128 + r * 64 * 128, cb * 64, 64 * r);
+}
+
+// An item's Q into its buffer by TMA, completing on q_full (one lane).
+template <class WT>
+__device__ __forceinline__ void ws_q_copies(const KernelParams& p, uint32_t sQ, const BlockWork& wk, uint32_t q_full) {
+    ws_item_boxes<WT>([&](int off, int d0, int r0) {
+        tma_load_4d(sQ + off, &p.tma_q, d0, wk.qb * WT::kBlockM + r0, wk.h, wk.b, q_full);
+    });
 }
 
 // The item's slot for the consumers (qb, h, b, flags: 1 = an item, 2 = it has a step, so the consumers need no walk
@@ -1016,12 +1019,12 @@ __device__ __forceinline__ void ws_publish_item(uint32_t slot, const BlockWork& 
 }
 
 // The scheduler warp's hand-off of a started item to the issuing warp (kSchedWarp kernels): the walk's state after
-// its first step (WsWalk: e, end, c, win per row, sub; the window itself stays in the item's shared-memory window),
-// that step, and the item's flags, head and batch, as 32-bit words of a kWsRecBytes record.
+// its first step (WsWalk: e, end, c, win per row, sub; the window itself stays in the item's shared-memory window)
+// and that step, as 32-bit words of a kWsRecBytes record.  The item itself (head, batch, flags) is in its slot.
 constexpr int kWsRecBytes = 128;  // WsTraits::persist_smem counts it
 template <int kSub, int kC>
 struct WsRecord {
-    static constexpr int kWords = 4 * kC + 1 + 2 * kSub + kC * kSub + 3;
+    static constexpr int kWords = 4 * kC + 1 + 2 * kSub + kC * kSub;
     static_assert(4 * kWords <= kWsRecBytes, "record size");
     static __device__ __forceinline__ void put(uint32_t rec, int i, int v) {
         asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(rec + 4 * i), "r"(v) : "memory");
@@ -1032,8 +1035,7 @@ struct WsRecord {
         return v;
     }
     // one lane
-    static __device__ __forceinline__ void save(uint32_t rec, const WsWalk<kC>& cur, const WsStep<kSub, kC>& st,
-                                                int flags, int h, int b) {
+    static __device__ __forceinline__ void save(uint32_t rec, const WsWalk<kC>& cur, const WsStep<kSub, kC>& st) {
         int i = 0;
 #pragma unroll
         for (int w = 0; w < kC; ++w) put(rec, i++, cur.e[w]), put(rec, i++, cur.end[w]), put(rec, i++, cur.c[w]),
@@ -1046,11 +1048,9 @@ struct WsRecord {
 #pragma unroll
             for (int w = 0; w < kC; ++w) put(rec, i++, st.ent[w][hh]);
         }
-        put(rec, i++, flags), put(rec, i++, h), put(rec, i++, b);
     }
     // every lane of the issuing warp; the walk's per-launch fields (nsub, col_end, lane, sWin) are the caller's to set
-    static __device__ __forceinline__ void load(uint32_t rec, WsWalk<kC>& cur, WsStep<kSub, kC>& st, int& flags,
-                                                int& h, int& b) {
+    static __device__ __forceinline__ void load(uint32_t rec, WsWalk<kC>& cur, WsStep<kSub, kC>& st) {
         int i = 0;
 #pragma unroll
         for (int w = 0; w < kC; ++w) cur.e[w] = get(rec, i++), cur.end[w] = get(rec, i++), cur.c[w] = get(rec, i++),
@@ -1063,7 +1063,6 @@ struct WsRecord {
 #pragma unroll
             for (int w = 0; w < kC; ++w) st.ent[w][hh] = get(rec, i++);
         }
-        flags = get(rec, i++), h = get(rec, i++), b = get(rec, i++);
     }
 };
 
@@ -1145,12 +1144,9 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                                      : "r"(sItem + 16 * b)
                                      : "memory");
                         const uint32_t sQ = sQ0 + b * WT::kSmemQ;
-#pragma unroll
-                        for (int cb = 0; cb < WT::kHeadDim / 64; ++cb)
-#pragma unroll
-                            for (int r = 0; r < kBlockM / 64; ++r)
-                                tma_store_4d(&p.tma_o, sQ + cb * kBlockM * 128 + r * 64 * 128, cb * 64,
-                                             qb * kBlockM + 64 * r, h, bb);
+                        ws_item_boxes<WT>([&](int off, int d0, int r0) {
+                            tma_store_4d(&p.tma_o, sQ + off, d0, qb * kBlockM + r0, h, bb);
+                        });
                         ws_bulk_commit();
                     }
                 };
@@ -1175,7 +1171,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                     }
                     if (lane == 0) {
                         ws_publish_item<WT>(sItem + 16 * buf, wk, valid, have, q_full(buf));
-                        Rec::save(sRecB + buf * kWsRecBytes, cur, st, (valid ? 1 : 0) | (have ? 2 : 0), wk.h, wk.b);
+                        if (valid) Rec::save(sRecB + buf * kWsRecBytes, cur, st);
                     }
                     __syncwarp();
                     mbar_arrive(walk_ready(buf));  // by all 32 lanes: each releases its own window stores
@@ -1191,10 +1187,14 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                     mbar_wait(walk_ready(buf), qphase);
                     WsWalk<2> cur;
                     WsStep<WT::kSub, 2> st;
-                    int flags, h, b;
-                    Rec::load(sRecB + buf * kWsRecBytes, cur, st, flags, h, b);
-                    __syncwarp();  // every lane's record loads before lane 0's next arrival (the scheduler reuses it)
+                    int qb, h, b, flags;  // the item's slot (ws_publish_item)
+                    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                                 : "=r"(qb), "=r"(h), "=r"(b), "=r"(flags)
+                                 : "r"(sItem + 16 * buf)
+                                 : "memory");
                     if (!(flags & 1)) break;
+                    Rec::load(sRecB + buf * kWsRecBytes, cur, st);
+                    __syncwarp();  // every lane's record loads before lane 0's next arrival (the scheduler reuses it)
                     cur.nsub = p.tile_n / 64;
                     cur.col_end = (p.seq_k + p.tile_n - 1) / p.tile_n;
                     cur.lane = lane;
