@@ -25,6 +25,10 @@ if has build; then
   lib=build/plugins_cu/libstof_kernels.so
   command -v cuobjdump >/dev/null && echo "SASS: $(cuobjdump -sass $lib | grep -c HGMMA) HGMMA, $(cuobjdump -sass $lib | grep -c ' HMMA') HMMA, $(cuobjdump -sass $lib | grep -c -E 'LDL|STL') LDL/STL instructions"
   grep -E "registers|spill" "$OUT/build.log" | sed "s/ptxas info *: //" | sort | uniq -c | sort -rn | head -20
+  # ptxas serialises every wgmma of a kernel when it cannot prove the asynchronous MMAs safe (C7510-C7520); only
+  # ptxas -v says so, and such a kernel is correct but up to twice as slow
+  serial=$(grep -c "wgmma.mma_async instructions are serialized" "$OUT/build.log")
+  [[ $serial -eq 0 ]] && echo "wgmma: no serialised kernels" || { echo "WARNING: $serial ptxas notes of serialised wgmma:"; grep "instructions are serialized" "$OUT/build.log" | cut -c1-220 | sort | uniq -c | head; }
 fi
 
 if has test; then
