@@ -10,8 +10,9 @@ tells (the library's own build prints neither):
 * registers spill to local memory.  Every wgmma kernel is spill-free except the three-consumer ones (tactics 28, 29:
   160 registers per consumer thread), whose ~250 bytes are in set-up code and the producer, not in the step loop.
 
-The check compiles the library's own tactic table (`hopper_launcher`, plugins_cu/src/hopper_instantiate.cuh) for
-fp16 at head dims 64 and 128, as hopper.cu does, with `-Xptxas -v`; bf16 instantiates the same code.
+The check compiles the library's own fp16 translation units of the wgmma tactics (plugins_cu/src/hopper_f16_d64.cu,
+hopper_f16_d128.cu: every tactic of the catalogue at both head dims) with `-Xptxas -v`; the bf16 files instantiate
+the same code.
 """
 
 from __future__ import annotations
@@ -31,14 +32,6 @@ pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 
 # the three-consumer kernels' known spills (set-up and producer; session 10: ~300 bytes in the persistent form)
 THREE_CONSUMER_SPILL_LIMIT = 256
-
-TRANSLATION_UNIT = """\
-#include "hopper_instantiate.cuh"
-namespace stof {{
-#define STOF_CHECK_X(id, wg, s, pipe) hopper_launcher<{d}, wg, s, pipe, __half>(),
-extern const LaunchFn kCodegenCheck[kNumHopperTactics] = {{STOF_HOPPER_TACTICS(STOF_CHECK_X)}};
-}}
-"""
 
 
 def parse_ptxas(log: str) -> dict[str, dict]:
@@ -74,11 +67,9 @@ def ptxas_reports(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("codegen")
     procs = {}
     for d in (64, 128):
-        tu = tmp / f"codegen_d{d}.cu"
-        tu.write_text(TRANSLATION_UNIT.format(d=d))
         cmd = [NVCC, "-std=c++17", "-O3", "-arch=sm_90a", "-DSTOF_HAS_SM90A=1", "--expt-relaxed-constexpr",
                f"-I{SRC}", f"-I{ROOT / 'plugins_cu' / 'include'}", "-Xptxas", "-v", "-cubin",
-               "-o", str(tmp / f"codegen_d{d}.cubin"), str(tu)]
+               "-o", str(tmp / f"hopper_f16_d{d}.cubin"), str(SRC / f"hopper_f16_d{d}.cu")]
         procs[d] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     reports = {}
     for d, proc in procs.items():

@@ -1,19 +1,10 @@
-// Hopper (wgmma) tactic instantiations, both dtypes and head dims.  The kernels have bodies only in the sm_90a
-// compilation pass (STOF_HAS_SM90A is defined by CMake when CMAKE_CUDA_ARCHITECTURES holds 90a).
+// Host side of the Hopper (wgmma) tactics: the TMA tensor maps, the diagnostic profile readers.  The kernels and
+// their launcher tables are in hopper_<dtype>_d<head dim>.cu (one translation unit each: parallel builds).
+#include <algorithm>
+
 #include "hopper_instantiate.cuh"
 
 namespace stof {
-
-#define STOF_HOPPER_ROW(T, D) {STOF_HOPPER_TACTICS(STOF_HX_##D##_##T)}
-#define STOF_HX_64_F16(id, wg, s, pipe) hopper_launcher<64, wg, s, pipe, __half>(),
-#define STOF_HX_128_F16(id, wg, s, pipe) hopper_launcher<128, wg, s, pipe, __half>(),
-#define STOF_HX_64_BF16(id, wg, s, pipe) hopper_launcher<64, wg, s, pipe, __nv_bfloat16>(),
-#define STOF_HX_128_BF16(id, wg, s, pipe) hopper_launcher<128, wg, s, pipe, __nv_bfloat16>(),
-
-extern const LaunchFn kHopperLaunchers[2][2][kNumHopperTactics] = {
-    {STOF_HOPPER_ROW(F16, 64), STOF_HOPPER_ROW(F16, 128)},
-    {STOF_HOPPER_ROW(BF16, 64), STOF_HOPPER_ROW(BF16, 128)},
-};
 
 namespace {
 using EncodeFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -69,23 +60,34 @@ bool encode_o_map(KernelParams& p, int head_dim, bool bf16) {
 }
 
 #ifdef STOF_WS_PROFILE
-// Diagnostic build only: copies the warp-specialised kernels' phase counters (g_ws_prof, hopper_ws.cuh) to `out`
-// and zeroes them (so a launch that is not the persistent kernel reads as zeros).  Returns a cudaError_t.
+// Diagnostic build only: the warp-specialised kernels' phase counters (g_ws_prof, hopper_ws.cuh) into `out`, zeroed
+// after (so a launch that is not the persistent kernel reads as zeros).  Each hopper_<dtype>_d<D>.cu has its own
+// copy of the counters; only the one whose kernel ran since the last read holds any, so their sum is that one's.
+// Returns a cudaError_t.
+#define STOF_WS_PROF_TU(X) X(F16D64) X(F16D128) X(BF16D64) X(BF16D128)
+#define STOF_WS_PROF_DECL(tag)                                 \
+    cudaError_t ws_prof_add_##tag(uint32_t* out, int n);       \
+    cudaError_t ws_span_add_##tag(unsigned long long* out, int n);
+STOF_WS_PROF_TU(STOF_WS_PROF_DECL)
 extern "C" __attribute__((visibility("default"))) int stof_ws_prof_read(uint32_t* out, int n) {
-    n = std::min<int>(n, static_cast<int>(sizeof(g_ws_prof) / sizeof(uint32_t)));
+    n = std::min(n, kWsProfWords);
     if (n <= 0) return static_cast<int>(cudaErrorInvalidValue);
-    cudaError_t err = cudaMemcpyFromSymbol(out, g_ws_prof, n * sizeof(uint32_t));
-    static const uint32_t zeros[sizeof(g_ws_prof) / sizeof(uint32_t)] = {};
-    if (err == cudaSuccess) err = cudaMemcpyToSymbol(g_ws_prof, zeros, sizeof(zeros));
+    std::fill(out, out + n, 0u);
+    cudaError_t err = cudaSuccess;
+#define STOF_WS_PROF_ADD(tag) \
+    if (err == cudaSuccess) err = ws_prof_add_##tag(out, n);
+    STOF_WS_PROF_TU(STOF_WS_PROF_ADD)
     return static_cast<int>(err);
 }
 // The same for the per-CTA start/end times (g_ws_span: 2 x 1024 nanosecond stamps).
 extern "C" __attribute__((visibility("default"))) int stof_ws_span_read(unsigned long long* out, int n) {
-    n = std::min<int>(n, static_cast<int>(sizeof(g_ws_span) / sizeof(unsigned long long)));
+    n = std::min(n, kWsSpanWords);
     if (n <= 0) return static_cast<int>(cudaErrorInvalidValue);
-    cudaError_t err = cudaMemcpyFromSymbol(out, g_ws_span, n * sizeof(unsigned long long));
-    static const unsigned long long zeros[sizeof(g_ws_span) / sizeof(unsigned long long)] = {};
-    if (err == cudaSuccess) err = cudaMemcpyToSymbol(g_ws_span, zeros, sizeof(zeros));
+    std::fill(out, out + n, 0ull);
+    cudaError_t err = cudaSuccess;
+#define STOF_WS_SPAN_ADD(tag) \
+    if (err == cudaSuccess) err = ws_span_add_##tag(out, n);
+    STOF_WS_PROF_TU(STOF_WS_SPAN_ADD)
     return static_cast<int>(err);
 }
 #endif

@@ -1,7 +1,8 @@
 // The wgmma tactic -> kernel map: hopper_launcher<D, WG, S, PIPE, T>() is the launcher of the tactic row
 // X(id, WG, S, PIPE) of STOF_HOPPER_TACTICS (tactics.h) for head dim D and element type T, or nullptr where that
-// tactic does not exist.  hopper.cu builds the library's table from it; tests/test_kernel_codegen.py compiles the
-// same instantiations to check ptxas's report (no serialised wgmma, no spills).
+// tactic does not exist.  hopper_<dtype>_d<D>.cu build the library's tables from it, one translation unit per
+// (dtype, head dim) so they compile in parallel; tests/test_kernel_codegen.py checks ptxas's report on the fp16 ones
+// (no serialised wgmma, no spills).
 #pragma once
 
 #include "hopper_tma.cuh"

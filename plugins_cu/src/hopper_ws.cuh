@@ -447,9 +447,24 @@ __device__ __forceinline__ void ws_item_cursor(MergedCursor<kC>& cur, const Kern
 // step (ws_take_step), [6] the descriptor (the one-thread walk's bitmap-index loads), [7] the TMA issue, [9] steps.
 // (kSchedWarp kernels do not write slot 3: their items start in the scheduler warp.)
 constexpr int kWsProfCounters = 12;
-static __device__ uint32_t g_ws_prof[2 * 4 * 4 * kWsProfCounters];
+constexpr int kWsProfWords = 2 * 4 * 4 * kWsProfCounters, kWsSpanWords = 2 * 1024;
+static __device__ uint32_t g_ws_prof[kWsProfWords];
 // each CTA's (up to 1024) %globaltimer (ns) at its start and when its consumers finished: the schedule's tail
-static __device__ unsigned long long g_ws_span[2 * 1024];
+static __device__ unsigned long long g_ws_span[kWsSpanWords];
+// Host: this translation unit's copy of a counter array added into out[0, n), then zeroed (hopper.cu's readers sum
+// the copies of the four hopper_<dtype>_d<D>.cu files).
+template <class T, int N>
+static cudaError_t ws_drain_add(const T (&sym)[N], T* out, int n) {
+    static T host[N];
+    static const T zeros[N] = {};
+    cudaError_t err = cudaMemcpyFromSymbol(host, sym, sizeof(host));
+    if (err == cudaSuccess) err = cudaMemcpyToSymbol(sym, zeros, sizeof(zeros));
+    for (int i = 0; i < n && i < N; ++i) out[i] += host[i];
+    return err;
+}
+#define STOF_WS_PROF_DRAIN(tag)                                                                                    \
+    cudaError_t ws_prof_add_##tag(uint32_t* out, int n) { return ws_drain_add(g_ws_prof, out, n); }                \
+    cudaError_t ws_span_add_##tag(unsigned long long* out, int n) { return ws_drain_add(g_ws_span, out, n); }
 __device__ __forceinline__ unsigned long long ws_globaltimer() {
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t)::"memory");
@@ -468,6 +483,7 @@ __device__ __forceinline__ uint32_t ws_clock() {
 #else
 #define STOF_PROF_T(var)
 #define STOF_PROF_ADD(i, v)
+#define STOF_WS_PROF_DRAIN(tag)
 #endif
 
 // Producer (one thread or warp, WsProducerWalk: all lanes walk, lane 0 issues), TMA: the K/V of one work item's

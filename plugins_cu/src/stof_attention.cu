@@ -86,10 +86,12 @@ int current_sm() {
 LaunchFn launcher_for(const TacticDesc& t, const stof_attn_params_t& p) {
     const int dt = p.dtype, d = p.head_dim == 64 ? 0 : 1;
     if (t.family == 2) return stof::kRowLaunchers[dt][d][family_index(t)];
-    if (t.family == 3) return stof::kHopperLaunchers[dt][d][family_index(t)];
-    static const LaunchFn* tables[2][2] = {{stof::kBlockLaunchersF16D64, stof::kBlockLaunchersF16D128},
-                                           {stof::kBlockLaunchersBF16D64, stof::kBlockLaunchersBF16D128}};
-    return tables[dt][d][family_index(t)];
+    static const LaunchFn* hopper[2][2] = {{stof::kHopperLaunchersF16D64, stof::kHopperLaunchersF16D128},
+                                           {stof::kHopperLaunchersBF16D64, stof::kHopperLaunchersBF16D128}};
+    if (t.family == 3) return hopper[dt][d][family_index(t)];
+    static const LaunchFn* block[2][2] = {{stof::kBlockLaunchersF16D64, stof::kBlockLaunchersF16D128},
+                                          {stof::kBlockLaunchersBF16D64, stof::kBlockLaunchersBF16D128}};
+    return block[dt][d][family_index(t)];
 }
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }

@@ -92,7 +92,10 @@ extern const LaunchFn kBlockLaunchersBF16D64[kNumBlockTactics];
 extern const LaunchFn kBlockLaunchersBF16D128[kNumBlockTactics];
 // [dtype][head dim 64/128][row tactic]
 extern const LaunchFn kRowLaunchers[2][2][kNumRowTactics];
-extern const LaunchFn kHopperLaunchers[2][2][kNumHopperTactics];
+extern const LaunchFn kHopperLaunchersF16D64[kNumHopperTactics];
+extern const LaunchFn kHopperLaunchersF16D128[kNumHopperTactics];
+extern const LaunchFn kHopperLaunchersBF16D64[kNumHopperTactics];
+extern const LaunchFn kHopperLaunchersBF16D128[kNumHopperTactics];
 // true when this library holds sm_90a code for the Hopper tactics
 extern const bool kHopperCompiled;
 

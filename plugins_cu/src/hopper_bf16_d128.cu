@@ -1,0 +1,13 @@
+// Hopper (wgmma) tactic instantiations for __nv_bfloat16, head dim 128 (one file per (dtype, head dim): parallel builds).
+// The kernels have bodies only in the sm_90a compilation pass (STOF_HAS_SM90A, set by CMake with 90a).
+#include "hopper_instantiate.cuh"
+
+namespace stof {
+
+#define STOF_X(id, wg, s, pipe) hopper_launcher<128, wg, s, pipe, __nv_bfloat16>(),
+extern const LaunchFn kHopperLaunchersBF16D128[kNumHopperTactics] = {STOF_HOPPER_TACTICS(STOF_X)};
+#undef STOF_X
+
+STOF_WS_PROF_DRAIN(BF16D128)
+
+}  // namespace stof

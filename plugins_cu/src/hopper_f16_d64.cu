@@ -1,0 +1,13 @@
+// Hopper (wgmma) tactic instantiations for __half, head dim 64 (one file per (dtype, head dim): parallel builds).
+// The kernels have bodies only in the sm_90a compilation pass (STOF_HAS_SM90A, set by CMake with 90a).
+#include "hopper_instantiate.cuh"
+
+namespace stof {
+
+#define STOF_X(id, wg, s, pipe) hopper_launcher<64, wg, s, pipe, __half>(),
+extern const LaunchFn kHopperLaunchersF16D64[kNumHopperTactics] = {STOF_HOPPER_TACTICS(STOF_X)};
+#undef STOF_X
+
+STOF_WS_PROF_DRAIN(F16D64)
+
+}  // namespace stof
