@@ -6,7 +6,8 @@ tells (the library's own build prints neither):
 * ptxas serialises every `wgmma.mma_async` of a kernel (waits for each MMA right after issuing it) when it cannot
   prove the asynchronous form safe: a register of an MMA in flight touched by other code, paths that join with
   different MMAs in flight, too few registers for the accumulators (notes C7510-C7520, "wgmma.mma_async instructions
-  are serialized due to ...").  Session 12 hit four of them (docs/performance.md);
+  are serialized due to ..."; C7517 / C7519: a wait or arrive the compiler injected).  Session 12 hit five kinds
+  (docs/performance.md), none visible without `-Xptxas -v`;
 * registers spill to local memory.  Every wgmma kernel is spill-free except the three-consumer ones (tactics 28, 29:
   160 registers per consumer thread), whose ~250 bytes are in set-up code and the producer, not in the step loop.
 
@@ -37,13 +38,13 @@ THREE_CONSUMER_SPILL_LIMIT = 256
 def parse_ptxas(log: str) -> dict[str, dict]:
     """Per kernel (mangled name): its performance notes and spill bytes, from `ptxas -v` output."""
     kernels: dict[str, dict] = {}
-    current, current_name = None, None
+    current_name = None
     lines = log.splitlines()
     for i, line in enumerate(lines):
         m = re.search(r"Compiling entry function '(\w+)'", line)
         if m:
             current_name = m.group(1)
-            current = kernels.setdefault(current_name, {"notes": [], "spill_stores": None})
+            kernels.setdefault(current_name, {"notes": [], "spill_stores": None})
             continue
         m = re.search(r"Function properties for (\w+)", line)
         if m and i + 1 < len(lines):
@@ -55,7 +56,7 @@ def parse_ptxas(log: str) -> dict[str, dict]:
         if re.search(r"\(C75\d\d\)", line):
             # ptxas prints these before the functions' reports, naming the function (else: the current one)
             named = re.search(r"function '(\w+)'", line)
-            name = named.group(1) if named else current_name if current is not None else "<unnamed>"
+            name = named.group(1) if named else current_name or "<unnamed>"
             entry = kernels.setdefault(name, {"notes": [], "spill_stores": None})
             entry["notes"].append(line.split("ptxas info    :")[-1].strip())
     return kernels
@@ -90,10 +91,9 @@ def test_catalogue_compiles_every_kernel(ptxas_reports, d):
 
 @pytest.mark.parametrize("d", [64, 128])
 def test_no_serialised_wgmma(ptxas_reports, d):
-    serialised = {k: v["notes"] for k, v in ptxas_reports[d].items()
-                  if any("serialized" in n for n in v["notes"])}
-    assert not serialised, "ptxas serialised the wgmma of:\n" + "\n".join(
-        f"{k}: {notes[0]}" for k, notes in serialised.items())
+    noted = {k: v["notes"] for k, v in ptxas_reports[d].items() if v["notes"]}
+    assert not noted, "ptxas serialised wgmma or injected waits in:\n" + "\n".join(
+        f"{k}: {notes[0]}" for k, notes in noted.items())
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -102,7 +102,7 @@ def test_no_spills(ptxas_reports, d):
     for name, info in ptxas_reports[d].items():
         three_consumers = re.search(r"WsTraits.*Lb1ELi3E", name) is not None
         limit = THREE_CONSUMER_SPILL_LIMIT if three_consumers else 0
-        if info["spill_stores"] > limit:
+        if (info["spill_stores"] or 0) > limit:
             bad[name] = info["spill_stores"]
     assert not bad, f"spill stores over the limit (bytes): {bad}"
 
