@@ -458,9 +458,9 @@ static cudaError_t ws_drain_add(const T (&sym)[N], T* out, int n) {
     static T host[N];
     static const T zeros[N] = {};
     cudaError_t err = cudaMemcpyFromSymbol(host, sym, sizeof(host));
-    if (err == cudaSuccess) err = cudaMemcpyToSymbol(sym, zeros, sizeof(zeros));
+    if (err != cudaSuccess) return err;  // out keeps no stale copy
     for (int i = 0; i < n && i < N; ++i) out[i] += host[i];
-    return err;
+    return cudaMemcpyToSymbol(sym, zeros, sizeof(zeros));
 }
 #define STOF_WS_PROF_DRAIN(tag)                                                                                    \
     cudaError_t ws_prof_add_##tag(uint32_t* out, int n) { return ws_drain_add(g_ws_prof, out, n); }                \
