@@ -48,16 +48,13 @@ class TacticSpec:
     warp_specialized: bool = False  # Hopper family: producer warpgroup + 2 or 3 consumer warpgroups (hopper_ws.cuh)
     key_step: int = 64       # keys per softmax step (warp-specialised and TMA: 64 or 128 = two sub-blocks of the walk)
     tma: bool = False        # Hopper family: K/V copied by the TMA, mbarrier pipeline (hopper_tma.cuh)
-    half_skip: bool = False  # warp-specialised, 128-key steps: a consumer's softmax only over the sub-blocks its
-                             # tile row has (WsTraits::kHalfSkip; cta_work counts half the union, half its own)
 
     @property
     def name(self) -> str:
         if self.family == FAMILY_ROW:
             return f"row_w{self.num_warps}"
         if self.family == FAMILY_HOPPER and self.warp_specialized:
-            return (f"wgmma_ws_m{self.num_warps // 4 - 1}x64_n{self.key_step}_s{self.stages}"
-                    + ("_half" if self.half_skip else ""))
+            return f"wgmma_ws_m{self.num_warps // 4 - 1}x64_n{self.key_step}_s{self.stages}"
         if self.family == FAMILY_HOPPER:
             return (f"wgmma_m{self.num_warps // 4}x64_n{self.key_step}_s{self.stages}"
                     + ("_pipe" if self.pipelined else "_defer" if self.defer_pv else "_tma" if self.tma else ""))
@@ -96,7 +93,6 @@ TACTICS = [
     TacticSpec(27, FAMILY_HOPPER, 64, 64, 4, 2, tma=True, key_step=128),
     TacticSpec(28, FAMILY_HOPPER, 192, 64, 16, 2, warp_specialized=True, key_step=128),
     TacticSpec(29, FAMILY_HOPPER, 192, 64, 16, 4, warp_specialized=True, key_step=128),
-    TacticSpec(30, FAMILY_HOPPER, 128, 64, 12, 4, warp_specialized=True, key_step=128, half_skip=True),
 ]
 _BY_ID = {t.id: t for t in TACTICS}
 
@@ -219,9 +215,7 @@ def tile_stats(layout) -> TileStats:
 
 def cta_work(stats: TileStats, t: TacticSpec, seq_q: int) -> tuple[np.ndarray, np.ndarray]:
     """Per CTA of one (batch, head) of each layout, in launch order: (full, partial) K/V sub-block iterations.
-    Shape [L, n_cta].  A CTA spanning several tile rows (wgmma, 2 or 3 warpgroups, tile_m 64) walks their union.
-    half_skip tactics: the mean of the union (the MMAs run over it) and the rows' own tiles averaged over the rows
-    (each consumer's softmax runs over its own sub-blocks only)."""
+    Shape [L, n_cta].  A CTA spanning several tile rows (wgmma, 2 or 3 warpgroups, tile_m 64) walks their union."""
     nsub = stats.tile_n // t.block_n
     n_cta = math.ceil(seq_q / t.block_m)
     full = np.zeros((stats.num_layouts, n_cta))
@@ -236,10 +230,6 @@ def cta_work(stats: TileStats, t: TacticSpec, seq_q: int) -> tuple[np.ndarray, n
             else:
                 n_all = len(functools.reduce(np.union1d, [stats.row_cols[l][i] for i in rows]))
                 n_p = len(functools.reduce(np.union1d, [stats.row_pcols[l][i] for i in rows]))
-                if t.half_skip:
-                    own_all = sum(len(stats.row_cols[l][i]) for i in rows) / len(rows)
-                    own_p = sum(len(stats.row_pcols[l][i]) for i in rows) / len(rows)
-                    n_all, n_p = 0.5 * (n_all + own_all), 0.5 * (n_p + own_p)
             full[l, c] = (n_all - n_p) * nsub
             part[l, c] = n_p * nsub
     return full, part
@@ -255,7 +245,7 @@ PTXAS_REGS = {
     (19, 64): 127, (20, 64): 127, (19, 128): 246, (20, 128): 246,
     # warp-specialised: the launch count (384 threads, one CTA per SM; 28/29: 512 threads, 128); setmaxnreg moves
     # registers to the consumers
-    (21, 64): 168, (22, 64): 168, (23, 64): 168, (24, 64): 168, (30, 64): 168,
+    (21, 64): 168, (22, 64): 168, (23, 64): 168, (24, 64): 168,
     (21, 128): 168, (22, 128): 168, (23, 128): 168, (24, 128): 168,
     (25, 64): 120, (26, 64): 121, (25, 128): 149, (26, 128): 149, (27, 64): 157, (28, 64): 128, (29, 64): 128,
 }

@@ -190,23 +190,19 @@ constexpr float kRescaleSlack = 8.f;
 // session 7; cuDNN's SDPA kernel interleaves them).  Measured (A/B, session 7): warp-specialised tactics 24
 // -0.9 to -2.8 %, 22 -1 to -6 %; the one-warpgroup tactic 13 -1.4 to +2.7 %, so only hopper_ws.cuh uses it.
 // kRowSum = false: row_sum is left alone (the caller gets P's row sums from the tensor cores, hopper_ws.cuh).
-// [kG0, kG1): the column groups the step has (a power-of-two count); the others are left alone (the caller zeroes
-// them: a 64-key sub-block of a 128-key step where this row block has no tile, hopper_ws.cuh).
-template <int kNI, bool kInterleaved = false, bool kRowSum = true, int kG0 = 0, int kG1 = kNI>
+template <int kNI, bool kInterleaved = false, bool kRowSum = true>
 __device__ __forceinline__ bool online_softmax(float (&rS)[kNI * 4], float (&row_max)[2], float (&row_sum)[2],
                                                float (&alpha)[2], float mul) {
-    constexpr int kG = kG1 - kG0;
-    static_assert(kG0 >= 0 && kG1 <= kNI && kG > 0 && (kG & (kG - 1)) == 0, "column groups");
     float mx[2];
     bool grow[2];
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
         // tree reductions (depth log2(2 kNI), not a 2 kNI-long dependency chain: the ncu profile showed the
         // softmax stalled on fixed-latency dependencies)
-        float t[kG];
+        float t[kNI];
 #pragma unroll
-        for (int ni = 0; ni < kG; ++ni) t[ni] = fmaxf(rS[(kG0 + ni) * 4 + hh * 2], rS[(kG0 + ni) * 4 + hh * 2 + 1]);
-        tree_reduce<kG / 2>(t, [](float x, float y) { return fmaxf(x, y); });
+        for (int ni = 0; ni < kNI; ++ni) t[ni] = fmaxf(rS[ni * 4 + hh * 2], rS[ni * 4 + hh * 2 + 1]);
+        tree_reduce<kNI / 2>(t, [](float x, float y) { return fmaxf(x, y); });
         float m = t[0];
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
@@ -227,18 +223,17 @@ __device__ __forceinline__ bool online_softmax(float (&rS)[kNI * 4], float (&row
         }
         m_use[hh] = row_max[hh] == -INFINITY ? 0.f : row_max[hh] * mul;
         if constexpr (!kInterleaved) {
-            float t[kG];
+            float t[kNI];
 #pragma unroll
-            for (int i = 0; i < kG; ++i) {
-                const int ni = kG0 + i;
+            for (int ni = 0; ni < kNI; ++ni) {
                 const float p0 = fast_exp2(fmaf(rS[ni * 4 + hh * 2], mul, -m_use[hh]));
                 const float p1 = fast_exp2(fmaf(rS[ni * 4 + hh * 2 + 1], mul, -m_use[hh]));
                 rS[ni * 4 + hh * 2] = p0;
                 rS[ni * 4 + hh * 2 + 1] = p1;
-                t[i] = p0 + p1;
+                t[ni] = p0 + p1;
             }
             if constexpr (kRowSum) {
-                tree_reduce<kG / 2>(t, [](float x, float y) { return x + y; });
+                tree_reduce<kNI / 2>(t, [](float x, float y) { return x + y; });
                 row_sum[hh] += t[0];
             }
         }
@@ -246,7 +241,7 @@ __device__ __forceinline__ bool online_softmax(float (&rS)[kNI * 4], float (&row
     if constexpr (kInterleaved) {
         float acc[2][2] = {{0.f, 0.f}, {0.f, 0.f}};  // two chains per row
 #pragma unroll
-        for (int ni = kG0; ni < kG1; ++ni)
+        for (int ni = 0; ni < kNI; ++ni)
 #pragma unroll
             for (int j = 0; j < 4; ++j) {  // j: row j / 2, column j % 2 of group ni
                 const float pv = fast_exp2(fmaf(rS[ni * 4 + j], mul, -m_use[j >> 1]));

@@ -12,12 +12,10 @@ namespace stof {
 
 template <int D, int WG, int S, int PIPE, class T>
 constexpr LaunchFn hopper_launcher() {
-    if constexpr ((PIPE == 4 || PIPE == 7) && D == 128) {
+    if constexpr (PIPE == 4 && D == 128) {
         return nullptr;  // S, P and O of a 128-key step at head dim 128 exceed the consumers' 216 registers
     } else if constexpr (PIPE == 3 || PIPE == 4) {
         return &launch_hopper_ws<WsTraits<D, S, PIPE == 4 ? 2 : 1, T, true, WG>>;  // TMA (cp.async for key_lengths)
-    } else if constexpr (PIPE == 7) {
-        return &launch_hopper_ws<WsTraits<D, S, 2, T, true, WG, true>>;
     } else if constexpr (PIPE == 5) {
         return &launch_hopper_tma<TmaTraits<D, S, 64, T>, &launch_hopper<HopperTraits<D, 1, S, T>>>;
     } else if constexpr (PIPE == 6 && D == 128) {

@@ -31,8 +31,7 @@
 
 namespace stof {
 
-template <int kHeadDim_, int kStages_, int kSub_, typename Elem_, bool kTma_ = false, int kConsumers_ = 2,
-          bool kHalfSkip_ = false>
+template <int kHeadDim_, int kStages_, int kSub_, typename Elem_, bool kTma_ = false, int kConsumers_ = 2>
 struct WsTraits {
     using Elem = Elem_;
     static constexpr bool kTma = kTma_;  // producer: one lane issuing TMA boxes instead of 128 threads' cp.async
@@ -99,13 +98,6 @@ struct WsTraits {
     // steps (22) sliding -4 % but causal +1 to +3 % (head dim 128: the step loop's MMA descriptors were
     // rematerialised, 570 -> 590 instructions).
     static constexpr bool kSkip = kConsumers == 3;
-    // kHalfSkip (tactic 30): a consumer's 128-key step with a tile in one of its two sub-blocks runs the softmax of
-    // that one only (ws_consume_items).  Measured against 24 (session 13): BigBird S=4096 -8 to -11 %, but causal,
-    // sliding and dilated +1.5 to +6 %: the branch slows every step's common path, though its SASS is unchanged
-    // (the half paths are separate blocks), so it is a tactic of its own for layouts whose consumers' tile rows
-    // differ much.  Two consumers only: at 160 registers the three-consumer kernels' spills doubled (254 -> 502 B).
-    static constexpr bool kHalfSkip = kHalfSkip_;
-    static_assert(!kHalfSkip || (kSub == 2 && kConsumers == 2), "half-step softmax: two consumers, 128-key steps");
     static_assert(!kChainItems || persist_smem(3) <= 227 * 1024, "shared memory for three Q buffers");
     static constexpr int kSmemPersist = persist_smem(kQBufs);
     static_assert(kSmemSize <= 227 * 1024 && kSmemPersist <= 227 * 1024, "shared memory");
@@ -634,54 +626,30 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
     // Mask (sub-blocks this consumer's tile row lacks are -inf: the MMAs of a step run for every consumer, so
     // no wgmma sits under a data-dependent branch, which would make ptxas serialise them), online softmax;
     // leaves P in rS; true when O must be rescaled by alpha (see online_softmax).
-    auto mask_sub = [&](int hh) {  // sub-block hh of the step described by st
-        // A sub-block this consumer lacks is masked through all-zero words: every path masks rS in place
-        // (FSEL), so no branch leaves the scores in other registers (a -inf fill on one path made ptxas copy
-        // all 32 scores on every step).
-        const int bm_idx = st.bm[hh];  // -2: this consumer has no tile there
-        const int n0 = st.n0[hh];
-        const bool bound = bm_idx != -2 && (n0 + 64 > kv_len || kpm != nullptr);
-        if (bm_idx != -1 || bound) {
-            uint32_t bits[2][2] = {{0u, 0u}, {0u, 0u}};
-            if (bm_idx != -2) {
-#pragma unroll
-                for (int r2 = 0; r2 < 2; ++r2)
-                    row_bits(bits[r2], p, bm_idx, my_a0 + warp * 16 + r2 * 8 + g, st.sub[hh]);
-                if (bound) and_key_words(bits, n0, kv_len, kpm, lane);
-            }
-            mask_scores<8>(rS, bits, tig, hh * 32);
-        }
-    };
     auto softmax = [&](float (&alpha)[2]) -> bool {  // for the step described by st
         if (!fold) {
 #pragma unroll
             for (int i = 0; i < kNI * 4; ++i) rS[i] *= sl2;
         }
-        if constexpr (WT::kHalfSkip) {
-            // A 128-key step of which this consumer's tile row has a tile in one sub-block only (the union walk
-            // joins the consumers' columns): the softmax of that sub-block alone, the other's P zero.  Its MMAs
-            // still run (a wgmma under a data-dependent branch makes ptxas serialise them).  lack: bit h when this
-            // consumer has no tile in sub-block h (or the step has none), from lane 0: every thread read the same
-            // descriptor, and a warp-uniform value keeps the branch free of reconvergence code.
-            const int lack = __shfl_sync(0xffffffffu, (st.bm[0] == -2 ? 1 : 0) | (st.bm[1] == -2 ? 2 : 0), 0);
-            if (lack != 0) {
-                if (lack == 1) {  // sub-block 1 alone
-                    mask_sub(1);
 #pragma unroll
-                    for (int i = 0; i < kNI * 2; ++i) rS[i] = 0.f;
-                    return online_softmax<kNI, true, !WT::kSumMma, kNI / 2, kNI>(rS, row_max, row_sum, alpha, mul);
+        for (int hh = 0; hh < kSub; ++hh) {
+            // A sub-block this consumer lacks is masked through all-zero words: every path masks rS in place
+            // (FSEL), so no branch leaves the scores in other registers (a -inf fill on one path made ptxas copy
+            // all 32 scores on every step).
+            const int bm_idx = st.bm[hh];  // -2: this consumer has no tile there
+            const int n0 = st.n0[hh];
+            const bool bound = bm_idx != -2 && (n0 + 64 > kv_len || kpm != nullptr);
+            if (bm_idx != -1 || bound) {
+                uint32_t bits[2][2] = {{0u, 0u}, {0u, 0u}};
+                if (bm_idx != -2) {
+#pragma unroll
+                    for (int r2 = 0; r2 < 2; ++r2)
+                        row_bits(bits[r2], p, bm_idx, my_a0 + warp * 16 + r2 * 8 + g, st.sub[hh]);
+                    if (bound) and_key_words(bits, n0, kv_len, kpm, lane);
                 }
-                // sub-block 0 alone; also with no tile in the step (the union walk joined it for the other
-                // consumer): sub-block 0 masked entirely, so P = 0 and the row state stays (an early return there
-                // made ptxas serialise the wgmmas: C7512)
-                mask_sub(0);
-#pragma unroll
-                for (int i = kNI * 2; i < kNI * 4; ++i) rS[i] = 0.f;
-                return online_softmax<kNI, true, !WT::kSumMma, 0, kNI / 2>(rS, row_max, row_sum, alpha, mul);
+                mask_scores<8>(rS, bits, tig, hh * 32);
             }
         }
-#pragma unroll
-        for (int hh = 0; hh < kSub; ++hh) mask_sub(hh);
         return online_softmax<kNI, true, !WT::kSumMma>(rS, row_max, row_sum, alpha, mul);
     };
     // an item's O (normalised by sum) staged through this consumer's (now unused) Q rows, then 16-byte stores

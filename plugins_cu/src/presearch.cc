@@ -26,16 +26,15 @@ namespace {
 constexpr int kFamilyBlock = 1, kFamilyRow = 2, kFamilyHopper = 3;
 
 struct TacticRow {
-    int id, family, blockM, blockN, warps, stages, minCtas, qInSmem, pipelined, deferPv, warpSpecialized, keyStep,
-        halfSkip;
+    int id, family, blockM, blockN, warps, stages, minCtas, qInSmem, pipelined, deferPv, warpSpecialized, keyStep;
     int regs[2];  // head dim 64, 128 (-1: no ptxas entry)
     int hasCoef[2];
     double coef[2][4];
 };
 
-#define STOF_PRESEARCH_ROW(id, fam, bm, bn, w, st, mc, qs, pipe, dpv, ws, ks, hs, r64, r128, h64, a64, b64, c64,   \
-                           d64, h128, a128, b128, c128, d128)                                                      \
-    {id, fam, bm, bn, w, st, mc, qs, pipe, dpv, ws, ks, hs, {r64, r128}, {h64, h128},                              \
+#define STOF_PRESEARCH_ROW(id, fam, bm, bn, w, st, mc, qs, pipe, dpv, ws, ks, r64, r128, h64, a64, b64, c64, d64,  \
+                           h128, a128, b128, c128, d128)                                                           \
+    {id, fam, bm, bn, w, st, mc, qs, pipe, dpv, ws, ks, {r64, r128}, {h64, h128},                                  \
      {{a64, b64, c64, d64}, {a128, b128, c128, d128}}},
 const TacticRow kRows[] = {
 #include "presearch_table.inc"
@@ -101,8 +100,7 @@ Stats tileStats(stof_host_layout_t const& lay) {
     return s;
 }
 
-// presearch.cta_work: per layout, CTAs in launch order (reversed rows): (full, partial) sub-block iterations;
-// half-skip tactics count the mean of the union and the rows' own tiles averaged over the rows
+// presearch.cta_work: per layout, CTAs in launch order (reversed rows): (full, partial) sub-block iterations
 void ctaWork(Stats const& s, TacticRow const& t, int seqQ, std::vector<std::vector<double>>& full,
              std::vector<std::vector<double>>& part) {
     int const nsub = s.tileN / t.blockN;
@@ -120,30 +118,24 @@ void ctaWork(Stats const& s, TacticRow const& t, int seqQ, std::vector<std::vect
                 if (std::find(rows.begin(), rows.end(), row) == rows.end()) rows.push_back(row);
             }
             std::sort(rows.begin(), rows.end());
-            double nAll = 0, nP = 0;
+            size_t nAll = 0, nP = 0;
             if (rows.size() == 1) {
                 size_t const r = static_cast<size_t>(l) * s.Tq + rows[0];
-                nAll = static_cast<double>(s.cols[r].size()), nP = static_cast<double>(s.pcols[r].size());
+                nAll = s.cols[r].size(), nP = s.pcols[r].size();
             } else if (rows.size() >= 2) {  // the union of the CTA's tile rows (2 or 3 warpgroups)
                 std::vector<int32_t> all, part;
-                size_t ownAll = 0, ownP = 0;
                 for (int row : rows) {
                     size_t const r = static_cast<size_t>(l) * s.Tq + row;
                     all.insert(all.end(), s.cols[r].begin(), s.cols[r].end());
                     part.insert(part.end(), s.pcols[r].begin(), s.pcols[r].end());
-                    ownAll += s.cols[r].size(), ownP += s.pcols[r].size();
                 }
                 std::sort(all.begin(), all.end());
                 std::sort(part.begin(), part.end());
-                nAll = static_cast<double>(std::unique(all.begin(), all.end()) - all.begin());
-                nP = static_cast<double>(std::unique(part.begin(), part.end()) - part.begin());
-                if (t.halfSkip) {
-                    nAll = 0.5 * (nAll + static_cast<double>(ownAll) / static_cast<double>(rows.size()));
-                    nP = 0.5 * (nP + static_cast<double>(ownP) / static_cast<double>(rows.size()));
-                }
+                nAll = static_cast<size_t>(std::unique(all.begin(), all.end()) - all.begin());
+                nP = static_cast<size_t>(std::unique(part.begin(), part.end()) - part.begin());
             }
-            full[l][c] = (nAll - nP) * nsub;
-            part[l][c] = nP * nsub;
+            full[l][c] = static_cast<double>((static_cast<int64_t>(nAll) - static_cast<int64_t>(nP)) * nsub);
+            part[l][c] = static_cast<double>(static_cast<int64_t>(nP) * nsub);
         }
     }
 }

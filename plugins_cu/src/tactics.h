@@ -56,12 +56,8 @@
 //     3 CTAs per SM.
 // 28, 29: as 23 / 24 with three consumer warpgroups (192-row work items, 512 threads: FlashAttention-3's D=64
 //     shape; consumers at 160 registers), TMA producer only (key_lengths: 23 / 24's cp.async form), head dim 64.
-// 30: as 24, with each consumer's softmax over only the 64-key sub-block(s) of a step where its tile row has a tile
-//     (the union walk gives one consumer steps of which it has half or none): BigBird -8 to -11 % against 24, but
-//     +1.5 to +6 % on causal / sliding / dilated (the branch costs every step), so a tactic of its own; head dim 64.
 // X(id, warpgroups (consumers for 21+), stages, variant: 0 plain, 1 pipelined, 2 deferred P V wait,
-//   3 warp-specialised with 64-key steps, 4 warp-specialised with 128-key steps, 5 TMA K/V loads, 6 TMA with 128-key steps,
-//   7 as 4 with the half-step softmax)
+//   3 warp-specialised with 64-key steps, 4 warp-specialised with 128-key steps, 5 TMA K/V loads, 6 TMA with 128-key steps)
 #define STOF_HOPPER_TACTICS(X) \
     X(13, 1, 2, 0)             \
     X(14, 1, 3, 0)             \
@@ -79,15 +75,14 @@
     X(26, 1, 3, 5)             \
     X(27, 1, 2, 6)             \
     X(28, 3, 2, 4)             \
-    X(29, 3, 4, 4)             \
-    X(30, 2, 4, 7)
+    X(29, 3, 4, 4)
 
 namespace stof {
 
 constexpr int kNumBlockTactics = 10;
 constexpr bool kQFrags_reg = false, kQFrags_smem = true;
 constexpr int kNumRowTactics = 2;
-constexpr int kNumHopperTactics = 18;
+constexpr int kNumHopperTactics = 17;
 // first id of each family (ids are consecutive inside a family; the offset indexes the launcher tables)
 constexpr int kFirstBlockId = 1, kFirstRowId = 11, kFirstHopperId = 13;
 

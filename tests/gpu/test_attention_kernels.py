@@ -162,13 +162,13 @@ def test_long_rows_and_all_masked():
                       dtype=torch.bfloat16, seed=1)
 
 
-WS_TACTICS = (21, 22, 23, 24, 28, 29, 30)  # warp-specialised: persistent with a workspace, one CTA per work item without
+WS_TACTICS = (21, 22, 23, 24, 28, 29)  # warp-specialised: persistent with a workspace, one CTA per work item without
 
 
 @pytest.mark.parametrize("workspace", [True, False], ids=["persistent", "cta_per_item"])
 @pytest.mark.parametrize("D", HEAD_DIMS)
 def test_warp_specialised_forms(D, workspace):
-    """Tactics 21-24, 28-30 both ways.  Persistent: more work items (128 rows; 192 for 28/29) than SMs (each CTA
+    """Tactics 21-24, 28, 29 both ways.  Persistent: more work items (128 rows; 192 for 28/29) than SMs (each CTA
     takes many, from the work counter), a per-head BigBird layout, and layouts of 128-, 192- and 256-row tiles run
     at Sq below their compiled size (where a kernel's items match the tile rows, the row order is kept, so the
     schedule holds items past Sq, which the producer skips: 128-row tiles for 21-24, 192-row tiles for 28/29)."""

@@ -91,7 +91,7 @@ typedef struct {
     /* --- workspace (optional; ABI version 3) ------------------------------------------------------------ */
     /* Device memory of at least stof_attn_workspace_size() bytes, 16-byte aligned, for this call only (the next
      * call may reuse it once this one's stream work is ordered before it), or NULL.  The warp-specialised tactics
-     * (21-24, 28-30) use it for a work counter and then run persistent (one CTA per SM taking work items in the
+     * (21-24, 28, 29) use it for a work counter and then run persistent (one CTA per SM taking work items in the
      * schedule's order) unless key_lengths is given; with NULL they run one CTA per work item.  Same result
      * either way.  Its contents need no initialisation: the kernel resets its counter itself. */
     void* workspace;
