@@ -28,7 +28,7 @@ if has build; then
   t0=$SECONDS
   cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=${STOF_ARCHS:-90a} \
         -DSTOF_RESOURCE_USAGE=ON -DSTOF_BUILD_ADAPTERS=${STOF_BUILD_ADAPTERS:-OFF} > "$OUT/build.log" 2>&1 &&
-    cmake --build build -j 16 >> "$OUT/build.log" 2>&1 || { echo "BUILD FAILED"; tail -50 "$OUT/build.log"; exit 1; }
+    cmake --build build -j "$(nproc)" >> "$OUT/build.log" 2>&1 || { echo "BUILD FAILED"; tail -50 "$OUT/build.log"; exit 1; }
   echo "build ok in $((SECONDS - t0)) s"
   lib=build/plugins_cu/libstof_kernels.so
   command -v cuobjdump >/dev/null && echo "SASS: $(cuobjdump -sass $lib | grep -c HGMMA) HGMMA, $(cuobjdump -sass $lib | grep -c ' HMMA') HMMA, $(cuobjdump -sass $lib | grep -c -E 'LDL|STL') LDL/STL instructions"
@@ -42,7 +42,7 @@ fi
 if has variants; then
   t0=$SECONDS
   IFS='|' read -r -a variants <<< "${VARIANTS:?VARIANTS=\"name=flags|name=flags\" (flags may be empty)}"
-  jobs=$(( 16 / ${#variants[@]} )); (( jobs > 0 )) || jobs=1
+  jobs=$(( $(nproc) / ${#variants[@]} )); (( jobs > 0 )) || jobs=1
   pids=()
   for v in "${variants[@]}"; do
     name=${v%%=*}; flags=${v#*=}
