@@ -527,6 +527,23 @@ __device__ __forceinline__ uint32_t ws_clock() {
 // absent sub-block (odd walk end) re-loads the step's first one: its scores are masked, so it only has to hold finite
 // values.  Rows past Sk are zero-filled by the TMA; the launchers run the cp.async producer when key_lengths can end
 // the keys before Sk (those rows would hold real data).
+// One step's K/V into ring stage sK, completing on its full barrier (the arrival with the expected bytes first).
+// One lane.
+template <class WT, int kC>
+__device__ __forceinline__ void ws_tma_step(const KernelParams& p, const WsStep<WT::kSub, kC>& st, int h, int b,
+                                            uint32_t sK, uint32_t full) {
+    mbar_expect_tx(full, WT::kSub * 2 * 64 * WT::kHeadDim * 2);
+#pragma unroll
+    for (int hh = 0; hh < WT::kSub; ++hh) {
+        const int n0 = st.n0[hh] >= 0 ? st.n0[hh] : st.n0[0];
+#pragma unroll
+        for (int cb = 0; cb < WT::kHeadDim / 64; ++cb) {
+            const uint32_t off = cb * WT::kBlockN * 128 + hh * 64 * 128;
+            tma_load_4d(sK + off, &p.tma_k, cb * 64, n0, h, b, full);
+            tma_load_4d(sK + WT::kSmemKV + off, &p.tma_v, cb * 64, n0, h, b, full);
+        }
+    }
+}
 struct WsNoHook {
     template <class C>
     __device__ __forceinline__ void operator()(const C&) const {}
@@ -541,7 +558,6 @@ __device__ __forceinline__ int ws_produce_tma(const KernelParams& p, WsProducerW
 #endif
 ) {
     constexpr int kStages = WT::kStages, kSub = WT::kSub;
-    constexpr uint32_t kStepBytes = kSub * 2 * 64 * WT::kHeadDim * 2;
     WsStep<kSub, WT::kConsumers> next;
     for (; have; ++it) {
         STOF_PROF_T(tw0);
@@ -564,17 +580,7 @@ __device__ __forceinline__ int ws_produce_tma(const KernelParams& p, WsProducerW
             ws_write_desc<WT::kSkip, Walk>(sDesc + s * kWsDescBytes, st, more, more_w, p);
             STOF_PROF_T(td1);
             STOF_PROF_ADD(6, td1 - te1);
-            mbar_expect_tx(full, kStepBytes);  // the arrival releases the descriptor
-#pragma unroll
-            for (int hh = 0; hh < kSub; ++hh) {
-                const int n0 = st.n0[hh] >= 0 ? st.n0[hh] : st.n0[0];
-#pragma unroll
-                for (int cb = 0; cb < WT::kHeadDim / 64; ++cb) {
-                    const uint32_t off = cb * WT::kBlockN * 128 + hh * 64 * 128;
-                    tma_load_4d(sK + off, &p.tma_k, cb * 64, n0, h, b, full);
-                    tma_load_4d(sK + WT::kSmemKV + off, &p.tma_v, cb * 64, n0, h, b, full);
-                }
-            }
+            ws_tma_step<WT>(p, st, h, b, sK, full);  // its arrival releases the descriptor
             STOF_PROF_T(tt1);
             STOF_PROF_ADD(7, tt1 - td1);
         }
@@ -585,6 +591,25 @@ __device__ __forceinline__ int ws_produce_tma(const KernelParams& p, WsProducerW
         have = more;
     }
     return it;
+}
+
+// The first step of an item (st, at ring position 0) issued by the scheduler warp itself (the CTA's first item, see
+// hopper_ws_persist_fwd): cur and st move on one step, as ws_produce_tma's loop leaves them; returns whether the
+// item has more steps.
+template <class WT>
+__device__ __forceinline__ bool ws_issue_first_step(const KernelParams& p, WsWalk<2>& cur, int lane,
+                                                    WsStep<WT::kSub, 2>& st, int h, int b, uint32_t sKV,
+                                                    uint32_t sBar, uint32_t sDesc) {
+    WsStep<WT::kSub, 2> next;
+    const bool more = ws_take_step<WT::kSub>(cur, p, next);
+    const int more_w = WT::kSkip ? ws_more_mask(cur, next) : 0;
+    if (lane == 0) {
+        ws_write_desc<WT::kSkip, WsWalk<2>>(sDesc, st, more, more_w, p);
+        ws_tma_step<WT>(p, st, h, b, sKV, sBar);
+    }
+    __syncwarp();
+    st = next;
+    return more;
 }
 
 // A work item as the consumers see it: first query row, head, batch, whether its walk has a step, its Q tile
@@ -1076,7 +1101,7 @@ constexpr int kWsRecBytes = 128;  // WsTraits::persist_smem counts it
 template <int kSub, int kC>
 struct WsRecord {
     static constexpr int kWords = 4 * kC + 1 + 2 * kSub + kC * kSub;
-    static_assert(4 * kWords <= kWsRecBytes, "record size");
+    static_assert(4 * (kWords + 1) <= kWsRecBytes, "record size");
     static __device__ __forceinline__ void put(uint32_t rec, int i, int v) {
         asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(rec + 4 * i), "r"(v) : "memory");
     }
@@ -1250,9 +1275,18 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                         }
                         have = ws_take_step<WT::kSub>(cur, p, st);
                     }
+                    // The CTA's first item: its first step is issued here, not by warp 0 after the record's
+                    // hand-off (session 14: a one-item call -0.3 us, causal S=1024 -0.8 %).  first: 1 = issued,
+                    // | 2 = the item has more steps (the record's extra word).
+                    int first = 0;
+                    if (early && have) {
+                        const bool more = ws_issue_first_step<WT>(p, cur, lane, st, wk.h, wk.b, sKV, sBar, sDesc);
+                        first = 1 | (more ? 2 : 0);
+                    }
                     if (lane == 0) {
                         ws_publish_item<WT>(sItem + 16 * buf, wk, valid, have, q_full(buf));
                         if (valid) Rec::save(sRecB + buf * kWsRecBytes, cur, st);
+                        Rec::put(sRecB + buf * kWsRecBytes, Rec::kWords, first);
                     }
                     __syncwarp();
                     mbar_arrive(walk_ready(buf));  // by all 32 lanes: each releases its own window stores
@@ -1275,6 +1309,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                                  : "memory");
                     if (!(flags & 1)) break;
                     Rec::load(sRecB + buf * kWsRecBytes, cur, st);
+                    const int first = Rec::get(sRecB + buf * kWsRecBytes, Rec::kWords);
                     __syncwarp();  // every lane's record loads before lane 0's next arrival (the scheduler reuses it)
                     cur.nsub = p.tile_n / 64;
                     cur.col_end = (p.seq_k + p.tile_n - 1) / p.tile_n;
@@ -1289,7 +1324,8 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                             go_sent = true;
                         }
                     };
-                    it = ws_produce_tma<WT>(p, cur, lane, st, (flags & 2) != 0, h, b, it, sKV, sBar, sDesc, go);
+                    const bool have = first ? (first & 2) != 0 : (flags & 2) != 0;
+                    it = ws_produce_tma<WT>(p, cur, lane, st, have, h, b, it + (first & 1), sKV, sBar, sDesc, go);
                     if (!go_sent && lane == 0) mbar_arrive(sGo);  // an item without steps (the hook never ran)
                     if (++buf == kQBufs) buf = 0, qphase ^= 1;
                 }
