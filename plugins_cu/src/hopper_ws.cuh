@@ -1177,8 +1177,8 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
     // The scheduler warp starts its first item's walk before the CTA's set-up (barrier init, the block of ones, the
     // barrier, which waits for it): row ranges, then windows (WsWalk::init_begin).  The kernel's start is a chain of
     // dependent DRAM round trips (row_ptr, the windows, the first K/V) at a cold L2; this takes the set-up off it.
-    // Measured (session 14, A/B run 3): causal S=1024 -2.6 %, sliding S=4096 -1.8 %, a one-item call -0.8 us; the
-    // row ranges alone gave about half of that.
+    // Measured (session 14, A/B run 3): causal S=1024 -2.6 %, sliding S=4096 -1.8 %, a one-item call about
+    // -0.35 us; the row ranges alone gave about half of that.
     BlockWork early_wk{0, 0, 0};
     bool early_ok = false;  // the first item (the CTA's own index) is in range and its walk begun
     WsWalk<2> early_cur;
@@ -1276,7 +1276,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                         have = ws_take_step<WT::kSub>(cur, p, st);
                     }
                     // The CTA's first item: its first step is issued here, not by warp 0 after the record's
-                    // hand-off (session 14: a one-item call -0.3 us, causal S=1024 -0.8 %).  first: 1 = issued,
+                    // hand-off (session 14: causal S=1024 -0.8 %, a one-item call about -0.35 us).  first: 1 = issued,
                     // | 2 = the item has more steps (the record's extra word).
                     int first = 0;
                     if (early && have) {
