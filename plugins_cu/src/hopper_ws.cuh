@@ -225,23 +225,10 @@ struct WsWalk : MergeWalk<WsWalk<kC>, kC> {
         asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(col) : "r"(sWin + (w * 32 + e[w] - win[w]) * 8) : "memory");
         return col < col_end ? col : INT_MAX;
     }
-    __device__ __forceinline__ void init(const KernelParams& p, const int (&rows)[kC], int kv_len, uint32_t s_win,
-                                         int lane_) {
-        sWin = s_win;
-        lane = lane_;
-        col_end = (kv_len + p.tile_n - 1) / p.tile_n;
-        // lane 2 w + k loads row_ptr[rows[w] + k]: one round trip for every row's range
-        // (one value per row: a lane-indexed rows[] went to local memory)
-#pragma unroll
-        for (int w = 0; w < kC; ++w) {
-            const int rp = lane >> 1 == w && rows[w] >= 0 ? __ldg(p.row_ptr + rows[w] + (lane & 1)) : 0;
-            e[w] = __shfl_sync(0xffffffffu, rp, 2 * w);
-            end[w] = __shfl_sync(0xffffffffu, rp, 2 * w + 1);
-        }
-        init_windows(p);
-    }
-    // lane 2 w + k loads row_ptr[rows[w] + k]: one round trip for every row's range (init_with spreads them)
-    // (item rows as ws_item_rows gives them; computed per lane: a lane-indexed rows[] goes to local memory)
+    // The walk of the item at query row q0, head h starts with row_ptr_of_lane (lane 2 w + k loads row_ptr[row of
+    // consumer w + k]: one round trip for every row's range), then init_with (every row's window in one more round
+    // trip); init_begin / put_windows split the latter around other work.
+    // (The rows are computed per lane, as ws_item_rows gives them: a lane-indexed rows[] goes to local memory.)
     static __device__ __forceinline__ int row_ptr_of_lane(const KernelParams& p, int q0, int h, int lane) {
         const int r0 = q0 + 64 * (lane >> 1);
         if (lane >> 1 >= kC || r0 >= p.seq_q) return 0;
@@ -253,17 +240,10 @@ struct WsWalk : MergeWalk<WsWalk<kC>, kC> {
         init_begin(p, rp, kv_len, s_win, lane_, col, bmi);
         put_windows(p, col, bmi);
     }
-    __device__ __forceinline__ void init_windows(const KernelParams& p) {
-        // every row's window in one round trip
-        int col[kC], bmi[kC];
-        fetch_windows(p, col, bmi);
-        put_windows(p, col, bmi);
-    }
     __device__ __forceinline__ void fetch_windows(const KernelParams& p, int (&col)[kC], int (&bmi)[kC]) const {
 #pragma unroll
         for (int w = 0; w < kC; ++w) fetch(p, w, col[w], bmi[w]);
     }
-    // init_with in two parts: its start (the window loads issued into col / bmi), and its end
     __device__ __forceinline__ void init_begin(const KernelParams& p, int rp, int kv_len, uint32_t s_win, int lane_,
                                                int (&col)[kC], int (&bmi)[kC]) {
 #pragma unroll
@@ -298,20 +278,34 @@ struct WsWalk : MergeWalk<WsWalk<kC>, kC> {
     static __device__ __forceinline__ int bitmap_of(const KernelParams&, int handle) { return handle - 2; }
 };
 
+// The (up to) kC 64-row tile rows of the work item at q0 of head h (-1: past Sq), the rows of the merged walk.
+template <int kC>
+__device__ __forceinline__ void ws_item_rows(int (&rows)[kC], const KernelParams& p, int q0, int h) {
+    const int layout_row0 = (h % p.num_layouts) * p.tq;
+#pragma unroll
+    for (int w = 0; w < kC; ++w) rows[w] = q0 + 64 * w < p.seq_q ? layout_row0 + (q0 + 64 * w) / p.tile_m : -1;
+}
+template <int kC>
+__device__ __forceinline__ void ws_item_cursor(MergedCursor<kC>& cur, const KernelParams& p, int q0, int h, int kv_len) {
+    int rows[kC];
+    ws_item_rows(rows, p, q0, h);
+    cur.init(p, rows, kv_len);
+}
+
 // The TMA producers' walk: two consumers, the producer warp's (WsWalk); three, one thread's (MergedCursor).
 template <int kC>
 using WsProducerWalk = std::conditional_t<kC == 2, WsWalk<kC>, MergedCursor<kC>>;
 template <int kC>
 constexpr int kWsProducerLanes = kC == 2 ? 32 : 1;
 template <int kC>
-__device__ __forceinline__ void ws_walk_init(MergedCursor<kC>& cur, const KernelParams& p, const int (&rows)[kC],
-                                             int kv_len, uint32_t, int) {
-    cur.init(p, rows, kv_len);
+__device__ __forceinline__ void ws_walk_init(MergedCursor<kC>& cur, const KernelParams& p, int q0, int h, int kv_len,
+                                             uint32_t, int) {
+    ws_item_cursor(cur, p, q0, h, kv_len);
 }
 template <int kC>
-__device__ __forceinline__ void ws_walk_init(WsWalk<kC>& cur, const KernelParams& p, const int (&rows)[kC],
-                                             int kv_len, uint32_t s_win, int lane) {
-    cur.init(p, rows, kv_len, s_win, lane);
+__device__ __forceinline__ void ws_walk_init(WsWalk<kC>& cur, const KernelParams& p, int q0, int h, int kv_len,
+                                             uint32_t s_win, int lane) {
+    cur.init_with(p, WsWalk<kC>::row_ptr_of_lane(p, q0, h, lane), kv_len, s_win, lane);
 }
 
 template <int kSub, int kC, class Cursor>
@@ -453,20 +447,6 @@ __device__ __forceinline__ void ws_load_sub(uint32_t s_tile, int h, const typena
             cp_async16(dst + it * kRowStep * 128, ok ? src + it * step : g, ok ? 16 : 0);
         }
     }
-}
-
-// The (up to) kC 64-row tile rows of the work item at q0 of head h (-1: past Sq), the rows of the merged walk.
-template <int kC>
-__device__ __forceinline__ void ws_item_rows(int (&rows)[kC], const KernelParams& p, int q0, int h) {
-    const int layout_row0 = (h % p.num_layouts) * p.tq;
-#pragma unroll
-    for (int w = 0; w < kC; ++w) rows[w] = q0 + 64 * w < p.seq_q ? layout_row0 + (q0 + 64 * w) / p.tile_m : -1;
-}
-template <int kC>
-__device__ __forceinline__ void ws_item_cursor(MergedCursor<kC>& cur, const KernelParams& p, int q0, int h, int kv_len) {
-    int rows[kC];
-    ws_item_rows(rows, p, q0, h);
-    cur.init(p, rows, kv_len);
 }
 
 #ifdef STOF_WS_PROFILE
@@ -953,9 +933,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
         if constexpr (WT::kTma) {
             if (tid < kWsProducerLanes<WT::kConsumers>) {
                 WsProducerWalk<WT::kConsumers> cur;
-                int rows[WT::kConsumers];
-                ws_item_rows(rows, p, q0, h);
-                ws_walk_init(cur, p, rows, p.seq_k, sDesc + WT::kSmemDesc, tid);
+                ws_walk_init(cur, p, q0, h, p.seq_k, sDesc + WT::kSmemDesc, tid);
                 WsStep<kSub, WT::kConsumers> st;
                 const bool have = ws_take_step<kSub>(cur, p, st);
                 ws_produce_tma<WT>(p, cur, tid, st, have, h, b, 0, sKV, sBar, sDesc);
@@ -1353,9 +1331,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                 WsStep<WT::kSub, WT::kConsumers> st;
                 bool have = false;
                 if (valid) {
-                    int rows[WT::kConsumers];
-                    ws_item_rows(rows, p, wk.qb * kBlockM, wk.h);
-                    ws_walk_init(cur, p, rows, p.seq_k, sDesc + WT::kSmemDesc, lane);
+                    ws_walk_init(cur, p, wk.qb * kBlockM, wk.h, p.seq_k, sDesc + WT::kSmemDesc, lane);
                     have = ws_take_step<WT::kSub>(cur, p, st);
                 }
                 if (lane == 0) ws_publish_item<WT>(sItem + 16 * buf, wk, valid, have, q_full(buf));
