@@ -7,7 +7,8 @@ call (untimed), against cuDNN on the same flushed L2.
 
 A cell is B:H:S:mask (D=64, fp16, Sq = Sk = S). The difference cold - warm is what the layout's dependent loads
 (row_ptr, then col_idx / tile_bitmap_index, before the first K/V copy) cost on the call's critical path. CUDA events,
-median of --reps calls. Needs a CUDA GPU; a diagnostic, not a test.
+median of --reps calls (the GPU held busy by a spin kernel while the host enqueues each one). Needs a CUDA GPU; a
+diagnostic, not a test.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def main():
             flush.zero_()
             if before is not None:
                 before()
+            # the GPU spins here while the host enqueues the call, so no launch latency lands between the events
+            torch.cuda._sleep(2_000_000)
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
             fn()
