@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """How much of a STOF call's time is its tile layout coming from DRAM: each call timed after an L2 flush (as
 triton's do_bench does), with the layout's arrays either left cold or read back into L2 between the flush and the
-call (untimed), against cuDNN on the same flushed L2.
+call (untimed), against cuDNN on the same flushed L2; `control`: the same reads of other memory of the same sizes
+(the extra kernels without the layout in L2).
 
     python scripts/layout_warmth.py --tactics 24 --cells "1:1:128:causal;1:1:1024:causal;8:12:1024:causal" --out $OUT/warmth.json
 
@@ -73,14 +74,22 @@ def main():
         arrays = [dl.row_ptr, dl.col_idx, dl.tile_bitmap_index, dl.bitmaps, dl.row_order]
         sink = torch.zeros(len(arrays), dtype=torch.int64, device="cuda")
 
+        dummies = [torch.ones_like(t) for t in arrays]  # control: the same kernels on other memory
+
         def warm():  # read every layout array back into L2
             for i, t in enumerate(arrays):
+                sink[i] = t.sum()
+
+        def control():
+            for i, t in enumerate(dummies):
                 sink[i] = t.sum()
 
         rec = {"cell": cell}
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             if mname == "causal":
                 rec["cudnn_ms"] = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+                rec["cudnn_control_ms"] = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                                                control)
         valid = set(list_tactics(q, k, v, dl))
         for t in [int(x) for x in a.tactics.split(",")]:
             if t not in valid:
@@ -88,6 +97,7 @@ def main():
             r = Runner(q, k, v, dl, tactic=t)
             rec[f"t{t}_cold_ms"] = timed(r)
             rec[f"t{t}_warm_ms"] = timed(r, warm)
+            rec[f"t{t}_control_ms"] = timed(r, control)
         rows.append(rec)
         print(json.dumps(rec), flush=True)
     if a.out:
