@@ -2,7 +2,7 @@
 """How much of a STOF call's time is its tile layout coming from DRAM: each call timed after an L2 flush (as
 triton's do_bench does), with the layout's arrays either left cold or read back into L2 between the flush and the
 call (untimed), against cuDNN on the same flushed L2; `control`: the same reads of other memory of the same sizes
-(the extra kernels without the layout in L2).
+(the extra kernels without the layout in L2); `control_ew`: elementwise kernels on that memory instead of reductions.
 
     python scripts/layout_warmth.py --tactics 24 --cells "1:1:128:causal;1:1:1024:causal;8:12:1024:causal" --out $OUT/warmth.json
 
@@ -84,6 +84,10 @@ def main():
             for i, t in enumerate(dummies):
                 sink[i] = t.sum()
 
+        def control_ew():  # elementwise kernels only (no reductions)
+            for t in dummies:
+                t.add_(0)
+
         rec = {"cell": cell}
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             if mname == "causal":
@@ -98,6 +102,7 @@ def main():
             rec[f"t{t}_cold_ms"] = timed(r)
             rec[f"t{t}_warm_ms"] = timed(r, warm)
             rec[f"t{t}_control_ms"] = timed(r, control)
+            rec[f"t{t}_control_ew_ms"] = timed(r, control_ew)
         rows.append(rec)
         print(json.dumps(rec), flush=True)
     if a.out:
