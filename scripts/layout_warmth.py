@@ -2,7 +2,7 @@
 """How much of a STOF call's time is its tile layout coming from DRAM: each call timed after an L2 flush (as
 triton's do_bench does), with the layout's arrays either left cold or read back into L2 between the flush and the
 call (untimed), against cuDNN on the same flushed L2; `control`: the same reads of other memory of the same sizes
-(the extra kernels without the layout in L2); `control_ew`: elementwise kernels on that memory instead of reductions.
+(the extra kernels without the layout in L2); `control_ew`: elementwise kernels on that memory instead of reductions; `after22`: one call of tactic 22 instead.
 
     python scripts/layout_warmth.py --tactics 24 --cells "1:1:128:causal;1:1:1024:causal;8:12:1024:causal" --out $OUT/warmth.json
 
@@ -95,6 +95,8 @@ def main():
                 rec["cudnn_control_ms"] = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
                                                 control)
         valid = set(list_tactics(q, k, v, dl))
+        # control_22: one call of tactic 22 (about 123 KB of shared memory) before each timed call
+        other = Runner(q, k, v, dl, tactic=22, out=torch.empty_like(q)) if 22 in valid else None
         for t in [int(x) for x in a.tactics.split(",")]:
             if t not in valid:
                 continue
@@ -103,6 +105,8 @@ def main():
             rec[f"t{t}_warm_ms"] = timed(r, warm)
             rec[f"t{t}_control_ms"] = timed(r, control)
             rec[f"t{t}_control_ew_ms"] = timed(r, control_ew)
+            if other is not None:
+                rec[f"t{t}_after22_ms"] = timed(r, other)
         rows.append(rec)
         print(json.dumps(rec), flush=True)
     if a.out:
