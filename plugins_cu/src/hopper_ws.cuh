@@ -501,12 +501,6 @@ __device__ __forceinline__ uint32_t ws_clock() {
 #define STOF_WS_PROF_DRAIN(tag)
 #endif
 
-// Producer (one thread or warp, WsProducerWalk: all lanes walk, lane 0 issues), TMA: the K/V of one work item's
-// steps into the ring from position it on (the caller has started the walk: cur after the first step st, have =
-// whether there is one); returns the ring position after the item.  kSub (K, V) boxes of 64 keys per step; an
-// absent sub-block (odd walk end) re-loads the step's first one: its scores are masked, so it only has to hold finite
-// values.  Rows past Sk are zero-filled by the TMA; the launchers run the cp.async producer when key_lengths can end
-// the keys before Sk (those rows would hold real data).
 // One step's K/V into ring stage sK, completing on its full barrier (the arrival with the expected bytes first).
 // One lane.
 template <class WT, int kC>
@@ -524,6 +518,13 @@ __device__ __forceinline__ void ws_tma_step(const KernelParams& p, const WsStep<
         }
     }
 }
+
+// Producer (one thread or warp, WsProducerWalk: all lanes walk, lane 0 issues), TMA: the K/V of one work item's
+// steps into the ring from position it on (the caller has started the walk: cur after the first step st, have =
+// whether there is one); returns the ring position after the item.  kSub (K, V) boxes of 64 keys per step; an
+// absent sub-block (odd walk end) re-loads the step's first one: its scores are masked, so it only has to hold finite
+// values.  Rows past Sk are zero-filled by the TMA; the launchers run the cp.async producer when key_lengths can end
+// the keys before Sk (those rows would hold real data).
 struct WsNoHook {
     template <class C>
     __device__ __forceinline__ void operator()(const C&) const {}
@@ -1058,13 +1059,16 @@ __device__ __forceinline__ void ws_q_copies(const KernelParams& p, uint32_t sQ, 
 }
 
 // The item's slot for the consumers (qb, h, b, flags: 1 = an item, 2 = it has a step, so the consumers need no walk
-// of their own), then q_full's arrival: expect_tx for the Q copies (issued before; the tx-count may go negative
-// until then), or a plain arrival that releases the consumers' last wait (no more items).  One lane.
+// of their own; `more` adds the producers' own bits: kWsFirstIssued, kWsFirstMore), then q_full's arrival:
+// expect_tx for the Q copies (issued before; the tx-count may go negative until then), or a plain arrival that
+// releases the consumers' last wait (no more items).  One lane.
+constexpr int kWsFirstIssued = 4;  // the scheduler warp issued the item's first step (ws_issue_first_step)
+constexpr int kWsFirstMore = 8;    // ... and the item has more steps
 template <class WT>
 __device__ __forceinline__ void ws_publish_item(uint32_t slot, const BlockWork& wk, bool valid, bool have,
-                                                uint32_t q_full) {
+                                                uint32_t q_full, int more = 0) {
     asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(slot), "r"(wk.qb), "r"(wk.h), "r"(wk.b),
-                 "r"((valid ? 1 : 0) | (have ? 2 : 0))
+                 "r"((valid ? 1 : 0) | (have ? 2 : 0) | more)
                  : "memory");
     if (valid)
         mbar_expect_tx(q_full, WT::kBlockM * WT::kHeadDim * 2);
@@ -1079,7 +1083,7 @@ constexpr int kWsRecBytes = 128;  // WsTraits::persist_smem counts it
 template <int kSub, int kC>
 struct WsRecord {
     static constexpr int kWords = 4 * kC + 1 + 2 * kSub + kC * kSub;
-    static_assert(4 * (kWords + 1) <= kWsRecBytes, "record size");
+    static_assert(4 * kWords <= kWsRecBytes, "record size");
     static __device__ __forceinline__ void put(uint32_t rec, int i, int v) {
         asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(rec + 4 * i), "r"(v) : "memory");
     }
@@ -1157,17 +1161,16 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
     // dependent DRAM round trips (row_ptr, the windows, the first K/V) at a cold L2; this takes the set-up off it.
     // Measured (session 14, A/B run 3): causal S=1024 -2.6 %, sliding S=4096 -1.8 %, a one-item call about
     // -0.35 us; the row ranges alone gave about half of that.
-    BlockWork early_wk{0, 0, 0};
     bool early_ok = false;  // the first item (the CTA's own index) is in range and its walk begun
     WsWalk<2> early_cur;
     int early_col[2], early_bmi[2];
     if constexpr (WT::kSchedWarp) {
         if (tid >> 5 == 1 && static_cast<int>(blockIdx.x) < n_items) {
-            early_wk = block_work_at<kBlockM>(p, blockIdx.x, p.persist_nqb);
-            early_ok = early_wk.qb * kBlockM < p.seq_q;
+            const BlockWork wk = block_work_at<kBlockM>(p, blockIdx.x, p.persist_nqb);
+            early_ok = wk.qb * kBlockM < p.seq_q;
             if (early_ok)  // buffer 0's window
-                early_cur.init_begin(p, WsWalk<2>::row_ptr_of_lane(p, early_wk.qb * kBlockM, early_wk.h, tid & 31),
-                                     p.seq_k, sWinB, tid & 31, early_col, early_bmi);
+                early_cur.init_begin(p, WsWalk<2>::row_ptr_of_lane(p, wk.qb * kBlockM, wk.h, tid & 31), p.seq_k,
+                                     sWinB, tid & 31, early_col, early_bmi);
         }
     }
     if (tid == 0) {
@@ -1230,15 +1233,10 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                         if (lane == 0) ws_bulk_wait<true>();
                     }
                     BlockWork wk{0, 0, 0};
+                    // (the first claim is the CTA's own index, early_wk when early_ok: its walk is under way, and
+                    // this runs while its window loads are in flight)
+                    const bool valid = ws_claim_item<kBlockM, 32>(p, j, lane, n_items, wk) < n_items;
                     const bool early = j == 0 && early_ok;
-                    bool valid;
-                    if (early) {
-                        if (blockIdx.x == 0 && lane == 0) atomicExch(p.work_counter, 0);  // as ws_claim_item does
-                        wk = early_wk;
-                        valid = true;
-                    } else {
-                        valid = ws_claim_item<kBlockM, 32>(p, j, lane, n_items, wk) < n_items;
-                    }
                     if (valid && lane == 0) ws_q_copies<WT>(p, sQ0 + buf * WT::kSmemQ, wk, q_full(buf));
                     WsWalk<2> cur;
                     WsStep<WT::kSub, 2> st;
@@ -1248,23 +1246,20 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                             cur = early_cur;
                             cur.put_windows(p, early_col, early_bmi);
                         } else {
-                            cur.init_with(p, WsWalk<2>::row_ptr_of_lane(p, wk.qb * kBlockM, wk.h, lane), p.seq_k,
-                                          sWinB + buf * WT::kSmemWalk, lane);
+                            ws_walk_init(cur, p, wk.qb * kBlockM, wk.h, p.seq_k, sWinB + buf * WT::kSmemWalk, lane);
                         }
                         have = ws_take_step<WT::kSub>(cur, p, st);
                     }
                     // The CTA's first item: its first step is issued here, not by warp 0 after the record's
-                    // hand-off (session 14: causal S=1024 -0.8 %, a one-item call about -0.35 us).  first: 1 = issued,
-                    // | 2 = the item has more steps (the record's extra word).
+                    // hand-off (session 14: causal S=1024 -0.8 %, a one-item call about -0.35 us).
                     int first = 0;
                     if (early && have) {
                         const bool more = ws_issue_first_step<WT>(p, cur, lane, st, wk.h, wk.b, sKV, sBar, sDesc);
-                        first = 1 | (more ? 2 : 0);
+                        first = kWsFirstIssued | (more ? kWsFirstMore : 0);
                     }
                     if (lane == 0) {
-                        ws_publish_item<WT>(sItem + 16 * buf, wk, valid, have, q_full(buf));
+                        ws_publish_item<WT>(sItem + 16 * buf, wk, valid, have, q_full(buf), first);
                         if (valid) Rec::save(sRecB + buf * kWsRecBytes, cur, st);
-                        Rec::put(sRecB + buf * kWsRecBytes, Rec::kWords, first);
                     }
                     __syncwarp();
                     mbar_arrive(walk_ready(buf));  // by all 32 lanes: each releases its own window stores
@@ -1287,7 +1282,6 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                                  : "memory");
                     if (!(flags & 1)) break;
                     Rec::load(sRecB + buf * kWsRecBytes, cur, st);
-                    const int first = Rec::get(sRecB + buf * kWsRecBytes, Rec::kWords);
                     __syncwarp();  // every lane's record loads before lane 0's next arrival (the scheduler reuses it)
                     cur.nsub = p.tile_n / 64;
                     cur.col_end = (p.seq_k + p.tile_n - 1) / p.tile_n;
@@ -1302,8 +1296,10 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                             go_sent = true;
                         }
                     };
-                    const bool have = first ? (first & 2) != 0 : (flags & 2) != 0;
-                    it = ws_produce_tma<WT>(p, cur, lane, st, have, h, b, it + (first & 1), sKV, sBar, sDesc, go);
+                    // (ring position it held the item's first step when the scheduler issued it)
+                    const bool issued = (flags & kWsFirstIssued) != 0;
+                    const bool have = issued ? (flags & kWsFirstMore) != 0 : (flags & 2) != 0;
+                    it = ws_produce_tma<WT>(p, cur, lane, st, have, h, b, it + (issued ? 1 : 0), sKV, sBar, sDesc, go);
                     if (!go_sent && lane == 0) mbar_arrive(sGo);  // an item without steps (the hook never ran)
                     if (++buf == kQBufs) buf = 0, qphase ^= 1;
                 }
