@@ -1161,16 +1161,17 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
     // dependent DRAM round trips (row_ptr, the windows, the first K/V) at a cold L2; this takes the set-up off it.
     // Measured (session 14, A/B run 3): causal S=1024 -2.6 %, sliding S=4096 -1.8 %, a one-item call about
     // -0.35 us; the row ranges alone gave about half of that.
+    BlockWork early_wk{0, 0, 0};
     bool early_ok = false;  // the first item (the CTA's own index) is in range and its walk begun
     WsWalk<2> early_cur;
     int early_col[2], early_bmi[2];
     if constexpr (WT::kSchedWarp) {
         if (tid >> 5 == 1 && static_cast<int>(blockIdx.x) < n_items) {
-            const BlockWork wk = block_work_at<kBlockM>(p, blockIdx.x, p.persist_nqb);
-            early_ok = wk.qb * kBlockM < p.seq_q;
+            early_wk = block_work_at<kBlockM>(p, blockIdx.x, p.persist_nqb);
+            early_ok = early_wk.qb * kBlockM < p.seq_q;
             if (early_ok)  // buffer 0's window
-                early_cur.init_begin(p, WsWalk<2>::row_ptr_of_lane(p, wk.qb * kBlockM, wk.h, tid & 31), p.seq_k,
-                                     sWinB, tid & 31, early_col, early_bmi);
+                early_cur.init_begin(p, WsWalk<2>::row_ptr_of_lane(p, early_wk.qb * kBlockM, early_wk.h, tid & 31),
+                                     p.seq_k, sWinB, tid & 31, early_col, early_bmi);
         }
     }
     if (tid == 0) {
@@ -1233,10 +1234,15 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                         if (lane == 0) ws_bulk_wait<true>();
                     }
                     BlockWork wk{0, 0, 0};
-                    // (the first claim is the CTA's own index, early_wk when early_ok: its walk is under way, and
-                    // this runs while its window loads are in flight)
-                    const bool valid = ws_claim_item<kBlockM, 32>(p, j, lane, n_items, wk) < n_items;
                     const bool early = j == 0 && early_ok;
+                    bool valid;
+                    if (early) {  // the CTA's own index, claimed above (a claim here measured 0.2 us slower, call 19)
+                        if (blockIdx.x == 0 && lane == 0) atomicExch(p.work_counter, 0);  // as ws_claim_item does
+                        wk = early_wk;
+                        valid = true;
+                    } else {
+                        valid = ws_claim_item<kBlockM, 32>(p, j, lane, n_items, wk) < n_items;
+                    }
                     if (valid && lane == 0) ws_q_copies<WT>(p, sQ0 + buf * WT::kSmemQ, wk, q_full(buf));
                     WsWalk<2> cur;
                     WsStep<WT::kSub, 2> st;
