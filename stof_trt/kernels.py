@@ -40,7 +40,7 @@ __all__ = [
     "native_sched_chunk",
 ]
 
-ABI_VERSION = 4  # STOF_ABI_VERSION of the header this module mirrors
+ABI_VERSION = 3  # STOF_ABI_VERSION of the header this module mirrors
 
 STATUS = {0: "SUCCESS", 1: "INVALID_ARGUMENT", 2: "UNSUPPORTED", 3: "INVALID_TACTIC", 4: "CUDA",
           5: "INSUFFICIENT_BUFFER"}
@@ -76,7 +76,6 @@ class _Params(ctypes.Structure):
         ("row_order", ctypes.c_void_p),  # ABI version 2
         ("sched_chunk", ctypes.c_int32),  # ABI version 2 (then 4 bytes of padding, as in C)
         ("workspace", ctypes.c_void_p), ("workspace_bytes", ctypes.c_int64),  # ABI version 3
-        ("layout_nnz", ctypes.c_int32), ("layout_num_bitmaps", ctypes.c_int32),  # ABI version 4
     ]
 
 
@@ -241,7 +240,6 @@ class DeviceLayout:
         self.bitmaps = upload(layout.bitmaps)
         self.row_order = upload(layout.row_order())
         self.sched_chunk = int(layout.sched_chunk())
-        self.nnz, self.num_partial = int(layout.nnz), int(layout.num_partial)  # the ABI's layout sizes
 
     def __repr__(self) -> str:
         return f"DeviceLayout({self.layout!r})"
@@ -287,7 +285,6 @@ def _make_params(q, k, v, o, dl: DeviceLayout, scale, key_lengths, key_padding_m
     p.tile_bitmap_index, p.bitmaps = dl.tile_bitmap_index.data_ptr(), dl.bitmaps.data_ptr()
     p.tile_m, p.tile_n, p.num_layouts = dl.tile_m, dl.tile_n, dl.num_layouts
     p.layout_seq_q, p.layout_seq_k = dl.seq_q, dl.seq_k
-    p.layout_nnz, p.layout_num_bitmaps = dl.nnz, dl.num_partial  # lets the kernels prefetch the layout into L2
     if row_order:
         p.row_order = dl.row_order.data_ptr()
     # independent of row_order; None = the layout's value; an explicit value goes to the library as given

@@ -135,32 +135,14 @@ def test_native_errors(kernels):
 
 def test_abi_version(kernels):
     lib = kernels.load_library()
-    assert lib.stof_abi_version() == kernels.ABI_VERSION == 4
+    assert lib.stof_abi_version() == kernels.ABI_VERSION == 3
     names = [f[0] for f in kernels._Params._fields_]
-    assert names[-6:] == ["row_order", "sched_chunk", "workspace", "workspace_bytes", "layout_nnz",
-                          "layout_num_bitmaps"]
+    assert names[-4:] == ["row_order", "sched_chunk", "workspace", "workspace_bytes"]
     p = kernels._Params()
     lib.stof_attn_params_init(ctypes.byref(p))
     assert p.row_order is None                                           # init leaves it NULL
     assert p.sched_chunk == 0                                            # and sched_chunk 0 (library default)
     assert p.workspace is None and p.workspace_bytes == 0                # and no workspace (ABI 3)
-    assert p.layout_nnz == 0 and p.layout_num_bitmaps == 0               # and no layout sizes (ABI 4)
-
-
-def test_layout_sizes_checks(kernels):
-    """ABI 4: the layout sizes are both given (0 <= bitmaps <= nnz) or both 0; anything else is INVALID_ARGUMENT
-    with a message naming them."""
-    lib = kernels.load_library()
-    p = _valid_params(kernels)
-    base = lib.stof_attn_validate(ctypes.byref(p))
-    assert base in (0, 2), lib.stof_last_error_message()               # 2: this build has no kernel for it
-    for nnz, nb in ((10, 3), (10, 10), (10, 0)):
-        p.layout_nnz, p.layout_num_bitmaps = nnz, nb
-        assert lib.stof_attn_validate(ctypes.byref(p)) == base, (nnz, nb)
-    for nnz, nb in ((-1, 0), (0, 2), (3, 4), (5, -1)):
-        p.layout_nnz, p.layout_num_bitmaps = nnz, nb
-        assert lib.stof_attn_validate(ctypes.byref(p)) == 1, (nnz, nb)
-        assert b"layout_nnz" in lib.stof_last_error_message()
 
 
 def _valid_params(kernels):

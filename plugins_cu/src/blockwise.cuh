@@ -85,7 +85,6 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocks) block_attn_fwd(c
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, tig = lane & 3;  // mma fragment coordinates
-    if (warp == KT::kThreads / 32 - 1) prefetch_layout_l2(p, lane);
     const BlockWork work = block_work<kBlockM>(p);  // longest rows first (common.cuh)
     const int qb = work.qb, h = work.h, b = work.b;
     const int q0 = qb * kBlockM;

@@ -41,8 +41,6 @@ struct KernelParams {
     // the items of the schedule's grid and its query blocks per (batch, head)
     int* work_counter;
     int persist_items, persist_nqb;
-    // The C ABI's layout sizes (0: not given): entries of col_idx / tile_bitmap_index, and of bitmaps
-    int layout_nnz, layout_num_bitmaps;
 };
 
 using LaunchFn = cudaError_t (*)(const KernelParams&, cudaStream_t);
@@ -231,34 +229,6 @@ __device__ __forceinline__ RowWalk row_walk(const KernelParams& p, int h, int q0
     w.e_end = __ldg(p.row_ptr + r + 1);
     while (w.e_end > w.e_begin && __ldg(p.col_idx + w.e_end - 1) * p.tile_n >= kv_len) --w.e_end;
     return w;
-}
-
-// The layout's tile lists and bitmaps into L2 at a kernel's start (one warp per CTA; nothing when the ABI's sizes
-// are not given).  do_bench and a model's other kernels leave the layout in DRAM, and a work item's start is a chain
-// of dependent loads (row_ptr, then col_idx, then its bitmaps after the first S): with the lines already asked for,
-// only the first link pays DRAM latency.  Each 128-byte line is asked for once across the first wave of CTAs (the
-// first min(CTAs, SMs) in launch order); the requests are fire-and-forget.
-__device__ __forceinline__ void prefetch_layout_l2(const KernelParams& p, int lane) {
-#if STOF_LAYOUT_PREFETCH
-    if (p.layout_nnz <= 0) return;
-    unsigned nsm;
-    asm("mov.u32 %0, %%nsmid;\n" : "=r"(nsm));
-    const int64_t ctas = static_cast<int64_t>(gridDim.x) * gridDim.y * gridDim.z;
-    const int64_t lin = blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + static_cast<int64_t>(gridDim.y) * blockIdx.z);
-    const int64_t parts = min(ctas, static_cast<int64_t>(nsm));
-    if (lin >= parts) return;
-    auto lines = [&](const void* base, int64_t bytes) {
-        const char* b = static_cast<const char*>(base);
-        for (int64_t i = lin + lane * parts; i * 128 < bytes; i += 32 * parts)
-            asm volatile("prefetch.global.L2 [%0];\n" ::"l"(b + i * 128));
-    };
-    const int64_t list_bytes = 4 * static_cast<int64_t>(p.layout_nnz);
-    lines(p.col_idx, list_bytes);
-    lines(p.tile_bitmap_index, list_bytes);
-    lines(p.bitmaps, static_cast<int64_t>(p.layout_num_bitmaps) * (p.tile_m * p.tile_n / 8));
-#else
-    (void)p, (void)lane;
-#endif
 }
 
 // Effective key length of batch b (run-time Sk combined with key_lengths).

@@ -429,7 +429,6 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, tig = lane & 3;
-    if (warp == HT::kThreads / 32 - 1) prefetch_layout_l2(p, lane);
     const int wg = warp >> 2;
     const BlockWork work = block_work<kBlockM>(p);
     const int qb = work.qb, h = work.h, b = work.b;
@@ -585,7 +584,6 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kHeadDim == 64 ? 3 : 2) hopp
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, tig = lane & 3;
-    if (warp == HT::kThreads / 32 - 1) prefetch_layout_l2(p, lane);
     const BlockWork work = block_work<kBlockM>(p);
     const int qb = work.qb, h = work.h, b = work.b;
     const int q0 = qb * kBlockM;

@@ -911,7 +911,6 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
 
     const int tid = threadIdx.x;
     const int wg = tid / 128;
-    if (tid >> 5 == 2) prefetch_layout_l2(p, tid & 31);  // an idle producer warp
     const BlockWork work = block_work<kBlockM>(p);
     const int qb = work.qb, h = work.h, b = work.b;
     const int q0 = qb * kBlockM;
@@ -1162,7 +1161,6 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
     // dependent DRAM round trips (row_ptr, the windows, the first K/V) at a cold L2; this takes the set-up off it.
     // Measured (session 14, A/B run 3): causal S=1024 -2.6 %, sliding S=4096 -1.8 %, a one-item call about
     // -0.35 us; the row ranges alone gave about half of that.
-    if (tid >> 5 == 2) prefetch_layout_l2(p, tid & 31);  // an idle producer warp
     BlockWork early_wk{0, 0, 0};
     bool early_ok = false;  // the first item (the CTA's own index) is in range and its walk begun
     WsWalk<2> early_cur;

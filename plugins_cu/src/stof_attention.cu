@@ -133,11 +133,6 @@ stof_status_t validate(const stof_attn_params_t* p) {
     if (p->sched_chunk < 0) return fail(STOF_ERROR_INVALID_ARGUMENT, "sched_chunk %d must be >= 0", p->sched_chunk);
     if (p->workspace != nullptr && (p->workspace_bytes < 0 || reinterpret_cast<uintptr_t>(p->workspace) % 16 != 0))
         return fail(STOF_ERROR_INVALID_ARGUMENT, "workspace must be 16-byte aligned with workspace_bytes >= 0");
-    if (p->layout_nnz < 0 || p->layout_num_bitmaps < 0 || (p->layout_nnz == 0 && p->layout_num_bitmaps != 0) ||
-        p->layout_num_bitmaps > p->layout_nnz)
-        return fail(STOF_ERROR_INVALID_ARGUMENT,
-                    "layout_nnz %d / layout_num_bitmaps %d: give both (0 <= bitmaps <= nnz) or neither (0, 0)",
-                    p->layout_nnz, p->layout_num_bitmaps);
     if (p->layout_seq_q < 1 || p->layout_seq_k < 1)
         return fail(STOF_ERROR_INVALID_ARGUMENT, "compiled layout sizes must be >= 1");
     if (p->seq_q > p->layout_seq_q || p->seq_k > p->layout_seq_k)
@@ -173,7 +168,6 @@ KernelParams kernel_params(const stof_attn_params_t& p) {
     k.key_lengths = p.key_lengths, k.key_padding_mask = p.key_padding_mask;
     k.row_order = p.row_order;  // schedule_grid keeps it or drops it per kernel
     k.sched_chunk = p.sched_chunk;  // 0: schedule_grid picks it
-    k.layout_nnz = p.layout_nnz, k.layout_num_bitmaps = p.layout_num_bitmaps;
     k.work_counter = p.workspace != nullptr && p.workspace_bytes >= kWorkspaceBytes ? static_cast<int*>(p.workspace)
                                                                                      : nullptr;
     return k;

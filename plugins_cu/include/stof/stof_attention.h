@@ -21,7 +21,7 @@ extern "C" {
 #endif
 
 #define STOF_FORMAT_VERSION 1
-#define STOF_ABI_VERSION 4
+#define STOF_ABI_VERSION 3
 
 #if defined(_WIN32)
 #define STOF_API __declspec(dllexport)
@@ -96,14 +96,6 @@ typedef struct {
      * either way.  Its contents need no initialisation: the kernel resets its counter itself. */
     void* workspace;
     int64_t workspace_bytes;
-
-    /* --- layout sizes (optional; ABI version 4) ------------------------------------------------------------- */
-    /* The number of entries of col_idx and tile_bitmap_index (nnz = row_ptr[L*Tq]) and of bitmaps (P), exactly, or
-     * both 0 (not given).  Given, each kernel asks L2 for those three arrays at its first instruction (each line once
-     * across the first wave of CTAs), so a work item's first tile list and bitmaps come from L2 instead of DRAM.
-     * Same result either way; the library never reads past them. */
-    int32_t layout_nnz;
-    int32_t layout_num_bitmaps;
 } stof_attn_params_t;
 
 /* Zero the struct and fill the defaults (dtype fp16, num_layouts 1, tile 64x64). */

@@ -144,7 +144,6 @@ std::shared_ptr<SparseAttentionKernel::LayoutCheck const> SparseAttentionKernel:
     int64_t const nnz = rowPtr.back();
     STOF_VALIDATE(nnz >= 0 && nnz <= static_cast<int64_t>(colIdx.size()), "row_ptr[-1] = ", nnz,
                   " but col_idx has ", colIdx.size(), " entries");
-    int64_t usedBitmaps = 0;
     for (size_t r = 0; r + 1 < rowPtr.size(); ++r) {
         STOF_VALIDATE(rowPtr[r] <= rowPtr[r + 1], "row_ptr decreases at ", r);
         for (int64_t e = rowPtr[r]; e < rowPtr[r + 1]; ++e) {
@@ -154,11 +153,8 @@ std::shared_ptr<SparseAttentionKernel::LayoutCheck const> SparseAttentionKernel:
                           r);
             STOF_VALIDATE(tbi[e] >= -1 && tbi[e] < nbBitmaps, "tile_bitmap_index[", e, "] = ", tbi[e],
                           " outside [-1, ", nbBitmaps, ")");
-            usedBitmaps = std::max<int64_t>(usedBitmaps, tbi[e] + 1);
         }
     }
-    check->nnz = static_cast<int32_t>(nnz);
-    check->numBitmaps = static_cast<int32_t>(std::min(usedBitmaps, nnz));  // <= nnz: one bitmap per tile at most
     Sha1 sha;
     int64_t const header[6] = {kFORMAT_VERSION, mSeqQ, mSeqK, mTileM, mTileN, mNumLayouts};
     sha.update(header, sizeof(header));
@@ -420,8 +416,6 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
         p.key_padding_mask = kpm.present ? static_cast<int32_t const*>(kpm.data) : nullptr;
         p.row_order = layout->rowOrderDevice;  // tile rows longest first (ABI v2), uploaded with the layout check
         p.sched_chunk = layout->schedChunk;    // (batch, head) interleaving (ABI v2), computed with the layout check
-        p.layout_nnz = layout->nnz;            // the layout's sizes (ABI v4): the kernels prefetch it into L2
-        p.layout_num_bitmaps = layout->numBitmaps;
         if (!fromCache) {  // no tactic-cache entry: the pre-search's first choice (memoised per shape bucket)
             // the layout check stays valid while the layout inputs are constant (it is re-made otherwise)
             tactic = presearchTactic(p, maskSig, shapeBucket(B, Sq, Sk) + "|" + maskSig);

@@ -42,9 +42,6 @@ private:
         // stof_layout_sched_chunk() of host[0] (stof_attn_params_t::sched_chunk: 1 for near-equal row lengths,
         // else 0 = the library's default), computed with rowOrderHost
         int32_t schedChunk{0};
-        // the C ABI's layout sizes (v4: the kernels prefetch the layout into L2): row_ptr[-1], and the bitmaps
-        // the tiles name (the largest tile_bitmap_index + 1)
-        int32_t nnz{0}, numBitmaps{0};
 
         LayoutCheck() = default;
         LayoutCheck(LayoutCheck const&) = delete;
