@@ -4,6 +4,7 @@
     python scripts/ab_kernels.py --libs base=build/plugins_cu/libstof_kernels.so,emu=build_emu/plugins_cu/libstof_kernels.so \\
         --tactics 13,19 --cells "64:4096:causal;64:4096:sliding:window=256" --rounds 2 --out $OUT/ab.json
     python scripts/ab_kernels.py --libs ws=build/plugins_cu/libstof_kernels.so,nows=build/plugins_cu/libstof_kernels.so#noworkspace ...
+    python scripts/ab_kernels.py --libs pairs=build/plugins_cu/libstof_kernels.so,nopairs=build/plugins_cu/libstof_kernels.so#nopairs ...
 
 Each library runs in its own process (one libstof_kernels per process), in rounds A B C A B C ... so clock and
 thermal drift hit every build alike; a cell's time is the median over rounds of each round's do_bench median.
@@ -49,6 +50,8 @@ def worker(a):
         mask = parse_mask(MASKS.get(mname, mname))
         layout = compile_mask(mask, S, S, num_heads=H)
         dl = DeviceLayout(layout)
+        if a.no_pairs:
+            dl.pair_order = None  # two-row kernels in their default order (C ABI 3's schedule)
         dense = np.asarray(mask.dense(S, S, num_heads=H))
         dense = torch.from_numpy(dense[None] if dense.ndim == 2 else dense).cuda()
         allowed = dense[torch.arange(H, device="cuda") % dense.shape[0]][None]  # [1, H, S, S]
@@ -73,7 +76,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--libs", required=True,
                     help="name=path,... (libstof_kernels.so builds to compare; a path ending in '#noworkspace' runs "
-                         "that build without the C ABI workspace, e.g. non-persistent warp-specialised tactics)")
+                         "that build without the C ABI workspace, e.g. non-persistent warp-specialised tactics; in "
+                         "'#nopairs', without the pair order, so two-row kernels take their default order; both may "
+                         "follow the path, in either order)")
     ap.add_argument("--tactics", default="13,19")
     ap.add_argument("--cells", default="64:4096:causal;64:4096:sliding",
                     help="D:S:mask;... (mask: a name of the issue-3 benchmark, or a mask spec)")
@@ -84,6 +89,7 @@ def main():
     ap.add_argument("--out", default=None, help="write every round's results as JSON here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--no-workspace", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--no-pairs", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         return worker(a)
@@ -94,8 +100,15 @@ def main():
         if not sep or not name or name in libs:
             sys.exit(f"ab_kernels: --libs wants distinct name=path entries, got {item!r}")
         libs[name] = path
+    def split_flags(path):  # "lib.so#noworkspace#nopairs" -> ("lib.so", {"noworkspace", "nopairs"})
+        base, *flags = path.split("#")
+        unknown = set(flags) - {"noworkspace", "nopairs"}
+        if unknown:
+            sys.exit(f"ab_kernels: unknown library flag(s) {sorted(unknown)} in {path!r}")
+        return base, set(flags)
+
     for name, path in libs.items():
-        path = path.removesuffix("#noworkspace")
+        path = split_flags(path)[0]
         if not Path(path).is_file():
             sys.exit(f"ab_kernels: library {name}={path} not found")
     rounds = {name: [] for name in libs}
@@ -103,10 +116,11 @@ def main():
            f"--rep={a.rep}"]
     for rnd in range(a.rounds):
         for name, path in libs.items():
-            nows = path.endswith("#noworkspace")
-            env = dict(os.environ, STOF_KERNELS_LIB=str(Path(path.removesuffix("#noworkspace")).resolve()))
+            lib_path, flags = split_flags(path)
+            env = dict(os.environ, STOF_KERNELS_LIB=str(Path(lib_path).resolve()))
             p = subprocess.run([sys.executable, __file__, "--worker", "--libs=x", *fwd,
-                                *(["--no-workspace"] if nows else [])], env=env,
+                                *(["--no-workspace"] if "noworkspace" in flags else []),
+                                *(["--no-pairs"] if "nopairs" in flags else [])], env=env,
                                capture_output=True, text=True, timeout=1800)
             line = next((ln for ln in p.stdout.splitlines() if ln.startswith("AB_JSON ")), None)
             if p.returncode != 0 or line is None:

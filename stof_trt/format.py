@@ -243,6 +243,22 @@ class TileLayout:
         order = np.lexsort((-rows.ravel(), -counts.ravel(), lay.ravel()))
         return np.ascontiguousarray(rows.ravel()[order], dtype=np.int32)
 
+    def pair_order(self) -> np.ndarray:
+        """int32 ``[L*ceil(Tq/2)]``: within each layout ``l``, entry ``l*ceil(Tq/2) + i`` is the pair of tile rows
+        (pair ``p`` = rows ``2p`` and ``2p+1``; the last pair of an odd ``Tq`` has one row) whose longer row has the
+        i-th most stored tiles; ties go to the higher pair first.  The schedule of kernels whose work item covers two
+        tile rows (C ABI version 4); derived, not stored; exactly what ``stof_layout_pair_order()`` writes."""
+        L, tq = self.num_layouts, self.Tq
+        tp = (tq + 1) // 2
+        counts = np.diff(np.asarray(self.row_ptr, np.int64)).reshape(L, tq)
+        padded = np.zeros((L, 2 * tp), np.int64)
+        padded[:, :tq] = counts
+        longer = padded.reshape(L, tp, 2).max(axis=2)
+        pairs = np.broadcast_to(np.arange(tp, dtype=np.int64), (L, tp))
+        lay = np.broadcast_to(np.arange(L, dtype=np.int64)[:, None], (L, tp))
+        order = np.lexsort((-pairs.ravel(), -longer.ravel(), lay.ravel()))
+        return np.ascontiguousarray(pairs.ravel()[order], dtype=np.int32)
+
     def sched_chunk(self) -> int:
         """0 or 1: the ``sched_chunk`` of the C ABI (version 2) for this layout.  1 (one (batch, head) pair at a
         time) when, in every layout ``l``, ``4 * Tq * longest <= 5 * total`` (integer arithmetic), where ``longest``

@@ -16,8 +16,10 @@ Typical use::
     o = sparse_attention(q, k, v, dl, row_order=False)   # without the longest-rows-first schedule
     o = sparse_attention(q, k, v, dl, sched_chunk=1)     # one (batch, head) pair at a time
 
-``DeviceLayout`` also uploads ``layout.row_order()`` (C ABI version 2: tile rows longest first); every run passes
-it unless called with ``row_order=False`` (then the kernels use their default order).  It also keeps
+``DeviceLayout`` also uploads ``layout.row_order()`` (C ABI version 2: tile rows longest first) and
+``layout.pair_order()`` (version 4: pairs of tile rows longest first, for the kernels whose work item covers two
+tile rows); every run passes both unless called with ``row_order=False`` (then the kernels use their default
+order).  It also keeps
 ``layout.sched_chunk()`` (C ABI version 2 ``sched_chunk``: 1 for layouts of near-equal row lengths, else 0 = the
 library's default); every run passes it unless called with an explicit ``sched_chunk=N`` (N >= 0; benchmarks).
 The two are independent: ``row_order=False`` still passes the layout's ``sched_chunk``.
@@ -37,10 +39,10 @@ from pathlib import Path
 __all__ = [
     "StofKernelError", "load_library", "library_available", "DeviceLayout", "Tactic", "all_tactics",
     "tactic_info", "list_tactics", "sparse_attention", "Runner", "STATUS", "ABI_VERSION", "native_row_order",
-    "native_sched_chunk",
+    "native_sched_chunk", "native_pair_order",
 ]
 
-ABI_VERSION = 3  # STOF_ABI_VERSION of the header this module mirrors
+ABI_VERSION = 4  # STOF_ABI_VERSION of the header this module mirrors
 
 STATUS = {0: "SUCCESS", 1: "INVALID_ARGUMENT", 2: "UNSUPPORTED", 3: "INVALID_TACTIC", 4: "CUDA",
           5: "INSUFFICIENT_BUFFER"}
@@ -76,6 +78,7 @@ class _Params(ctypes.Structure):
         ("row_order", ctypes.c_void_p),  # ABI version 2
         ("sched_chunk", ctypes.c_int32),  # ABI version 2 (then 4 bytes of padding, as in C)
         ("workspace", ctypes.c_void_p), ("workspace_bytes", ctypes.c_int64),  # ABI version 3
+        ("pair_order", ctypes.c_void_p),  # ABI version 4
     ]
 
 
@@ -133,6 +136,8 @@ def load_library(path: str | os.PathLike | None = None) -> ctypes.CDLL:
                            "or point STOF_KERNELS_LIB at a current build)")
     lib.stof_layout_sched_chunk.argtypes = [i32p, ctypes.c_int32, ctypes.c_int32, i32p]
     lib.stof_layout_sched_chunk.restype = ctypes.c_int
+    lib.stof_layout_pair_order.argtypes = [i32p, ctypes.c_int32, ctypes.c_int32, i32p]
+    lib.stof_layout_pair_order.restype = ctypes.c_int
     _LIB = lib
     return lib
 
@@ -168,6 +173,20 @@ def native_row_order(row_ptr, num_layouts: int, tiles_q: int):
     out = np.empty(max(n, 1), np.int32)   # sizes < 1: the library reports them (INVALID_ARGUMENT)
     i32p = ctypes.POINTER(ctypes.c_int32)
     _check(lib.stof_layout_row_order(rp.ctypes.data_as(i32p), num_layouts, tiles_q, out.ctypes.data_as(i32p)))
+    return out
+
+
+def native_pair_order(row_ptr, num_layouts: int, tiles_q: int):
+    """The C helper ``stof_layout_pair_order`` on a host ``row_ptr`` (``num_layouts*tiles_q + 1`` entries): int32
+    numpy ``[num_layouts*ceil(tiles_q/2)]``, per layout its pairs of tile rows longest first
+    (= ``TileLayout.pair_order()``)."""
+    import numpy as np
+
+    lib = load_library()
+    rp, num_layouts, tiles_q, n = _host_row_ptr(row_ptr, num_layouts, tiles_q)
+    out = np.empty(max(num_layouts * ((tiles_q + 1) // 2), 1), np.int32)  # sizes < 1: INVALID_ARGUMENT
+    i32p = ctypes.POINTER(ctypes.c_int32)
+    _check(lib.stof_layout_pair_order(rp.ctypes.data_as(i32p), num_layouts, tiles_q, out.ctypes.data_as(i32p)))
     return out
 
 
@@ -220,8 +239,10 @@ def all_tactics() -> list[Tactic]:
 
 class DeviceLayout:
     """A TileLayout's four int32 arrays on the GPU (torch tensors), its derived ``row_order`` (``[L*Tq]``, tile rows
-    longest first; passed to the kernels unless a run says ``row_order=False``), its derived ``sched_chunk`` (an int,
-    ``layout.sched_chunk()``; passed unless a run gives ``sched_chunk=N``) plus its metadata."""
+    longest first) and ``pair_order`` (``[L*ceil(Tq/2)]``, pairs of tile rows longest first; set it to None to run
+    two-row kernels in their default order), both passed to the kernels unless a run says ``row_order=False``, its
+    derived ``sched_chunk`` (an int, ``layout.sched_chunk()``; passed unless a run gives ``sched_chunk=N``) plus its
+    metadata."""
 
     def __init__(self, layout, device="cuda"):
         import torch
@@ -239,6 +260,7 @@ class DeviceLayout:
         self.tile_bitmap_index = upload(layout.tile_bitmap_index)
         self.bitmaps = upload(layout.bitmaps)
         self.row_order = upload(layout.row_order())
+        self.pair_order = upload(layout.pair_order())
         self.sched_chunk = int(layout.sched_chunk())
 
     def __repr__(self) -> str:
@@ -285,8 +307,10 @@ def _make_params(q, k, v, o, dl: DeviceLayout, scale, key_lengths, key_padding_m
     p.tile_bitmap_index, p.bitmaps = dl.tile_bitmap_index.data_ptr(), dl.bitmaps.data_ptr()
     p.tile_m, p.tile_n, p.num_layouts = dl.tile_m, dl.tile_n, dl.num_layouts
     p.layout_seq_q, p.layout_seq_k = dl.seq_q, dl.seq_k
-    if row_order:
+    if row_order:  # both schedules (the library uses the one that fits the kernel)
         p.row_order = dl.row_order.data_ptr()
+        if dl.pair_order is not None:
+            p.pair_order = dl.pair_order.data_ptr()
     # independent of row_order; None = the layout's value; an explicit value goes to the library as given
     # (a negative one is its INVALID_ARGUMENT)
     p.sched_chunk = dl.sched_chunk if sched_chunk is None else int(sched_chunk)

@@ -288,8 +288,9 @@ def _schedule_order(stats: TileStats, t: TacticSpec, dur: np.ndarray, *, batch: 
     (common.cuh block_work, docs/kernels.md "Schedule"): (batch, head) pairs in chunks of C (1 for layouts of
     near-equal rows, else as many pairs as fit 16 MiB of K/V), inside a chunk position-major; a position is a tile
     row in the layout's row order (longest first, ties the higher row) when a CTA covers at most one tile row and
-    Sq covers >= 3/4 of the layout's rows, else the reversed rows.  Persistent kernels take their items in the same
-    order."""
+    Sq covers >= 3/4 of the layout's rows, a pair of tile rows in its pair order (by the longer row, ties the higher
+    pair) when a CTA covers exactly two and Sq covers >= 3/4 of the pairs, else the reversed rows.  Persistent
+    kernels take their items in the same order."""
     L, n_cta = dur.shape
     nhb = batch * heads
     rows = stats.row_nnz
@@ -304,6 +305,14 @@ def _schedule_order(stats: TileStats, t: TacticSpec, dur: np.ndarray, *, batch: 
             order = sorted(range(rows.shape[1]), key=lambda r: (-rows[l, r], -r))
             qbs = [r * f + (f - 1 - j) for r in order for j in range(f)]
             ordered.append(np.array([dur[l][n_cta - 1 - qb] if qb < n_cta else np.nan for qb in qbs]))
+    elif f == 0 and t.block_m == 2 * stats.tile_m and 4 * n_cta >= 3 * ((rows.shape[1] + 1) // 2):
+        tq = rows.shape[1]
+        tp = (tq + 1) // 2
+        ordered = []
+        for l in range(L):
+            longer = [max(rows[l, 2 * i], rows[l, 2 * i + 1]) if 2 * i + 1 < tq else rows[l, 2 * i] for i in range(tp)]
+            order = sorted(range(tp), key=lambda i: (-longer[i], -i))
+            ordered.append(np.array([dur[l][n_cta - 1 - qb] if qb < n_cta else np.nan for qb in order]))
     else:
         ordered = list(dur)
     out = []

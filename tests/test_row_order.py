@@ -135,14 +135,15 @@ def test_native_errors(kernels):
 
 def test_abi_version(kernels):
     lib = kernels.load_library()
-    assert lib.stof_abi_version() == kernels.ABI_VERSION == 3
+    assert lib.stof_abi_version() == kernels.ABI_VERSION == 4
     names = [f[0] for f in kernels._Params._fields_]
-    assert names[-4:] == ["row_order", "sched_chunk", "workspace", "workspace_bytes"]
+    assert names[-5:] == ["row_order", "sched_chunk", "workspace", "workspace_bytes", "pair_order"]
     p = kernels._Params()
     lib.stof_attn_params_init(ctypes.byref(p))
     assert p.row_order is None                                           # init leaves it NULL
     assert p.sched_chunk == 0                                            # and sched_chunk 0 (library default)
     assert p.workspace is None and p.workspace_bytes == 0                # and no workspace (ABI 3)
+    assert p.pair_order is None                                          # and no pair order (ABI 4)
 
 
 def _valid_params(kernels):
@@ -175,3 +176,73 @@ def test_workspace_size_and_checks(kernels):
     assert b"aligned" in lib.stof_last_error_message()
     p.workspace, p.workspace_bytes = 1 << 20, -1
     assert lib.stof_attn_workspace_size(ctypes.byref(p), 23, ctypes.byref(n)) == 1    # negative size
+
+
+# --- the pair order (C ABI 4): pairs of tile rows (2p, 2p+1) for kernels whose work item covers two tile rows ---
+
+def _pair_reference(row_ptr: np.ndarray, L: int, tq: int) -> np.ndarray:
+    """The definition, spelled out: pairs listed last..0, stable-sorted by the stored tiles of their longer row."""
+    tp = (tq + 1) // 2
+    out = []
+    for lay in range(L):
+        n = [int(row_ptr[lay * tq + r + 1] - row_ptr[lay * tq + r]) for r in range(tq)]
+        longer = [max(n[2 * i: 2 * i + 2]) for i in range(tp)]
+        pairs = list(range(tp - 1, -1, -1))
+        pairs.sort(key=lambda i: -longer[i])
+        out += pairs
+    return np.array(out, np.int32)
+
+
+def test_pair_order_definition():
+    n_odd = 0
+    for layout in _random_layouts(60, seed=11):
+        L, tq = layout.num_layouts, layout.Tq
+        tp = (tq + 1) // 2
+        order = layout.pair_order()
+        assert order.dtype == np.int32 and order.shape == (L * tp,)
+        for lay in range(L):
+            assert np.array_equal(np.sort(order[lay * tp:(lay + 1) * tp]), np.arange(tp))
+        assert np.array_equal(order, _pair_reference(layout.row_ptr, L, tq))
+        n_odd += tq % 2
+    assert n_odd > 5  # odd Tq (a last pair of one row) was covered
+
+
+def test_pair_order_known_cases():
+    causal = compile_mask("causal", 512, 512)                 # 8 tile rows, pairs of 2/4/6/8 tiles: last first
+    assert causal.pair_order().tolist() == [3, 2, 1, 0]
+    lf = compile_mask("longformer:window=128,global=16", 1024, 1024)
+    assert lf.pair_order()[0] == 0                             # the pair holding the global row starts first
+    odd = compile_mask("causal", 320, 320)                     # Tq = 5: pairs (0, 1), (2, 3), (4)
+    assert odd.pair_order().tolist() == [2, 1, 0]              # the lone last row (5 tiles) leads
+    assert compile_mask("causal", 10, 10).pair_order().tolist() == [0]
+
+
+def test_native_pair_order_matches_numpy(kernels):
+    n = 0
+    for layout in _random_layouts(150, seed=13):
+        native = kernels.native_pair_order(layout.row_ptr, layout.num_layouts, layout.Tq)
+        assert np.array_equal(native, layout.pair_order()), repr(layout)
+        n += 1
+    assert n == 150
+    rng = np.random.default_rng(5)                             # many ties, a long odd stack
+    L, tq = 12, 301
+    row_ptr = np.concatenate([[0], np.cumsum(rng.integers(0, 4, L * tq))]).astype(np.int32)
+    assert np.array_equal(kernels.native_pair_order(row_ptr, L, tq), _pair_reference(row_ptr, L, tq))
+
+
+def test_native_pair_order_errors(kernels):
+    lib = kernels.load_library()
+    i32p = ctypes.POINTER(ctypes.c_int32)
+    rp = np.array([0, 1, 3, 3], np.int32)                      # 3 tile rows: pairs (0, 1) and (2)
+    out = np.zeros(2, np.int32)
+    rp_p, out_p = rp.ctypes.data_as(i32p), out.ctypes.data_as(i32p)
+    assert lib.stof_layout_pair_order(None, 1, 3, out_p) == 1  # INVALID_ARGUMENT
+    assert b"NULL" in lib.stof_last_error_message()
+    assert lib.stof_layout_pair_order(rp_p, 1, 3, None) == 1
+    assert lib.stof_layout_pair_order(rp_p, 0, 3, out_p) == 1
+    assert lib.stof_layout_pair_order(rp_p, 1, -1, out_p) == 1
+    assert lib.stof_layout_pair_order(rp_p, 1, 3, out_p) == 0  # and a good call clears the message
+    assert out.tolist() == [0, 1]                               # pair 0's longer row has 2 tiles, pair 1 none
+    assert lib.stof_last_error_message() == b""
+    with pytest.raises(ValueError):
+        kernels.native_pair_order(rp, 2, 3)                     # row_ptr too short for 2 layouts

@@ -35,6 +35,8 @@ struct KernelParams {
     // sched_chunk = heads*batch pairs whose CTAs are interleaved (see block_work).
     const int32_t* row_order;
     int sched_chunk;
+    // pair_order as in the C ABI, kept only when a CTA covers exactly two tile rows (then row_order is dropped)
+    const int32_t* pair_order;
     // K and V (and Q, O) as TMA tensor maps (encoded by the TMA kernels' launchers, unused by every other kernel)
     CUtensorMap tma_k, tma_v, tma_q, tma_o;
     // Persistent kernels (hopper_ws_persist_fwd): the work counter (zeroed by the kernel; C ABI workspace),
@@ -129,7 +131,8 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // dense global rows: 1.5-1.6x the ideal time in a list-scheduling model); (2) K/V reuse in L2: the CTAs in flight
 // belong to few (batch, head) pairs.  So the (batch, head) pairs are cut into chunks of sched_chunk pairs (their
 // K and V fit a share of L2); inside a chunk, position pos of the row order runs for every pair of the chunk
-// before pos + 1.  docs/kernels.md, "Schedule".
+// before pos + 1.  A CTA of two tile rows (128 rows at tile_m 64) takes the pair order instead: the pairs of rows
+// whose longer row is longest first.  docs/kernels.md, "Schedule".
 struct BlockWork {
     int qb, h, b;
 };
@@ -155,6 +158,10 @@ __device__ __forceinline__ BlockWork block_work_at(const KernelParams& p, int64_
         // an entry outside [0, tq) (a caller's bad order) makes the CTA exit (q0 >= Sq) instead of indexing out of
         // bounds; the rows it should have named stay unwritten (the ABI requires a permutation)
         w.qb = static_cast<unsigned>(row) < static_cast<unsigned>(p.tq) ? row * f + (f - 1 - (pos - t * f)) : nqb;
+    } else if (p.pair_order != nullptr) {  // a CTA covers tile rows 2 qb and 2 qb + 1
+        const int tp = (p.tq + 1) / 2;
+        const int pair = __ldg(p.pair_order + (w.h % p.num_layouts) * tp + pos);
+        w.qb = static_cast<unsigned>(pair) < static_cast<unsigned>(tp) ? pair : nqb;  // as for row_order
     } else {
         w.qb = nqb - 1 - pos;
     }
@@ -169,8 +176,9 @@ __device__ __forceinline__ BlockWork block_work(const KernelParams& p) {
 }
 
 // Host: fill the schedule fields of p for a kernel of kBlockM query rows per CTA and return its grid.  The row
-// order is used when a CTA covers at most one tile row and the run-time rows are >= 3/4 of the layout's (the
-// grid then spans every tile row of the layout; CTAs past seq_q exit at once).
+// order is used when a CTA covers at most one tile row, the pair order when it covers exactly two, either only when
+// the run-time rows are >= 3/4 of the layout's (the grid then spans every tile row of the layout; CTAs past seq_q
+// exit at once).
 inline int64_t sched_l2_budget_bytes() {
     static const int64_t budget = [] {
         const char* e = getenv("STOF_SCHED_L2_BYTES");  // experiments only; docs/kernels.md
@@ -190,8 +198,17 @@ inline dim3 schedule_grid(KernelParams& p) {
             nqb = all;
         else
             p.row_order = nullptr;
+        p.pair_order = nullptr;
+    } else if (p.pair_order != nullptr && kBlockM == 2 * p.tile_m) {
+        const int all = (p.tq + 1) / 2;
+        if (4 * static_cast<int64_t>(needed) >= 3 * static_cast<int64_t>(all))
+            nqb = all;
+        else
+            p.pair_order = nullptr;
+        p.row_order = nullptr;
     } else {
         p.row_order = nullptr;
+        p.pair_order = nullptr;
     }
     const int64_t kv_bytes = 2 * static_cast<int64_t>(p.seq_k) * kHeadDim * 2;
     const int64_t nhb = static_cast<int64_t>(p.heads) * p.batch;

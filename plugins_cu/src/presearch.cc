@@ -181,7 +181,9 @@ int occupancy(TacticRow const& t, int D, stof_gpu_props_t const& g) {
 // presearch._schedule_order: the CTA durations (ctaWork's reversed-row order) in the order the library starts them
 // (common.cuh block_work): (batch, head) pairs in chunks (1 for near-equal rows, else as many as fit 16 MiB of
 // K/V), position-major inside a chunk; positions follow the layout's row order (longest first, ties the higher row)
-// when a CTA covers at most one tile row and Sq covers >= 3/4 of the layout's rows, else the reversed rows.
+// when a CTA covers at most one tile row and Sq covers >= 3/4 of the layout's rows, its pair order (pairs of tile
+// rows by their longer row, ties the higher pair) when a CTA covers exactly two and Sq covers >= 3/4 of the pairs,
+// else the reversed rows.
 std::vector<double> scheduleOrder(Stats const& s, TacticRow const& t, std::vector<std::vector<double>> const& dur,
                                   int batch, int heads, int D, int seqK) {
     int const L = s.L;
@@ -206,6 +208,19 @@ std::vector<double> scheduleOrder(Stats const& s, TacticRow const& t, std::vecto
                     int64_t const qb = static_cast<int64_t>(r) * f + (f - 1 - j);
                     ordered[l].push_back(qb < nCta ? dur[l][nCta - 1 - qb] : -1.0);
                 }
+        } else if (f == 0 && t.blockM == 2 * s.tileM && 4 * nCta >= 3LL * ((s.Tq + 1) / 2)) {
+            int const tp = (s.Tq + 1) / 2;
+            int64_t const* nnz = s.rowNnz.data() + static_cast<size_t>(l) * s.Tq;
+            std::vector<int64_t> longer(tp);
+            std::vector<int> order(tp);
+            for (int i = 0; i < tp; ++i) {
+                longer[i] = 2 * i + 1 < s.Tq ? std::max(nnz[2 * i], nnz[2 * i + 1]) : nnz[2 * i];
+                order[i] = i;
+            }
+            std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+                return longer[a] != longer[b] ? longer[a] > longer[b] : a > b;
+            });
+            for (int qb : order) ordered[l].push_back(qb < nCta ? dur[l][nCta - 1 - qb] : -1.0);
         } else {
             ordered[l] = dur[l];
         }

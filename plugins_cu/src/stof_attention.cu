@@ -166,7 +166,8 @@ KernelParams kernel_params(const stof_attn_params_t& p) {
     k.tile_m = p.tile_m, k.tile_n = p.tile_n, k.num_layouts = p.num_layouts;
     k.tq = (p.layout_seq_q + p.tile_m - 1) / p.tile_m;
     k.key_lengths = p.key_lengths, k.key_padding_mask = p.key_padding_mask;
-    k.row_order = p.row_order;  // schedule_grid keeps it or drops it per kernel
+    k.row_order = p.row_order;    // schedule_grid keeps it or drops it per kernel
+    k.pair_order = p.pair_order;  // likewise
     k.sched_chunk = p.sched_chunk;  // 0: schedule_grid picks it
     k.work_counter = p.workspace != nullptr && p.workspace_bytes >= kWorkspaceBytes ? static_cast<int*>(p.workspace)
                                                                                      : nullptr;
@@ -286,6 +287,27 @@ stof_status_t stof_layout_row_order(const int32_t* row_ptr, int32_t num_layouts,
         std::stable_sort(rows.begin(), rows.end(),
                          [rp](int32_t a, int32_t b) { return rp[a + 1] - rp[a] > rp[b + 1] - rp[b]; });
         std::copy(rows.begin(), rows.end(), out + static_cast<int64_t>(l) * tiles_q);
+    }
+    tLastError[0] = '\0';
+    return STOF_SUCCESS;
+}
+
+stof_status_t stof_layout_pair_order(const int32_t* row_ptr, int32_t num_layouts, int32_t tiles_q, int32_t* out) {
+    if (row_ptr == nullptr || out == nullptr) return fail(STOF_ERROR_INVALID_ARGUMENT, "row_ptr or out is NULL");
+    if (num_layouts < 1 || tiles_q < 1)
+        return fail(STOF_ERROR_INVALID_ARGUMENT, "num_layouts %d and tiles_q %d must be >= 1", num_layouts, tiles_q);
+    const int32_t tiles_p = tiles_q / 2 + tiles_q % 2;
+    std::vector<int32_t> pairs(tiles_p);
+    std::vector<int64_t> longer(tiles_p);
+    for (int32_t l = 0; l < num_layouts; ++l) {
+        const int32_t* rp = row_ptr + static_cast<int64_t>(l) * tiles_q;
+        for (int32_t i = 0; i < tiles_p; ++i) {
+            longer[i] = rp[2 * i + 1] - rp[2 * i];
+            if (2 * i + 1 < tiles_q) longer[i] = std::max<int64_t>(longer[i], rp[2 * i + 2] - rp[2 * i + 1]);
+            pairs[i] = tiles_p - 1 - i;  // ties: higher pair first
+        }
+        std::stable_sort(pairs.begin(), pairs.end(), [&](int32_t a, int32_t b) { return longer[a] > longer[b]; });
+        std::copy(pairs.begin(), pairs.end(), out + static_cast<int64_t>(l) * tiles_p);
     }
     tLastError[0] = '\0';
     return STOF_SUCCESS;

@@ -1,6 +1,8 @@
 """GPU: every valid tactic gives the same correct output with the layout's row order (C ABI v2 ``row_order``,
-tile rows longest first) and without it (NULL: the kernels' default order), against the float64 reference; the
-same for the (batch, head) interleaving ``sched_chunk`` (0 = the library's default, 1 = one pair at a time, 3).
+tile rows longest first) and pair order (v4 ``pair_order``, pairs of tile rows longest first, for the two-row
+kernels), with the row order alone, and without either (NULL: the kernels' default order), against the float64
+reference; the same for the (batch, head) interleaving ``sched_chunk`` (0 = the library's default, 1 = one pair at
+a time, 3).
 
 Same criteria as test_attention_kernels.py: fresh random q/k/v, the output poisoned with NaN before every run,
 relative error <= 2e-3 (fp16) / 1e-2 (bf16), rows with no allowed key exactly 0.  Skipped without a CUDA GPU.
@@ -35,6 +37,8 @@ CASES = [
     (LONGFORMER, (1024, 1024), (900, 1000), 2),           # >= 3/4: ordered grid over all 16 rows, row 15 exits
     (BIGBIRD, (1024, 1024), (961, 1024), 3),              # last tile row holds one query row
     (BIGBIRD + ",per_head=1", (1024, 1024), (1024, 1024), 4),  # one row order per layout (L = H = 4)
+    (LONGFORMER, (960, 960), (960, 960), 2),              # odd Tq = 15: the last pair has one tile row
+    (BIGBIRD, (1024, 1024), (800, 1024), 2),              # 7 of 8 pairs needed (>= 3/4): pair 7 exits at once
 ]
 DTYPE_DIMS = [(torch.float16, 64), (torch.bfloat16, 64), (torch.float16, 128)]
 
@@ -64,12 +68,15 @@ def test_row_order_on_off(case, dtype, D):
     assert tactics, "no tactic listed"
     assert list_tactics(q, k, v, dl, row_order=False) == tactics
     tol = TOL[dtype]
+    pairs = dl.pair_order
     for t in tactics:
         outs = {}
-        for ro in (True, False):
-            what = f"{spec} {Sq}x{Sk} (layout {lq}x{lk}) tactic {tactic_info(t).name} row_order={'on' if ro else 'off'}"
+        for ro in (True, "rows", False):  # "rows": the row order without the pair order
+            what = f"{spec} {Sq}x{Sk} (layout {lq}x{lk}) tactic {tactic_info(t).name} row_order={ro}"
             out = torch.full_like(q, float("nan"))
-            sparse_attention(q, k, v, dl, scale=scale, tactic=t, out=out, row_order=ro)
+            dl.pair_order = None if ro == "rows" else pairs
+            sparse_attention(q, k, v, dl, scale=scale, tactic=t, out=out, row_order=bool(ro))
+            dl.pair_order = pairs
             torch.cuda.synchronize()
             assert bool(torch.isfinite(out).all()), f"{what}: non-finite output (unwritten or NaN)"
             err = rel_err(out, ref)
@@ -77,8 +84,37 @@ def test_row_order_on_off(case, dtype, D):
             assert bool((out[~has_key] == 0).all()), f"{what}: rows with no allowed key are not 0"
             outs[ro] = out
         # the order of the work changes, not each row's arithmetic
-        diff = float((outs[True].float() - outs[False].float()).abs().max())
-        assert diff <= 8 * tol, f"{spec} tactic {tactic_info(t).name}: row_order on/off differ by {diff:.3e}"
+        for other in ("rows", False):
+            diff = float((outs[True].float() - outs[other].float()).abs().max())
+            assert diff <= 8 * tol, f"{spec} tactic {tactic_info(t).name}: orders on / {other} differ by {diff:.3e}"
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_pair_order_bad_entry_is_skipped(D):
+    """An entry outside [0, ceil(Tq/2)) (a caller's bad pair order) makes its work item exit: the pair it replaced
+    stays unwritten (the ABI requires a permutation), every other row is still right, and nothing reads out of
+    bounds (compute-sanitizer runs the same path in sanitize_case.py's order cases)."""
+    mask = parse_mask(LONGFORMER)
+    layout = compile_mask(mask, 1024, 1024)
+    dl = DeviceLayout(layout)
+    order = layout.pair_order().copy()
+    lost = int(order[3])
+    order[3] = 99
+    dl.pair_order = torch.from_numpy(order).cuda()
+    gen = torch.Generator(device="cuda").manual_seed(D)
+    q, k, v = rand_qkv(1, 2, 1024, 1024, D, torch.float16, gen)
+    ref, _ = reference(q, k, v, torch.from_numpy(mask.dense(1024, 1024)).cuda()[None], D**-0.5)
+    two_row = [t for t in list_tactics(q, k, v, dl) if tactic_info(t).block_m == 128]
+    assert two_row, "no two-row tactic listed"
+    rows = torch.zeros(1024, dtype=torch.bool)
+    rows[128 * lost: 128 * lost + 128] = True
+    for t in two_row:
+        out = torch.full_like(q, float("nan"))
+        sparse_attention(q, k, v, dl, tactic=t, out=out)
+        torch.cuda.synchronize()
+        name = tactic_info(t).name
+        assert bool(torch.isnan(out[:, :, rows]).all()), f"{name}: the skipped pair {lost} was written"
+        assert rel_err(out[:, :, ~rows], ref[:, :, ~rows]) <= TOL[torch.float16], name
 
 
 def test_runner_and_default_tactic_row_order():

@@ -21,7 +21,7 @@ extern "C" {
 #endif
 
 #define STOF_FORMAT_VERSION 1
-#define STOF_ABI_VERSION 3
+#define STOF_ABI_VERSION 4
 
 #if defined(_WIN32)
 #define STOF_API __declspec(dllexport)
@@ -96,6 +96,15 @@ typedef struct {
      * either way.  Its contents need no initialisation: the kernel resets its counter itself. */
     void* workspace;
     int64_t workspace_bytes;
+
+    /* --- schedule of two-row work items (optional; ABI version 4) ------------------------------------------ */
+    /* [L*ceil(Tq/2)] device int32 or NULL: per layout, its pairs of tile rows (pair i = rows 2i and 2i+1; the last
+     * pair of an odd Tq has one row) longest first, exactly as stof_layout_pair_order() writes them (a permutation
+     * of 0..ceil(Tq/2)-1 within each layout; entries outside that range are skipped, never dereferenced).  Kernels
+     * whose CTA or work item covers two tile rows (the two-warpgroup tactics at tile_m 64) start the longest pairs
+     * first, as row_order does for one-row kernels; NULL: the last pairs first.  Independent of row_order, under
+     * the same rule (used when the run-time rows are >= 3/4 of the layout's). */
+    const int32_t* pair_order;
 } stof_attn_params_t;
 
 /* Zero the struct and fill the defaults (dtype fp16, num_layouts 1, tile 64x64). */
@@ -141,6 +150,12 @@ STOF_API int32_t stof_abi_version(void);
  * the higher row first.  Same result as stof_trt.format.TileLayout.row_order(). */
 STOF_API stof_status_t stof_layout_row_order(const int32_t* row_ptr, int32_t num_layouts, int32_t tiles_q,
                                              int32_t* out);
+
+/* Host helper: the pair_order of stof_attn_params_t for a layout (host row_ptr of num_layouts*tiles_q + 1
+ * entries).  Within each layout l, out[l*ceil(tiles_q/2) + i] is the pair of tile rows whose longer row has the
+ * i-th most stored tiles; ties go to the higher pair first.  Same result as stof_trt.format.TileLayout.pair_order(). */
+STOF_API stof_status_t stof_layout_pair_order(const int32_t* row_ptr, int32_t num_layouts, int32_t tiles_q,
+                                              int32_t* out);
 
 /* Host helper: the sched_chunk of stof_attn_params_t for a layout: 1 when, in every layout, the longest tile row
  * holds at most 5/4 of the mean number of stored tiles per row (uniform rows: sliding, dilated), else 0.

@@ -165,10 +165,18 @@ std::shared_ptr<SparseAttentionKernel::LayoutCheck const> SparseAttentionKernel:
     int64_t const nRows = mNumLayouts * tilesQ;
     STOF_VALIDATE(static_cast<int64_t>(rowPtr.size()) == nRows + 1 && nRows <= kMAX_DIM, "row_ptr has ",
                   rowPtr.size(), " entries, expected num_layouts*ceil(seq_q/tile_m)+1 = ", nRows + 1);
-    check->rowOrderHost.resize(static_cast<size_t>(nRows));
+    // and the pair order of the kernels whose work item covers two tile rows (ABI v4), after it in the same buffer
+    int64_t const nPairs = mNumLayouts * ((tilesQ + 1) / 2);
+    check->pairOrderOffset = nRows;
+    check->rowOrderHost.resize(static_cast<size_t>(nRows + nPairs));
     stof_status_t const ro = stof_layout_row_order(rowPtr.data(), static_cast<int32_t>(mNumLayouts),
                                                    static_cast<int32_t>(tilesQ), check->rowOrderHost.data());
     STOF_REQUIRE(ro == STOF_SUCCESS, ORT_FAIL, "stof_layout_row_order: ", stof_status_string(ro), ": ",
+                 stof_last_error_message());
+    stof_status_t const po = stof_layout_pair_order(rowPtr.data(), static_cast<int32_t>(mNumLayouts),
+                                                    static_cast<int32_t>(tilesQ),
+                                                    check->rowOrderHost.data() + check->pairOrderOffset);
+    STOF_REQUIRE(po == STOF_SUCCESS, ORT_FAIL, "stof_layout_pair_order: ", stof_status_string(po), ": ",
                  stof_last_error_message());
     // and its (batch, head) interleaving (C ABI v2 sched_chunk), from the same host row_ptr
     stof_status_t const sc = stof_layout_sched_chunk(rowPtr.data(), static_cast<int32_t>(mNumLayouts),
@@ -177,7 +185,7 @@ std::shared_ptr<SparseAttentionKernel::LayoutCheck const> SparseAttentionKernel:
                  stof_last_error_message());
     // The device copy only for constant layouts (made once, kept with the cached check): for a layout fed at run
     // time it would cost an allocation, a synchronising copy and a free per call, for a scheduling hint --
-    // row_order stays NULL there (the kernels' reversed order), sched_chunk still applies.
+    // row_order and pair_order stay NULL there (the kernels' reversed order), sched_chunk still applies.
     if (mLayoutConstant) {
         size_t const roBytes = check->rowOrderHost.size() * sizeof(int32_t);
         void* roDevice = nullptr;
@@ -415,6 +423,7 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
         p.layout_seq_k = static_cast<int32_t>(mSeqK);
         p.key_padding_mask = kpm.present ? static_cast<int32_t const*>(kpm.data) : nullptr;
         p.row_order = layout->rowOrderDevice;  // tile rows longest first (ABI v2), uploaded with the layout check
+        p.pair_order = layout->rowOrderDevice ? layout->rowOrderDevice + layout->pairOrderOffset : nullptr;  // v4
         p.sched_chunk = layout->schedChunk;    // (batch, head) interleaving (ABI v2), computed with the layout check
         if (!fromCache) {  // no tactic-cache entry: the pre-search's first choice (memoised per shape bucket)
             // the layout check stays valid while the layout inputs are constant (it is re-made otherwise)

@@ -36,9 +36,11 @@ private:
         std::string signature;  // TileLayout.signature()
         std::vector<int32_t> host[4];  // the arrays on the host (for the pre-search)
         // stof_layout_row_order() of host[0] ([L*Tq], tile rows longest first: stof_attn_params_t::row_order),
-        // on the host and uploaded once to rowOrderDevice, which this object owns (cudaFree in the destructor)
+        // then at pairOrderOffset stof_layout_pair_order()'s ([L*ceil(Tq/2)]: stof_attn_params_t::pair_order, ABI
+        // v4), on the host and uploaded once to rowOrderDevice, which this object owns (cudaFree in the destructor)
         std::vector<int32_t> rowOrderHost;
         int32_t* rowOrderDevice{nullptr};
+        int64_t pairOrderOffset{0};
         // stof_layout_sched_chunk() of host[0] (stof_attn_params_t::sched_chunk: 1 for near-equal row lengths,
         // else 0 = the library's default), computed with rowOrderHost
         int32_t schedChunk{0};
