@@ -19,7 +19,8 @@ Typical use::
 ``DeviceLayout`` also uploads ``layout.row_order()`` (C ABI version 2: tile rows longest first) and
 ``layout.pair_order()`` (version 4: pairs of tile rows longest first, for the kernels whose work item covers two
 tile rows); every run passes both unless called with ``row_order=False`` (then the kernels use their default
-order).  It also keeps
+order, last rows first) or an order is that default already (causal layouts: passing it would only cost the
+kernels a load per work item).  It also keeps
 ``layout.sched_chunk()`` (C ABI version 2 ``sched_chunk``: 1 for layouts of near-equal row lengths, else 0 = the
 library's default); every run passes it unless called with an explicit ``sched_chunk=N`` (N >= 0; benchmarks).
 The two are independent: ``row_order=False`` still passes the layout's ``sched_chunk``.
@@ -259,12 +260,24 @@ class DeviceLayout:
         self.col_idx = upload(layout.col_idx)
         self.tile_bitmap_index = upload(layout.tile_bitmap_index)
         self.bitmaps = upload(layout.bitmaps)
-        self.row_order = upload(layout.row_order())
-        self.pair_order = upload(layout.pair_order())
+        ro, po = layout.row_order(), layout.pair_order()
+        self.row_order = upload(ro)
+        self.pair_order = upload(po)
+        # An order that is the kernels' own (last rows first: causal) is not passed: the same schedule, without one
+        # dependent load before each work item (session 15: causal S=1024, tactic 24 +0.5 us with the pair order)
+        self.row_order_is_default = _last_first(ro, self.num_layouts, int(layout.Tq))
+        self.pair_order_is_default = _last_first(po, self.num_layouts, (int(layout.Tq) + 1) // 2)
         self.sched_chunk = int(layout.sched_chunk())
 
     def __repr__(self) -> str:
         return f"DeviceLayout({self.layout!r})"
+
+
+def _last_first(order, num_layouts: int, n: int) -> bool:
+    """order ([num_layouts*n]) lists each layout's n entries last first: the kernels' order without one."""
+    import numpy as np
+
+    return bool(np.array_equal(order, np.tile(np.arange(n - 1, -1, -1, dtype=np.int32), num_layouts)))
 
 
 def _as_torch(x):
@@ -307,9 +320,10 @@ def _make_params(q, k, v, o, dl: DeviceLayout, scale, key_lengths, key_padding_m
     p.tile_bitmap_index, p.bitmaps = dl.tile_bitmap_index.data_ptr(), dl.bitmaps.data_ptr()
     p.tile_m, p.tile_n, p.num_layouts = dl.tile_m, dl.tile_n, dl.num_layouts
     p.layout_seq_q, p.layout_seq_k = dl.seq_q, dl.seq_k
-    if row_order:  # both schedules (the library uses the one that fits the kernel)
-        p.row_order = dl.row_order.data_ptr()
-        if dl.pair_order is not None:
+    if row_order:  # both schedules (the library uses the one that fits the kernel), unless the kernels' own
+        if not dl.row_order_is_default:
+            p.row_order = dl.row_order.data_ptr()
+        if dl.pair_order is not None and not dl.pair_order_is_default:
             p.pair_order = dl.pair_order.data_ptr()
     # independent of row_order; None = the layout's value; an explicit value goes to the library as given
     # (a negative one is its INVALID_ARGUMENT)

@@ -173,6 +173,20 @@ def test_make_params_passes_sched_chunk(kernels):
                 assert p.sched_chunk == explicit and (p.row_order is not None) == ro
 
 
+def test_make_params_passes_orders_unless_default(kernels):
+    """Both orders go to the library (C ABI 2 and 4) unless row_order=False, and an order that is the kernels' own
+    (every layout last first: causal) stays NULL: the same schedule, one load less per work item."""
+    for spec, want_rows, want_pairs in [("causal", False, False), ("longformer:window=128,global=16", True, True),
+                                        ("sliding:window=128", True, True)]:
+        layout, dl, q = _cpu_problem(kernels, spec, S=1024)
+        tq = layout.Tq
+        assert dl.row_order_is_default == (layout.row_order().tolist() == list(range(tq - 1, -1, -1)) * layout.num_layouts)
+        p = kernels._make_params(q, q, q, q, dl, None, None, None, True, True)
+        assert (p.row_order is not None) == want_rows and (p.pair_order is not None) == want_pairs, spec
+        p = kernels._make_params(q, q, q, q, dl, None, None, None, True, False)
+        assert p.row_order is None and p.pair_order is None
+
+
 def test_validate_rejects_negative_sched_chunk(kernels):
     lib = kernels.load_library()
     _, dl, q = _cpu_problem(kernels)

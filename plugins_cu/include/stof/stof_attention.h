@@ -103,7 +103,9 @@ typedef struct {
      * of 0..ceil(Tq/2)-1 within each layout; entries outside that range are skipped, never dereferenced).  Kernels
      * whose CTA or work item covers two tile rows (the two-warpgroup tactics at tile_m 64) start the longest pairs
      * first, as row_order does for one-row kernels; NULL: the last pairs first.  Independent of row_order, under
-     * the same rule (used when the run-time rows are >= 3/4 of the layout's). */
+     * the same rule (used when the run-time rows are >= 3/4 of the layout's).  For either order, a caller may pass
+     * NULL where the helper's order is that default (every layout last first, e.g. causal): the same schedule, and
+     * the kernels skip one dependent load before each work item. */
     const int32_t* pair_order;
 } stof_attn_params_t;
 

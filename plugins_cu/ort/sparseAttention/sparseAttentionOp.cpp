@@ -178,6 +178,14 @@ std::shared_ptr<SparseAttentionKernel::LayoutCheck const> SparseAttentionKernel:
                                                     check->rowOrderHost.data() + check->pairOrderOffset);
     STOF_REQUIRE(po == STOF_SUCCESS, ORT_FAIL, "stof_layout_pair_order: ", stof_status_string(po), ": ",
                  stof_last_error_message());
+    auto lastFirst = [&](int64_t off, int64_t n) {
+        for (int64_t l = 0; l < mNumLayouts; ++l)
+            for (int64_t i = 0; i < n; ++i)
+                if (check->rowOrderHost[static_cast<size_t>(off + l * n + i)] != n - 1 - i) return false;
+        return true;
+    };
+    check->rowOrderDefault = lastFirst(0, tilesQ);
+    check->pairOrderDefault = lastFirst(check->pairOrderOffset, (tilesQ + 1) / 2);
     // and its (batch, head) interleaving (C ABI v2 sched_chunk), from the same host row_ptr
     stof_status_t const sc = stof_layout_sched_chunk(rowPtr.data(), static_cast<int32_t>(mNumLayouts),
                                                      static_cast<int32_t>(tilesQ), &check->schedChunk);
@@ -422,8 +430,12 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
         p.layout_seq_q = static_cast<int32_t>(mSeqQ);
         p.layout_seq_k = static_cast<int32_t>(mSeqK);
         p.key_padding_mask = kpm.present ? static_cast<int32_t const*>(kpm.data) : nullptr;
-        p.row_order = layout->rowOrderDevice;  // tile rows longest first (ABI v2), uploaded with the layout check
-        p.pair_order = layout->rowOrderDevice ? layout->rowOrderDevice + layout->pairOrderOffset : nullptr;  // v4
+        // tile rows longest first (ABI v2) and pairs of them (v4), uploaded with the layout check; not passed where
+        // they are the kernels' own order
+        if (layout->rowOrderDevice != nullptr) {
+            p.row_order = layout->rowOrderDefault ? nullptr : layout->rowOrderDevice;
+            p.pair_order = layout->pairOrderDefault ? nullptr : layout->rowOrderDevice + layout->pairOrderOffset;
+        }
         p.sched_chunk = layout->schedChunk;    // (batch, head) interleaving (ABI v2), computed with the layout check
         if (!fromCache) {  // no tactic-cache entry: the pre-search's first choice (memoised per shape bucket)
             // the layout check stays valid while the layout inputs are constant (it is re-made otherwise)

@@ -41,6 +41,9 @@ private:
         std::vector<int32_t> rowOrderHost;
         int32_t* rowOrderDevice{nullptr};
         int64_t pairOrderOffset{0};
+        // either order equal to the kernels' default (every layout last first: causal) is not passed (same schedule,
+        // one dependent load less per work item)
+        bool rowOrderDefault{false}, pairOrderDefault{false};
         // stof_layout_sched_chunk() of host[0] (stof_attn_params_t::sched_chunk: 1 for near-equal row lengths,
         // else 0 = the library's default), computed with rowOrderHost
         int32_t schedChunk{0};
