@@ -37,6 +37,7 @@ struct KernelParams {
     int sched_chunk;
     // pair_order as in the C ABI, kept only when a CTA covers exactly two tile rows (then row_order is dropped)
     const int32_t* pair_order;
+    bool uniform_rows;  // the caller's sched_chunk was 1 (rows of near-equal length)
     // K and V (and Q, O) as TMA tensor maps (encoded by the TMA kernels' launchers, unused by every other kernel)
     CUtensorMap tma_k, tma_v, tma_q, tma_o;
     // Persistent kernels (hopper_ws_persist_fwd): the work counter (zeroed by the kernel; C ABI workspace),
@@ -212,6 +213,7 @@ inline dim3 schedule_grid(KernelParams& p) {
     }
     const int64_t kv_bytes = 2 * static_cast<int64_t>(p.seq_k) * kHeadDim * 2;
     const int64_t nhb = static_cast<int64_t>(p.heads) * p.batch;
+    p.uniform_rows = p.sched_chunk == 1;
     const int64_t chunk = p.sched_chunk > 0 ? p.sched_chunk : sched_l2_budget_bytes() / kv_bytes;
     p.sched_chunk = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nhb, chunk)));
     return dim3(nqb, p.heads, p.batch);

@@ -1023,8 +1023,41 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
 // per call): CTA 0's claiming thread zeroes it before its first claim.  A claim made elsewhere before that reads
 // whatever the workspace held: out of range, it ends that CTA's items (CTA 0 claims after the reset, so every item is
 // still handed out); in range, it runs an item that is handed out again after the reset -- twice, the same bytes.
+#if STOF_WS_STATIC
+// Experiment (session 15): the CTA's first static_rounds items are static, items blockIdx.x + s gridDim.x (s = 0, 1,
+// ...: the s-th static item, n_static counts them), so no atomic round trip sits between an item's end and the next
+// one's walk; the last waves (from static_rounds gridDim.x on) go through the counter as before, so the tail still
+// balances.
+constexpr int kWsDynamicWaves = STOF_WS_STATIC;
 template <int kBlockM, int kLanes>
-__device__ __forceinline__ int ws_claim_item(const KernelParams& p, int j, int lane, int n_items, BlockWork& wk) {
+__device__ __forceinline__ int ws_claim_item(const KernelParams& p, int j, int lane, int n_items, BlockWork& wk,
+                                             int& n_static) {
+    if (j == 0 && blockIdx.x == 0 && lane == 0) atomicExch(p.work_counter, 0);
+    const int grid = static_cast<int>(gridDim.x);
+#if STOF_WS_STATIC_UNIFORM
+    // only for layouts of near-equal rows (the caller's sched_chunk 1, stof_layout_sched_chunk): unequal items
+    // assigned statically measured 4-5 % slower on causal S >= 2048
+    const int static_rounds = p.uniform_rows ? max(1, n_items / grid - kWsDynamicWaves) : 1;
+#else
+    const int static_rounds = max(1, n_items / grid - kWsDynamicWaves);
+#endif
+    const int base = static_rounds * grid;
+    int item;
+    do {
+        int claimed = 0;
+        const bool fixed = n_static < static_rounds;
+        if (!fixed && lane == 0) claimed = atomicAdd(p.work_counter, 1);
+        if constexpr (kLanes > 1) claimed = __shfl_sync(0xffffffffu, claimed, 0);
+        const bool in_range = claimed >= 0 && claimed < n_items - base;
+        item = fixed ? static_cast<int>(blockIdx.x) + n_static++ * grid : in_range ? base + claimed : n_items;
+        if (item < n_items) wk = block_work_at<kBlockM>(p, item, p.persist_nqb);
+    } while (item < n_items && wk.qb * kBlockM >= p.seq_q);
+    return item;
+}
+#else
+template <int kBlockM, int kLanes>
+__device__ __forceinline__ int ws_claim_item(const KernelParams& p, int j, int lane, int n_items, BlockWork& wk,
+                                             int& /*n_static*/) {
     if (j == 0 && blockIdx.x == 0 && lane == 0) atomicExch(p.work_counter, 0);
     int item;
     bool first = j == 0;
@@ -1039,6 +1072,7 @@ __device__ __forceinline__ int ws_claim_item(const KernelParams& p, int j, int l
     } while (item < n_items && wk.qb * kBlockM >= p.seq_q);
     return item;
 }
+#endif
 
 // An item's kBlockM x kHeadDim tile in its Q buffer (the wgmma's swizzled layout) as 64 x 64 TMA boxes:
 // f(byte offset in the buffer, first column, first row of the item) per box.
@@ -1226,7 +1260,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                         ws_bulk_commit();
                     }
                 };
-                int j = 0;
+                int j = 0, n_static = 0;
                 for (;; ++j) {
                     if (j >= 1) mbar_wait(sGo, (j - 1) & 1);
                     if (j >= kQBufs) {  // item j - kQBufs's O out of the buffer before its Q comes in
@@ -1239,9 +1273,10 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                     if (early) {  // the CTA's own index, claimed above (a claim here measured 0.2 us slower, call 19)
                         if (blockIdx.x == 0 && lane == 0) atomicExch(p.work_counter, 0);  // as ws_claim_item does
                         wk = early_wk;
+                        n_static = 1;  // (STOF_WS_STATIC: it was static item 0)
                         valid = true;
                     } else {
-                        valid = ws_claim_item<kBlockM, 32>(p, j, lane, n_items, wk) < n_items;
+                        valid = ws_claim_item<kBlockM, 32>(p, j, lane, n_items, wk, n_static) < n_items;
                     }
                     if (valid && lane == 0) ws_q_copies<WT>(p, sQ0 + buf * WT::kSmemQ, wk, q_full(buf));
                     WsWalk<2> cur;
@@ -1320,12 +1355,13 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
             const uint32_t tk0 = ws_clock();
 #endif
             int buf = 0, qphase = 0;  // item j's Q buffer (j % kQBufs) and the parity of its (j / kQBufs)-th use
+            int n_static = 0;
             for (int j = 0;; ++j) {
                 STOF_PROF_T(tq0);
                 if (j >= kQBufs) mbar_wait(q_empty(buf), qphase ^ 1);  // item j - kQBufs's O is out of this buffer
                 STOF_PROF_T(tq1);
                 BlockWork wk{0, 0, 0};
-                const bool valid = ws_claim_item<kBlockM, kLanes>(p, j, lane, n_items, wk) < n_items;
+                const bool valid = ws_claim_item<kBlockM, kLanes>(p, j, lane, n_items, wk, n_static) < n_items;
                 STOF_PROF_T(tq2);
                 // The Q copies go before the walk (their latency under its loads).
                 if (valid && lane == 0) ws_q_copies<WT>(p, sQ0 + buf * WT::kSmemQ, wk, q_full(buf));
