@@ -1015,33 +1015,25 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
 #endif
 }
 
-// The persistent kernels' item starts.  ws_claim_item: the CTA's j-th work item (the first is its own index, so no
-// atomic is on the kernel's start-up path; the counter hands out the items from gridDim.x on), skipping items past
-// the run-time Sq (row-ordered grids); n_items when none is left.  Called by the producer thread or warp that
-// claims (lane 0 issues the atomics).
+// The persistent kernels' item starts.  ws_claim_item: the CTA's j-th work item, skipping items past the run-time Sq
+// (row-ordered grids); n_items when none is left.  Called by the producer thread or warp that claims (lane 0 issues
+// the atomics).  The first items are static -- item blockIdx.x + s gridDim.x is the CTA's s-th (n_static counts them),
+// so no atomic is on the kernel's start-up path nor between those items -- and the counter hands out the rest, from
+// static_rounds gridDim.x on, in the schedule's order (dynamic list scheduling: the longest rows still go first and the
+// tail balances).  static_rounds is 1 (only the CTA's own index) unless the caller said the layout's rows are of
+// near-equal length (sched_chunk 1, stof_layout_sched_chunk); then every wave but the last is static (session 15:
+// sliding S = 2048-4096 -2 %; with unequal items, causal S >= 2048 +4-5 %, the imbalance a static share leaves).
 // The work counter needs no memset before the launch (session 11: -1.5 to -2.5 % at S = 1024, one operation less
 // per call): CTA 0's claiming thread zeroes it before its first claim.  A claim made elsewhere before that reads
 // whatever the workspace held: out of range, it ends that CTA's items (CTA 0 claims after the reset, so every item is
 // still handed out); in range, it runs an item that is handed out again after the reset -- twice, the same bytes.
-#if STOF_WS_STATIC
-// Experiment (session 15): the CTA's first static_rounds items are static, items blockIdx.x + s gridDim.x (s = 0, 1,
-// ...: the s-th static item, n_static counts them), so no atomic round trip sits between an item's end and the next
-// one's walk; the last waves (from static_rounds gridDim.x on) go through the counter as before, so the tail still
-// balances.
-constexpr int kWsDynamicWaves = STOF_WS_STATIC;
 template <int kBlockM, int kLanes>
 __device__ __forceinline__ int ws_claim_item(const KernelParams& p, int j, int lane, int n_items, BlockWork& wk,
                                              int& n_static) {
     if (j == 0 && blockIdx.x == 0 && lane == 0) atomicExch(p.work_counter, 0);
-    const int grid = static_cast<int>(gridDim.x);
-#if STOF_WS_STATIC_UNIFORM
-    // only for layouts of near-equal rows (the caller's sched_chunk 1, stof_layout_sched_chunk): unequal items
-    // assigned statically measured 4-5 % slower on causal S >= 2048
-    const int static_rounds = p.uniform_rows ? max(1, n_items / grid - kWsDynamicWaves) : 1;
-#else
-    const int static_rounds = max(1, n_items / grid - kWsDynamicWaves);
-#endif
-    const int base = static_rounds * grid;
+    const int grid = static_cast<int>(gridDim.x);  // <= n_items
+    const int static_rounds = p.uniform_rows ? max(1, n_items / grid - 1) : 1;
+    const int base = static_rounds * grid;         // <= n_items
     int item;
     do {
         int claimed = 0;
@@ -1054,25 +1046,6 @@ __device__ __forceinline__ int ws_claim_item(const KernelParams& p, int j, int l
     } while (item < n_items && wk.qb * kBlockM >= p.seq_q);
     return item;
 }
-#else
-template <int kBlockM, int kLanes>
-__device__ __forceinline__ int ws_claim_item(const KernelParams& p, int j, int lane, int n_items, BlockWork& wk,
-                                             int& /*n_static*/) {
-    if (j == 0 && blockIdx.x == 0 && lane == 0) atomicExch(p.work_counter, 0);
-    int item;
-    bool first = j == 0;
-    do {
-        int claimed = 0;
-        if (!first && lane == 0) claimed = atomicAdd(p.work_counter, 1);
-        if constexpr (kLanes > 1) claimed = __shfl_sync(0xffffffffu, claimed, 0);
-        const bool in_range = claimed >= 0 && claimed < n_items - static_cast<int>(gridDim.x);
-        item = first ? static_cast<int>(blockIdx.x) : in_range ? static_cast<int>(gridDim.x) + claimed : n_items;
-        first = false;
-        if (item < n_items) wk = block_work_at<kBlockM>(p, item, p.persist_nqb);
-    } while (item < n_items && wk.qb * kBlockM >= p.seq_q);
-    return item;
-}
-#endif
 
 // An item's kBlockM x kHeadDim tile in its Q buffer (the wgmma's swizzled layout) as 64 x 64 TMA boxes:
 // f(byte offset in the buffer, first column, first row of the item) per box.
@@ -1273,7 +1246,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                     if (early) {  // the CTA's own index, claimed above (a claim here measured 0.2 us slower, call 19)
                         if (blockIdx.x == 0 && lane == 0) atomicExch(p.work_counter, 0);  // as ws_claim_item does
                         wk = early_wk;
-                        n_static = 1;  // (STOF_WS_STATIC: it was static item 0)
+                        n_static = 1;  // it was static item 0
                         valid = true;
                     } else {
                         valid = ws_claim_item<kBlockM, 32>(p, j, lane, n_items, wk, n_static) < n_items;

@@ -168,6 +168,7 @@ KernelParams kernel_params(const stof_attn_params_t& p) {
     k.key_lengths = p.key_lengths, k.key_padding_mask = p.key_padding_mask;
     k.row_order = p.row_order;    // schedule_grid keeps it or drops it per kernel
     k.pair_order = p.pair_order;  // likewise
+    k.uniform_rows = false;       // schedule_grid sets it from sched_chunk
     k.sched_chunk = p.sched_chunk;  // 0: schedule_grid picks it
     k.work_counter = p.workspace != nullptr && p.workspace_bytes >= kWorkspaceBytes ? static_cast<int*>(p.workspace)
                                                                                      : nullptr;

@@ -8,7 +8,8 @@ tails (S=200/333 not multiples of 64), partial and full tiles, Sq != Sk, key_len
 dtypes and head dims, every valid tactic of a 128x64 layout (all block shapes) and a 32x32 one (row-wise), and
 the warp-specialised tactics without key_lengths (TMA producer), persistent and one CTA per item, and the two-row
 tactics on a 64x64 layout of an odd number of tile rows with the pair order (C ABI v4), one of its entries out of
-range (that pair's rows stay unwritten, nothing is read out of bounds).
+range (that pair's rows stay unwritten, nothing is read out of bounds), and the persistent tactics over a grid of
+four waves with sched_chunk 1 (all but the last wave of items handed out statically).
 """
 
 import sys
@@ -98,6 +99,24 @@ def main():
                 assert err <= TOL[torch.float16], (tactic_info(t).name, sq, workspace, err)
                 worst = max(worst, err / TOL[torch.float16])
                 n += 1
+    # Several waves of persistent items with sched_chunk 1 (static items): sliding S=1024, B=4, H=16 -> 512 two-row
+    # items over at most 132 CTAs.
+    sl = parse_mask("sliding:window=128")
+    layout = TileLayout.from_dense(sl.dense(1024, 1024)[None], 64, 64)
+    dl = DeviceLayout(layout)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = rand_qkv(4, 16, 1024, 1024, 64, torch.float16, gen)
+    ref, _ = reference(q, k, v, torch.from_numpy(sl.dense(1024, 1024)).cuda()[None], 64**-0.5, None)
+    for t in list_tactics(q, k, v, dl):
+        if "_ws_" not in tactic_info(t).name:
+            continue
+        out = torch.full_like(q, float("nan"))
+        sparse_attention(q, k, v, dl, tactic=t, out=out, sched_chunk=1)
+        torch.cuda.synchronize()
+        err = rel_err(out, ref)
+        assert err <= TOL[torch.float16], (tactic_info(t).name, "static items", err)
+        worst = max(worst, err / TOL[torch.float16])
+        n += 1
     print(f"sanitize_case: {n} runs ok, worst err/tol {worst:.3f}")
 
 

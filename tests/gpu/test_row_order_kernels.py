@@ -279,3 +279,28 @@ def test_broadcast_kv_and_single_head_layouts():
         o = out.transpose(1, 2)
         assert bool(torch.isfinite(o).all()), f"B=H=1 [B,S,H,D] tactic {tactic_info(t).name}: non-finite output"
         assert rel_err(o, ref1) <= tol, f"B=H=1 [B,S,H,D] tactic {tactic_info(t).name}: rel err {rel_err(o, ref1):.3e}"
+
+
+@pytest.mark.parametrize("spec,chunk", [("sliding:window=128", None), (LONGFORMER, 1), ("causal", 1)],
+                         ids=["sliding", "longformer-chunk1", "causal-chunk1"])
+def test_persistent_static_items(spec, chunk):
+    """With sched_chunk 1 the persistent tactics hand out all but their last wave of items statically: a grid of
+    several waves (B=4, H=12, S=2048: 768 two-row items over at most 132 CTAs), for the layout's own chunk (sliding)
+    and for layouts of unequal rows forced to 1; every item written exactly once, against float64."""
+    mask = parse_mask(spec)
+    S, B, H, D = 2048, 4, 12, 64
+    layout = compile_mask(mask, S, S)
+    dl = DeviceLayout(layout)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v = rand_qkv(B, H, S, S, D, torch.float16, gen)
+    ref, has_key = reference(q, k, v, torch.from_numpy(mask.dense(S, S)).cuda()[None], D**-0.5)
+    ws = [t for t in list_tactics(q, k, v, dl) if "_ws_" in tactic_info(t).name]
+    assert ws, "no warp-specialised tactic listed"
+    for t in ws:
+        out = torch.full_like(q, float("nan"))
+        sparse_attention(q, k, v, dl, tactic=t, out=out, sched_chunk=chunk)
+        torch.cuda.synchronize()
+        name = tactic_info(t).name
+        assert bool(torch.isfinite(out).all()), f"{name}: an item was not written"
+        assert rel_err(out, ref) <= TOL[torch.float16], name
+        assert bool((out[~has_key] == 0).all()), name
