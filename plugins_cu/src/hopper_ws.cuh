@@ -1183,7 +1183,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
     }
     if (tid == 0) {
         if constexpr (WT::kSchedWarp) {
-            mbar_init(sGo, 1);
+            mbar_init(sGo, 32);  // every lane of the streaming warp arrives (see its go hook)
 #pragma unroll
             for (int j = 0; j < kQBufs; ++j) mbar_init(walk_ready(j), 32);
         }
@@ -1304,9 +1304,13 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                     bool go_sent = false;
                     // after each step's walk: the walk has ended (every row past its last tile or the key bound;
                     // its window is not read again)
+                    // Every lane arrives (the condition is warp-uniform): each releases its own reads of this item's
+                    // slot, record and window, which the scheduler overwrites kQBufs items later.  (A lane-0 arrival
+                    // left compute-sanitizer racecheck reporting those reads against the scheduler's writes on grids
+                    // of several items per CTA, session 15.)
                     auto go = [&](const WsWalk<2>& c) {
                         if (!go_sent && c.c[0] == INT_MAX && c.c[1] == INT_MAX) {
-                            if (lane == 0) mbar_arrive(sGo);
+                            mbar_arrive(sGo);
                             go_sent = true;
                         }
                     };
@@ -1314,7 +1318,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                     const bool issued = (flags & kWsFirstIssued) != 0;
                     const bool have = issued ? (flags & kWsFirstMore) != 0 : (flags & 2) != 0;
                     it = ws_produce_tma<WT>(p, cur, lane, st, have, h, b, it + (issued ? 1 : 0), sKV, sBar, sDesc, go);
-                    if (!go_sent && lane == 0) mbar_arrive(sGo);  // an item without steps (the hook never ran)
+                    if (!go_sent) mbar_arrive(sGo);  // an item without steps (the hook never ran)
                     if (++buf == kQBufs) buf = 0, qphase ^= 1;
                 }
             }
