@@ -91,11 +91,14 @@ def test_row_order_not_stored():
     assert layout.signature() == sig
 
 
-def test_native_matches_numpy(kernels):
+@pytest.mark.parametrize("helper,derived,seed", [("native_row_order", "row_order", 7),
+                                                  ("native_pair_order", "pair_order", 13)])
+def test_native_matches_numpy(kernels, helper, derived, seed):
+    """The C helpers (row order, ABI 2; pair order, ABI 4) equal TileLayout's on random layouts."""
     n = 0
-    for layout in _random_layouts(150, seed=7):
-        native = kernels.native_row_order(layout.row_ptr, layout.num_layouts, layout.Tq)
-        assert np.array_equal(native, layout.row_order()), repr(layout)
+    for layout in _random_layouts(150, seed=seed):
+        native = getattr(kernels, helper)(layout.row_ptr, layout.num_layouts, layout.Tq)
+        assert np.array_equal(native, getattr(layout, derived)()), repr(layout)
         n += 1
     assert n == 150
 
@@ -110,22 +113,30 @@ def test_native_large_ties(kernels):
     assert np.array_equal(native, _reference(row_ptr, L, tq))
 
 
-def test_native_errors(kernels):
+def _check_helper_errors(kernels, name, row_ptr, tiles_q, want):
+    """A layout-order C helper: NULL pointers and sizes < 1 are INVALID_ARGUMENT with a message; a good call writes
+    `want` and clears the message."""
     lib = kernels.load_library()
+    fn = getattr(lib, name)
     i32p = ctypes.POINTER(ctypes.c_int32)
-    rp = np.array([0, 1, 3], np.int32)
-    out = np.zeros(2, np.int32)
-    rp_p, out_p = rp.ctypes.data_as(i32p), out.ctypes.data_as(i32p)
-    assert lib.stof_layout_row_order(None, 1, 2, out_p) == 1          # INVALID_ARGUMENT
+    out = np.zeros(len(want), np.int32)
+    rp_p, out_p = row_ptr.ctypes.data_as(i32p), out.ctypes.data_as(i32p)
+    assert fn(None, 1, tiles_q, out_p) == 1                            # INVALID_ARGUMENT
     assert b"NULL" in lib.stof_last_error_message()
-    assert lib.stof_layout_row_order(rp_p, 1, 2, None) == 1
-    assert lib.stof_layout_row_order(rp_p, 0, 2, out_p) == 1
+    assert fn(rp_p, 1, tiles_q, None) == 1
+    assert fn(rp_p, 0, tiles_q, out_p) == 1
     assert lib.stof_last_error_message() != b""
-    assert lib.stof_layout_row_order(rp_p, 1, 0, out_p) == 1
-    assert lib.stof_layout_row_order(rp_p, -3, 2, out_p) == 1
-    assert lib.stof_layout_row_order(rp_p, 1, 2, out_p) == 0          # and a good call clears the message
-    assert out.tolist() == [1, 0]
+    assert fn(rp_p, 1, 0, out_p) == 1
+    assert fn(rp_p, -3, tiles_q, out_p) == 1
+    assert fn(rp_p, 1, -1, out_p) == 1
+    assert fn(rp_p, 1, tiles_q, out_p) == 0                            # and a good call clears the message
+    assert out.tolist() == want
     assert lib.stof_last_error_message() == b""
+
+
+def test_native_errors(kernels):
+    rp = np.array([0, 1, 3], np.int32)
+    _check_helper_errors(kernels, "stof_layout_row_order", rp, 2, [1, 0])
     with pytest.raises(kernels.StofKernelError) as ei:
         kernels.native_row_order(rp, 0, 2)
     assert ei.value.status == 1
@@ -217,13 +228,7 @@ def test_pair_order_known_cases():
     assert compile_mask("causal", 10, 10).pair_order().tolist() == [0]
 
 
-def test_native_pair_order_matches_numpy(kernels):
-    n = 0
-    for layout in _random_layouts(150, seed=13):
-        native = kernels.native_pair_order(layout.row_ptr, layout.num_layouts, layout.Tq)
-        assert np.array_equal(native, layout.pair_order()), repr(layout)
-        n += 1
-    assert n == 150
+def test_native_pair_order_large_ties(kernels):
     rng = np.random.default_rng(5)                             # many ties, a long odd stack
     L, tq = 12, 301
     row_ptr = np.concatenate([[0], np.cumsum(rng.integers(0, 4, L * tq))]).astype(np.int32)
@@ -231,18 +236,7 @@ def test_native_pair_order_matches_numpy(kernels):
 
 
 def test_native_pair_order_errors(kernels):
-    lib = kernels.load_library()
-    i32p = ctypes.POINTER(ctypes.c_int32)
     rp = np.array([0, 1, 3, 3], np.int32)                      # 3 tile rows: pairs (0, 1) and (2)
-    out = np.zeros(2, np.int32)
-    rp_p, out_p = rp.ctypes.data_as(i32p), out.ctypes.data_as(i32p)
-    assert lib.stof_layout_pair_order(None, 1, 3, out_p) == 1  # INVALID_ARGUMENT
-    assert b"NULL" in lib.stof_last_error_message()
-    assert lib.stof_layout_pair_order(rp_p, 1, 3, None) == 1
-    assert lib.stof_layout_pair_order(rp_p, 0, 3, out_p) == 1
-    assert lib.stof_layout_pair_order(rp_p, 1, -1, out_p) == 1
-    assert lib.stof_layout_pair_order(rp_p, 1, 3, out_p) == 0  # and a good call clears the message
-    assert out.tolist() == [0, 1]                               # pair 0's longer row has 2 tiles, pair 1 none
-    assert lib.stof_last_error_message() == b""
+    _check_helper_errors(kernels, "stof_layout_pair_order", rp, 3, [0, 1])  # pair 0's longer row: 2 tiles
     with pytest.raises(ValueError):
         kernels.native_pair_order(rp, 2, 3)                     # row_ptr too short for 2 layouts
