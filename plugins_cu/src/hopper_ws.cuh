@@ -1302,12 +1302,6 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                     cur.lane = lane;
                     cur.sWin = sWinB + buf * WT::kSmemWalk;
                     bool go_sent = false;
-#if STOF_WS_UNIFORM_EARLY_GO
-                    if (p.uniform_rows) {  // experiment: near-equal items, the next one's start goes with this one's
-                        mbar_arrive(sGo);
-                        go_sent = true;
-                    }
-#endif
                     // after each step's walk: the walk has ended (every row past its last tile or the key bound;
                     // its window is not read again)
                     // Every lane arrives (the condition is warp-uniform): each releases its own reads of this item's
