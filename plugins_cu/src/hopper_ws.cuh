@@ -1020,28 +1020,35 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
 // the atomics).  The first items are static -- item blockIdx.x + s gridDim.x is the CTA's s-th (n_static counts them),
 // so no atomic is on the kernel's start-up path nor between those items -- and the counter hands out the rest, from
 // static_rounds gridDim.x on, in the schedule's order (dynamic list scheduling: the longest rows still go first and the
-// tail balances).  static_rounds is 1 (only the CTA's own index) unless the caller said the layout's rows are of
-// near-equal length (sched_chunk 1, stof_layout_sched_chunk); then every wave but the last is static (session 15:
-// sliding S = 2048-4096 -2 %; with unequal items, causal S >= 2048 +4-5 %, the imbalance a static share leaves).
+// tail balances).  static_rounds is 1 (only the CTA's own index) unless kStatic (the kernels with a scheduler warp,
+// 21-24) and the caller said the layout's rows are of near-equal length (sched_chunk 1, stof_layout_sched_chunk);
+// then every wave but the last is static (session 15: sliding S = 2048-4096 -2 %; with unequal items, causal
+// S >= 2048 +4-5 %, the imbalance a static share leaves).  (The three-consumer kernels' single producer thread
+// spilled 8 more bytes with the static count live in its loop; they are not the sliding kernels.)
 // The work counter needs no memset before the launch (session 11: -1.5 to -2.5 % at S = 1024, one operation less
 // per call): CTA 0's claiming thread zeroes it before its first claim.  A claim made elsewhere before that reads
 // whatever the workspace held: out of range, it ends that CTA's items (CTA 0 claims after the reset, so every item is
 // still handed out); in range, it runs an item that is handed out again after the reset -- twice, the same bytes.
-template <int kBlockM, int kLanes>
+template <int kBlockM, int kLanes, bool kStatic>
 __device__ __forceinline__ int ws_claim_item(const KernelParams& p, int j, int lane, int n_items, BlockWork& wk,
                                              int& n_static) {
     if (j == 0 && blockIdx.x == 0 && lane == 0) atomicExch(p.work_counter, 0);
     const int grid = static_cast<int>(gridDim.x);  // <= n_items
-    const int static_rounds = p.uniform_rows ? max(1, n_items / grid - 1) : 1;
+    const int static_rounds = kStatic && p.uniform_rows ? max(1, n_items / grid - 1) : 1;
     const int base = static_rounds * grid;         // <= n_items
     int item;
+    bool first = true;
     do {
         int claimed = 0;
-        const bool fixed = n_static < static_rounds;
+        // (!kStatic: n_static is never read, so it holds no register in the claiming loop)
+        const bool fixed = kStatic ? n_static < static_rounds : first && j == 0;
         if (!fixed && lane == 0) claimed = atomicAdd(p.work_counter, 1);
         if constexpr (kLanes > 1) claimed = __shfl_sync(0xffffffffu, claimed, 0);
         const bool in_range = claimed >= 0 && claimed < n_items - base;
-        item = fixed ? static_cast<int>(blockIdx.x) + n_static++ * grid : in_range ? base + claimed : n_items;
+        int s = 0;
+        if constexpr (kStatic) s = fixed ? n_static++ : 0;
+        item = fixed ? static_cast<int>(blockIdx.x) + s * grid : in_range ? base + claimed : n_items;
+        first = false;
         if (item < n_items) wk = block_work_at<kBlockM>(p, item, p.persist_nqb);
     } while (item < n_items && wk.qb * kBlockM >= p.seq_q);
     return item;
@@ -1249,7 +1256,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                         n_static = 1;  // it was static item 0
                         valid = true;
                     } else {
-                        valid = ws_claim_item<kBlockM, 32>(p, j, lane, n_items, wk, n_static) < n_items;
+                        valid = ws_claim_item<kBlockM, 32, true>(p, j, lane, n_items, wk, n_static) < n_items;
                     }
                     if (valid && lane == 0) ws_q_copies<WT>(p, sQ0 + buf * WT::kSmemQ, wk, q_full(buf));
                     WsWalk<2> cur;
@@ -1338,7 +1345,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                 if (j >= kQBufs) mbar_wait(q_empty(buf), qphase ^ 1);  // item j - kQBufs's O is out of this buffer
                 STOF_PROF_T(tq1);
                 BlockWork wk{0, 0, 0};
-                const bool valid = ws_claim_item<kBlockM, kLanes>(p, j, lane, n_items, wk, n_static) < n_items;
+                const bool valid = ws_claim_item<kBlockM, kLanes, false>(p, j, lane, n_items, wk, n_static) < n_items;
                 STOF_PROF_T(tq2);
                 // The Q copies go before the walk (their latency under its loads).
                 if (valid && lane == 0) ws_q_copies<WT>(p, sQ0 + buf * WT::kSmemQ, wk, q_full(buf));
