@@ -37,8 +37,8 @@ struct KernelParams {
     int sched_chunk;
     // pair_order as in the C ABI, kept only when a CTA covers exactly two tile rows (then row_order is dropped)
     const int32_t* pair_order;
-    // the caller's sched_chunk was 1 (stof_layout_sched_chunk: rows of near-equal length): the persistent kernels then
-    // hand out all but their last wave of items statically (hopper_ws.cuh, ws_claim_item)
+    // the caller's sched_chunk was 1 (stof_layout_sched_chunk: rows of near-equal length): the persistent kernels with
+    // a scheduler warp then hand out all but their last wave of items statically (hopper_ws.cuh, ws_claim_item)
     bool uniform_rows;
     // K and V (and Q, O) as TMA tensor maps (encoded by the TMA kernels' launchers, unused by every other kernel)
     CUtensorMap tma_k, tma_v, tma_q, tma_o;

@@ -86,8 +86,8 @@ typedef struct {
     /* (batch, head) pairs whose CTAs are interleaved (docs/kernels.md "Schedule"); 0 = the library's default
      * (as many pairs as fit a share of L2), 1 = one pair at a time.  stof_layout_sched_chunk() gives the value for
      * a layout: 1 when its rows are of near-equal length (interleaving measured 4-5 % slower there), else 0.  With 1
-     * the persistent tactics also hand out all but their last wave of work items statically (no atomic between
-     * items; unequal items then balance worse: same result, other timing). */
+     * the persistent tactics 21-24 also hand out all but their last wave of work items statically (no atomic
+     * between items; unequal items then balance worse: same result, other timing). */
     int32_t sched_chunk;
 
     /* --- workspace (optional; ABI version 3) ------------------------------------------------------------ */
