@@ -180,7 +180,8 @@ def test_make_params_passes_orders_unless_default(kernels):
                                         ("sliding:window=128", True, True)]:
         layout, dl, q = _cpu_problem(kernels, spec, S=1024)
         tq = layout.Tq
-        assert dl.row_order_is_default == (layout.row_order().tolist() == list(range(tq - 1, -1, -1)) * layout.num_layouts)
+        last_first = list(range(tq - 1, -1, -1)) * layout.num_layouts
+        assert dl.row_order_is_default == (layout.row_order().tolist() == last_first)
         p = kernels._make_params(q, q, q, q, dl, None, None, None, True, True)
         assert (p.row_order is not None) == want_rows and (p.pair_order is not None) == want_pairs, spec
         p = kernels._make_params(q, q, q, q, dl, None, None, None, True, False)
