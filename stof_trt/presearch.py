@@ -386,6 +386,19 @@ COEF = {
 }
 
 
+# The per-item constant c of the scheduler-warp tactics (21-24: warp-specialised, 128-row items) on layouts of
+# near-equal rows (sched_chunk 1), where those kernels hand out their items statically (session 15).  Their c is
+# fitted mostly on items of unequal layouts (Longformer, BigBird, causal); on sliding it over-predicted 24 (sessions
+# 14-15), and with the static items the pre-search picked 19 at sliding S=2048/4096 (1.11/1.12x the best).  Replayed
+# on session 15's final run (all 50 cells): 0.5-0.7 give 25/25 at both head dims (1.0-0.8: 23/25 at D=64); 0.7,
+# the largest, also keeps 25/25 on the session's runs without the static items (calls 5-6).
+UNIFORM_ITEM_SCALE = 0.7
+
+
+def _scheduler_warp(t: TacticSpec) -> bool:
+    return t.family == FAMILY_HOPPER and t.warp_specialized and t.block_m == 128
+
+
 def predict(stats: TileStats, tactic: int, *, batch: int, heads: int, head_dim: int, seq_q: int | None = None,
             seq_k: int | None = None, gpu: GpuProps | None = None) -> float:
     """Predicted seconds for one forward call."""
@@ -396,6 +409,8 @@ def predict(stats: TileStats, tactic: int, *, batch: int, heads: int, head_dim: 
         if occ == 0:
             return math.inf
         a, b, c, d = COEF[(tactic, head_dim)]
+        if _scheduler_warp(t0) and stats.sched_chunk == 1:
+            c *= UNIFORM_ITEM_SCALE
         full, part = cta_work(stats, t0, seq_q or stats.seq_q)
         dur = a * full + b * part + c  # [L, n_cta] µs, reversed rows
         ctas = _schedule_order(stats, t0, dur, batch=batch, heads=heads, head_dim=head_dim,

@@ -39,6 +39,8 @@ struct TacticRow {
 const TacticRow kRows[] = {
 #include "presearch_table.inc"
 };
+constexpr double kUniformItemScale = STOF_PRESEARCH_UNIFORM_ITEM_SCALE;  // generated with the table
+
 #undef STOF_PRESEARCH_ROW
 constexpr int kNumRows = static_cast<int>(sizeof(kRows) / sizeof(kRows[0]));
 
@@ -281,12 +283,15 @@ double predict(Stats const& s, TacticRow const& t, int batch, int heads, int D, 
         int const occ = occupancy(t, D, g);
         if (occ == 0) return std::numeric_limits<double>::infinity();
         double const* c = t.coef[dIndex(D)];
+        // presearch.UNIFORM_ITEM_SCALE: the scheduler-warp tactics' per-item constant on near-equal rows
+        bool const schedulerWarp = t.family == kFamilyHopper && t.warpSpecialized && t.blockM == 128;
+        double const cItem = schedulerWarp && s.schedChunk == 1 ? c[2] * kUniformItemScale : c[2];
         std::vector<std::vector<double>> full, part;
         ctaWork(s, t, seqQ, full, part);
         std::vector<std::vector<double>> dur(L);
         for (int l = 0; l < L; ++l) {
             dur[l].resize(full[l].size());
-            for (size_t i = 0; i < full[l].size(); ++i) dur[l][i] = c[0] * full[l][i] + c[1] * part[l][i] + c[2];
+            for (size_t i = 0; i < full[l].size(); ++i) dur[l][i] = c[0] * full[l][i] + c[1] * part[l][i] + cItem;
         }
         std::vector<double> const ctas = scheduleOrder(s, t, dur, batch, heads, D, seqK);
         return (makespan(ctas, static_cast<int64_t>(g.sm_count) * occ) + c[3]) * 1e-6;
