@@ -131,3 +131,18 @@ def test_generated_table_is_current():
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_presearch_table.py"), "--check"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr.strip()
+
+
+@pytest.mark.parametrize("spec", ["sliding:window=128", "dilated:window=256,dilation=2",
+                                  "longformer:window=128,global=16", "bigbird:block=64,window=1,global=1,random=0.05"])
+def test_native_rank_schedules(lib, spec):
+    """The session-15 parts of the model on the layouts that reach them (64x64 tiles, an H100): the pair order of the
+    128-row tactics (Longformer, BigBird: global rows first) and the per-item scale of 21-24 on near-equal rows
+    (sliding, dilated: sched_chunk 1) -- the same ranking and times in C++ as in Python."""
+    for S, D in ((1024, 64), (2048, 128), (900, 64)):
+        layout = compile_mask(spec, S, S)
+        want = ps.rank(layout, batch=8, heads=12, head_dim=D, gpu=ps.H100_SXM)
+        got = native_rank(lib, layout, batch=8, heads=12, head_dim=D, seq_q=S, seq_k=S, gpu=ps.H100_SXM)
+        assert [t for t, _ in got] == [t for t, _ in want], (spec, S, D)
+        assert np.allclose([s for _, s in got], [s for _, s in want], rtol=1e-9), (spec, S, D)
+        assert any(t in (21, 22, 23, 24) for t, _ in want[:8]), "no scheduler-warp tactic ranked near the top"
