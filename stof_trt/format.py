@@ -235,29 +235,17 @@ class TileLayout:
         """int32 ``[L*Tq]``: within each layout ``l``, entry ``l*Tq + i`` is the tile row with the i-th most stored
         tiles (``row_ptr[r+1] - row_ptr[r]``); ties go to the higher row first.  A derived array (not part of the
         stored format); exactly what the C ABI's ``stof_layout_row_order()`` writes for ``row_ptr``."""
-        L, tq = self.num_layouts, self.Tq
-        counts = np.diff(np.asarray(self.row_ptr, np.int64)).reshape(L, tq)
-        rows = np.broadcast_to(np.arange(tq, dtype=np.int64), (L, tq))
-        lay = np.broadcast_to(np.arange(L, dtype=np.int64)[:, None], (L, tq))
-        # lexsort: last key is primary -> by layout, then more tiles first, then higher row first
-        order = np.lexsort((-rows.ravel(), -counts.ravel(), lay.ravel()))
-        return np.ascontiguousarray(rows.ravel()[order], dtype=np.int32)
+        return rows_longest_first(self._row_counts()).ravel()
 
     def pair_order(self) -> np.ndarray:
         """int32 ``[L*ceil(Tq/2)]``: within each layout ``l``, entry ``l*ceil(Tq/2) + i`` is the pair of tile rows
         (pair ``p`` = rows ``2p`` and ``2p+1``; the last pair of an odd ``Tq`` has one row) whose longer row has the
         i-th most stored tiles; ties go to the higher pair first.  The schedule of kernels whose work item covers two
         tile rows (C ABI version 4); derived, not stored; exactly what ``stof_layout_pair_order()`` writes."""
-        L, tq = self.num_layouts, self.Tq
-        tp = (tq + 1) // 2
-        counts = np.diff(np.asarray(self.row_ptr, np.int64)).reshape(L, tq)
-        padded = np.zeros((L, 2 * tp), np.int64)
-        padded[:, :tq] = counts
-        longer = padded.reshape(L, tp, 2).max(axis=2)
-        pairs = np.broadcast_to(np.arange(tp, dtype=np.int64), (L, tp))
-        lay = np.broadcast_to(np.arange(L, dtype=np.int64)[:, None], (L, tp))
-        order = np.lexsort((-pairs.ravel(), -longer.ravel(), lay.ravel()))
-        return np.ascontiguousarray(pairs.ravel()[order], dtype=np.int32)
+        return pairs_longest_first(self._row_counts()).ravel()
+
+    def _row_counts(self) -> np.ndarray:
+        return np.diff(np.asarray(self.row_ptr, np.int64)).reshape(self.num_layouts, self.Tq)
 
     def sched_chunk(self) -> int:
         """0 or 1: the ``sched_chunk`` of the C ABI (version 2) for this layout.  1 (one (batch, head) pair at a
@@ -281,6 +269,28 @@ class TileLayout:
         """Tile art: '#' FULL, '+' PARTIAL, '.' EMPTY (at most max_tiles per side)."""
         g = self.tile_classes()[layout][:max_tiles, :max_tiles]
         return "\n".join("".join(".#+"[c] for c in row) for row in g)
+
+
+def rows_longest_first(counts: np.ndarray) -> np.ndarray:
+    """counts: stored tiles per tile row, ``[L, Tq]``.  int32 ``[L, Tq]``: per layout, its tile rows by decreasing
+    count, ties the higher row first (``TileLayout.row_order``; the pre-search schedules with it too)."""
+    counts = np.asarray(counts, np.int64)
+    L, tq = counts.shape
+    rows = np.broadcast_to(np.arange(tq, dtype=np.int64), (L, tq))
+    lay = np.broadcast_to(np.arange(L, dtype=np.int64)[:, None], (L, tq))
+    # lexsort: last key is primary -> by layout, then more tiles first, then higher row first
+    order = np.lexsort((-rows.ravel(), -counts.ravel(), lay.ravel()))
+    return np.ascontiguousarray(rows.ravel()[order], dtype=np.int32).reshape(L, tq)
+
+
+def pairs_longest_first(counts: np.ndarray) -> np.ndarray:
+    """counts: stored tiles per tile row, ``[L, Tq]``.  int32 ``[L, ceil(Tq/2)]``: per layout, its pairs of tile rows
+    (2p, 2p+1) by decreasing count of the longer row, ties the higher pair first (``TileLayout.pair_order``)."""
+    counts = np.asarray(counts, np.int64)
+    L, tq = counts.shape
+    padded = np.zeros((L, tq + tq % 2), np.int64)
+    padded[:, :tq] = counts
+    return rows_longest_first(padded.reshape(L, -1, 2).max(axis=2))
 
 
 def _valid_counts(seq_q, seq_k, tile_m, tile_n) -> np.ndarray:

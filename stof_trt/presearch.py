@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .format import pairs_longest_first, rows_longest_first
+
 __all__ = ["FAMILY_BLOCK", "FAMILY_ROW", "FAMILY_HOPPER", "TacticSpec", "TACTICS", "valid_tactics", "GpuProps", "H100_SXM", "gpu_props", "TileStats",
            "tile_stats", "predict", "rank", "shortlist"]
 
@@ -301,18 +303,12 @@ def _schedule_order(stats: TileStats, t: TacticSpec, dur: np.ndarray, *, batch: 
         # the grid spans every tile row of the layout; positions whose rows lie past Sq start and exit at once
         # (NaN here, dropped after the interleave, which runs over the raw positions as the kernels' does)
         ordered = []
-        for l in range(L):
-            order = sorted(range(rows.shape[1]), key=lambda r: (-rows[l, r], -r))
+        for l, order in enumerate(rows_longest_first(rows)):
             qbs = [r * f + (f - 1 - j) for r in order for j in range(f)]
             ordered.append(np.array([dur[l][n_cta - 1 - qb] if qb < n_cta else np.nan for qb in qbs]))
     elif f == 0 and t.block_m == 2 * stats.tile_m and 4 * n_cta >= 3 * ((rows.shape[1] + 1) // 2):
-        tq = rows.shape[1]
-        tp = (tq + 1) // 2
-        ordered = []
-        for l in range(L):
-            longer = [max(rows[l, 2 * i], rows[l, 2 * i + 1]) if 2 * i + 1 < tq else rows[l, 2 * i] for i in range(tp)]
-            order = sorted(range(tp), key=lambda i: (-longer[i], -i))
-            ordered.append(np.array([dur[l][n_cta - 1 - qb] if qb < n_cta else np.nan for qb in order]))
+        ordered = [np.array([dur[l][n_cta - 1 - qb] if qb < n_cta else np.nan for qb in order])
+                   for l, order in enumerate(pairs_longest_first(rows))]
     else:
         ordered = list(dur)
     out = []

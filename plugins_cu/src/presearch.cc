@@ -54,6 +54,7 @@ struct Stats {
     std::vector<std::vector<int32_t>> pcols;     // [L*Tq] the partial ones
     double words{0}, allowed{0};
     int32_t schedChunk{0};                       // stof_layout_sched_chunk: 1 for near-equal rows
+    std::vector<int32_t> rowOrder, pairOrder;    // stof_layout_row_order / _pair_order: the kernels' schedules
 };
 
 int popcount32(uint32_t v) {
@@ -97,6 +98,11 @@ Stats tileStats(stof_host_layout_t const& lay) {
     }
     int64_t const wordsFull = nFull * lay.tile_m * (lay.tile_n / 32);
     if (stof_layout_sched_chunk(lay.row_ptr, s.L, s.Tq, &s.schedChunk) != STOF_SUCCESS) s.schedChunk = 0;
+    // (the layout is valid here: neither helper can fail on it)
+    s.rowOrder.resize(R);
+    s.pairOrder.resize(static_cast<size_t>(s.L) * ((s.Tq + 1) / 2));
+    stof_layout_row_order(lay.row_ptr, s.L, s.Tq, s.rowOrder.data());
+    stof_layout_pair_order(lay.row_ptr, s.L, s.Tq, s.pairOrder.data());
     s.words = static_cast<double>(wordsPartial + wordsFull);
     s.allowed = static_cast<double>(bitsPartial + nFull * lay.tile_m * lay.tile_n);
     return s;
@@ -197,32 +203,20 @@ std::vector<double> scheduleOrder(Stats const& s, TacticRow const& t, std::vecto
     std::vector<std::vector<double>> ordered(L);
     for (int l = 0; l < L; ++l) {
         if (f >= 1 && 4 * nCta >= 3LL * s.Tq * f) {
-            std::vector<int> order(s.Tq);
-            for (int r = 0; r < s.Tq; ++r) order[r] = r;
-            int64_t const* nnz = s.rowNnz.data() + static_cast<size_t>(l) * s.Tq;
-            std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
-                return nnz[a] != nnz[b] ? nnz[a] > nnz[b] : a > b;
-            });
             // the grid spans every tile row; positions past Sq exit at once (-1 here, dropped after the interleave,
             // which runs over the raw positions as the kernels' does)
-            for (int r : order)
+            for (int i = 0; i < s.Tq; ++i)
                 for (int j = 0; j < f; ++j) {
-                    int64_t const qb = static_cast<int64_t>(r) * f + (f - 1 - j);
+                    int64_t const r = s.rowOrder[static_cast<size_t>(l) * s.Tq + i];
+                    int64_t const qb = r * f + (f - 1 - j);
                     ordered[l].push_back(qb < nCta ? dur[l][nCta - 1 - qb] : -1.0);
                 }
         } else if (f == 0 && t.blockM == 2 * s.tileM && 4 * nCta >= 3LL * ((s.Tq + 1) / 2)) {
             int const tp = (s.Tq + 1) / 2;
-            int64_t const* nnz = s.rowNnz.data() + static_cast<size_t>(l) * s.Tq;
-            std::vector<int64_t> longer(tp);
-            std::vector<int> order(tp);
             for (int i = 0; i < tp; ++i) {
-                longer[i] = 2 * i + 1 < s.Tq ? std::max(nnz[2 * i], nnz[2 * i + 1]) : nnz[2 * i];
-                order[i] = i;
+                int64_t const qb = s.pairOrder[static_cast<size_t>(l) * tp + i];
+                ordered[l].push_back(qb < nCta ? dur[l][nCta - 1 - qb] : -1.0);
             }
-            std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
-                return longer[a] != longer[b] ? longer[a] > longer[b] : a > b;
-            });
-            for (int qb : order) ordered[l].push_back(qb < nCta ? dur[l][nCta - 1 - qb] : -1.0);
         } else {
             ordered[l] = dur[l];
         }
