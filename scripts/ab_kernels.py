@@ -62,7 +62,7 @@ def worker(a):
             if t not in valid:
                 print(f"ab_kernels: tactic {t} is not valid for {cell} in this build: skipped", file=sys.stderr)
                 continue
-            r = Runner(q, k, v, dl, tactic=t, workspace=not a.no_workspace)
+            r = Runner(q, k, v, dl, tactic=t, workspace=not a.no_workspace, sched_chunk=a.sched_chunk)
             r.out.fill_(float("nan"))
             r()
             torch.cuda.synchronize()
@@ -77,8 +77,10 @@ def main():
     ap.add_argument("--libs", required=True,
                     help="name=path,... (libstof_kernels.so builds to compare; a path ending in '#noworkspace' runs "
                          "that build without the C ABI workspace, e.g. non-persistent warp-specialised tactics; in "
-                         "'#nopairs', without the pair order, so two-row kernels take their default order; both may "
-                         "follow the path, in either order)")
+                         "'#nopairs', without the pair order, so two-row kernels take their default order; in "
+                         "'#chunkN', with the C ABI's sched_chunk N instead of the layout's (N (batch, head) pairs "
+                         "interleaved; 0 = the library's L2 rule); in '#l2mbN', with the schedule's L2 budget N MiB "
+                         "(STOF_SCHED_L2_BYTES); flags may follow the path in any order)")
     ap.add_argument("--tactics", default="13,19")
     ap.add_argument("--cells", default="64:4096:causal;64:4096:sliding",
                     help="D:S:mask;... (mask: a name of the issue-3 benchmark, or a mask spec)")
@@ -90,6 +92,7 @@ def main():
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--no-workspace", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--no-pairs", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--sched-chunk", type=int, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         return worker(a)
@@ -100,9 +103,10 @@ def main():
         if not sep or not name or name in libs:
             sys.exit(f"ab_kernels: --libs wants distinct name=path entries, got {item!r}")
         libs[name] = path
-    def split_flags(path):  # "lib.so#noworkspace#nopairs" -> ("lib.so", {"noworkspace", "nopairs"})
+    def split_flags(path):  # "lib.so#noworkspace#chunk16" -> ("lib.so", {"noworkspace", "chunk16"})
         base, *flags = path.split("#")
-        unknown = set(flags) - {"noworkspace", "nopairs"}
+        unknown = {f for f in flags if f not in ("noworkspace", "nopairs") and not
+                   (f.startswith("chunk") and f[5:].isdigit()) and not (f.startswith("l2mb") and f[4:].isdigit())}
         if unknown:
             sys.exit(f"ab_kernels: unknown library flag(s) {sorted(unknown)} in {path!r}")
         return base, set(flags)
@@ -118,9 +122,13 @@ def main():
         for name, path in libs.items():
             lib_path, flags = split_flags(path)
             env = dict(os.environ, STOF_KERNELS_LIB=str(Path(lib_path).resolve()))
+            for f in flags:  # the library's L2 budget of the schedule (read once per process: docs/kernels.md)
+                if f.startswith("l2mb"):
+                    env["STOF_SCHED_L2_BYTES"] = str(int(f[4:]) << 20)
             p = subprocess.run([sys.executable, __file__, "--worker", "--libs=x", *fwd,
                                 *(["--no-workspace"] if "noworkspace" in flags else []),
-                                *(["--no-pairs"] if "nopairs" in flags else [])], env=env,
+                                *(["--no-pairs"] if "nopairs" in flags else []),
+                                *[f"--sched-chunk={f[5:]}" for f in flags if f.startswith("chunk")]], env=env,
                                capture_output=True, text=True, timeout=1800)
             line = next((ln for ln in p.stdout.splitlines() if ln.startswith("AB_JSON ")), None)
             if p.returncode != 0 or line is None:

@@ -39,7 +39,10 @@ def render() -> str:
              "//                    defer_pv, warp_specialized, key_step,",
              "//                    regs_d64, regs_d128 (-1: none), coef_d64 (has, a, b, c, d), coef_d128 (has, a, b, c, d))",
              "// and presearch.UNIFORM_ITEM_SCALE (the scheduler-warp tactics' per-item constant on near-equal rows):",
-             f"#define STOF_PRESEARCH_UNIFORM_ITEM_SCALE {float(ps.UNIFORM_ITEM_SCALE)!r}"]
+             f"#define STOF_PRESEARCH_UNIFORM_ITEM_SCALE {float(ps.UNIFORM_ITEM_SCALE)!r}",
+             "// and the schedule's L2 budgets (presearch.SCHED_L2_BYTES_*, = common.cuh kSchedL2Bytes*):",
+             f"#define STOF_PRESEARCH_SCHED_L2_BYTES_ONE_ITEM_PER_SM {int(ps.SCHED_L2_BYTES_ONE_ITEM_PER_SM)}LL",
+             f"#define STOF_PRESEARCH_SCHED_L2_BYTES_MANY_CTAS {int(ps.SCHED_L2_BYTES_MANY_CTAS)}LL"]
     for t in ps.TACTICS:
         if t.family not in KNOWN_FAMILIES:
             raise SystemExit(f"tactic {t.id}: family {t.family} unknown to plugins_cu/src/presearch.cc")

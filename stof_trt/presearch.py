@@ -284,11 +284,17 @@ def occupancy(t: TacticSpec, D: int, gpu: GpuProps) -> int:
     return max(0, min(by_threads, by_regs, by_smem, gpu.max_ctas_per_sm))
 
 
+# The library's schedule budgets (common.cuh kSchedL2Bytes*): the K/V bytes of the (batch, head) pairs interleaved,
+# 16 MiB for the warp-specialised kernels (one work item per SM in flight), 32 MiB for the others (session 16).
+SCHED_L2_BYTES_ONE_ITEM_PER_SM = 16 << 20
+SCHED_L2_BYTES_MANY_CTAS = 32 << 20
+
+
 def _schedule_order(stats: TileStats, t: TacticSpec, dur: np.ndarray, *, batch: int, heads: int, head_dim: int,
                     seq_q: int, seq_k: int) -> np.ndarray:
     """The CTA durations dur ([L, n_cta], cta_work's reversed-row order) in the order the library starts them
     (common.cuh block_work, docs/kernels.md "Schedule"): (batch, head) pairs in chunks of C (1 for layouts of
-    near-equal rows, else as many pairs as fit 16 MiB of K/V), inside a chunk position-major; a position is a tile
+    near-equal rows, else as many pairs as fit the kernel's L2 budget of K/V), inside a chunk position-major; a position is a tile
     row in the layout's row order (longest first, ties the higher row) when a CTA covers at most one tile row and
     Sq covers >= 3/4 of the layout's rows, a pair of tile rows in its pair order (by the longer row, ties the higher
     pair) when a CTA covers exactly two and Sq covers >= 3/4 of the pairs, else the reversed rows.  Persistent
@@ -296,7 +302,8 @@ def _schedule_order(stats: TileStats, t: TacticSpec, dur: np.ndarray, *, batch: 
     L, n_cta = dur.shape
     nhb = batch * heads
     rows = stats.row_nnz
-    chunk = 1 if stats.sched_chunk == 1 else max(1, min(nhb, (16 << 20) // (2 * seq_k * head_dim * 2)))
+    budget = SCHED_L2_BYTES_ONE_ITEM_PER_SM if t.warp_specialized else SCHED_L2_BYTES_MANY_CTAS
+    chunk = 1 if stats.sched_chunk == 1 else max(1, min(nhb, budget // (2 * seq_k * head_dim * 2)))
     f = stats.tile_m // t.block_m if stats.tile_m % t.block_m == 0 else 0
     all_ctas = rows.shape[1] * f
     if f >= 1 and 4 * n_cta >= 3 * all_ctas:

@@ -4,6 +4,7 @@ libstof_kernels.so is built (CI builds it with nvcc; no GPU needed)."""
 from __future__ import annotations
 
 import ctypes
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -131,6 +132,17 @@ def test_generated_table_is_current():
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_presearch_table.py"), "--check"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr.strip()
+
+
+def test_schedule_budgets_match_the_kernels():
+    """The pre-search's schedule budgets (SCHED_L2_BYTES_*) are the kernels' (common.cuh kSchedL2Bytes*): a change to
+    one without the other would rank tactics on a schedule the library does not run.  Host only (reads the source)."""
+    src = (ROOT / "plugins_cu" / "src" / "common.cuh").read_text()
+    for name, want in (("kSchedL2BytesOneItemPerSm", ps.SCHED_L2_BYTES_ONE_ITEM_PER_SM),
+                       ("kSchedL2BytesManyCtas", ps.SCHED_L2_BYTES_MANY_CTAS)):
+        m = re.search(rf"constexpr int64_t {name} = static_cast<int64_t>\((\d+)\) << (\d+);", src)
+        assert m, f"{name} not found in common.cuh"
+        assert int(m.group(1)) << int(m.group(2)) == want, name
 
 
 @pytest.mark.parametrize("spec", ["sliding:window=128", "dilated:window=256,dilation=2",

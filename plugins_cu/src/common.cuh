@@ -178,21 +178,30 @@ __device__ __forceinline__ BlockWork block_work(const KernelParams& p) {
     return block_work_at<kBlockM>(p, lin, gridDim.x);
 }
 
+// The schedule's L2 budget, the K/V bytes of the (batch, head) pairs whose work it interleaves (docs/kernels.md
+// "Schedule"), by how many CTAs a kernel keeps in flight: the warp-specialised kernels hold one work item per SM (persistent, or one CTA
+// per SM), every other kernel several CTAs per SM.  Session 16 (B=8 H=12 D=64, 4-8 MiB .. 64 MiB): the kernels with
+// several CTAs per SM (13, 19) ran 5-11 % faster on Longformer and BigBird at S=1024 and 4096 and 8 % on causal
+// S=1024 with 32 MiB than with 16 (a chunk boundary restarts the longest rows first, and at 16 MiB the last chunk's
+// long rows start late), within noise elsewhere, and slower at 64 MiB (S=4096: 3-6 %); tactic 24 was best at 8-16 MiB
+// on causal and mixed on the others, so it keeps 16.
+constexpr int64_t kSchedL2BytesOneItemPerSm = static_cast<int64_t>(16) << 20;
+constexpr int64_t kSchedL2BytesManyCtas = static_cast<int64_t>(32) << 20;
+inline int64_t sched_l2_budget_bytes(int64_t budget) {
+    static const int64_t forced = [] {
+        const char* e = getenv("STOF_SCHED_L2_BYTES");  // experiments only (both budgets); docs/kernels.md
+        const long long v = e ? atoll(e) : 0;
+        return v > 0 ? static_cast<int64_t>(v) : static_cast<int64_t>(0);
+    }();
+    return forced > 0 ? forced : budget;
+}
+
 // Host: fill the schedule fields of p for a kernel of kBlockM query rows per CTA and return its grid.  The row
 // order is used when a CTA covers at most one tile row, the pair order when it covers exactly two, either only when
 // the run-time rows are >= 3/4 of the layout's (the grid then spans every tile row of the layout; CTAs past seq_q
-// exit at once).
-inline int64_t sched_l2_budget_bytes() {
-    static const int64_t budget = [] {
-        const char* e = getenv("STOF_SCHED_L2_BYTES");  // experiments only; docs/kernels.md
-        const long long v = e ? atoll(e) : 0;
-        return v > 0 ? static_cast<int64_t>(v) : static_cast<int64_t>(16) << 20;
-    }();
-    return budget;
-}
-
+// exit at once).  l2_budget: see above.
 template <int kBlockM, int kHeadDim>
-inline dim3 schedule_grid(KernelParams& p) {
+inline dim3 schedule_grid(KernelParams& p, int64_t l2_budget = kSchedL2BytesManyCtas) {
     const int needed = (p.seq_q + kBlockM - 1) / kBlockM;
     int nqb = needed;
     if (p.row_order != nullptr && p.tile_m % kBlockM == 0) {
@@ -216,7 +225,7 @@ inline dim3 schedule_grid(KernelParams& p) {
     const int64_t kv_bytes = 2 * static_cast<int64_t>(p.seq_k) * kHeadDim * 2;
     const int64_t nhb = static_cast<int64_t>(p.heads) * p.batch;
     p.uniform_rows = p.sched_chunk == 1;
-    const int64_t chunk = p.sched_chunk > 0 ? p.sched_chunk : sched_l2_budget_bytes() / kv_bytes;
+    const int64_t chunk = p.sched_chunk > 0 ? p.sched_chunk : sched_l2_budget_bytes(l2_budget) / kv_bytes;
     p.sched_chunk = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nhb, chunk)));
     return dim3(nqb, p.heads, p.batch);
 }
@@ -226,12 +235,12 @@ inline dim3 schedule_grid(KernelParams& p) {
 // the launch and its error.
 template <int kBlockM, int kHeadDim>
 inline cudaError_t launch_scheduled(void (*kernel)(KernelParams), KernelParams p, int threads, int smem,
-                                    cudaStream_t stream) {
+                                    cudaStream_t stream, int64_t l2_budget = kSchedL2BytesManyCtas) {
     if (smem > 48 * 1024) {
         const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
         if (err != cudaSuccess) return err;
     }
-    const dim3 grid = schedule_grid<kBlockM, kHeadDim>(p);
+    const dim3 grid = schedule_grid<kBlockM, kHeadDim>(p, l2_budget);
     kernel<<<grid, threads, smem, stream>>>(p);
     return cudaGetLastError();
 }

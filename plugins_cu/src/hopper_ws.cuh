@@ -1438,7 +1438,7 @@ template <class WT>
 cudaError_t launch_hopper_ws(const KernelParams& params, cudaStream_t stream) {
     auto one_cta_per_item = [&](const KernelParams& kp) {
         return launch_scheduled<WT::kBlockM, WT::kHeadDim>(hopper_ws_attn_fwd<WT>, kp, WT::kThreads, WT::kSmemSize,
-                                                           stream);
+                                                           stream, kSchedL2BytesOneItemPerSm);
     };
     if constexpr (!WT::kTma) {
         return one_cta_per_item(params);
@@ -1455,7 +1455,7 @@ cudaError_t launch_hopper_ws(const KernelParams& params, cudaStream_t stream) {
             return one_cta_per_item(p);
         // persistent: one CTA per SM (at most one per item) over the schedule's grid of items
         KernelParams probe = p;
-        const dim3 grid = schedule_grid<WT::kBlockM, WT::kHeadDim>(probe);
+        const dim3 grid = schedule_grid<WT::kBlockM, WT::kHeadDim>(probe, kSchedL2BytesOneItemPerSm);
         const int64_t items = static_cast<int64_t>(grid.x) * grid.y * grid.z;
         if (items > INT_MAX / 2) return one_cta_per_item(p);  // the counter is an int
         p = probe;

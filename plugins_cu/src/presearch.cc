@@ -40,6 +40,8 @@ const TacticRow kRows[] = {
 #include "presearch_table.inc"
 };
 constexpr double kUniformItemScale = STOF_PRESEARCH_UNIFORM_ITEM_SCALE;  // generated with the table
+constexpr int64_t kSchedL2BytesOneItemPerSm = STOF_PRESEARCH_SCHED_L2_BYTES_ONE_ITEM_PER_SM;  // (common.cuh's)
+constexpr int64_t kSchedL2BytesManyCtas = STOF_PRESEARCH_SCHED_L2_BYTES_MANY_CTAS;
 
 #undef STOF_PRESEARCH_ROW
 constexpr int kNumRows = static_cast<int>(sizeof(kRows) / sizeof(kRows[0]));
@@ -187,8 +189,8 @@ int occupancy(TacticRow const& t, int D, stof_gpu_props_t const& g) {
 }
 
 // presearch._schedule_order: the CTA durations (ctaWork's reversed-row order) in the order the library starts them
-// (common.cuh block_work): (batch, head) pairs in chunks (1 for near-equal rows, else as many as fit 16 MiB of
-// K/V), position-major inside a chunk; positions follow the layout's row order (longest first, ties the higher row)
+// (common.cuh block_work): (batch, head) pairs in chunks (1 for near-equal rows, else as many as fit the kernel's L2
+// budget of K/V, kSchedL2Bytes*), position-major inside a chunk; positions follow the layout's row order (longest first, ties the higher row)
 // when a CTA covers at most one tile row and Sq covers >= 3/4 of the layout's rows, its pair order (pairs of tile
 // rows by their longer row, ties the higher pair) when a CTA covers exactly two and Sq covers >= 3/4 of the pairs,
 // else the reversed rows.
@@ -197,8 +199,9 @@ std::vector<double> scheduleOrder(Stats const& s, TacticRow const& t, std::vecto
     int const L = s.L;
     int64_t const nCta = static_cast<int64_t>(dur[0].size());
     int64_t const nhb = static_cast<int64_t>(batch) * heads;
+    int64_t const budget = t.warpSpecialized ? kSchedL2BytesOneItemPerSm : kSchedL2BytesManyCtas;
     int64_t const chunk =
-        s.schedChunk == 1 ? 1 : std::max<int64_t>(1, std::min<int64_t>(nhb, (16LL << 20) / (4LL * seqK * D)));
+        s.schedChunk == 1 ? 1 : std::max<int64_t>(1, std::min<int64_t>(nhb, budget / (4LL * seqK * D)));
     int const f = s.tileM % t.blockM == 0 ? s.tileM / t.blockM : 0;
     std::vector<std::vector<double>> ordered(L);
     for (int l = 0; l < L; ++l) {
