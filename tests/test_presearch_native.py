@@ -157,4 +157,5 @@ def test_native_rank_schedules(lib, spec):
         got = native_rank(lib, layout, batch=8, heads=12, head_dim=D, seq_q=S, seq_k=S, gpu=ps.H100_SXM)
         assert [t for t, _ in got] == [t for t, _ in want], (spec, S, D)
         assert np.allclose([s for _, s in got], [s for _, s in want], rtol=1e-9), (spec, S, D)
-        assert any(t in (21, 22, 23, 24) for t, _ in want[:8]), "no scheduler-warp tactic ranked near the top"
+        # (top 12: since session 16 the one-warpgroup tactics schedule 32 MiB of heads and rank higher at S=900)
+        assert any(t in (21, 22, 23, 24) for t, _ in want[:12]), "no scheduler-warp tactic ranked near the top"
