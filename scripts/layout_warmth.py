@@ -2,7 +2,8 @@
 """How much of a STOF call's time is its tile layout coming from DRAM: each call timed after an L2 flush (as
 triton's do_bench does), with the layout's arrays either left cold or read back into L2 between the flush and the
 call (untimed), against cuDNN on the same flushed L2; `control`: the same reads of other memory of the same sizes
-(the extra kernels without the layout in L2); `control_ew`: elementwise kernels on that memory instead of reductions; `after22`: one call of tactic 22 instead.
+(the extra kernels without the layout in L2); `control_ew`: elementwise kernels on that memory instead of reductions; `after22`: one call of tactic 22 instead;
+`after_tiny`: the same kernel (or cuDNN) on a tiny problem (one item per SM) instead: its code warm, not the layout.
 
     python scripts/layout_warmth.py --tactics 24 --cells "1:1:128:causal;1:1:1024:causal;8:12:1024:causal" --out $OUT/warmth.json
 
@@ -88,12 +89,20 @@ def main():
             for t in dummies:
                 t.add_(0)
 
+        # after_tiny: the same kernel on a tiny problem (B=1, H=132, S=128: one 128-row item per SM) between the flush
+        # and the call, so its code is in L2 and every SM's instruction cache and the SMs hold its shared-memory split
+        tq, tk, tv = (torch.randn(1, 132, 128, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+        tdl = DeviceLayout(compile_mask(parse_mask("causal"), 128, 128))
+
         rec = {"cell": cell}
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             if mname == "causal":
                 rec["cudnn_ms"] = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
                 rec["cudnn_control_ms"] = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
                                                 control)
+                rec["cudnn_after_tiny_ms"] = timed(
+                    lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                    lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=True))
         valid = set(list_tactics(q, k, v, dl))
         # control_22: one call of tactic 22 (about 123 KB of shared memory) before each timed call
         other = Runner(q, k, v, dl, tactic=22, out=torch.empty_like(q)) if 22 in valid else None
@@ -105,6 +114,7 @@ def main():
             rec[f"t{t}_warm_ms"] = timed(r, warm)
             rec[f"t{t}_control_ms"] = timed(r, control)
             rec[f"t{t}_control_ew_ms"] = timed(r, control_ew)
+            rec[f"t{t}_after_tiny_ms"] = timed(r, Runner(tq, tk, tv, tdl, tactic=t))
             if other is not None:
                 rec[f"t{t}_after22_ms"] = timed(r, other)
         rows.append(rec)
