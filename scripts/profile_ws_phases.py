@@ -30,6 +30,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+SPAN_CTAS = 1000  # hopper_ws.cuh kWsSpanCtas: g_ws_span holds CTAs 0..999's spans, then CTA 0's marks (STOF_MARK)
+MARKS = ["entry", "row_ptr_in", "barrier", "q_issued", "windows_in", "first_kv_issued", "c0_q_landed",
+         "c0_kv_landed", "c0_s0_done", "c0_end", "c0_no_more_items", "sched_stores_issued", "sched_stores_done"]
 NUM_COUNTERS = 12  # hopper_ws.cuh g_ws_prof: [cta 0..1][slot: consumer 0..2, producer][warp 0..3][counter]
 NAMES = ["full", "issue_and_wait_s", "softmax_and_wait_pv", "rest", "steps", "epilogue", "first_steps", "issue",
          "total", "items", "handoff", "last_pv"]
@@ -44,6 +47,7 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--json", default=None, help="also write the raw counters here")
+    ap.add_argument("--flush", action="store_true", help="zero 256 MB before each call (L2 cold, as do_bench)")
     a = ap.parse_args()
 
     lib_path = os.environ.get("STOF_KERNELS_LIB")
@@ -82,7 +86,10 @@ def main():
         mask = parse_mask(MASKS.get(mname, mname))
         dl = DeviceLayout(compile_mask(mask, S, S, num_heads=a.heads))
         q, k, v = (torch.randn(a.batch, a.heads, S, D, device="cuda", dtype=torch.float16) for _ in range(3))
+        flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda") if a.flush else None
         for _ in range(2):
+            if flush is not None:
+                flush.zero_()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             sparse_attention(q, k, v, dl, tactic=tactic)  # with a workspace: the persistent form
@@ -91,8 +98,12 @@ def main():
         if lib.stof_ws_prof_read(buf, n) != 0 or lib.stof_ws_span_read(span, 2048) != 0:
             sys.exit("profile_ws_phases: reading the counters failed")
         print(f"== D={D} S={S} {mname} tactic {tactic}: {start.elapsed_time(end):.3f} ms per call (instrumented)")
-        starts = [span[2 * i] for i in range(1024) if span[2 * i + 1]]
-        ends = [span[2 * i + 1] for i in range(1024) if span[2 * i + 1]]
+        starts = [span[2 * i] for i in range(SPAN_CTAS) if span[2 * i + 1]]
+        ends = [span[2 * i + 1] for i in range(SPAN_CTAS) if span[2 * i + 1]]
+        marks = [span[2 * SPAN_CTAS + i] for i in range(len(MARKS))]
+        if marks[0]:  # CTA 0's timeline (SM cycles after its first instruction; -: not reached)
+            print("  CTA 0 timeline, cycles after the kernel's first instruction: " + ", ".join(
+                f"{name} {m - marks[0] if m else '-'}" for name, m in zip(MARKS, marks)))
         if ends:
             t0 = min(starts)
             e = sorted(x - t0 for x in ends)

@@ -117,6 +117,27 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
         "r"(parity)
         : "memory");
 }
+// Whether the phase of `parity` has completed, without waiting.
+__device__ __forceinline__ bool mbar_test(uint32_t bar, uint32_t parity) {
+    uint32_t done;
+    asm volatile(
+        "{\n.reg .pred P1;\nmbarrier.test_wait.parity.shared::cta.b64 P1, [%1], %2;\nselp.u32 %0, 1, 0, P1;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    return done != 0;
+}
+// The AND of `pred` over the `threads` threads of named barrier `id` (they synchronise).
+__device__ __forceinline__ bool named_barrier_and(int id, int threads, bool pred) {
+    uint32_t all;
+    asm volatile(
+        "{\n.reg .pred P1, P2;\nsetp.ne.u32 P1, %1, 0;\nbar.red.and.pred P2, %2, %3, P1;\n"
+        "selp.u32 %0, 1, 0, P2;\n}\n"
+        : "=r"(all)
+        : "r"(pred ? 1u : 0u), "r"(id), "r"(threads)
+        : "memory");
+    return all != 0;
+}
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
     asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
 }
@@ -462,7 +483,7 @@ __device__ __forceinline__ void ws_load_sub(uint32_t s_tile, int h, const typena
 // step (ws_take_step), [6] the descriptor (the one-thread walk's bitmap-index loads), [7] the TMA issue, [9] steps.
 // (kSchedWarp kernels do not write slot 3: their items start in the scheduler warp.)
 constexpr int kWsProfCounters = 12;
-constexpr int kWsProfWords = 2 * 4 * 4 * kWsProfCounters, kWsSpanWords = 2 * 1024;
+constexpr int kWsProfWords = 2 * 4 * 4 * kWsProfCounters, kWsSpanCtas = 1000, kWsSpanWords = 2 * 1024;
 static __device__ uint32_t g_ws_prof[kWsProfWords];
 // each CTA's (up to 1024) %globaltimer (ns) at its start and when its consumers finished: the schedule's tail
 static __device__ unsigned long long g_ws_span[kWsSpanWords];
@@ -491,6 +512,11 @@ __device__ __forceinline__ uint32_t ws_clock() {
     return t;
 }
 #define STOF_PROF_T(var) const uint32_t var = ws_clock()
+// CTA 0's timeline (SM clock64 at marks, one thread each) in g_ws_span[2 kWsSpanCtas + i] (scripts/profile_ws_phases.py)
+#define STOF_MARK(i)                                                                                  \
+    do {                                                                                              \
+        if (blockIdx.x == 0) g_ws_span[2 * kWsSpanCtas + (i)] = static_cast<unsigned long long>(clock64()); \
+    } while (0)
 #define STOF_PROF_ADD(i, v) \
     do {                    \
         if (prof) prof[i] += (v); \
@@ -498,6 +524,7 @@ __device__ __forceinline__ uint32_t ws_clock() {
 #else
 #define STOF_PROF_T(var)
 #define STOF_PROF_ADD(i, v)
+#define STOF_MARK(i)
 #define STOF_WS_PROF_DRAIN(tag)
 #endif
 
@@ -610,9 +637,10 @@ struct WsItem {
 // after its last step.  Steps come as descriptors with the ring stages (ws_write_desc), from ring position 0 on.
 // kStagedO: the epilogue only stages O in the item's Q buffer (then item_done); the producer stores it (the
 // persistent kSchedWarp kernels).
-template <class WT, bool kStagedO = false, class NextItem, class ItemDone>
+template <class WT, bool kStagedO = false, class NextItem, class ItemDone, class ItemReady>
 __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem&& next_item, ItemDone&& item_done,
-                                                 uint32_t sKV, uint32_t sBar, uint32_t sDesc, int w, int ctid
+                                                 ItemReady&& item_ready, uint32_t sKV, uint32_t sBar, uint32_t sDesc,
+                                                 int w, int ctid
 #ifdef STOF_WS_PROFILE
                                                  , uint32_t* prof = nullptr
 #endif
@@ -744,7 +772,18 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
     };
     for (;;) {
         STOF_PROF_T(th0);
+#ifndef STOF_WS_WAIT_CHAIN
+        // The open item is chained to the next one only when that one is already published: otherwise its last
+        // P V and epilogue run now instead of after the wait (at a CTA's end the wait is the scheduler's claim that
+        // finds no item: an atomic round trip).  The warpgroup decides together (its wgmmas are collective).
+        // (Not in the three-consumer kernels: their consumers, at 160 registers, spill twice as much with it.)
+        if constexpr (WT::kSchedWarp) {
+            if (pending && !named_barrier_and(1 + w, 128, item_ready())) finish_open();
+        }
+#endif
         const bool got = next_item(cur);
+        if (w == 0 && ctid == 0 && it == 0 && got) STOF_MARK(6);
+        if (w == 0 && ctid == 0 && !got) STOF_MARK(10);
         STOF_PROF_T(th1);
         STOF_PROF_ADD(10, th1 - th0);
         STOF_PROF_ADD(9, 1u);
@@ -796,6 +835,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
         if constexpr (!WT::kSkip) {  // (kSkip: read above)
             stage0 = it % kStages;
             mbar_wait(full_bar(stage0), (it / kStages) & 1);
+            if (w == 0 && ctid == 0 && it == 0) STOF_MARK(7);
             // cp.async writes -> wgmma reads (the cp.async producer); redundant with the TMA producer, whose writes
             // are async-proxy like the wgmma reads, but dropping it there measured as noise (session 7, A/B run 5)
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -819,6 +859,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
             issue_s(stage0);
             wgmma_wait<0>();
             fence_regs(rS);
+            if (w == 0 && ctid == 0 && it == 0) STOF_MARK(8);
             row_max[0] = row_max[1] = -INFINITY;
             row_sum[0] = row_sum[1] = 0.f;
             softmax(alpha);
@@ -893,6 +934,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
         }
     }
     if (pending) finish_open();
+    if (w == 0 && ctid == 0) STOF_MARK(9);
 }
 
 template <class WT>
@@ -1009,7 +1051,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
         item = WsItem{q0, h, b, has_steps, sQ, 0};
         return true;
     };
-    ws_consume_items<WT>(p, next_item, [](const WsItem&) {}, sKV, sBar, sDesc, w, ctid);
+    ws_consume_items<WT>(p, next_item, [](const WsItem&) {}, []() { return true; }, sKV, sBar, sDesc, w, ctid);
 #else
     __trap();  // built without sm_90a: the dispatcher never selects this tactic then
 #endif
@@ -1042,7 +1084,13 @@ __device__ __forceinline__ int ws_claim_item(const KernelParams& p, int j, int l
         int claimed = 0;
         // (!kStatic: n_static is never read, so it holds no register in the claiming loop)
         const bool fixed = kStatic ? n_static < static_rounds : first && j == 0;
+        // (no atomic when every item is static: a grid of at most one item per CTA learns that it has no second
+        // one without a round trip, which the consumers' last item would otherwise wait for)
+#ifndef STOF_WS_CLAIM_ALWAYS
+        if (!fixed && lane == 0) claimed = base < n_items ? atomicAdd(p.work_counter, 1) : 0;
+#else
         if (!fixed && lane == 0) claimed = atomicAdd(p.work_counter, 1);
+#endif
         if constexpr (kLanes > 1) claimed = __shfl_sync(0xffffffffu, claimed, 0);
         const bool in_range = claimed >= 0 && claimed < n_items - base;
         int s = 0;
@@ -1168,6 +1216,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
     auto walk_ready = [&](int j) { return sGo + 8 + 8 * j; };
 
     const int tid = threadIdx.x;
+    if (tid == 0) STOF_MARK(0);
     const int wg = tid / 128;
     const int n_items = p.persist_items;
     // The scheduler warp starts its first item's walk before the CTA's set-up (barrier init, the block of ones, the
@@ -1186,6 +1235,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
             if (early_ok)  // buffer 0's window
                 early_cur.init_begin(p, WsWalk<2>::row_ptr_of_lane(p, early_wk.qb * kBlockM, early_wk.h, tid & 31),
                                      p.seq_k, sWinB, tid & 31, early_col, early_bmi);
+            if (early_ok && tid == 32) STOF_MARK(1);
         }
     }
     if (tid == 0) {
@@ -1208,6 +1258,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
     }
     ws_fill_ones<WT>(sKV, tid);
     __syncthreads();
+    if (tid == 0) STOF_MARK(2);
 
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WT::kProducerRegs));
@@ -1259,6 +1310,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                         valid = ws_claim_item<kBlockM, 32, true>(p, j, lane, n_items, wk, n_static) < n_items;
                     }
                     if (valid && lane == 0) ws_q_copies<WT>(p, sQ0 + buf * WT::kSmemQ, wk, q_full(buf));
+                    if (j == 0 && lane == 0) STOF_MARK(3);
                     WsWalk<2> cur;
                     WsStep<WT::kSub, 2> st;
                     bool have = false;
@@ -1266,6 +1318,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                         if (early) {
                             cur = early_cur;
                             cur.put_windows(p, early_col, early_bmi);
+                            if (lane == 0) STOF_MARK(4);
                         } else {
                             ws_walk_init(cur, p, wk.qb * kBlockM, wk.h, p.seq_k, sWinB + buf * WT::kSmemWalk, lane);
                         }
@@ -1277,6 +1330,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                     if (early && have) {
                         const bool more = ws_issue_first_step<WT>(p, cur, lane, st, wk.h, wk.b, sKV, sBar, sDesc);
                         first = kWsFirstIssued | (more ? kWsFirstMore : 0);
+                        if (lane == 0) STOF_MARK(5);
                     }
                     if (lane == 0) {
                         ws_publish_item<WT>(sItem + 16 * buf, wk, valid, have, q_full(buf), first);
@@ -1289,7 +1343,9 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                 }
                 // j: the first index without an item; the O of items max(0, j - kQBufs + 1) .. j - 1 is still to go
                 for (int i = max(0, j - kQBufs + 1); i < j; ++i) store_o_of(i % kQBufs, (i / kQBufs) & 1);
+                if (lane == 0) STOF_MARK(11);
                 if (lane == 0) ws_bulk_wait<false>();
+                if (lane == 0) STOF_MARK(12);
             } else if (pw == 0) {
                 int buf = 0, qphase = 0, it = 0;
                 for (;;) {
@@ -1388,7 +1444,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
 #ifdef STOF_WS_PROFILE
     uint32_t prof[kWsProfCounters] = {};
     const uint32_t tk0 = ws_clock();
-    if (ctid == 0 && w == 0 && blockIdx.x < 1024) g_ws_span[2 * blockIdx.x] = ws_globaltimer();
+    if (ctid == 0 && w == 0 && blockIdx.x < kWsSpanCtas) g_ws_span[2 * blockIdx.x] = ws_globaltimer();
 #endif
     int buf = 0, qphase = 0;
     auto next_item = [&](WsItem& item) -> bool {
@@ -1409,14 +1465,16 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         mbar_arrive(q_empty(item.tag));
     };
-    ws_consume_items<WT, WT::kSchedWarp>(p, next_item, item_done, sKV, sBar, sDesc, w, ctid
+    // whether next_item would return without waiting (the next item, or its absence, is published)
+    auto item_ready = [&]() { return mbar_test(q_full(buf), qphase); };
+    ws_consume_items<WT, WT::kSchedWarp>(p, next_item, item_done, item_ready, sKV, sBar, sDesc, w, ctid
 #ifdef STOF_WS_PROFILE
                          , prof
 #endif
     );
 #ifdef STOF_WS_PROFILE
     prof[8] = ws_clock() - tk0;
-    if (ctid == 0 && blockIdx.x < 1024) atomicMax(&g_ws_span[2 * blockIdx.x + 1], ws_globaltimer());
+    if (ctid == 0 && blockIdx.x < kWsSpanCtas) atomicMax(&g_ws_span[2 * blockIdx.x + 1], ws_globaltimer());
     if (blockIdx.x < 2 && (ctid & 31) == 0) {
 #pragma unroll
         for (int i = 0; i < kWsProfCounters; ++i)
