@@ -117,27 +117,6 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
         "r"(parity)
         : "memory");
 }
-// Whether the phase of `parity` has completed, without waiting.
-__device__ __forceinline__ bool mbar_test(uint32_t bar, uint32_t parity) {
-    uint32_t done;
-    asm volatile(
-        "{\n.reg .pred P1;\nmbarrier.test_wait.parity.shared::cta.b64 P1, [%1], %2;\nselp.u32 %0, 1, 0, P1;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-    return done != 0;
-}
-// The AND of `pred` over the `threads` threads of named barrier `id` (they synchronise).
-__device__ __forceinline__ bool named_barrier_and(int id, int threads, bool pred) {
-    uint32_t all;
-    asm volatile(
-        "{\n.reg .pred P1, P2;\nsetp.ne.u32 P1, %1, 0;\nbar.red.and.pred P2, %2, %3, P1;\n"
-        "selp.u32 %0, 1, 0, P2;\n}\n"
-        : "=r"(all)
-        : "r"(pred ? 1u : 0u), "r"(id), "r"(threads)
-        : "memory");
-    return all != 0;
-}
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
     asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
 }
@@ -512,7 +491,8 @@ __device__ __forceinline__ uint32_t ws_clock() {
     return t;
 }
 #define STOF_PROF_T(var) const uint32_t var = ws_clock()
-// CTA 0's timeline (SM clock64 at marks, one thread each) in g_ws_span[2 kWsSpanCtas + i] (scripts/profile_ws_phases.py)
+// CTA 0's timeline (SM clock64 at marks, one thread each) in g_ws_span[2 kWsSpanCtas + i] (scripts/profile_ws_phases.py;
+// ptxas may move a clock read across a barrier, so compare marks of one warp, and those of others loosely)
 #define STOF_MARK(i)                                                                                  \
     do {                                                                                              \
         if (blockIdx.x == 0) g_ws_span[2 * kWsSpanCtas + (i)] = static_cast<unsigned long long>(clock64()); \
@@ -637,10 +617,9 @@ struct WsItem {
 // after its last step.  Steps come as descriptors with the ring stages (ws_write_desc), from ring position 0 on.
 // kStagedO: the epilogue only stages O in the item's Q buffer (then item_done); the producer stores it (the
 // persistent kSchedWarp kernels).
-template <class WT, bool kStagedO = false, class NextItem, class ItemDone, class ItemReady>
+template <class WT, bool kStagedO = false, class NextItem, class ItemDone>
 __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem&& next_item, ItemDone&& item_done,
-                                                 ItemReady&& item_ready, uint32_t sKV, uint32_t sBar, uint32_t sDesc,
-                                                 int w, int ctid
+                                                 uint32_t sKV, uint32_t sBar, uint32_t sDesc, int w, int ctid
 #ifdef STOF_WS_PROFILE
                                                  , uint32_t* prof = nullptr
 #endif
@@ -772,15 +751,6 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
     };
     for (;;) {
         STOF_PROF_T(th0);
-#ifndef STOF_WS_WAIT_CHAIN
-        // The open item is chained to the next one only when that one is already published: otherwise its last
-        // P V and epilogue run now instead of after the wait (at a CTA's end the wait is the scheduler's claim that
-        // finds no item: an atomic round trip).  The warpgroup decides together (its wgmmas are collective).
-        // (Not in the three-consumer kernels: their consumers, at 160 registers, spill twice as much with it.)
-        if constexpr (WT::kSchedWarp) {
-            if (pending && !named_barrier_and(1 + w, 128, item_ready())) finish_open();
-        }
-#endif
         const bool got = next_item(cur);
         if (w == 0 && ctid == 0 && it == 0 && got) STOF_MARK(6);
         if (w == 0 && ctid == 0 && !got) STOF_MARK(10);
@@ -1051,7 +1021,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
         item = WsItem{q0, h, b, has_steps, sQ, 0};
         return true;
     };
-    ws_consume_items<WT>(p, next_item, [](const WsItem&) {}, []() { return true; }, sKV, sBar, sDesc, w, ctid);
+    ws_consume_items<WT>(p, next_item, [](const WsItem&) {}, sKV, sBar, sDesc, w, ctid);
 #else
     __trap();  // built without sm_90a: the dispatcher never selects this tactic then
 #endif
@@ -1084,13 +1054,7 @@ __device__ __forceinline__ int ws_claim_item(const KernelParams& p, int j, int l
         int claimed = 0;
         // (!kStatic: n_static is never read, so it holds no register in the claiming loop)
         const bool fixed = kStatic ? n_static < static_rounds : first && j == 0;
-        // (no atomic when every item is static: a grid of at most one item per CTA learns that it has no second
-        // one without a round trip, which the consumers' last item would otherwise wait for)
-#ifndef STOF_WS_CLAIM_ALWAYS
-        if (!fixed && lane == 0) claimed = base < n_items ? atomicAdd(p.work_counter, 1) : 0;
-#else
         if (!fixed && lane == 0) claimed = atomicAdd(p.work_counter, 1);
-#endif
         if constexpr (kLanes > 1) claimed = __shfl_sync(0xffffffffu, claimed, 0);
         const bool in_range = claimed >= 0 && claimed < n_items - base;
         int s = 0;
@@ -1465,9 +1429,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         mbar_arrive(q_empty(item.tag));
     };
-    // whether next_item would return without waiting (the next item, or its absence, is published)
-    auto item_ready = [&]() { return mbar_test(q_full(buf), qphase); };
-    ws_consume_items<WT, WT::kSchedWarp>(p, next_item, item_done, item_ready, sKV, sBar, sDesc, w, ctid
+    ws_consume_items<WT, WT::kSchedWarp>(p, next_item, item_done, sKV, sBar, sDesc, w, ctid
 #ifdef STOF_WS_PROFILE
                          , prof
 #endif
