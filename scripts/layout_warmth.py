@@ -2,8 +2,9 @@
 """How much of a STOF call's time is its tile layout coming from DRAM: each call timed after an L2 flush (as
 triton's do_bench does), with the layout's arrays either left cold or read back into L2 between the flush and the
 call (untimed), against cuDNN on the same flushed L2; `control`: the same reads of other memory of the same sizes
-(the extra kernels without the layout in L2); `control_ew`: elementwise kernels on that memory instead of reductions; `after22`: one call of tactic 22 instead;
-`after_tiny`: the same kernel (or cuDNN) on a tiny problem (one item per SM) instead: its code warm, not the layout.
+(the extra kernels without the layout in L2); `control_ew`: elementwise kernels on that memory instead of
+reductions; `after22`: one call of tactic 22 instead; `after_tiny`: the same kernel (or cuDNN) on a tiny problem (one
+item per SM) instead: its code warm, not the layout.
 
     python scripts/layout_warmth.py --tactics 24 --cells "1:1:128:causal;1:1:1024:causal;8:12:1024:causal" --out $OUT/warmth.json
 

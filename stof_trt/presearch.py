@@ -294,11 +294,11 @@ def _schedule_order(stats: TileStats, t: TacticSpec, dur: np.ndarray, *, batch: 
                     seq_q: int, seq_k: int) -> np.ndarray:
     """The CTA durations dur ([L, n_cta], cta_work's reversed-row order) in the order the library starts them
     (common.cuh block_work, docs/kernels.md "Schedule"): (batch, head) pairs in chunks of C (1 for layouts of
-    near-equal rows, else as many pairs as fit the kernel's L2 budget of K/V), inside a chunk position-major; a position is a tile
-    row in the layout's row order (longest first, ties the higher row) when a CTA covers at most one tile row and
-    Sq covers >= 3/4 of the layout's rows, a pair of tile rows in its pair order (by the longer row, ties the higher
-    pair) when a CTA covers exactly two and Sq covers >= 3/4 of the pairs, else the reversed rows.  Persistent
-    kernels take their items in the same order."""
+    near-equal rows, else as many pairs as fit the kernel's L2 budget of K/V), inside a chunk position-major; a
+    position is a tile row in the layout's row order (longest first, ties the higher row) when a CTA covers at most
+    one tile row and Sq covers >= 3/4 of the layout's rows, a pair of tile rows in its pair order (by the longer row,
+    ties the higher pair) when a CTA covers exactly two and Sq covers >= 3/4 of the pairs, else the reversed rows.
+    Persistent kernels take their items in the same order."""
     L, n_cta = dur.shape
     nhb = batch * heads
     rows = stats.row_nnz

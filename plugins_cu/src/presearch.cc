@@ -190,10 +190,10 @@ int occupancy(TacticRow const& t, int D, stof_gpu_props_t const& g) {
 
 // presearch._schedule_order: the CTA durations (ctaWork's reversed-row order) in the order the library starts them
 // (common.cuh block_work): (batch, head) pairs in chunks (1 for near-equal rows, else as many as fit the kernel's L2
-// budget of K/V, kSchedL2Bytes*), position-major inside a chunk; positions follow the layout's row order (longest first, ties the higher row)
-// when a CTA covers at most one tile row and Sq covers >= 3/4 of the layout's rows, its pair order (pairs of tile
-// rows by their longer row, ties the higher pair) when a CTA covers exactly two and Sq covers >= 3/4 of the pairs,
-// else the reversed rows.
+// budget of K/V, kSchedL2Bytes*), position-major inside a chunk; positions follow the layout's row order (longest
+// first, ties the higher row) when a CTA covers at most one tile row and Sq covers >= 3/4 of the layout's rows, its
+// pair order (pairs of tile rows by their longer row, ties the higher pair) when a CTA covers exactly two and Sq
+// covers >= 3/4 of the pairs, else the reversed rows.
 std::vector<double> scheduleOrder(Stats const& s, TacticRow const& t, std::vector<std::vector<double>> const& dur,
                                   int batch, int heads, int D, int seqK) {
     int const L = s.L;
