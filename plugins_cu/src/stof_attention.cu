@@ -184,20 +184,27 @@ stof_status_t write_ids(const int32_t* src, int32_t count, int32_t* ids, int32_t
     return STOF_SUCCESS;
 }
 
-// The row and pair orders' common rule: per layout, the indices 0..n-1 by decreasing len(l, i), ties the higher index
-// first, into out[l * n ..).
+// The row and pair orders (C ABI helpers) from a host row_ptr: per layout, n indices by decreasing len(rp, i) (rp:
+// the layout's row pointers), ties the higher index first, into out[l * n ..).
 template <class Len>
-void write_longest_first(int32_t num_layouts, int32_t n, Len&& len, int32_t* out) {
+stof_status_t write_longest_first(const int32_t* row_ptr, int32_t num_layouts, int32_t tiles_q, int32_t* out, int32_t n,
+                                  Len&& len) {
+    if (row_ptr == nullptr || out == nullptr) return fail(STOF_ERROR_INVALID_ARGUMENT, "row_ptr or out is NULL");
+    if (num_layouts < 1 || tiles_q < 1)
+        return fail(STOF_ERROR_INVALID_ARGUMENT, "num_layouts %d and tiles_q %d must be >= 1", num_layouts, tiles_q);
     std::vector<int32_t> idx(n);
     std::vector<int64_t> key(n);
     for (int32_t l = 0; l < num_layouts; ++l) {
+        const int32_t* rp = row_ptr + static_cast<int64_t>(l) * tiles_q;
         for (int32_t i = 0; i < n; ++i) {
             idx[i] = n - 1 - i;  // ties: higher index first
-            key[i] = len(l, i);
+            key[i] = len(rp, i);
         }
         std::stable_sort(idx.begin(), idx.end(), [&](int32_t a, int32_t b) { return key[a] > key[b]; });
         std::copy(idx.begin(), idx.end(), out + static_cast<int64_t>(l) * n);
     }
+    tLastError[0] = '\0';
+    return STOF_SUCCESS;
 }
 }  // namespace
 
@@ -293,28 +300,17 @@ stof_status_t stof_attn_run(const stof_attn_params_t* p, int32_t tactic, stof_st
 }
 
 stof_status_t stof_layout_row_order(const int32_t* row_ptr, int32_t num_layouts, int32_t tiles_q, int32_t* out) {
-    if (row_ptr == nullptr || out == nullptr) return fail(STOF_ERROR_INVALID_ARGUMENT, "row_ptr or out is NULL");
-    if (num_layouts < 1 || tiles_q < 1)
-        return fail(STOF_ERROR_INVALID_ARGUMENT, "num_layouts %d and tiles_q %d must be >= 1", num_layouts, tiles_q);
-    write_longest_first(num_layouts, tiles_q, [&](int32_t l, int32_t i) -> int64_t {
-        const int32_t* rp = row_ptr + static_cast<int64_t>(l) * tiles_q;
-        return rp[i + 1] - rp[i];
-    }, out);
-    tLastError[0] = '\0';
-    return STOF_SUCCESS;
+    return write_longest_first(row_ptr, num_layouts, tiles_q, out, tiles_q,
+                               [](const int32_t* rp, int32_t i) -> int64_t { return rp[i + 1] - rp[i]; });
 }
 
 stof_status_t stof_layout_pair_order(const int32_t* row_ptr, int32_t num_layouts, int32_t tiles_q, int32_t* out) {
-    if (row_ptr == nullptr || out == nullptr) return fail(STOF_ERROR_INVALID_ARGUMENT, "row_ptr or out is NULL");
-    if (num_layouts < 1 || tiles_q < 1)
-        return fail(STOF_ERROR_INVALID_ARGUMENT, "num_layouts %d and tiles_q %d must be >= 1", num_layouts, tiles_q);
-    write_longest_first(num_layouts, tiles_q / 2 + tiles_q % 2, [&](int32_t l, int32_t i) -> int64_t {
-        const int32_t* rp = row_ptr + static_cast<int64_t>(l) * tiles_q;
-        const int64_t first = rp[2 * i + 1] - rp[2 * i];  // the pair's longer row
-        return 2 * i + 1 < tiles_q ? std::max<int64_t>(first, rp[2 * i + 2] - rp[2 * i + 1]) : first;
-    }, out);
-    tLastError[0] = '\0';
-    return STOF_SUCCESS;
+    return write_longest_first(row_ptr, num_layouts, tiles_q, out, tiles_q / 2 + tiles_q % 2,
+                               [tiles_q](const int32_t* rp, int32_t i) -> int64_t {
+                                   const int64_t first = rp[2 * i + 1] - rp[2 * i];  // the pair's longer row
+                                   return 2 * i + 1 < tiles_q ? std::max<int64_t>(first, rp[2 * i + 2] - rp[2 * i + 1])
+                                                              : first;
+                               });
 }
 
 stof_status_t stof_layout_sched_chunk(const int32_t* row_ptr, int32_t num_layouts, int32_t tiles_q,
