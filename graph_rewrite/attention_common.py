@@ -7,13 +7,13 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from stof_trt.errors import StofError
-from stof_trt.format import TileLayout, compile_mask
+from stof_trt.format import STOF_FORMAT_VERSION, TileLayout, compile_mask
 
 from .base import Fusion
 from .functions import attention_overload
 from .mask_analysis import GraphMask
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = STOF_FORMAT_VERSION
 
 
 @dataclasses.dataclass

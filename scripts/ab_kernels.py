@@ -6,7 +6,8 @@
     python scripts/ab_kernels.py --libs ws=build/plugins_cu/libstof_kernels.so,nows=build/plugins_cu/libstof_kernels.so#noworkspace ...
     python scripts/ab_kernels.py --libs pairs=build/plugins_cu/libstof_kernels.so,nopairs=build/plugins_cu/libstof_kernels.so#nopairs ...
     python scripts/ab_kernels.py --libs m32=build/plugins_cu/libstof_kernels.so,m16=build/plugins_cu/libstof_kernels.so#l2mb16 ...
-    (schedule experiments on one build: '#l2mbN' sets the schedule's L2 budget, '#chunkN' the C ABI's sched_chunk)
+    (schedule experiments on one build: '#l2mbN' sets the schedule's L2 budget, '#chunkN' the C ABI's sched_chunk;
+    '#unshared' runs each layout's format-version-1 form, one bitmap per PARTIAL tile: what sharing bitmaps gains)
 
 Each library runs in its own process (one libstof_kernels per process), in rounds A B C A B C ... so clock and
 thermal drift hit every build alike; a cell's time is the median over rounds of each round's do_bench median.
@@ -51,6 +52,8 @@ def worker(a):
         q, k, v = (torch.randn(a.batch, H, S, D, device="cuda", dtype=torch.float16, generator=g) for _ in range(3))
         mask = parse_mask(MASKS.get(mname, mname))
         layout = compile_mask(mask, S, S, num_heads=H)
+        if a.unshared:
+            layout = layout.unshared()  # format version 1's form: one bitmap per PARTIAL tile
         dl = DeviceLayout(layout)
         if a.no_pairs:
             dl.pair_order = None  # two-row kernels in their default order (C ABI 3's schedule)
@@ -82,7 +85,8 @@ def main():
                          "'#nopairs', without the pair order, so two-row kernels take their default order; in "
                          "'#chunkN', with the C ABI's sched_chunk N instead of the layout's (N (batch, head) pairs "
                          "interleaved; 0 = the library's L2 rule); in '#l2mbN', with the schedule's L2 budget N MiB "
-                         "(STOF_SCHED_L2_BYTES); flags may follow the path in any order)")
+                         "(STOF_SCHED_L2_BYTES); in '#unshared', on the layouts' format-version-1 form (one bitmap per "
+                         "PARTIAL tile, none shared); flags may follow the path in any order)")
     ap.add_argument("--tactics", default="13,19")
     ap.add_argument("--cells", default="64:4096:causal;64:4096:sliding",
                     help="D:S:mask;... (mask: a name of the issue-3 benchmark, or a mask spec)")
@@ -94,6 +98,7 @@ def main():
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--no-workspace", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--no-pairs", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--unshared", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--sched-chunk", type=int, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
@@ -107,7 +112,7 @@ def main():
         libs[name] = path
     def split_flags(path):  # "lib.so#noworkspace#chunk16" -> ("lib.so", {"noworkspace", "chunk16"})
         base, *flags = path.split("#")
-        unknown = {f for f in flags if f not in ("noworkspace", "nopairs") and not
+        unknown = {f for f in flags if f not in ("noworkspace", "nopairs", "unshared") and not
                    (f.startswith("chunk") and f[5:].isdigit()) and not (f.startswith("l2mb") and f[4:].isdigit())}
         if unknown:
             sys.exit(f"ab_kernels: unknown library flag(s) {sorted(unknown)} in {path!r}")
@@ -130,6 +135,7 @@ def main():
             p = subprocess.run([sys.executable, __file__, "--worker", "--libs=x", *fwd,
                                 *(["--no-workspace"] if "noworkspace" in flags else []),
                                 *(["--no-pairs"] if "nopairs" in flags else []),
+                                *(["--unshared"] if "unshared" in flags else []),
                                 *[f"--sched-chunk={f[5:]}" for f in flags if f.startswith("chunk")]], env=env,
                                capture_output=True, text=True, timeout=1800)
             line = next((ln for ln in p.stdout.splitlines() if ln.startswith("AB_JSON ")), None)

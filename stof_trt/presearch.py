@@ -200,9 +200,12 @@ def tile_stats(layout) -> TileStats:
     csum = np.concatenate([[0], np.cumsum(part)])
     part_row = (csum[rp[1:]] - csum[rp[:-1]]).reshape(L, Tq)
     wpr = layout.tile_n // 32
-    bm = np.ascontiguousarray(np.asarray(layout.bitmaps, dtype=np.int32)[: int(layout.num_partial)])
-    words_partial = int(np.count_nonzero(bm))
-    bits_partial = int(np.unpackbits(bm.view(np.uint8)).sum()) if bm.size else 0
+    # per PARTIAL tile, its bitmap's nonzero words and allowed bits (tiles may share a bitmap: format version 2)
+    n_bm = int(layout.bitmaps.shape[0]) if int(layout.num_partial) else 0
+    bm = np.ascontiguousarray(np.asarray(layout.bitmaps, dtype=np.int32)[:n_bm])
+    uses = np.bincount(tbi[tbi >= 0], minlength=n_bm)[:n_bm].astype(np.int64)
+    words_partial = int((np.count_nonzero(bm, axis=1) * uses).sum()) if n_bm else 0
+    bits_partial = int((np.unpackbits(bm.view(np.uint8), axis=1).sum(axis=1, dtype=np.int64) * uses).sum()) if n_bm else 0
     n_full = int(layout.nnz) - int(layout.num_partial)
     words_full = n_full * layout.tile_m * wpr
     allowed = bits_partial + n_full * layout.tile_m * layout.tile_n  # full tiles in tails slightly over-counted

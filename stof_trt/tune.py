@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import StofError
-from .format import STOF_FORMAT_VERSION, TileLayout
+from .format import STOF_FORMAT_VERSIONS_READ, TileLayout
 from .tactic_cache import CacheKey, TacticCache, gpu_identity, node_signature, shape_bucket
 
 __all__ = ["AttentionNode", "attention_nodes", "probe_problems", "Problem", "time_tactics", "tune_model",
@@ -69,8 +69,9 @@ def attention_nodes(model) -> list[AttentionNode]:
             if inp not in consts:
                 raise StofError(f"attention node '{n.name}': layout input '{inp}' is not a constant")
             arrays[nm] = np.ascontiguousarray(numpy_helper.to_array(consts[inp]), np.int32)
-        if int(a.get("format_version", -1)) != STOF_FORMAT_VERSION:
-            raise StofError(f"attention node '{n.name}': format_version {a.get('format_version')}")
+        if int(a.get("format_version", -1)) not in STOF_FORMAT_VERSIONS_READ:
+            raise StofError(f"attention node '{n.name}': format_version {a.get('format_version')} (this version "
+                            f"reads {', '.join(map(str, STOF_FORMAT_VERSIONS_READ))})")
         mask_spec = a.get("mask_spec", b"")
         layout = TileLayout(seq_q=int(a["seq_q"]), seq_k=int(a["seq_k"]), tile_m=int(a["tile_m"]),
                             tile_n=int(a["tile_n"]), num_layouts=int(a["num_layouts"]), mask_spec=(

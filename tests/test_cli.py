@@ -10,8 +10,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from stof_trt.cli import main
-from stof_trt.cli import common
+from stof_trt.cli import common, main
+from stof_trt.format import STOF_FORMAT_VERSION
 
 
 def run_cli(*args):
@@ -99,7 +99,7 @@ def test_inspect_draws_each_distinct_layout(tmp_path, capsys):
         inits += [numpy_helper.from_array(a, nm) for nm, a in zip(names, lay.arrays().values())]
         nodes.append(helper.make_node("StofSparseAttention", ["Q", "K", "V", *names], [f"O{n}"], name=f"att{n}",
                                       domain="stof", scale=0.125, tile_m=64, tile_n=64, seq_q=256, seq_k=256,
-                                      num_layouts=1, format_version=1, mask_spec=lay.mask_spec))
+                                      num_layouts=1, format_version=STOF_FORMAT_VERSION, mask_spec=lay.mask_spec))
     vi = [helper.make_tensor_value_info(x, TensorProto.FLOAT, [1, 2, 256, 64]) for x in "QKV"]
     outs = [helper.make_tensor_value_info(f"O{n}", TensorProto.FLOAT, None) for n in range(3)]
     m = helper.make_model(helper.make_graph(nodes, "g", vi, outs, inits),

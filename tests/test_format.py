@@ -124,3 +124,59 @@ def test_validate_rejects_broken_arrays():
                          ("bitmaps", lay.bitmaps[:, :5])]:
         with pytest.raises(StofError):
             TileLayout.from_arrays(**{**fields, name: broken})
+
+
+def _unshared(lay: TileLayout) -> TileLayout:
+    """lay.unshared(), checked by hand: one bitmap per PARTIAL tile, numbered in storage order."""
+    v1 = lay.unshared()
+    v1.validate()
+    p = v1.tile_bitmap_index[: v1.nnz]
+    assert np.array_equal(p[p >= 0], np.arange(lay.num_partial))
+    assert v1.bitmaps.shape == (max(lay.num_partial, 1), lay.words_per_tile)
+    return v1
+
+
+@pytest.mark.parametrize("spec, shared", [("causal", 1), ("sliding:window=128", 2), ("dilated:window=256,dilation=2", 3),
+                                          ("longformer:window=128,global=16", 6)])
+def test_identical_bitmaps_are_stored_once(spec, shared):
+    lay = compile_mask(spec, 4096, 4096)
+    lay.validate()
+    assert lay.num_partial > 10 * shared and lay.num_bitmaps == shared
+    assert len({row.tobytes() for row in lay.bitmaps}) == lay.num_bitmaps  # no two rows equal
+    p = lay.tile_bitmap_index[: lay.nnz]
+    first_use = p[p >= 0][np.sort(np.unique(p[p >= 0], return_index=True)[1])]
+    assert np.array_equal(first_use, np.arange(lay.num_bitmaps))  # numbered in order of first use
+    assert lay.partial_tile_bits().shape == (lay.num_partial,)
+
+
+@settings(max_examples=60, deadline=None)
+@given(random_masks(), TILES)
+def test_shared_and_version1_forms_describe_the_same_mask(mask, tile):
+    lay = TileLayout.from_dense(mask, *tile)
+    v1 = _unshared(lay)  # validates: version-1 layouts stay readable
+    assert v1.num_partial == lay.num_partial and v1.num_bitmaps == lay.num_partial >= lay.num_bitmaps
+    assert np.array_equal(v1.to_dense(), lay.to_dense())
+    assert v1.density() == lay.density() and v1.class_counts() == lay.class_counts()
+    assert np.array_equal(np.sort(v1.partial_tile_bits()), np.sort(lay.partial_tile_bits()))
+    from stof_trt import presearch as ps
+    a, b = ps.tile_stats(lay), ps.tile_stats(v1)
+    assert (a.words, a.allowed, a.num_partial) == (b.words, b.allowed, b.num_partial)
+    # and compiling the version-1 form's dense mask gives the shared form back, array for array
+    again = TileLayout.from_dense(v1.to_dense(), *tile)
+    for name, arr in lay.arrays().items():
+        assert np.array_equal(arr, again.arrays()[name]), name
+
+
+def test_validate_rejects_unused_and_out_of_range_bitmaps():
+    lay = compile_mask("sliding:window=70", 256, 256)
+    fields = dict(seq_q=256, seq_k=256, tile_m=64, tile_n=64, num_layouts=1, row_ptr=lay.row_ptr,
+                  col_idx=lay.col_idx, tile_bitmap_index=lay.tile_bitmap_index, bitmaps=lay.bitmaps)
+    with pytest.raises(StofError, match="one row per bitmap"):  # a row nothing references
+        TileLayout.from_arrays(**{**fields, "bitmaps": np.concatenate([lay.bitmaps, lay.bitmaps[:1]])})
+    tbi = lay.tile_bitmap_index.copy()
+    tbi[tbi >= 0] = 0  # every tile on bitmap 0: row 1 unused
+    with pytest.raises(StofError):
+        TileLayout.from_arrays(**{**fields, "tile_bitmap_index": tbi})
+    tbi[np.flatnonzero(lay.tile_bitmap_index >= 0)[0]] = -2
+    with pytest.raises(StofError):
+        TileLayout.from_arrays(**{**fields, "tile_bitmap_index": tbi})

@@ -13,7 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 from graph_rewrite.functions import (add_layernorm_function, add_layernorm_overload, attention_overload,
                                      gemm_epilogue_function, sparse_attention_function)
 from models_util import session
-from stof_trt.format import TileLayout, compile_mask
+from stof_trt.format import STOF_FORMAT_VERSION, TileLayout, compile_mask
 
 
 def reference_attention(q, k, v, allowed, scale, bias=None):
@@ -33,7 +33,7 @@ def attention_model(layout: TileLayout, opset: int, padding: bool, bias: bool, d
     ins = ["q", "k", "v", *layout.arrays()] + (["kpm"] if padding else [""] if bias else []) + (["b"] if bias else [])
     node = helper.make_node("StofSparseAttention", ins, ["o"], domain="stof", scale=0.37, tile_m=layout.tile_m,
                             tile_n=layout.tile_n, seq_q=layout.seq_q, seq_k=layout.seq_k,
-                            num_layouts=layout.num_layouts, format_version=1, mask_spec=layout.mask_spec)
+                            num_layouts=layout.num_layouts, format_version=STOF_FORMAT_VERSION, mask_spec=layout.mask_spec)
     node.overload = attention_overload(padding, bias)
     gin = [helper.make_tensor_value_info(n, dtype, ["b", H, "s", D]) for n in "qkv"]
     if padding:

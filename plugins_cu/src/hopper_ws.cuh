@@ -456,12 +456,14 @@ __device__ __forceinline__ void ws_load_sub(uint32_t s_tile, int h, const typena
 // [1] MMA issue + wait for S, [2] softmax up to the P V wait, [3] the rest (exps ptxas put after that wait,
 // rescale, pack), [4] steps, [5] epilogue, [6] first steps, [7] the MMA issue alone (part of [1]), [8] total,
 // [9] items, [10] the item hand-offs (q_full wait and the item's read), [11] last P Vs outside first steps (chained
-// items: [6] holds the previous item's last P V and its epilogue, which [5] also counts).  Slot 3 is the producer
+// items: [6] holds the previous item's last P V and its epilogue, which [5] also counts), [12] the first steps'
+// full-barrier waits (part of [6]: the item's first K/V not yet landed), and of the chained first steps (part of
+// [6]): [13] the MMA issue, [14] the S wait, [15] the softmax, [16] the P V wait.  Slot 3 is the producer
 // thread's (warp 0): [0] empty-barrier waits, [1] q_empty waits, [2] claiming items (the atomics), [3] from the
 // claim to the item's Q expect_tx (walk start, Q copies), [4] items, [8] total; per step: [5] the walk of the next
 // step (ws_take_step), [6] the descriptor (the one-thread walk's bitmap-index loads), [7] the TMA issue, [9] steps.
 // (kSchedWarp kernels do not write slot 3: their items start in the scheduler warp.)
-constexpr int kWsProfCounters = 12;
+constexpr int kWsProfCounters = 17;
 constexpr int kWsProfWords = 2 * 4 * 4 * kWsProfCounters, kWsSpanCtas = 1000, kWsSpanWords = 2 * 1024;
 static __device__ uint32_t g_ws_prof[kWsProfWords];
 // each CTA's (up to 1024) %globaltimer (ns) at its start and when its consumers finished: the schedule's tail
@@ -805,6 +807,8 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
         if constexpr (!WT::kSkip) {  // (kSkip: read above)
             stage0 = it % kStages;
             mbar_wait(full_bar(stage0), (it / kStages) & 1);
+            STOF_PROF_T(tf0w);
+            STOF_PROF_ADD(12, tf0w - tf0);
             if (w == 0 && ctid == 0 && it == 0) STOF_MARK(7);
             // cp.async writes -> wgmma reads (the cp.async producer); redundant with the TMA producer, whose writes
             // are async-proxy like the wgmma reads, but dropping it there measured as noise (session 7, A/B run 5)
@@ -813,16 +817,28 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
         }
         float alpha[2];
         if (pending) {
+            STOF_PROF_T(ti0);
             issue_s(stage0);
             issue_pv(prev_stage);
+            STOF_PROF_T(ti1);
             wgmma_wait<1>();  // S_0
             fence_regs(rS);
+            STOF_PROF_T(ti2);
             const float open_sum[2] = {row_sum[0], row_sum[1]};
             row_max[0] = row_max[1] = -INFINITY;
             row_sum[0] = row_sum[1] = 0.f;
             softmax(alpha);  // fresh row state: no rescale
+#ifdef STOF_WS_PROFILE
+            fence_regs(rS);
+#endif
+            STOF_PROF_T(ti3);
             wgmma_wait<0>();  // the open item's last P V
             fence_regs(rO);
+            STOF_PROF_T(ti4);
+            STOF_PROF_ADD(13, ti1 - ti0);
+            STOF_PROF_ADD(14, ti2 - ti1);
+            STOF_PROF_ADD(15, ti3 - ti2);
+            STOF_PROF_ADD(16, ti4 - ti3);
             mbar_arrive(empty_bar(prev_stage));
             epilogue(open, open_sum);
         } else {
@@ -1226,6 +1242,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
 
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WT::kProducerRegs));
+        if (tid == 32) STOF_MARK(14);
         if constexpr (WT::kSchedWarp) {
             // Two producer warps.  Warp 1, the scheduler, starts the items: it claims one, issues its Q copies, walks
             // to its first step (row ranges and windows: two L2 round trips) and hands it to warp 0 through a record
@@ -1257,11 +1274,16 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                 };
                 int j = 0, n_static = 0;
                 for (;; ++j) {
-                    if (j >= 1) mbar_wait(sGo, (j - 1) & 1);
-                    if (j >= kQBufs) {  // item j - kQBufs's O out of the buffer before its Q comes in
+                    // Item j - kQBufs's O out of the buffer before its Q comes in -- before waiting for go, not after:
+                    // its consumers are usually done with it by then, so the store leaves the chain from go to the
+                    // next item's first K/V (claim, Q, walk).  It writes nothing the streaming warp reads; go still
+                    // orders the slot, record and window writes below.  Session 17: 22 -0.6 to -2.7 % (D=64), 24
+                    // within noise; causal S=1024's first-step K/V wait ~550 -> ~260 cycles per item (CTA 0).
+                    if (j >= kQBufs) {
                         store_o_of(buf, qphase ^ 1);
                         if (lane == 0) ws_bulk_wait<true>();
                     }
+                    if (j >= 1) mbar_wait(sGo, (j - 1) & 1);
                     BlockWork wk{0, 0, 0};
                     const bool early = j == 0 && early_ok;
                     bool valid;
@@ -1403,6 +1425,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
     }
 
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WT::kConsumerRegs));
+    if (tid == 128) STOF_MARK(13);
     const int w = wg - 1;
     const int ctid = tid - 128 * wg;
 #ifdef STOF_WS_PROFILE

@@ -89,15 +89,28 @@ Stats tileStats(stof_host_layout_t const& lay) {
         s.rowNnz[r] = static_cast<int64_t>(s.cols[r].size());
         s.rowPartial[r] = static_cast<int64_t>(s.pcols[r].size());
     }
-    // words / allowed over bitmaps[:P] (P = partial tiles), as the Python model counts them
+    // words / allowed per PARTIAL tile, from its bitmap (tiles may share one: format version 2), as the Python
+    // model counts them
     int64_t const wordsPerTile = static_cast<int64_t>(lay.tile_m) * lay.tile_n / 32;
-    int64_t const P = std::min<int64_t>(nPartial, lay.num_bitmaps);
-    int64_t wordsPartial = 0, bitsPartial = 0;
-    for (int64_t i = 0; i < P * wordsPerTile; ++i) {
-        uint32_t const w = static_cast<uint32_t>(lay.bitmaps[i]);
-        wordsPartial += w != 0;
-        bitsPartial += popcount32(w);
+    std::vector<int64_t> bmWords(static_cast<size_t>(std::max(lay.num_bitmaps, 0))),
+        bmBits(static_cast<size_t>(std::max(lay.num_bitmaps, 0)));
+    if (nPartial > 0) {
+        for (int64_t b = 0; b < lay.num_bitmaps; ++b)
+            for (int64_t i = 0; i < wordsPerTile; ++i) {
+                uint32_t const w = static_cast<uint32_t>(lay.bitmaps[b * wordsPerTile + i]);
+                bmWords[static_cast<size_t>(b)] += w != 0;
+                bmBits[static_cast<size_t>(b)] += popcount32(w);
+            }
     }
+    int64_t wordsPartial = 0, bitsPartial = 0;
+    for (size_t r = 0; r < R; ++r)
+        for (int32_t e = lay.row_ptr[r]; e < lay.row_ptr[r + 1]; ++e) {
+            int32_t const b = lay.tile_bitmap_index[e];
+            if (b >= 0 && b < lay.num_bitmaps) {
+                wordsPartial += bmWords[static_cast<size_t>(b)];
+                bitsPartial += bmBits[static_cast<size_t>(b)];
+            }
+        }
     int64_t const wordsFull = nFull * lay.tile_m * (lay.tile_n / 32);
     if (stof_layout_sched_chunk(lay.row_ptr, s.L, s.Tq, &s.schedChunk) != STOF_SUCCESS) s.schedChunk = 0;
     // (the layout is valid here: neither helper can fail on it)

@@ -10,6 +10,7 @@ import pytest
 
 ort = pytest.importorskip("onnxruntime")
 
+from stof_trt.format import STOF_FORMAT_VERSION  # noqa: E402
 from stof_trt import ort as sort  # noqa: E402
 from stof_trt.cli import main  # noqa: E402
 from stof_trt.cli.bench import feeds_for, masked_feeds  # noqa: E402
@@ -73,7 +74,7 @@ def _tiny_stof_model(tmp_path):
     inits = [numpy_helper.from_array(np.ascontiguousarray(a, np.int32), n) for n, a in lay.arrays().items()]
     node = helper.make_node("StofSparseAttention", ["q", "k", "v", "row_ptr", "col_idx", "tile_bitmap_index",
                                                     "bitmaps"], ["o"], domain=DOMAIN, name="a0", scale=0.25,
-                            tile_m=32, tile_n=32, seq_q=64, seq_k=64, num_layouts=1, format_version=1,
+                            tile_m=32, tile_n=32, seq_q=64, seq_k=64, num_layouts=1, format_version=STOF_FORMAT_VERSION,
                             mask_spec="causal")
     node.overload = attention_overload(False, False)
     ins = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 2, "S", 16]) for n in "qkv"]

@@ -21,7 +21,7 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 from graph_rewrite.functions import (DOMAIN, add_layernorm_function, add_layernorm_overload,  # noqa: E402
                                      attention_overload, gemm_epilogue_function, sparse_attention_function)
 from stof_trt import ort as sort  # noqa: E402
-from stof_trt.format import compile_mask  # noqa: E402
+from stof_trt.format import STOF_FORMAT_VERSION, compile_mask  # noqa: E402
 
 OPSET = 17
 NP2ONNX = {np.float32: TensorProto.FLOAT, np.float16: TensorProto.FLOAT16}
@@ -66,7 +66,7 @@ def attention_model(layout, *, B, H, D, dtype=np.float16, padding=False, bias_sh
     node = helper.make_node("StofSparseAttention", names, ["o"], domain=DOMAIN, name="attn0",
                             scale=float(scale if scale is not None else 1.0 / math.sqrt(D)),
                             tile_m=layout.tile_m, tile_n=layout.tile_n, seq_q=layout.seq_q, seq_k=layout.seq_k,
-                            num_layouts=layout.num_layouts, format_version=1, mask_spec=layout.mask_spec or "")
+                            num_layouts=layout.num_layouts, format_version=STOF_FORMAT_VERSION, mask_spec=layout.mask_spec or "")
     ov = attention_overload(padding, bias_shape is not None)
     node.overload = ov
     out = helper.make_tensor_value_info("o", et, None)
@@ -254,7 +254,7 @@ def packed_attention_model(layout, *, B, H, D, dtype=np.float16, padding=False):
         names.append("kpm")
     node = helper.make_node("StofSparseAttention", names, ["o"], domain=DOMAIN, name="attn0",
                             scale=float(1.0 / math.sqrt(D)), tile_m=layout.tile_m, tile_n=layout.tile_n,
-                            seq_q=layout.seq_q, seq_k=layout.seq_k, num_layouts=layout.num_layouts, format_version=1,
+                            seq_q=layout.seq_q, seq_k=layout.seq_k, num_layouts=layout.num_layouts, format_version=STOF_FORMAT_VERSION,
                             mask_spec=layout.mask_spec or "", qkv_format="bs3hd")
     node.overload = attention_overload(padding, False, packed=True)
     out = helper.make_tensor_value_info("o", et, None)

@@ -20,7 +20,7 @@
 extern "C" {
 #endif
 
-#define STOF_FORMAT_VERSION 1
+#define STOF_FORMAT_VERSION 2  /* docs/format.md; layouts of version 1 are read as well */
 #define STOF_ABI_VERSION 4
 
 #if defined(_WIN32)
@@ -66,7 +66,7 @@ typedef struct {
     /* --- tile layout (docs/format.md; device pointers to int32 arrays) ---------------------------------- */
     const int32_t* row_ptr;            /* [L*Tq + 1] */
     const int32_t* col_idx;            /* [max(nnz,1)] */
-    const int32_t* tile_bitmap_index;  /* [max(nnz,1)] */
+    const int32_t* tile_bitmap_index;  /* [max(nnz,1)]: -1 (FULL) or a row of bitmaps; tiles may share a row */
     const int32_t* bitmaps;            /* [max(P,1), tile_m*tile_n/32] */
     int32_t tile_m, tile_n;
     int32_t num_layouts;               /* L: 1 or H; head h uses layout h % L */

@@ -80,8 +80,9 @@ SparseAttentionKernel::SparseAttentionKernel(OrtKernelInfo const* info, ONNXTens
     STOF_VALIDATE(qkvFormat == "bhsd" || qkvFormat == "bs3hd", "qkv_format '", qkvFormat,
                   "' (must be 'bhsd' or 'bs3hd')");
     mPacked = qkvFormat == "bs3hd";
-    STOF_VALIDATE(version == kFORMAT_VERSION, "format_version ", version, " (this plugin reads ", kFORMAT_VERSION,
-                  ")");
+    // version 1 (one bitmap per PARTIAL tile) is version 2 without shared bitmaps: read both
+    STOF_VALIDATE(version >= 1 && version <= kFORMAT_VERSION, "format_version ", version,
+                  " (this plugin reads 1 to ", kFORMAT_VERSION, ")");
     STOF_VALIDATE(std::isfinite(mScale), "scale is not finite");
     STOF_VALIDATE(mTileM >= 16 && mTileM <= 256 && mTileM % 16 == 0, "tile_m ", mTileM,
                   " (must be a multiple of 16 in [16, 256])");
