@@ -136,8 +136,8 @@ def _unshared(lay: TileLayout) -> TileLayout:
     return v1
 
 
-@pytest.mark.parametrize("spec, shared", [("causal", 1), ("sliding:window=128", 2), ("dilated:window=256,dilation=2", 3),
-                                          ("longformer:window=128,global=16", 6)])
+@pytest.mark.parametrize("spec, shared", [("causal", 1), ("sliding:window=128", 2),
+                                          ("dilated:window=256,dilation=2", 3), ("longformer:window=128,global=16", 6)])
 def test_identical_bitmaps_are_stored_once(spec, shared):
     lay = compile_mask(spec, 4096, 4096)
     lay.validate()

@@ -33,7 +33,8 @@ def attention_model(layout: TileLayout, opset: int, padding: bool, bias: bool, d
     ins = ["q", "k", "v", *layout.arrays()] + (["kpm"] if padding else [""] if bias else []) + (["b"] if bias else [])
     node = helper.make_node("StofSparseAttention", ins, ["o"], domain="stof", scale=0.37, tile_m=layout.tile_m,
                             tile_n=layout.tile_n, seq_q=layout.seq_q, seq_k=layout.seq_k,
-                            num_layouts=layout.num_layouts, format_version=STOF_FORMAT_VERSION, mask_spec=layout.mask_spec)
+                            num_layouts=layout.num_layouts, format_version=STOF_FORMAT_VERSION,
+                            mask_spec=layout.mask_spec)
     node.overload = attention_overload(padding, bias)
     gin = [helper.make_tensor_value_info(n, dtype, ["b", H, "s", D]) for n in "qkv"]
     if padding:

@@ -87,8 +87,8 @@ def test_presearch_entries_for_a_model():
     inits = [numpy_helper.from_array(np.ascontiguousarray(a, np.int32), n) for n, a in lay.arrays().items()]
     node = helper.make_node("StofSparseAttention", ["q", "k", "v", "row_ptr", "col_idx", "tile_bitmap_index",
                                                     "bitmaps", "kpm"], ["o"], domain="stof", name="a0", scale=0.125,
-                            tile_m=64, tile_n=64, seq_q=512, seq_k=512, num_layouts=1, format_version=STOF_FORMAT_VERSION,
-                            mask_spec=lay.mask_spec)
+                            tile_m=64, tile_n=64, seq_q=512, seq_k=512, num_layouts=1,
+                            format_version=STOF_FORMAT_VERSION, mask_spec=lay.mask_spec)
     ins = [helper.make_tensor_value_info(n, TensorProto.FLOAT16, ["B", 12, "S", 64]) for n in "qkv"]
     ins.append(helper.make_tensor_value_info("kpm", TensorProto.INT32, ["B", "S"]))
     g = helper.make_graph([node], "g", ins, [helper.make_tensor_value_info("o", TensorProto.FLOAT16, None)], inits)
@@ -117,8 +117,8 @@ def test_packed_attention_nodes():
     inits = [numpy_helper.from_array(np.ascontiguousarray(a, np.int32), n) for n, a in lay.arrays().items()]
     node = helper.make_node("StofSparseAttention", ["qkv", "", "", "row_ptr", "col_idx", "tile_bitmap_index",
                                                     "bitmaps"], ["o"], domain="stof", name="p0", scale=0.125,
-                            tile_m=64, tile_n=64, seq_q=256, seq_k=256, num_layouts=1, format_version=STOF_FORMAT_VERSION,
-                            mask_spec=lay.mask_spec, qkv_format="bs3hd")
+                            tile_m=64, tile_n=64, seq_q=256, seq_k=256, num_layouts=1,
+                            format_version=STOF_FORMAT_VERSION, mask_spec=lay.mask_spec, qkv_format="bs3hd")
     ins = [helper.make_tensor_value_info("qkv", TensorProto.FLOAT16, ["B", "S", 3, 12, 64])]
     g = helper.make_graph([node], "g", ins, [helper.make_tensor_value_info("o", TensorProto.FLOAT16, None)], inits)
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("stof", 1)])

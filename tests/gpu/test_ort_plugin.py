@@ -43,7 +43,7 @@ def _model(nodes, inputs, outputs, inits, functions):
 
 
 def attention_model(layout, *, B, H, D, dtype=np.float16, padding=False, bias_shape=None, scale=None,
-                    dynamic=True):
+                    dynamic=True, format_version=STOF_FORMAT_VERSION):
     """One StofSparseAttention node; q/k/v (and key_padding_mask / attn_bias) are graph inputs."""
     et = NP2ONNX[dtype]
     sq = "Sq" if dynamic else layout.seq_q
@@ -66,7 +66,8 @@ def attention_model(layout, *, B, H, D, dtype=np.float16, padding=False, bias_sh
     node = helper.make_node("StofSparseAttention", names, ["o"], domain=DOMAIN, name="attn0",
                             scale=float(scale if scale is not None else 1.0 / math.sqrt(D)),
                             tile_m=layout.tile_m, tile_n=layout.tile_n, seq_q=layout.seq_q, seq_k=layout.seq_k,
-                            num_layouts=layout.num_layouts, format_version=STOF_FORMAT_VERSION, mask_spec=layout.mask_spec or "")
+                            num_layouts=layout.num_layouts, format_version=format_version,
+                            mask_spec=layout.mask_spec or "")
     ov = attention_overload(padding, bias_shape is not None)
     node.overload = ov
     out = helper.make_tensor_value_info("o", et, None)
@@ -254,8 +255,8 @@ def packed_attention_model(layout, *, B, H, D, dtype=np.float16, padding=False):
         names.append("kpm")
     node = helper.make_node("StofSparseAttention", names, ["o"], domain=DOMAIN, name="attn0",
                             scale=float(1.0 / math.sqrt(D)), tile_m=layout.tile_m, tile_n=layout.tile_n,
-                            seq_q=layout.seq_q, seq_k=layout.seq_k, num_layouts=layout.num_layouts, format_version=STOF_FORMAT_VERSION,
-                            mask_spec=layout.mask_spec or "", qkv_format="bs3hd")
+                            seq_q=layout.seq_q, seq_k=layout.seq_k, num_layouts=layout.num_layouts,
+                            format_version=STOF_FORMAT_VERSION, mask_spec=layout.mask_spec or "", qkv_format="bs3hd")
     node.overload = attention_overload(padding, False, packed=True)
     out = helper.make_tensor_value_info("o", et, None)
     return _model([node], inputs, [out], inits, [sparse_attention_function(OPSET, padding, False, packed=True)])
@@ -303,6 +304,22 @@ def test_sparse_attention_shorter_runtime_sequence():
     (got,), _ = _cuda_run(m, feeds)
     ref = attention_ref(feeds["q"], feeds["k"], feeds["v"], layout, 1 / 8, feeds["kpm"])
     np.testing.assert_allclose(got.astype(np.float64), ref, atol=2e-3, rtol=2e-3)
+
+
+@needs_lib
+@needs_cuda
+def test_sparse_attention_reads_format_versions_1_and_2():
+    """A version-1 layout (one bitmap per partial tile) runs as its shared version-2 form does; version 3 is refused."""
+    layout = compile_mask("sliding:window=40", 320, 320)
+    assert layout.num_bitmaps < layout.num_partial  # shared in version 2
+    rng = np.random.default_rng(9)
+    feeds = {n: rng.standard_normal((2, 3, 320, 64)).astype(np.float16) for n in "qkv"}
+    ref = attention_ref(feeds["q"], feeds["k"], feeds["v"], layout, 1 / 8)
+    for lay, version in ((layout, STOF_FORMAT_VERSION), (layout.unshared(), 1)):
+        (got,), _ = _cuda_run(attention_model(lay, B=2, H=3, D=64, format_version=version), feeds)
+        np.testing.assert_allclose(got.astype(np.float64), ref, atol=2e-3, rtol=2e-3)
+    with pytest.raises(Exception, match="format_version"):  # at session creation or, at the latest, the run
+        sort.session(attention_model(layout, B=2, H=3, D=64, format_version=STOF_FORMAT_VERSION + 1)).run(None, feeds)
 
 
 @needs_lib
