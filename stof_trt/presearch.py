@@ -201,12 +201,8 @@ def tile_stats(layout) -> TileStats:
     part_row = (csum[rp[1:]] - csum[rp[:-1]]).reshape(L, Tq)
     wpr = layout.tile_n // 32
     # per PARTIAL tile, its bitmap's nonzero words and allowed bits (tiles may share a bitmap: format version 2)
-    n_bm = int(layout.bitmaps.shape[0]) if int(layout.num_partial) else 0
-    bm = np.ascontiguousarray(np.asarray(layout.bitmaps, dtype=np.int32)[:n_bm])
-    uses = np.bincount(tbi[tbi >= 0], minlength=n_bm)[:n_bm].astype(np.int64)
-    words_partial = int((np.count_nonzero(bm, axis=1) * uses).sum()) if n_bm else 0
-    bits = np.unpackbits(bm.view(np.uint8), axis=1).sum(axis=1, dtype=np.int64) if n_bm else np.zeros(0, np.int64)
-    bits_partial = int((bits * uses).sum())
+    words_partial = int(np.count_nonzero(layout.bitmaps[: layout.num_bitmaps], axis=1)[tbi[tbi >= 0]].sum())
+    bits_partial = int(layout.partial_tile_bits().sum())
     n_full = int(layout.nnz) - int(layout.num_partial)
     words_full = n_full * layout.tile_m * wpr
     allowed = bits_partial + n_full * layout.tile_m * layout.tile_n  # full tiles in tails slightly over-counted
