@@ -99,6 +99,25 @@ __device__ __forceinline__ void row_bits(uint32_t (&bits)[2], const KernelParams
     bits[1] = wv.y;
 }
 
+// The words of bitmap rows r and r + 8 of bitmap bm_idx (-1: all ones), 64-key sub-block `sub`; row_off: row r's
+// byte offset inside a bitmap, row8: 8 rows' bytes.  32-bit byte offsets (tactic_valid keeps every bitmap offset of a
+// warp-specialised launch below 2^32): an IMAD and two wide adds per pair of rows, where the 64-bit index arithmetic
+// per row was ~20 instructions on every PARTIAL sub-block.
+__device__ __forceinline__ void row_bits_pair(uint32_t (&bits)[2][2], const int32_t* bitmaps, uint32_t row_off,
+                                              uint32_t row8, int bm_idx, uint32_t tile_bytes, int sub) {
+    uint2 a = make_uint2(0xffffffffu, 0xffffffffu), b = a;
+    if (bm_idx >= 0) {
+        const uint32_t off = static_cast<uint32_t>(bm_idx) * tile_bytes + row_off + static_cast<uint32_t>(sub) * 8u;
+        const char* base = reinterpret_cast<const char*>(bitmaps);
+        a = __ldg(reinterpret_cast<const uint2*>(base + off));
+        b = __ldg(reinterpret_cast<const uint2*>(base + (off + row8)));
+    }
+    bits[0][0] = a.x;
+    bits[0][1] = a.y;
+    bits[1][0] = b.x;
+    bits[1][1] = b.y;
+}
+
 // ANDs the key bound / padding of the step's 64 keys into both rows' words (key_words; warp-uniform call).
 __device__ __forceinline__ void and_key_words(uint32_t (&bits)[2][2], int n0, int kv_len, const int32_t* kpm,
                                               int lane) {
@@ -111,17 +130,29 @@ __device__ __forceinline__ void and_key_words(uint32_t (&bits)[2][2], int n0, in
     }
 }
 
-// Masks one warp's two score rows (g and g + 8; wgmma/mma C layout, kNI groups of 8 columns) of a 64-key
-// sub-block.  bits[hh][w]: the two 32-key words of allowed keys of the row (the tile bitmap's words, all ones for
-// a FULL tile, ANDed with key_words() where the key bound or padding cuts).  Each word is shifted once by 2*tig and
-// each score tested against a constant bit of it (column (w*4+q)*8 + 2*tig + c is bit q*8 + c of word w >> 2*tig):
-// no 16-bit gather first, which cost about 30 instructions per row and sub-block (session 17: tactic 24 dilated
-// -4.6 %, Longformer -2 to -4 %, sliding -3 %; 13 up to -4.5 %).  s[off ..) holds the sub-block's scores: off is a
-// constant after unrolling (a 64-key sub-block of a 128-key step masked in place; copying it out and back cost 64
-// register moves per step).
+// A PRMT selector that is the identity at run time (0x3210) but not to the compiler: mask_scores permutes its packed
+// word with it, so ptxas cannot trace the word's bits back to the bitmap words and re-gather them its own way (it did,
+// on any packing written in plain C++: ~94 instructions per 64-key sub-block, against ~61 with the selector).
+__device__ __forceinline__ uint32_t mask_selector(const KernelParams& p) {
+    return 0x3210u | (static_cast<uint32_t>(p.tile_n) >> 20);  // tile_n < 2^20 (a multiple of 64, at most Sk)
+}
+
+// Masks one warp's two score rows (g and g + 8; wgmma/mma C layout, kNI groups of 8 columns) of each 64-key
+// sub-block.  bits[hh][w]: the 32-key words of allowed keys of the row (the tile bitmap's words, all ones for a FULL
+// tile, ANDed with key_words() where the key bound or padding cuts).  Column (w*4+q)*8 + 2*tig + c is bit q*8 + c of
+// word w >> 2*tig.  Per sub-block the thread's 16 bits (two rows, two words) are packed into one register, byte q
+// holding row hh, word w's bits at 2 (2 hh + w) + {0, 1}; then each byte is read into predicates at once (R2P: seven
+// per instruction) and each score selected against its predicate.  The packed word goes through `sel`
+// (mask_selector), or ptxas undoes the packing.  s[off ..) holds the sub-block's scores: off is a constant after
+// unrolling (a 64-key sub-block of a 128-key step masked in place; copying it out and back cost 64 register moves
+// per step).  History: a 16-bit gather per row (~30 instructions per row and sub-block) until session 17; then each
+// word shifted and each score tested against a constant bit (session 17: tactic 24 dilated -4.6 %); packed since
+// session 18.
 template <int kNI, int kN>
-__device__ __forceinline__ void mask_scores(float (&s)[kN], const uint32_t (&bits)[2][kNI / 4], int tig,
+__device__ __forceinline__ void mask_scores(float (&s)[kN], const uint32_t (&bits)[2][kNI / 4], int tig, uint32_t sel,
                                             int off = 0) {
+#ifdef STOF_MASK_LEGACY
+    (void)sel;
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
 #pragma unroll
@@ -134,6 +165,28 @@ __device__ __forceinline__ void mask_scores(float (&s)[kN], const uint32_t (&bit
                     if ((x & (1u << (q * 8 + c))) == 0u) s[off + (w * 4 + q) * 4 + hh * 2 + c] = -INFINITY;
         }
     }
+#else
+    static_assert(kNI % 8 == 0, "whole 64-key sub-blocks");
+#pragma unroll
+    for (int j = 0; j < kNI / 8; ++j) {  // sub-block j: words 2j, 2j + 1
+        uint32_t z = 0;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+            for (int w = 0; w < 2; ++w) z |= ((bits[hh][2 * j + w] >> (tig * 2)) & 0x03030303u) << (2 * (2 * hh + w));
+        z = __byte_perm(z, 0u, sel);
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+                for (int w = 0; w < 2; ++w)
+#pragma unroll
+                    for (int c = 0; c < 2; ++c)
+                        if ((z & (1u << (q * 8 + 2 * (2 * hh + w) + c))) == 0u)
+                            s[off + ((2 * j + w) * 4 + q) * 4 + hh * 2 + c] = -INFINITY;
+    }
+#endif
 }
 
 // Rows [row0, row0 + kRows) of a [rows, stride_s] tensor into a kRows-row swizzled tile, by HT::kThreads threads;
@@ -294,14 +347,14 @@ template <int kNI, int kDI>
 __device__ __forceinline__ void mask_softmax_step(float (&rS)[kNI * 4], float (&rO)[kDI * 4], float (&row_max)[2],
                                                   float (&row_sum)[2], uint32_t (&bits)[2][kNI / 4], bool need_mask,
                                                   int n0, int kv_len, const int32_t* kpm, int lane, int tig,
-                                                  bool fold, float sl2, float mul) {
+                                                  bool fold, float sl2, float mul, uint32_t sel) {
     if (!fold) {
 #pragma unroll
         for (int i = 0; i < kNI * 4; ++i) rS[i] *= sl2;
     }
     if (need_mask) {
         if (n0 + kNI * 8 > kv_len || kpm != nullptr) and_key_words(bits, n0, kv_len, kpm, lane);
-        mask_scores<kNI>(rS, bits, tig);
+        mask_scores<kNI>(rS, bits, tig, sel);
     }
     float alpha[2];
     if (online_softmax<kNI>(rS, row_max, row_sum, alpha, mul)) rescale_o<kDI>(rO, alpha);
@@ -539,7 +592,7 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
         }
 
         mask_softmax_step<kNI, kDI>(rS, rO, row_max, row_sum, bits, need_mask, n0, kv_len, kpm, lane, tig, fold, sl2,
-                                    mul);
+                                    mul, mask_selector(p));
 
         // O += P V
         uint32_t rP[kKN][4];
@@ -653,7 +706,7 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kHeadDim == 64 ? 3 : 2) hopp
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) row_bits(bits[hh], p, bm_idx, a0 + warp_row0 + hh * 8 + g, sub);
             if (n0 + kBlockN > kv_len || kpm != nullptr) and_key_words(bits, n0, kv_len, kpm, tid & 31);
-            mask_scores<kNI>(rS, bits, tig);
+            mask_scores<kNI>(rS, bits, tig, mask_selector(p));
         }
         return online_softmax<kNI>(rS, row_max, row_sum, alpha, mul);
     };

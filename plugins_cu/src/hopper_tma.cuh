@@ -208,7 +208,7 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd_
                     }
                 }
             }
-            mask_scores<kNI>(rS, bits, tig);
+            mask_scores<kNI>(rS, bits, tig, mask_selector(p));
         }
         {
             float alpha[2];

@@ -643,7 +643,11 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
     uint32_t rP[kKN][4];
     float row_max[2], row_sum[2] = {0.f, 0.f};
     // the current item's
-    int kv_len = 0, my_a0 = 0;  // my_a0: first bitmap row of this warpgroup inside its tile
+    int kv_len = 0, mask_len = 0, my_a0 = 0;  // my_a0: first bitmap row of this warpgroup inside its tile
+    // the thread's bitmap rows (g, g + 8) of the item, in bitmap 0
+    uint32_t bm_row = 0;  // the byte offset of the thread's first bitmap row (g) of the item inside a bitmap
+    const uint32_t bm_tile_bytes = static_cast<uint32_t>(p.tile_m * p.tile_n / 8), bm_row8 = p.tile_n;
+    const uint32_t mask_sel = mask_selector(p);
     const int32_t* kpm = nullptr;
     uint64_t dQ0 = 0;
     WsDesc st;
@@ -688,16 +692,22 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
             // all 32 scores on every step).
             const int bm_idx = st.bm[hh];  // -2: this consumer has no tile there
             const int n0 = st.n0[hh];
-            const bool bound = bm_idx != -2 && (n0 + 64 > kv_len || kpm != nullptr);
+            // mask_len: kv_len, or -1 with a padding mask (every sub-block cut): one predicate fewer in the step
+            // loop, where R2P's seven-predicate writes made ptxas keep the others in registers
+            const bool bound = n0 + 64 > mask_len;
             if (bm_idx != -1 || bound) {
                 uint32_t bits[2][2] = {{0u, 0u}, {0u, 0u}};
                 if (bm_idx != -2) {
+#ifndef STOF_MASK_LEGACY
+                    row_bits_pair(bits, p.bitmaps, bm_row, bm_row8, bm_idx, bm_tile_bytes, st.sub[hh]);
+#else
 #pragma unroll
                     for (int r2 = 0; r2 < 2; ++r2)
                         row_bits(bits[r2], p, bm_idx, my_a0 + warp * 16 + r2 * 8 + g, st.sub[hh]);
-                    if (bound) and_key_words(bits, n0, kv_len, kpm, lane);
+#endif
+                    if (bound) and_key_words(bits, n0, kv_len, kpm, lane);  // (warp-uniform)
                 }
-                mask_scores<8>(rS, bits, tig, hh * 32);
+                mask_scores<8>(rS, bits, tig, mask_sel, hh * 32);
             }
         }
         return online_softmax<kNI, true, !WT::kSumMma>(rS, row_max, row_sum, alpha, mul);
@@ -799,7 +809,9 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
         }
         kv_len = effective_kv_len(p, cur.b);
         my_a0 = (cur.q0 + 64 * w) % p.tile_m;
+        bm_row = static_cast<uint32_t>((my_a0 + warp * 16 + g) * (p.tile_n / 8));
         kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(cur.b) * p.seq_k : nullptr;
+        mask_len = kpm != nullptr ? -1 : kv_len;
         dQ0 = gmma_desc(cur.sQ + w * 64 * 128, 16, 1024);
 
         // First step: S_0 (with the open item's last P V) and its softmax.
