@@ -101,7 +101,7 @@ __device__ __forceinline__ void row_bits(uint32_t (&bits)[2], const KernelParams
 
 // The words of bitmap rows r and r + 8 of bitmap bm_idx (-1: all ones), 64-key sub-block `sub`; row_off: row r's
 // byte offset inside a bitmap, row8: 8 rows' bytes.  32-bit byte offsets (tactic_valid keeps every bitmap offset of a
-// warp-specialised launch below 2^32): an IMAD and two wide adds per pair of rows, where the 64-bit index arithmetic
+// wgmma launch below 2^32): an IMAD and two wide adds per pair of rows, where the 64-bit index arithmetic
 // per row was ~20 instructions on every PARTIAL sub-block.
 __device__ __forceinline__ void row_bits_pair(uint32_t (&bits)[2][2], const int32_t* bitmaps, uint32_t row_off,
                                               uint32_t row8, int bm_idx, uint32_t tile_bytes, int sub) {
@@ -567,8 +567,13 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
         const bool need_mask = bm_idx >= 0 || n0 + kBlockN > kv_len || kpm != nullptr;
         uint32_t bits[2][HT::kWordsN];
         if (need_mask) {
+#ifdef STOF_MASK_LEGACY
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) row_bits(bits[hh], p, bm_idx, my_a0 + (warp & 3) * 16 + hh * 8 + g, sub);
+#else
+            row_bits_pair(bits, p.bitmaps, static_cast<uint32_t>((my_a0 + (warp & 3) * 16 + g) * (p.tile_n / 8)),
+                          p.tile_n, bm_idx, static_cast<uint32_t>(p.tile_m * p.tile_n / 8), sub);
+#endif
         }
         // descriptors = base + (byte offset >> 4): shared addresses stay below 2^18, so the 14-bit field never carries
         const uint64_t stage_off = static_cast<uint64_t>(((it % kStages) * 2 * HT::kSmemKV) >> 4);
@@ -703,8 +708,13 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kHeadDim == 64 ? 3 : 2) hopp
         }
         if (bm_idx >= 0 || n0 + kBlockN > kv_len || kpm != nullptr) {
             uint32_t bits[2][HT::kWordsN];
+#ifdef STOF_MASK_LEGACY
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) row_bits(bits[hh], p, bm_idx, a0 + warp_row0 + hh * 8 + g, sub);
+#else
+            row_bits_pair(bits, p.bitmaps, static_cast<uint32_t>((a0 + warp_row0 + g) * (p.tile_n / 8)), p.tile_n,
+                          bm_idx, static_cast<uint32_t>(p.tile_m * p.tile_n / 8), sub);
+#endif
             if (n0 + kBlockN > kv_len || kpm != nullptr) and_key_words(bits, n0, kv_len, kpm, tid & 31);
             mask_scores<kNI>(rS, bits, tig, mask_selector(p));
         }

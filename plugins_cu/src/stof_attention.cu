@@ -146,9 +146,9 @@ bool tactic_valid(const TacticDesc& t, const stof_attn_params_t& p) {
     // wgmma CTAs: 64 rows per warpgroup, each inside one tile row; a CTA may span several tile rows
     if (t.family == 3 && (p.tile_m % 64 != 0 || p.tile_n % t.block_n != 0)) return false;
     if (t.family == 3 && (!stof::kHopperCompiled || current_sm() != 90)) return false;
-    // The warp-specialised consumers address bitmap words by 32-bit byte offsets (row_bits_pair): a bitmap index is
-    // below the layouts' tile count, so every offset stays below 2^32 when tiles x tile bytes does.
-    if (t.persistent) {
+    // The wgmma kernels address bitmap words by 32-bit byte offsets (row_bits_pair): a bitmap index is below the
+    // layouts' tile count, so every offset stays below 2^32 when tiles x tile bytes does.
+    if (t.family == 3) {
         const uint64_t tiles = static_cast<uint64_t>(p.num_layouts > 0 ? p.num_layouts : 1) *
                                static_cast<uint64_t>((p.layout_seq_q + p.tile_m - 1) / p.tile_m) *
                                static_cast<uint64_t>((p.layout_seq_k + p.tile_n - 1) / p.tile_n);

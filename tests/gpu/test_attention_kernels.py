@@ -21,7 +21,7 @@ from _gpu_helpers import TOL, rand_qkv, random_block_mask, reference, rel_err  #
 
 from stof_trt.format import TileLayout, compile_mask  # noqa: E402
 from stof_trt.kernels import (  # noqa: E402
-    DeviceLayout, StofKernelError, all_tactics, list_tactics, sparse_attention, tactic_info,
+    FAMILY_HOPPER, DeviceLayout, StofKernelError, all_tactics, list_tactics, sparse_attention, tactic_info,
 )
 from stof_trt.masks import parse_mask  # noqa: E402
 
@@ -221,6 +221,22 @@ def test_warp_specialised_long_rows(D):
     layout = compile_mask(mask, 4096, 4096)
     check_all_tactics("ws sliding:window=512 Sq=Sk=2200 on a 4096 layout, BSHD", mask.dense(4096, 4096), layout, B=2,
                       H=3, Sq=2200, Sk=2200, D=D, dtype=torch.bfloat16, seed=43 + D, bhsd=False, only=WS_TACTICS)
+
+
+def test_wgmma_tactics_need_32bit_bitmap_offsets():
+    """The wgmma kernels address bitmap words by 32-bit byte offsets: a layout whose tiles x tile bytes reach 2^32 (a
+    compiled 2^20 x 2^20 layout: 2^28 64x64 tiles of 512 bytes) lists none of them (the call never reads the layout),
+    while the same problem on its real layout lists them."""
+    layout = compile_mask(parse_mask("causal"), 128, 128)
+    dl = DeviceLayout(layout)
+    q, k, v = _problem()
+    ids = list_tactics(q, k, v, dl)
+    hopper = [t for t in ids if tactic_info(t).family == FAMILY_HOPPER]
+    if torch.cuda.get_device_capability() == (9, 0) and hopper:
+        dl.seq_q = dl.seq_k = 1 << 20
+        big = list_tactics(q, k, v, dl)
+        assert big and not [t for t in big if tactic_info(t).family == FAMILY_HOPPER], big
+        assert set(big) == set(ids) - set(hopper)
 
 
 def _problem(D=64, Sq=128, Sk=128, dtype=torch.float16):
