@@ -134,7 +134,7 @@ __device__ __forceinline__ void and_key_words(uint32_t (&bits)[2][2], int n0, in
 // word with it, so ptxas cannot trace the word's bits back to the bitmap words and re-gather them its own way (it did,
 // on any packing written in plain C++: ~94 instructions per 64-key sub-block, against ~61 with the selector).
 __device__ __forceinline__ uint32_t mask_selector(const KernelParams& p) {
-    return 0x3210u | (static_cast<uint32_t>(p.tile_n) >> 20);  // tile_n < 2^20 (a multiple of 64, at most Sk)
+    return 0x3210u | (static_cast<uint32_t>(p.tile_n) >> 20);  // tile_n <= 256 (stof_attn_validate): 0x3210
 }
 
 // Masks one warp's two score rows (g and g + 8; wgmma/mma C layout, kNI groups of 8 columns) of each 64-key
