@@ -151,21 +151,6 @@ __device__ __forceinline__ uint32_t mask_selector(const KernelParams& p) {
 template <int kNI, int kN>
 __device__ __forceinline__ void mask_scores(float (&s)[kN], const uint32_t (&bits)[2][kNI / 4], int tig, uint32_t sel,
                                             int off = 0) {
-#ifdef STOF_MASK_LEGACY
-    (void)sel;
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-#pragma unroll
-        for (int w = 0; w < kNI / 4; ++w) {
-            const uint32_t x = bits[hh][w] >> (tig * 2);
-#pragma unroll
-            for (int q = 0; q < 4; ++q)
-#pragma unroll
-                for (int c = 0; c < 2; ++c)
-                    if ((x & (1u << (q * 8 + c))) == 0u) s[off + (w * 4 + q) * 4 + hh * 2 + c] = -INFINITY;
-        }
-    }
-#else
     static_assert(kNI % 8 == 0, "whole 64-key sub-blocks");
 #pragma unroll
     for (int j = 0; j < kNI / 8; ++j) {  // sub-block j: words 2j, 2j + 1
@@ -186,7 +171,6 @@ __device__ __forceinline__ void mask_scores(float (&s)[kN], const uint32_t (&bit
                         if ((z & (1u << (q * 8 + 2 * (2 * hh + w) + c))) == 0u)
                             s[off + ((2 * j + w) * 4 + q) * 4 + hh * 2 + c] = -INFINITY;
     }
-#endif
 }
 
 // Rows [row0, row0 + kRows) of a [rows, stride_s] tensor into a kRows-row swizzled tile, by HT::kThreads threads;
@@ -567,13 +551,8 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
         const bool need_mask = bm_idx >= 0 || n0 + kBlockN > kv_len || kpm != nullptr;
         uint32_t bits[2][HT::kWordsN];
         if (need_mask) {
-#ifdef STOF_MASK_LEGACY
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) row_bits(bits[hh], p, bm_idx, my_a0 + (warp & 3) * 16 + hh * 8 + g, sub);
-#else
             row_bits_pair(bits, p.bitmaps, static_cast<uint32_t>((my_a0 + (warp & 3) * 16 + g) * (p.tile_n / 8)),
                           p.tile_n, bm_idx, static_cast<uint32_t>(p.tile_m * p.tile_n / 8), sub);
-#endif
         }
         // descriptors = base + (byte offset >> 4): shared addresses stay below 2^18, so the 14-bit field never carries
         const uint64_t stage_off = static_cast<uint64_t>(((it % kStages) * 2 * HT::kSmemKV) >> 4);
@@ -708,13 +687,8 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kHeadDim == 64 ? 3 : 2) hopp
         }
         if (bm_idx >= 0 || n0 + kBlockN > kv_len || kpm != nullptr) {
             uint32_t bits[2][HT::kWordsN];
-#ifdef STOF_MASK_LEGACY
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) row_bits(bits[hh], p, bm_idx, a0 + warp_row0 + hh * 8 + g, sub);
-#else
             row_bits_pair(bits, p.bitmaps, static_cast<uint32_t>((a0 + warp_row0 + g) * (p.tile_n / 8)), p.tile_n,
                           bm_idx, static_cast<uint32_t>(p.tile_m * p.tile_n / 8), sub);
-#endif
             if (n0 + kBlockN > kv_len || kpm != nullptr) and_key_words(bits, n0, kv_len, kpm, tid & 31);
             mask_scores<kNI>(rS, bits, tig, mask_selector(p));
         }

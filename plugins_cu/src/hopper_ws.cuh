@@ -698,13 +698,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
             if (bm_idx != -1 || bound) {
                 uint32_t bits[2][2] = {{0u, 0u}, {0u, 0u}};
                 if (bm_idx != -2) {
-#ifndef STOF_MASK_LEGACY
                     row_bits_pair(bits, p.bitmaps, bm_row, bm_row8, bm_idx, bm_tile_bytes, st.sub[hh]);
-#else
-#pragma unroll
-                    for (int r2 = 0; r2 < 2; ++r2)
-                        row_bits(bits[r2], p, bm_idx, my_a0 + warp * 16 + r2 * 8 + g, st.sub[hh]);
-#endif
                     if (bound) and_key_words(bits, n0, kv_len, kpm, lane);  // (warp-uniform)
                 }
                 mask_scores<8>(rS, bits, tig, mask_sel, hh * 32);
