@@ -602,6 +602,29 @@ __device__ __forceinline__ bool ws_issue_first_step(const KernelParams& p, WsWal
     return more;
 }
 
+// Flips the sign of consumer w's 64 Q rows of an item's tile (every column block; fp16 and bf16 alike: the sign
+// bits), for the wgmma that reads them next: each thread's writes through the async proxy, then the warpgroup's
+// barrier (named barrier 1 + w, as the epilogue's).  A negative scale's path (ws_consume_items).
+template <class WT>
+__device__ __forceinline__ void ws_negate_rows(uint32_t sQ, int w, int ctid) {
+#pragma unroll
+    for (int cb = 0; cb < WT::kHeadDim / 64; ++cb)
+#pragma unroll
+        for (int i = 0; i < 64 * 128 / (16 * 128); ++i) {
+            const uint32_t a = sQ + cb * WT::kBlockM * 128 + w * 64 * 128 + (ctid + 128 * i) * 16;
+            uint32_t x0, x1, x2, x3;
+            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=r"(x0), "=r"(x1), "=r"(x2), "=r"(x3)
+                         : "r"(a)
+                         : "memory");
+            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(x0 ^ 0x80008000u),
+                         "r"(x1 ^ 0x80008000u), "r"(x2 ^ 0x80008000u), "r"(x3 ^ 0x80008000u)
+                         : "memory");
+        }
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    named_barrier_sync(1 + w, 128);
+}
+
 // A work item as the consumers see it: first query row, head, batch, whether its walk has a step, its Q tile
 // (swizzled, 64 kConsumers rows; the consumers stage the item's O through their own rows of it) and the source's
 // tag (the persistent kernel's Q buffer).
@@ -634,8 +657,17 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
     const int warp = ctid >> 5, lane = ctid & 31;
     const int g = lane >> 2, tig = lane & 3;
     const float sl2 = p.scale_log2;
-    const bool fold = sl2 > 0.f;          // scale folded into the exp2 FFMA (max taken on raw scores)
-    const float mul = fold ? sl2 : 1.f;  // otherwise scores are pre-scaled, then masked
+    // kFoldAll (two consumers): the scale is folded into the exp2 FFMA (the max taken on raw scores) whatever its
+    // sign.  With scale < 0 each item's Q rows are negated in shared memory first (S = -Q K^T; softmax(s scale) =
+    // softmax(-s |scale|)), and scale = 0 multiplies by FLT_MIN (every allowed p rounds to 1, a masked -inf stays
+    // -inf).  So the step loop has one path: the pre-scaled one it carried for scale <= 0 cost ~0.5 % there as code
+    // that never ran (session 19: the loop's static size costs ~0.5 % per KB; 24 -2.3 to 0 %).  The three-consumer
+    // kernels keep it: the negation's barrier under a condition took their MMA descriptors off the uniform datapath
+    // and added reloads of spilled registers (tactic 29 +8 to +40 %).
+    constexpr bool kFoldAll = WT::kConsumers == 2;
+    const bool fold = kFoldAll || sl2 > 0.f;  // otherwise scores are pre-scaled, then masked
+    const bool negate_q = kFoldAll && sl2 < 0.f;
+    const float mul = sl2 > 0.f ? sl2 : !kFoldAll ? 1.f : negate_q ? -sl2 : 1.17549435e-38f;  // (FLT_MIN)
 
     constexpr int kON = WT::kON;
     float rO[kON / 2];  // O (kDI groups of 8 columns), then with kSumMma the row sums (rO[kDI * 4 + {0, 2}])
@@ -764,6 +796,9 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
         STOF_PROF_ADD(10, th1 - th0);
         STOF_PROF_ADD(9, 1u);
         if (!got) break;
+        if constexpr (kFoldAll) {
+            if (negate_q) ws_negate_rows<WT>(cur.sQ, w, ctid);
+        }
         int stage0 = 0;  // the first step's ring stage
         if constexpr (WT::kSkip) {
             stage0 = it % kStages;

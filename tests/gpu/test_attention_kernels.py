@@ -141,6 +141,23 @@ def test_random_masks(seed):
                       scale=float(rng.uniform(0.02, 0.3)))
 
 
+@pytest.mark.parametrize("scale", [-0.2, 0.0])
+@pytest.mark.parametrize("D", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_nonpositive_scale(scale, dtype, D):
+    """scale <= 0 is a valid argument (any finite value): every tactic, with and without the workspace (the
+    warp-specialised kernels negate Q for a negative scale and fold a zero one as FLT_MIN), with padding and tails."""
+    rng = np.random.default_rng(int(D + 10 * (scale < 0)))
+    for spec, S in (("longformer:window=64,global=4", 333), ("causal", 256)):
+        mask = parse_mask(spec)
+        layout = compile_mask(mask, S, S)
+        kpm = rng.random((2, S)) < 0.8
+        for workspace in (True, False):
+            check_all_tactics(f"{spec} S={S} scale={scale}", mask.dense(S, S), layout, B=2, H=2, Sq=S, Sk=S, D=D,
+                              dtype=dtype, seed=S + D, kpm=kpm if spec == "causal" else None, scale=scale,
+                              workspace=workspace)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_runtime_corner_of_compiled_layout(dtype):
     """Run-time Sq, Sk smaller than the compiled sizes use the top-left corner of the pattern."""
