@@ -483,8 +483,12 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
     Elem* gO = static_cast<Elem*>(p.o) + b * p.o_sb + h * p.o_sh;
     const int32_t* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.seq_k : nullptr;
     const float sl2 = p.scale_log2;
-    const bool fold = sl2 > 0.f;          // scale folded into the exp2 FFMA (max taken on raw scores)
-    const float mul = fold ? sl2 : 1.f;  // otherwise scores are pre-scaled, then masked
+    // The scale is folded into the exp2 FFMA (the max taken on raw scores) whatever its sign, as in the two-consumer
+    // warp-specialised kernels (hopper_ws.cuh): Q negated in shared memory for scale < 0, FLT_MIN for 0, so the step
+    // loop carries no pre-scaled path (session 19).
+    constexpr bool fold = true;
+    const bool negate_q = sl2 < 0.f;
+    const float mul = sl2 > 0.f ? sl2 : negate_q ? -sl2 : 1.17549435e-38f;  // (FLT_MIN)
 
     // Prologue: Q, then the first kStages-1 K/V sub-blocks of the merged walk.
     load_rows_async128<HT, kBlockM>(sQ, gQ, p.q_ss, q0, p.seq_q, tid);
@@ -507,6 +511,26 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
             pre.advance(p);
         }
         cp_async_commit();
+    }
+    if (negate_q) {  // Q's copies are the oldest group; every thread's landed before any thread flips signs
+        cp_async_wait<kStages - 1>();
+        __syncthreads();
+        constexpr int kIters = HT::kSmemQ / (16 * HT::kThreads);
+        static_assert(HT::kSmemQ % (16 * HT::kThreads) == 0, "Q chunks per thread");
+#pragma unroll
+        for (int i = 0; i < kIters; ++i) {
+            const uint32_t a = sQ + (tid + i * HT::kThreads) * 16;
+            uint32_t x0, x1, x2, x3;
+            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=r"(x0), "=r"(x1), "=r"(x2), "=r"(x3)
+                         : "r"(a)
+                         : "memory");
+            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(x0 ^ 0x80008000u),
+                         "r"(x1 ^ 0x80008000u), "r"(x2 ^ 0x80008000u), "r"(x3 ^ 0x80008000u)
+                         : "memory");
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
     }
 
     float rO[kDI * 4];
