@@ -173,6 +173,24 @@ __device__ __forceinline__ void mask_scores(float (&s)[kN], const uint32_t (&bit
     }
 }
 
+// Flips the sign bit of every fp16 / bf16 element in kIters * kThreads 16-byte chunks of shared memory from `base`
+// (chunk t + i kThreads for thread t): Q negated for a negative scale, which the kernels then fold into the exp2.
+template <int kIters, int kThreads>
+__device__ __forceinline__ void flip_signs(uint32_t base, int t) {
+#pragma unroll
+    for (int i = 0; i < kIters; ++i) {
+        const uint32_t a = base + (t + i * kThreads) * 16;
+        uint32_t x0, x1, x2, x3;
+        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(x0), "=r"(x1), "=r"(x2), "=r"(x3)
+                     : "r"(a)
+                     : "memory");
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(x0 ^ 0x80008000u),
+                     "r"(x1 ^ 0x80008000u), "r"(x2 ^ 0x80008000u), "r"(x3 ^ 0x80008000u)
+                     : "memory");
+    }
+}
+
 // Rows [row0, row0 + kRows) of a [rows, stride_s] tensor into a kRows-row swizzled tile, by HT::kThreads threads;
 // rows >= limit are zero-filled.  Each thread copies one 16-byte chunk column (ch) of rows r0, r0 + kRowStep, ...:
 // kRowStep is a multiple of 8, so the swizzle pattern of its chunks is the same in every iteration and the source
@@ -515,20 +533,8 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
     if (negate_q) {  // Q's copies are the oldest group; every thread's landed before any thread flips signs
         cp_async_wait<kStages - 1>();
         __syncthreads();
-        constexpr int kIters = HT::kSmemQ / (16 * HT::kThreads);
         static_assert(HT::kSmemQ % (16 * HT::kThreads) == 0, "Q chunks per thread");
-#pragma unroll
-        for (int i = 0; i < kIters; ++i) {
-            const uint32_t a = sQ + (tid + i * HT::kThreads) * 16;
-            uint32_t x0, x1, x2, x3;
-            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                         : "=r"(x0), "=r"(x1), "=r"(x2), "=r"(x3)
-                         : "r"(a)
-                         : "memory");
-            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(x0 ^ 0x80008000u),
-                         "r"(x1 ^ 0x80008000u), "r"(x2 ^ 0x80008000u), "r"(x3 ^ 0x80008000u)
-                         : "memory");
-        }
+        flip_signs<HT::kSmemQ / (16 * HT::kThreads), HT::kThreads>(sQ, tid);
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         __syncthreads();
     }

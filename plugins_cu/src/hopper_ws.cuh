@@ -608,19 +608,8 @@ __device__ __forceinline__ bool ws_issue_first_step(const KernelParams& p, WsWal
 template <class WT>
 __device__ __forceinline__ void ws_negate_rows(uint32_t sQ, int w, int ctid) {
 #pragma unroll
-    for (int cb = 0; cb < WT::kHeadDim / 64; ++cb)
-#pragma unroll
-        for (int i = 0; i < 64 * 128 / (16 * 128); ++i) {
-            const uint32_t a = sQ + cb * WT::kBlockM * 128 + w * 64 * 128 + (ctid + 128 * i) * 16;
-            uint32_t x0, x1, x2, x3;
-            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                         : "=r"(x0), "=r"(x1), "=r"(x2), "=r"(x3)
-                         : "r"(a)
-                         : "memory");
-            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(x0 ^ 0x80008000u),
-                         "r"(x1 ^ 0x80008000u), "r"(x2 ^ 0x80008000u), "r"(x3 ^ 0x80008000u)
-                         : "memory");
-        }
+    for (int cb = 0; cb < WT::kHeadDim / 64; ++cb)  // 64 rows x 128 bytes of each column block
+        flip_signs<64 * 128 / (16 * 128), 128>(sQ + cb * WT::kBlockM * 128 + w * 64 * 128, ctid);
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     named_barrier_sync(1 + w, 128);
 }
