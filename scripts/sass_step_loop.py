@@ -6,7 +6,10 @@
     python scripts/sass_step_loop.py ... old/libstof_kernels.so new/libstof_kernels.so     # the two, and the diff
 
 The step loop is issue-bound (docs/performance.md, sessions 12 and 18): every instruction a change adds to it has
-cost time, so count before spending device time.  The loop is the smallest one closed by an unconditional backward
+cost time, so count before spending device time.  Its static size costs too, even code that never runs (session 19:
+~0.5 % per KB of a never-taken block in tactic 24's loop), so the size in KB is printed as well.  And check that the
+MMA descriptors stay on the uniform datapath (`UIADD3` / `ULEA` before the `HGMMA`s, not `IADD3` + `R2UR`): some loop
+shapes make ptxas compute them in vector registers, +40-60 instructions per step (session 19).  The loop is the smallest one closed by an unconditional backward
 branch that holds an S MMA (`HGMMA.64x<N>x16` with a shared-memory A operand); its masking regions are the blocks a
 `@!P BRA P, target` jumps over (a FULL sub-block skips them).  Printed: the loop's static size, its size outside the
 masking regions (the FULL path, plus the rescale and pre-scale branches), each masking region's size, and the opcode
@@ -75,7 +78,8 @@ def main() -> None:
         name, code = kernel_sass(args.cuobjdump, lib, args.kernel)
         r = step_loop(code)
         res.append(r)
-        print(f"{lib}\n  {name}\n  loop {r['head']:#x}-{r['tail']:#x}: {r['total']} instructions, {r['outside']} outside "
+        print(f"{lib}\n  {name}\n  loop {r['head']:#x}-{r['tail']:#x}: {r['total']} instructions "
+              f"({r['total'] * 16 / 1024:.1f} KB), {r['outside']} outside "
               f"the masking regions {r['masking']}\n  " +
               ", ".join(f"{k} {v}" for k, v in r["ops"].most_common(args.top)))
     if len(res) == 2:
