@@ -7,7 +7,8 @@
 
 The step loop is issue-bound (docs/performance.md, sessions 12 and 18): every instruction a change adds to it has
 cost time, so count before spending device time.  Its static size costs too, even code that never runs (session 19:
-~0.5 % per KB of a never-taken block in tactic 24's loop), so the size in KB is printed as well.  And check that the
+~0.5 % per KB of a never-taken block in tactic 24's loop; a coarse rule: a 0.9 KB removal measured within noise), so
+the size in KB is printed as well.  And check that the
 MMA descriptors stay on the uniform datapath (`UIADD3` / `ULEA` before the `HGMMA`s, not `IADD3` + `R2UR`): some loop
 shapes make ptxas compute them in vector registers, +40-60 instructions per step (session 19).  The loop is the smallest one closed by an unconditional backward
 branch that holds an S MMA (`HGMMA.64x<N>x16` with a shared-memory A operand); its masking regions are the blocks a
