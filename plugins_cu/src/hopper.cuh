@@ -173,6 +173,14 @@ __device__ __forceinline__ void mask_scores(float (&s)[kN], const uint32_t (&bit
     }
 }
 
+// The multiplier of the raw scores in the exp2 FFMA when the scale is folded whatever its sign (the max is taken on
+// raw scores): scale_log2 itself when positive; |scale_log2| when negative, with Q negated in shared memory first
+// (flip_signs: S = -Q K^T, and softmax(s scale) = softmax(-s |scale|)); FLT_MIN for a zero scale, where every allowed
+// p rounds to 1 and a masked -inf stays -inf.
+__device__ __forceinline__ float folded_exp2_scale(float sl2) {
+    return sl2 > 0.f ? sl2 : sl2 < 0.f ? -sl2 : 1.17549435e-38f;  // (FLT_MIN)
+}
+
 // Flips the sign bit of every fp16 / bf16 element in kIters * kThreads 16-byte chunks of shared memory from `base`
 // (chunk t + i kThreads for thread t): Q negated for a negative scale, which the kernels then fold into the exp2.
 template <int kIters, int kThreads>
@@ -342,18 +350,14 @@ __device__ __forceinline__ void issue_pv(float (&rO)[kHeadDim / 2], const uint32
     wgmma_commit();
 }
 
-// Scale (unless folded into the exp2), mask (bitmap words in bits, ANDed here with the key bound / padding words
-// when the 64-key step at n0 can be cut by them) and run the online softmax of one 64-key step; rescales O when the
-// running max moved.  Warp-uniform call.
+// Mask (bitmap words in bits, ANDed here with the key bound / padding words when the 64-key step at n0 can be cut by
+// them) and run the online softmax of one 64-key step, the scale folded into the exp2 (mul: folded_exp2_scale);
+// rescales O when the running max moved.  Warp-uniform call.
 template <int kNI, int kDI>
 __device__ __forceinline__ void mask_softmax_step(float (&rS)[kNI * 4], float (&rO)[kDI * 4], float (&row_max)[2],
                                                   float (&row_sum)[2], uint32_t (&bits)[2][kNI / 4], bool need_mask,
                                                   int n0, int kv_len, const int32_t* kpm, int lane, int tig,
-                                                  bool fold, float sl2, float mul, uint32_t sel) {
-    if (!fold) {
-#pragma unroll
-        for (int i = 0; i < kNI * 4; ++i) rS[i] *= sl2;
-    }
+                                                  float mul, uint32_t sel) {
     if (need_mask) {
         if (n0 + kNI * 8 > kv_len || kpm != nullptr) and_key_words(bits, n0, kv_len, kpm, lane);
         mask_scores<kNI>(rS, bits, tig, sel);
@@ -501,12 +505,10 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
     Elem* gO = static_cast<Elem*>(p.o) + b * p.o_sb + h * p.o_sh;
     const int32_t* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.seq_k : nullptr;
     const float sl2 = p.scale_log2;
-    // The scale is folded into the exp2 FFMA (the max taken on raw scores) whatever its sign, as in the two-consumer
-    // warp-specialised kernels (hopper_ws.cuh): Q negated in shared memory for scale < 0, FLT_MIN for 0, so the step
-    // loop carries no pre-scaled path (session 19).
-    constexpr bool fold = true;
+    // The scale is folded into the exp2 FFMA whatever its sign (folded_exp2_scale; Q negated below for scale < 0),
+    // so the step loop carries no pre-scaled path (session 19).
     const bool negate_q = sl2 < 0.f;
-    const float mul = sl2 > 0.f ? sl2 : negate_q ? -sl2 : 1.17549435e-38f;  // (FLT_MIN)
+    const float mul = folded_exp2_scale(sl2);
 
     // Prologue: Q, then the first kStages-1 K/V sub-blocks of the merged walk.
     load_rows_async128<HT, kBlockM>(sQ, gQ, p.q_ss, q0, p.seq_q, tid);
@@ -605,8 +607,8 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
             prefetch();
         }
 
-        mask_softmax_step<kNI, kDI>(rS, rO, row_max, row_sum, bits, need_mask, n0, kv_len, kpm, lane, tig, fold, sl2,
-                                    mul, mask_selector(p));
+        mask_softmax_step<kNI, kDI>(rS, rO, row_max, row_sum, bits, need_mask, n0, kv_len, kpm, lane, tig, mul,
+                                    mask_selector(p));
 
         // O += P V
         uint32_t rP[kKN][4];

@@ -646,17 +646,15 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
     const int warp = ctid >> 5, lane = ctid & 31;
     const int g = lane >> 2, tig = lane & 3;
     const float sl2 = p.scale_log2;
-    // kFoldAll (two consumers): the scale is folded into the exp2 FFMA (the max taken on raw scores) whatever its
-    // sign.  With scale < 0 each item's Q rows are negated in shared memory first (S = -Q K^T; softmax(s scale) =
-    // softmax(-s |scale|)), and scale = 0 multiplies by FLT_MIN (every allowed p rounds to 1, a masked -inf stays
-    // -inf).  So the step loop has one path: the pre-scaled one it carried for scale <= 0 cost ~0.5 % there as code
+    // kFoldAll (two consumers): the scale is folded into the exp2 FFMA whatever its sign (folded_exp2_scale; each
+    // item's Q rows negated first for scale < 0, ws_negate_rows).  So the step loop has one path: the pre-scaled one it carried for scale <= 0 cost ~0.5 % there as code
     // that never ran (session 19: the loop's static size costs ~0.5 % per KB; 24 -2.3 to 0 %).  The three-consumer
     // kernels keep it: the negation's barrier under a condition took their MMA descriptors off the uniform datapath
     // and added reloads of spilled registers (tactic 29 +8 to +40 %).
     constexpr bool kFoldAll = WT::kConsumers == 2;
     const bool fold = kFoldAll || sl2 > 0.f;  // otherwise scores are pre-scaled, then masked
     const bool negate_q = kFoldAll && sl2 < 0.f;
-    const float mul = sl2 > 0.f ? sl2 : !kFoldAll ? 1.f : negate_q ? -sl2 : 1.17549435e-38f;  // (FLT_MIN)
+    const float mul = kFoldAll ? folded_exp2_scale(sl2) : fold ? sl2 : 1.f;
 
     constexpr int kON = WT::kON;
     float rO[kON / 2];  // O (kDI groups of 8 columns), then with kSumMma the row sums (rO[kDI * 4 + {0, 2}])

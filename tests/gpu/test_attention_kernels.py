@@ -145,8 +145,9 @@ def test_random_masks(seed):
 @pytest.mark.parametrize("D", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_nonpositive_scale(scale, dtype, D):
-    """scale <= 0 is a valid argument (any finite value): every tactic, with and without the workspace (the
-    warp-specialised kernels negate Q for a negative scale and fold a zero one as FLT_MIN), with padding and tails."""
+    """scale <= 0 is a valid argument (any finite value): every tactic, with and without the workspace, with padding
+    and tails (the wgmma kernels 13-16 and 19-24 negate Q for a negative scale and fold a zero one as FLT_MIN; the
+    others pre-scale the scores)."""
     rng = np.random.default_rng(int(D + 10 * (scale < 0)))
     for spec, S in (("longformer:window=64,global=4", 333), ("causal", 256)):
         mask = parse_mask(spec)
