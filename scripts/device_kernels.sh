@@ -11,7 +11,8 @@
 #       AB_ARGS="--tactics 24 --cells '64:1024:causal;64:4096:sliding' --rounds 2" bash scripts/device_kernels.sh
 #
 # Files written (at most 8, the device tool's limit): log, build.log (ptxas resource usage per kernel),
-# correctness.jsonl (every case x tactic with its error), sanitize.log, bench_attention{.json,.md,.png}, ab.json.
+# correctness.jsonl (every case x tactic with its error), sanitize.log, bench_attention{.json,.md,.png}, ab.json,
+# paired_anchor{.json,.md} (STAGES=...,paired: scripts/paired_anchor.py with PAIRED_ARGS).
 # (Waits name their jobs: a bare `wait` would also wait for the log's tee below, forever.)
 set -o pipefail
 OUT=${OUT:-$PWD/out}
@@ -108,6 +109,11 @@ fi
 
 if has bench; then
   python scripts/bench_attention.py --out "$OUT" ${BENCH_ARGS:-} || status=1
+fi
+
+# paired rounds against the close-call anchors (causal vs SDPA is_causal, sliding vs its floor)
+if has paired; then
+  python scripts/paired_anchor.py --out "$OUT" ${PAIRED_ARGS:-} || status=1
 fi
 echo "== done status=$status"
 exit $status

@@ -61,6 +61,8 @@ struct WsTraits {
     // kBlockN-row block of ones after the K/V ring (kSmemOnes), so every consumer thread gets its two rows' full
     // sums in rO -- no FADDs (64 per thread and 128-key step), no quad shuffles.  The sums are of the fp16/bf16
     // P that P V multiplies.  Head dim 64 (softmax-bound): tactic 24 -0.1 to -2.5 %, 22 -1.4 to -6.2 % (session 9).
+    // The extra MMA work costs no measurable energy: sums by FADD ran 24 -0.9 to +3.0 % (faster at causal S=8192
+    // only) and drew the same energy per call at the board's power cap there (session 20).
     // Head dim 64 only: at 128 the ones would have to be V's third 64-column chunk, 2 LBOs on, where the next
     // stage's K is (and the accumulators would need 136 / 2 registers).
     static constexpr bool kSumMma = kHeadDim == 64;
@@ -650,7 +652,8 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
     // item's Q rows negated first for scale < 0, ws_negate_rows).  So the step loop has one path: the pre-scaled one it carried for scale <= 0 cost ~0.5 % there as code
     // that never ran (session 19: the loop's static size costs ~0.5 % per KB; 24 -2.3 to 0 %).  The three-consumer
     // kernels keep it: the negation's barrier under a condition took their MMA descriptors off the uniform datapath
-    // and added reloads of spilled registers (tactic 29 +8 to +40 %).
+    // and added reloads of spilled registers (tactic 29 +8 to +40 %).  Folding only scale >= 0 there, with negative
+    // scales sent to the two-consumer kernel, is no better: their spills went 250 -> 478 bytes (session 20, SASS).
     constexpr bool kFoldAll = WT::kConsumers == 2;
     const bool fold = kFoldAll || sl2 > 0.f;  // otherwise scores are pre-scaled, then masked
     const bool negate_q = kFoldAll && sl2 < 0.f;

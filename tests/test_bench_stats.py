@@ -1,0 +1,34 @@
+"""The statistics of scripts/paired_anchor.py (CPU only): the median's bootstrap interval and the verdict read from it."""
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+_spec = importlib.util.spec_from_file_location(
+    "paired_anchor", Path(__file__).resolve().parent.parent / "scripts" / "paired_anchor.py")
+paired_anchor = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(paired_anchor)
+
+
+def test_interval_holds_the_median_and_narrows_with_rounds():
+    rng = np.random.default_rng(1)
+    few = 1.02 + 0.03 * rng.standard_normal(8)
+    many = 1.02 + 0.03 * rng.standard_normal(200)
+    m, lo, hi = paired_anchor.median_ci(few)
+    assert lo <= m <= hi and m == pytest.approx(float(np.median(few)))
+    m2, lo2, hi2 = paired_anchor.median_ci(many)
+    assert lo2 <= m2 <= hi2
+    assert hi2 - lo2 < hi - lo  # 25x the rounds: a narrower interval
+    assert lo2 < 1.02 < hi2  # and one that holds the true median here
+
+
+def test_verdict_needs_the_whole_interval_on_one_side_of_one():
+    assert paired_anchor.verdict(1.001, 1.03) == "STOF ahead"
+    assert paired_anchor.verdict(0.95, 0.999) == "STOF behind"
+    assert paired_anchor.verdict(0.98, 1.014).startswith("tie")
+    # a constant ratio has a zero-width interval: decided however close to 1 it is
+    m, lo, hi = paired_anchor.median_ci([1.004] * 20)
+    assert (m, lo, hi) == pytest.approx((1.004, 1.004, 1.004))
+    assert paired_anchor.verdict(lo, hi) == "STOF ahead"
