@@ -46,6 +46,34 @@ def median_ci(x, n_boot=4000, seed=0):
     return float(np.median(x)), float(np.percentile(boots, 2.5)), float(np.percentile(boots, 97.5))
 
 
+def add_problem_args(ap):
+    """--batch, --heads, --dim (fp16 [B, H, S, D] q/k/v) and --out, as this script and power_clock.py take them."""
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--out", required=True)
+
+
+def rel_err(x, ref):
+    return float((x.float() - ref.float()).norm() / ref.float().norm())
+
+
+def checked_runner(q, k, v, dl, tactic, ref, where):
+    """A STOF Runner whose output (poisoned first) matches ref within fp16's tolerance; exits otherwise."""
+    import torch
+
+    from stof_trt.kernels import Runner
+
+    r = Runner(q, k, v, dl, tactic=tactic)
+    r.out.fill_(float("nan"))
+    r()
+    torch.cuda.synchronize()
+    err = rel_err(r.out, ref)
+    if not err < 2e-3:
+        sys.exit(f"{Path(sys.argv[0]).stem}: STOF tactic {tactic} differs from SDPA at {where}: rel err {err:.2e}")
+    return r
+
+
 def verdict(lo, hi):
     if lo > 1.0:
         return "STOF ahead"
@@ -61,10 +89,7 @@ def main():
     ap.add_argument("--tactics", default="29", help="STOF tactics timed besides the pre-search pick (comma list)")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms) per measurement")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--out", required=True)
+    add_problem_args(ap)
     a = ap.parse_args()
 
     import torch
@@ -74,7 +99,7 @@ def main():
 
     from stof_trt import presearch
     from stof_trt.format import compile_mask
-    from stof_trt.kernels import DeviceLayout, Runner, list_tactics, tactic_info
+    from stof_trt.kernels import DeviceLayout, list_tactics, tactic_info
     from stof_trt.masks import parse_mask
 
     out = Path(a.out)
@@ -85,9 +110,6 @@ def main():
 
     def bench(fn):
         return triton.testing.do_bench(fn, warmup=25, rep=a.rep, return_mode="median")
-
-    def rel_err(x, ref):
-        return float((x.float() - ref.float()).norm() / ref.float().norm())
 
     # methods[cell] = {name: callable}; checks before timing
     cells = {}
@@ -105,14 +127,7 @@ def main():
             if t not in valid:
                 print(f"paired_anchor: tactic {t} not valid for causal S={S}: left out", file=sys.stderr)
                 continue
-            r = Runner(q, k, v, dl, tactic=t)
-            r.out.fill_(float("nan"))
-            r()
-            torch.cuda.synchronize()
-            err = rel_err(r.out, ref)
-            if not err < 2e-3:
-                sys.exit(f"paired_anchor: STOF tactic {t} differs from SDPA at causal S={S}: rel err {err:.2e}")
-            m[f"stof_{t}" + ("_pick" if t == pick else "")] = r
+            m[f"stof_{t}" + ("_pick" if t == pick else "")] = checked_runner(q, k, v, dl, t, ref, f"causal S={S}")
         m["sdpa_causal"] = lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
         for name, be in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
             def fn(q=q, k=k, v=v, be=be):
@@ -138,13 +153,7 @@ def main():
         pick = presearch.rank(layout, batch=B, heads=H, head_dim=D, gpu=gpu)[0][0]
         dense = torch.from_numpy(mask.dense(S, S)).cuda()
         ref = F.scaled_dot_product_attention(q, k, v, attn_mask=dense[None, None])
-        r = Runner(q, k, v, dl, tactic=pick)
-        r.out.fill_(float("nan"))
-        r()
-        torch.cuda.synchronize()
-        err = rel_err(r.out, ref)
-        if not err < 2e-3:
-            sys.exit(f"paired_anchor: STOF tactic {pick} differs from SDPA at sliding S={S}: rel err {err:.2e}")
+        r = checked_runner(q, k, v, dl, pick, ref, f"sliding S={S}")
         x = torch.randn(256 * 1024 * 1024, device="cuda", dtype=torch.float16)  # 512 MiB, as bench_attention.py
         y = torch.empty_like(x)
         mm_a = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)

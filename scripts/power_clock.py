@@ -25,6 +25,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from paired_anchor import add_problem_args, checked_runner  # noqa: E402
 
 
 def main():
@@ -33,10 +36,7 @@ def main():
     ap.add_argument("--tactics", default="24,29")
     ap.add_argument("--seconds", type=float, default=3.0, help="time each method runs per phase")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--out", required=True)
+    add_problem_args(ap)
     a = ap.parse_args()
 
     import torch
@@ -44,7 +44,7 @@ def main():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from stof_trt.format import compile_mask
-    from stof_trt.kernels import DeviceLayout, Runner
+    from stof_trt.kernels import DeviceLayout
     from stof_trt.masks import parse_mask
 
     out = Path(a.out)
@@ -75,16 +75,8 @@ def main():
             q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.float16, generator=g) for _ in range(3))
             dl = DeviceLayout(compile_mask(parse_mask("causal"), S, S))
             ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            methods = {}
-            for t in [int(x) for x in a.tactics.split(",")]:
-                r = Runner(q, k, v, dl, tactic=t)
-                r.out.fill_(float("nan"))
-                r()
-                torch.cuda.synchronize()
-                err = float((r.out.float() - ref.float()).norm() / ref.float().norm())
-                if not err < 2e-3:
-                    sys.exit(f"power_clock: tactic {t} differs from SDPA at S={S}: {err:.2e}")
-                methods[f"stof_{t}"] = r
+            methods = {f"stof_{t}": checked_runner(q, k, v, dl, int(t), ref, f"causal S={S}")
+                       for t in a.tactics.split(",")}
 
             def cudnn(q=q, k=k, v=v):
                 with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
