@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # paired_anchor's statistics
 
 MASKS = {
     "causal": "causal",
@@ -50,6 +51,24 @@ def mask_mod_for(name, mask, S, torch):
     raise KeyError(name)
 
 
+def paired_ratio(stof, anchor, rounds, bench):
+    """anchor time / STOF time per round, the two timed in a shuffled order each round: the median over the rounds
+    with a 95 % bootstrap interval (scripts/paired_anchor.py's statistics)."""
+    import random
+
+    from paired_anchor import median_ci
+
+    per = []
+    for rd in range(rounds):
+        order = [("stof", stof), ("anchor", anchor)]
+        random.Random(rd).shuffle(order)
+        t = {name: bench(fn) for name, fn in order}
+        per.append((t["stof"], t["anchor"]))
+    m, lo, hi = median_ci([a / s for s, a in per])
+    return {"rounds": rounds, "ratio": m, "lo": lo, "hi": hi, "stof_ms": [s for s, _ in per],
+            "anchor_ms": [a for _, a in per]}
+
+
 def geomean(xs):
     xs = [x for x in xs if x and x > 0 and math.isfinite(x)]
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
@@ -66,6 +85,10 @@ def main():
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--tag", default="")
+    ap.add_argument("--causal-rounds", type=int, default=10, metavar="N",
+                    help="causal cells: also time STOF's best tactic and SDPA is_causal in N interleaved rounds and "
+                         "report the median per-round ratio with a 95%% bootstrap interval (0: off); one "
+                         "measurement per method cannot tell a 1-2%% lead from run-to-run spread")
     ap.add_argument("--no-row-order", action="store_true",
                     help="run the STOF kernels without the layout's row order (C ABI v2 row_order = NULL)")
     ap.add_argument("--sched-chunk", type=int, default=None, metavar="N",
@@ -141,7 +164,7 @@ def main():
                 best_pred = ranked[0][1]
                 cell["predicted_ms"] = {tactic_info(t).name: p * 1e3 for t, p in ranked}
                 cell["pick"] = tactic_info(ranked[0][0]).name
-                meas, outs = {}, {}
+                meas, outs, runners = {}, {}, {}
                 for tid, pred in ranked:
                     name = tactic_info(tid).name
                     if pred > 20 * best_pred:
@@ -152,6 +175,7 @@ def main():
                     torch.cuda.synchronize()
                     meas[name] = bench(r)
                     outs[name] = r.out
+                    runners[name] = r
                 cell["measured_ms"] = meas
                 best_name = min(meas, key=meas.get)
                 cell["best"] = best_name
@@ -170,7 +194,11 @@ def main():
                 except Exception as e:  # noqa: BLE001
                     cell["sdpa_mask_error"] = repr(e)[:200]
                 if mname == "causal":
-                    cell["sdpa_causal_ms"] = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+                    def sdpa_causal():
+                        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                    cell["sdpa_causal_ms"] = bench(sdpa_causal)
+                    if args.causal_rounds > 0:
+                        cell["causal_paired"] = paired_ratio(runners[best_name], sdpa_causal, args.causal_rounds, bench)
                 if flex is not None:
                     try:
                         mm = mask_mod_for(mname, mask, S, torch)
@@ -210,6 +238,9 @@ def main():
             "min_x_flex_best": min((c["x_flex"] for c in sel if math.isfinite(c["x_flex"])), default=float("nan")),
             "causal_x_sdpa_is_causal": {c["S"]: c["sdpa_causal_ms"] / c["stof_best_ms"] for c in sel
                                         if "sdpa_causal_ms" in c},
+            # median over interleaved rounds of SDPA is_causal / STOF best, [95 % interval of that median]
+            "causal_x_sdpa_is_causal_paired": {c["S"]: [c["causal_paired"][k] for k in ("ratio", "lo", "hi")]
+                                               for c in sel if "causal_paired" in c},
             "geomean_x_sdpa_mask": geomean([c["x_sdpa_mask"] for c in sel]),
         }
     summary["presearch_hit_rate"] = (sum(c["pick_hit"] for c in cells) / len(cells)) if cells else float("nan")
@@ -228,6 +259,11 @@ def main():
                      f"{c['sdpa_dense_ms']:.3f} | {c.get('sdpa_mask_ms', float('nan')):.3f} | "
                      f"{c.get('sdpa_causal_ms', float('nan')):.3f} | {c['tflops_best']:.0f} | {c['x_flex']:.2f} | "
                      f"{c['x_floor']:.2f} |")
+    paired = [c for c in cells if "causal_paired" in c]
+    if paired:
+        lines += ["", "Causal, SDPA is_causal / STOF best over interleaved rounds: median [95 % interval of the median]:",
+                  ""] + [f"- D={c['D']} S={c['S']}: {c['causal_paired']['ratio']:.3f} [{c['causal_paired']['lo']:.3f}, "
+                         f"{c['causal_paired']['hi']:.3f}] ({c['causal_paired']['rounds']} rounds)" for c in paired]
     table = "\n".join(lines)
     (out_dir / f"{name}.md").write_text(table + "\n\n" + json.dumps(summary, indent=1) + "\n")
     print(table)
