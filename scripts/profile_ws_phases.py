@@ -34,10 +34,10 @@ SPAN_CTAS = 1000  # hopper_ws.cuh kWsSpanCtas: g_ws_span holds CTAs 0..999's spa
 MARKS = ["entry", "row_ptr_in", "barrier", "q_issued", "windows_in", "first_kv_issued", "c0_q_landed",
          "c0_kv_landed", "c0_s0_done", "c0_end", "c0_no_more_items", "sched_stores_issued", "sched_stores_done",
          "c0_regs", "sched_regs"]
-NUM_COUNTERS = 17  # hopper_ws.cuh g_ws_prof: [cta 0..1][slot: consumer 0..2, producer][warp 0..3][counter]
+NUM_COUNTERS = 18  # hopper_ws.cuh g_ws_prof: [cta 0..1][slot: consumer 0..2, producer][warp 0..3][counter]
 NAMES = ["full", "issue_and_wait_s", "softmax_and_wait_pv", "rest", "steps", "epilogue", "first_steps", "issue",
          "total", "items", "handoff", "last_pv", "first_full_wait",
-         "first_issue", "first_wait_s", "first_softmax", "first_wait_pv"]
+         "first_issue", "first_wait_s", "first_softmax", "first_wait_pv", "issue_s"]
 PRODUCER_NAMES = {0: "empty_waits", 1: "q_empty_waits", 2: "claims", 3: "item_start", 4: "items", 5: "step_walks",
                   6: "step_descriptors", 7: "step_tma_issue", 8: "total", 9: "steps"}
 
@@ -122,7 +122,7 @@ def main():
                 rec["warps"].append({"consumer": cons, "warp": warp, **dict(zip(NAMES, x))})
                 steps = max(x[4], 1)
                 print(f"  consumer {cons} warp {warp}: {x[4]} steps; per step: full {x[0] / steps:.0f}, "
-                      f"issue {x[7] / steps:.0f}, waitS {(x[1] - x[7]) / steps:.0f}, softmax+waitPV "
+                      f"issue {x[7] / steps:.0f} (S {x[17] / steps:.0f}, P V {(x[7] - x[17]) / steps:.0f}), waitS {(x[1] - x[7]) / steps:.0f}, softmax+waitPV "
                       f"{x[2] / steps:.0f}, rest {x[3] / steps:.0f}; first steps {x[6]}, epilogues {x[5]}, "
                       f"total {x[8]} cycles")
                 items = max(x[9] - 1, 1)  # the last hand-off says "no more items"

@@ -465,7 +465,7 @@ __device__ __forceinline__ void ws_load_sub(uint32_t s_tile, int h, const typena
 // claim to the item's Q expect_tx (walk start, Q copies), [4] items, [8] total; per step: [5] the walk of the next
 // step (ws_take_step), [6] the descriptor (the one-thread walk's bitmap-index loads), [7] the TMA issue, [9] steps.
 // (kSchedWarp kernels do not write slot 3: their items start in the scheduler warp.)
-constexpr int kWsProfCounters = 17;
+constexpr int kWsProfCounters = 18;
 constexpr int kWsProfWords = 2 * 4 * 4 * kWsProfCounters, kWsSpanCtas = 1000, kWsSpanWords = 2 * 1024;
 static __device__ uint32_t g_ws_prof[kWsProfWords];
 // each CTA's (up to 1024) %globaltimer (ns) at its start and when its consumers finished: the schedule's tail
@@ -896,6 +896,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
             st = ws_read_desc<WT::kConsumers, WT::kSkip>(sDesc + stage * kWsDescBytes, w);
             issue_s(stage);
+            STOF_PROF_T(t1a);
             issue_pv(prev_stage);
             STOF_PROF_T(t1b);
             wgmma_wait<1>();  // S_i
@@ -929,6 +930,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
             STOF_PROF_ADD(3, t4 - t3);
             STOF_PROF_ADD(4, 1u);
             STOF_PROF_ADD(7, t1b - t1);
+            STOF_PROF_ADD(17, t1a - t1);
         }
         open = cur;
         pending = true;
