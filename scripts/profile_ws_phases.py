@@ -11,7 +11,7 @@ Needs a diagnostic build of the kernels library (wrong to ship: every phase boun
 Add -DSTOF_WS_PROFILE_NO_SOFTMAX to time the step loop without its softmax (wrong results; the MMAs, loads and
 barriers alone).  For each cell the kernel runs twice (the second run is reported); the counters of warps 0 and 2
 of each consumer of CTA 0 are printed per steady-state step: full (waiting for the K/V stage), issue (the S and P V
-MMAs), waitS, softmax+waitPV (mask, online softmax, then the wait for P V), rest (rescale, pack, release); plus
+MMAs, and each apart), waitS, softmax+waitPV (mask, online softmax, then the wait for P V), rest (rescale, pack, release); plus
 the first steps' and epilogues' totals, and CTA 0's clock total (the kernel's duration on that SM; the event
 time printed with it also holds the call's host work).  The instrumented build is slower than the real one:
 compare phases, not times.  Needs a CUDA GPU; a diagnostic, not a test.
