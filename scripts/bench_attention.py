@@ -57,19 +57,12 @@ def mask_mod_for(name, mask, S, torch):
 def paired_ratio(stof, anchor, rounds, bench):
     """anchor time / STOF time per round, the two timed in a shuffled order each round: the median over the rounds
     with a 95 % bootstrap interval (scripts/paired_anchor.py's statistics)."""
-    import random
+    from paired_anchor import median_ci, time_round
 
-    from paired_anchor import median_ci
-
-    per = []
-    for rd in range(rounds):
-        order = [("stof", stof), ("anchor", anchor)]
-        random.Random(rd).shuffle(order)
-        t = {name: bench(fn) for name, fn in order}
-        per.append((t["stof"], t["anchor"]))
-    m, lo, hi = median_ci([a / s for s, a in per])
-    return {"rounds": rounds, "ratio": m, "lo": lo, "hi": hi, "stof_ms": [s for s, _ in per],
-            "anchor_ms": [a for _, a in per]}
+    per = [time_round({"stof": stof, "anchor": anchor}, bench, rd) for rd in range(rounds)]
+    m, lo, hi = median_ci([t["anchor"] / t["stof"] for t in per])
+    return {"rounds": rounds, "ratio": m, "lo": lo, "hi": hi, "stof_ms": [t["stof"] for t in per],
+            "anchor_ms": [t["anchor"] for t in per]}
 
 
 def geomean(xs):

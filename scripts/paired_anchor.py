@@ -74,6 +74,14 @@ def checked_runner(q, k, v, dl, tactic, ref, where):
     return r
 
 
+def time_round(methods, bench, seed):
+    """One round: every method of `methods` ({name: callable}) timed once by bench(fn), in an order shuffled by
+    seed (so that drift does not always favour the same one); {name: ms}."""
+    names = list(methods)
+    random.Random(seed).shuffle(names)
+    return {n: bench(methods[n]) for n in names}
+
+
 def verdict(lo, hi):
     if lo > 1.0:
         return "STOF ahead"
@@ -170,9 +178,7 @@ def main():
     for rd in range(a.rounds):
         rec = {}
         for cname, c in cells.items():
-            names = list(c["methods"])
-            random.Random(1000 * rd + len(cname)).shuffle(names)
-            rec[cname] = {n: bench(c["methods"][n]) for n in names}
+            rec[cname] = time_round(c["methods"], bench, 1000 * rd + len(cname))
         rounds.append(rec)
         print(f"round {rd + 1}/{a.rounds} [{time.time() - t_start:.0f}s] " + "; ".join(
             f"{cn}: " + " ".join(f"{n}={t:.4f}" for n, t in sorted(r.items())) for cn, r in rec.items()), flush=True)

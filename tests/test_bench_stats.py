@@ -32,3 +32,20 @@ def test_verdict_needs_the_whole_interval_on_one_side_of_one():
     m, lo, hi = paired_anchor.median_ci([1.004] * 20)
     assert (m, lo, hi) == pytest.approx((1.004, 1.004, 1.004))
     assert paired_anchor.verdict(lo, hi) == "STOF ahead"
+
+
+def test_a_round_times_every_method_once_in_a_seeded_order():
+    calls = []
+    methods = {name: name for name in "abcdef"}
+    out = paired_anchor.time_round(methods, lambda fn: calls.append(fn) or len(calls), seed=3)
+    assert sorted(calls) == list("abcdef") and set(out) == set(methods)
+    assert [k for k, _ in sorted(out.items(), key=lambda kv: kv[1])] == calls  # timed in the order called
+    calls2 = []
+    paired_anchor.time_round(methods, lambda fn: calls2.append(fn) or 0.0, seed=3)
+    assert calls2 == calls  # the seed fixes the order
+    orders = set()
+    for seed in range(20):
+        c = []
+        paired_anchor.time_round(methods, lambda fn: c.append(fn) or 0.0, seed=seed)
+        orders.add(tuple(c))
+    assert len(orders) > 1  # and the order changes between rounds
