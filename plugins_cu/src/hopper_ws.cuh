@@ -101,6 +101,12 @@ struct WsTraits {
     // rematerialised, 570 -> 590 instructions).
     static constexpr bool kSkip = kConsumers == 3;
     static_assert(!kChainItems || persist_smem(3) <= 227 * 1024, "shared memory for three Q buffers");
+    // S = Q K^T with the consumer's Q rows in registers (16 per thread at head dim 64, loaded once per item by
+    // ldmatrix): the S MMA reads only K from shared memory (a third less operand traffic per step).
+#ifndef STOF_WS_QREGS
+#define STOF_WS_QREGS 0
+#endif
+    static constexpr bool kQRegs = STOF_WS_QREGS && kHeadDim == 64 && kConsumers == 2;
     static constexpr int kSmemPersist = persist_smem(kQBufs);
     static_assert(kSmemSize <= 227 * 1024 && kSmemPersist <= 227 * 1024, "shared memory");
     // setmaxnreg moves registers inside what the CTA got at launch (ptxas: 65536 / kThreads, rounded down to 8)
@@ -672,6 +678,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
     const uint32_t mask_sel = mask_selector(p);
     const int32_t* kpm = nullptr;
     uint64_t dQ0 = 0;
+    uint32_t rQ[WT::kQRegs ? kKD : 1][4];  // WT::kQRegs: this warp's 16 Q rows, the wgmma A-fragment layout
     WsDesc st;
 
     // descriptors = base + (byte offset >> 4) (shared addresses < 2^18: the 14-bit field never carries)
@@ -687,7 +694,10 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
         for (int kk = 0; kk < kKD; ++kk) {
             const uint64_t da = dQ0 + (((kk >> 2) * (kBlockM * 128) + (kk & 3) * 32) >> 4);
             const uint64_t db = dK + (((kk >> 2) * (kBlockN * 128) + (kk & 3) * 32) >> 4);
-            wgmma_ss<kBlockN, Elem>(rS, da, db, kk > 0 ? 1 : 0);
+            if constexpr (WT::kQRegs)
+                wgmma_rs_kb<kBlockN, Elem>(rS, rQ[WT::kQRegs ? kk : 0], db, kk > 0 ? 1 : 0);
+            else
+                wgmma_ss<kBlockN, Elem>(rS, da, db, kk > 0 ? 1 : 0);
         }
         wgmma_commit();
     };
@@ -832,6 +842,13 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
         kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(cur.b) * p.seq_k : nullptr;
         mask_len = kpm != nullptr ? -1 : kv_len;
         dQ0 = gmma_desc(cur.sQ + w * 64 * 128, 16, 1024);
+        if constexpr (WT::kQRegs) {
+            // rows 16 warp + (lane & 15) of this consumer's 64, columns 16 kk + 8 (lane >> 4): ldmatrix.x4 gives
+            // the A fragment (rows g / g + 8, columns 2 tig / 8 + 2 tig)
+#pragma unroll
+            for (int kk = 0; kk < (WT::kQRegs ? kKD : 1); ++kk)
+                ldmatrix_x4(rQ[kk], cur.sQ + swz128<kBlockM>(64 * w + warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+        }
 
         // First step: S_0 (with the open item's last P V) and its softmax.
         STOF_PROF_T(tf0);
