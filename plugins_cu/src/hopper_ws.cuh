@@ -9,7 +9,8 @@
 //     given) and publishes a step descriptor with each stage (ws_write_desc), signalling one mbarrier (full[stage])
 //     per step.  It gives its registers to the consumers (setmaxnreg).
 //   warpgroups 1 .. kConsumers, the consumers: each owns 64 query rows (inside one format tile row) and runs, per step,
-//     S_i = Q K_i^T  (wgmma, issued before the previous step's P V so the tensor cores stay fed),
+//     S_i = Q K_i^T  (wgmma, issued before the previous step's P V so the tensor cores stay fed; at head dim 64 Q
+//       comes from registers, WsTraits::kQRegs),
 //     O += P_{i-1} V_{i-1},
 //     mask + online softmax of S_i while P_{i-1} V_{i-1} runs, then O rescaled and the stage released
 //     (mbarrier empty[stage], one arrival per consumer thread).  A consumer whose tile row has no tile in a
@@ -102,9 +103,13 @@ struct WsTraits {
     static constexpr bool kSkip = kConsumers == 3;
     static_assert(!kChainItems || persist_smem(3) <= 227 * 1024, "shared memory for three Q buffers");
     // S = Q K^T with the consumer's Q rows in registers (16 per thread at head dim 64, loaded once per item by
-    // ldmatrix): the S MMA reads only K from shared memory (a third less operand traffic per step).
+    // ldmatrix): the S MMA reads only K from shared memory, a third less of its operand traffic, for the same
+    // MMA work.  Session 21 (A/B, 5 rounds): 24 -1.2 / -1.5 % at causal S=4096 / 8192, -0.6 % sliding, +1.0 %
+    // dilated, 22 -2 to -3.4 % everywhere; under sustained load at causal S=8192, where the board's 700 W cap
+    // sets the clock, -1 % energy per call.  (The one-warpgroup kernels measured mixed with it, session 3.)
+    // Not at head dim 128 (32 registers) nor with three consumers (160 registers each).
 #ifndef STOF_WS_QREGS
-#define STOF_WS_QREGS 0
+#define STOF_WS_QREGS 1
 #endif
     static constexpr bool kQRegs = STOF_WS_QREGS && kHeadDim == 64 && kConsumers == 2;
     static constexpr int kSmemPersist = persist_smem(kQBufs);
