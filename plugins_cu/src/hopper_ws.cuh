@@ -66,7 +66,10 @@ struct WsTraits {
     // only) and drew the same energy per call at the board's power cap there (session 20).
     // Head dim 64 only: at 128 the ones would have to be V's third 64-column chunk, 2 LBOs on, where the next
     // stage's K is (and the accumulators would need 136 / 2 registers).
-    static constexpr bool kSumMma = kHeadDim == 64;
+#ifndef STOF_WS_SUM_MMA  // experiments: 0 takes the sums from FADDs at head dim 64 too
+#define STOF_WS_SUM_MMA 1
+#endif
+    static constexpr bool kSumMma = kHeadDim == 64 && STOF_WS_SUM_MMA;
     static constexpr int kON = kHeadDim + (kSumMma ? 8 : 0);  // P V's N
     static constexpr int kSmemOnes = kSumMma ? kBlockN * 128 : 0;
     static constexpr int kOnesOffset = 2 * kStages * kSmemKV;  // from the ring's start
@@ -915,7 +918,10 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
             const int stage = it % kStages;
             mbar_wait(full_bar(stage), (it / kStages) & 1);
             STOF_PROF_T(t1);
-            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#ifndef STOF_WS_STEP_FENCE  // experiments: 0 drops it where the producer is the TMA (async proxy like the wgmma)
+#define STOF_WS_STEP_FENCE 1
+#endif
+            if constexpr (STOF_WS_STEP_FENCE || !WT::kTma) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
             st = ws_read_desc<WT::kConsumers, WT::kSkip>(sDesc + stage * kWsDescBytes, w);
             issue_s(stage);
             STOF_PROF_T(t1a);
