@@ -114,7 +114,11 @@ struct WsTraits {
 #ifndef STOF_WS_QREGS
 #define STOF_WS_QREGS 1
 #endif
-    static constexpr bool kQRegs = STOF_WS_QREGS && kHeadDim == 64 && kConsumers == 2;
+#ifndef STOF_WS_QREGS128  // experiment: at head dim 128 too (32 registers; 64-key steps only)
+#define STOF_WS_QREGS128 0
+#endif
+    static constexpr bool kQRegs =
+        STOF_WS_QREGS && kConsumers == 2 && (kHeadDim == 64 || (STOF_WS_QREGS128 && kSub == 1));
     static constexpr int kSmemPersist = persist_smem(kQBufs);
     static_assert(kSmemSize <= 227 * 1024 && kSmemPersist <= 227 * 1024, "shared memory");
     // setmaxnreg moves registers inside what the CTA got at launch (ptxas: 65536 / kThreads, rounded down to 8)
