@@ -9,8 +9,8 @@
 //     given) and publishes a step descriptor with each stage (ws_write_desc), signalling one mbarrier (full[stage])
 //     per step.  It gives its registers to the consumers (setmaxnreg).
 //   warpgroups 1 .. kConsumers, the consumers: each owns 64 query rows (inside one format tile row) and runs, per step,
-//     S_i = Q K_i^T  (wgmma, issued before the previous step's P V so the tensor cores stay fed; at head dim 64 Q
-//       comes from registers, WsTraits::kQRegs),
+//     S_i = Q K_i^T  (wgmma, issued before the previous step's P V so the tensor cores stay fed; with two
+//       consumers Q comes from registers, WsTraits::kQRegs),
 //     O += P_{i-1} V_{i-1},
 //     mask + online softmax of S_i while P_{i-1} V_{i-1} runs, then O rescaled and the stage released
 //     (mbarrier empty[stage], one arrival per consumer thread).  A consumer whose tile row has no tile in a
@@ -105,20 +105,18 @@ struct WsTraits {
     // rematerialised, 570 -> 590 instructions).
     static constexpr bool kSkip = kConsumers == 3;
     static_assert(!kChainItems || persist_smem(3) <= 227 * 1024, "shared memory for three Q buffers");
-    // S = Q K^T with the consumer's Q rows in registers (16 per thread at head dim 64, loaded once per item by
-    // ldmatrix): the S MMA reads only K from shared memory, a third less of its operand traffic, for the same
-    // MMA work.  Session 21 (A/B, 5 rounds): 24 -1.2 / -1.5 % at causal S=4096 / 8192, -0.6 % sliding, +1.0 %
-    // dilated, 22 -2 to -3.4 % everywhere; under sustained load at causal S=8192, where the board's 700 W cap
-    // sets the clock, -1 % energy per call.  (The one-warpgroup kernels measured mixed with it, session 3.)
-    // Not at head dim 128 (32 registers) nor with three consumers (160 registers each).
+    // S = Q K^T with the consumer's Q rows in registers (16 per thread at head dim 64, 32 at 128; loaded once per
+    // item by ldmatrix): the S MMA reads only K from shared memory, a third less of its operand traffic for the
+    // same MMA work, and its loop loses the Q descriptors' R2URs.  Session 21 (A/B, 5 rounds): head dim 64, 24
+    // -1.2 / -1.5 % at causal S=4096 / 8192, -0.6 % sliding, +1.0 % dilated, 22 -2 to -3.4 % everywhere, and -1 %
+    // energy per call under sustained load at causal S=8192 (where the board's 700 W cap sets the clock); head
+    // dim 128, 22 -2.8 / -3.8 / -6.2 % causal S=1024 / 4096 / 8192, -2.5 % sliding, -3.5 % bigbird, 0 dilated,
+    // 21 -1 to -3 %.  (The one-warpgroup kernels, at 128 registers for four CTAs per SM, measured mixed with it,
+    // session 3.)  Not with three consumers (160 registers each).  STOF_WS_QREGS=0 restores the SS form.
 #ifndef STOF_WS_QREGS
 #define STOF_WS_QREGS 1
 #endif
-#ifndef STOF_WS_QREGS128  // experiment: at head dim 128 too (32 registers; 64-key steps only)
-#define STOF_WS_QREGS128 0
-#endif
-    static constexpr bool kQRegs =
-        STOF_WS_QREGS && kConsumers == 2 && (kHeadDim == 64 || (STOF_WS_QREGS128 && kSub == 1));
+    static constexpr bool kQRegs = STOF_WS_QREGS && kConsumers == 2;
     static constexpr int kSmemPersist = persist_smem(kQBufs);
     static_assert(kSmemSize <= 227 * 1024 && kSmemPersist <= 227 * 1024, "shared memory");
     // setmaxnreg moves registers inside what the CTA got at launch (ptxas: 65536 / kThreads, rounded down to 8)
@@ -690,7 +688,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
     const uint32_t mask_sel = mask_selector(p);
     const int32_t* kpm = nullptr;
     uint64_t dQ0 = 0;
-    uint32_t rQ[WT::kQRegs ? kKD : 1][4];  // WT::kQRegs: this warp's 16 Q rows, the wgmma A-fragment layout
+    uint32_t rQ[WT::kQRegs ? kKD : 1][4];  // WT::kQRegs: this warp's 16 Q rows (A fragments, one per k16 block)
     WsDesc st;
 
     // descriptors = base + (byte offset >> 4) (shared addresses < 2^18: the 14-bit field never carries)
