@@ -343,7 +343,9 @@ def _makespan(durations: np.ndarray, slots: int) -> float:
 # session 5: 27 from device run 1; session 6: 21-24 (after the ping-pong removal) and 28/29 (three consumers)
 # from the session-6 benchmark runs, S in {1024, 4096}; session 7: 21-24, 28, 29 again, after the
 # interleaved exps and the 4-stage ring of 22/24/29, from the session-7 final runs, S in {1024, 4096}; session 18:
-# every head-dim-64 entry, after the cheaper masking, from the session-18 final run, S in {1024, 4096}).
+# every head-dim-64 entry, after the cheaper masking, from the session-18 final run, S in {1024, 4096}; session 21:
+# (22, 64), after Q moved into registers, from the session-21 final run, all 25 cells: its replay 25/25, as the
+# session-20 run's; refitting 24 too, or 21/22 at 128, replayed 24/25).
 # Tactics without an entry use the uncalibrated rate model below.
 COEF = {
     (1, 64): (1.31057, 1.69501, 2.0697, 12.98499),
@@ -376,7 +378,7 @@ COEF = {
     (20, 128): (1.36339, 1.40896, 5.02036, 6.83313),
     (21, 64): (0.8656, 0.94496, 2.15317, 10.7632),
     (21, 128): (1.27606, 1.3708, 4.90998, 6.14892),
-    (22, 64): (0.65293, 0.72764, 2.1074, 8.74609),
+    (22, 64): (0.6579, 0.67277, 2.41551, 4.31777),
     (22, 128): (1.03255, 1.14597, 3.61795, 6.88113),
     (23, 64): (0.63646, 0.69859, 2.59466, 10.54855),
     (24, 64): (0.55866, 0.60659, 2.285, 9.76943),
