@@ -48,6 +48,12 @@ struct HopperTraits {
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim");
     static_assert(kSmemQ % 1024 == 0 && kSmemKV % 1024 == 0, "1024-byte aligned tiles");
     static_assert(!kDeferPV || kWG == 1, "deferred PV wait: one warpgroup per CTA");
+    // experiment: S = Q K^T with Q in registers (32 per thread) at head dim 128, where these kernels are not held to
+    // 128 registers (the warp-specialised kernels' WsTraits::kQRegs)
+#ifndef STOF_HOPPER_QREGS
+#define STOF_HOPPER_QREGS 0
+#endif
+    static constexpr bool kQRegs = STOF_HOPPER_QREGS && kHeadDim == 128;
 };
 
 // Byte offset of 16-byte chunk ch of row r in a 128B-swizzled K-major tile of kRows rows.
@@ -552,6 +558,16 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
     const uint64_t dQ0 = gmma_desc(sQ + wg * 64 * 128, 16, 1024);
     const uint64_t dK0 = gmma_desc(sKV, 16, 1024);
     const uint64_t dV0 = gmma_desc(sKV + HT::kSmemKV, kBlockN * 128, 1024);
+    uint32_t rQ[HT::kQRegs ? kKD : 1][4];  // HT::kQRegs: this warp's 16 Q rows (A fragments, one per k16 block)
+    if constexpr (HT::kQRegs) {
+        if (!negate_q) {  // (negated: landed and synchronised above) Q's copies are the oldest group
+            cp_async_wait<kStages - 1>();
+            __syncthreads();
+        }
+#pragma unroll
+        for (int kk = 0; kk < (HT::kQRegs ? kKD : 1); ++kk)
+            ldmatrix_x4(rQ[kk], sQ + swz128<kBlockM>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+    }
 
     for (int it = 0;; ++it) {
         int ent[HT::kWG];
@@ -596,7 +612,10 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
         for (int kk = 0; kk < kKD; ++kk) {
             const uint64_t da = dQ0 + (((kk >> 2) * (kBlockM * 128) + (kk & 3) * 32) >> 4);
             const uint64_t db = dK + (((kk >> 2) * (kBlockN * 128) + (kk & 3) * 32) >> 4);
-            wgmma_ss<64, Elem>(rS, da, db, kk > 0 ? 1 : 0);
+            if constexpr (HT::kQRegs)
+                wgmma_rs_kb<64, Elem>(rS, rQ[HT::kQRegs ? kk : 0], db, kk > 0 ? 1 : 0);
+            else
+                wgmma_ss<64, Elem>(rS, da, db, kk > 0 ? 1 : 0);
         }
         wgmma_commit();
         wgmma_wait<0>();  // S (and, deferred, the previous step's P V)
