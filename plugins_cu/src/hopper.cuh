@@ -48,10 +48,12 @@ struct HopperTraits {
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim");
     static_assert(kSmemQ % 1024 == 0 && kSmemKV % 1024 == 0, "1024-byte aligned tiles");
     static_assert(!kDeferPV || kWG == 1, "deferred PV wait: one warpgroup per CTA");
-    // experiment: S = Q K^T with Q in registers (32 per thread) at head dim 128, where these kernels are not held to
-    // 128 registers (the warp-specialised kernels' WsTraits::kQRegs)
+    // S = Q K^T with Q in registers (32 per thread, loaded once by ldmatrix) at head dim 128, where these kernels are
+    // not held to 128 registers (167-176 -> 198-206; occupancy unchanged): as WsTraits::kQRegs.  Session 21 (A/B, 5
+    // rounds, D=128): 13 -1 to -5 % (causal S=4096 -4.8 %), 15 -0 to -1.3 %, 19 within noise.  At head dim 64 the
+    // 16 registers would break the 128-register cap of four CTAs per SM (session 3 measured it mixed there).
 #ifndef STOF_HOPPER_QREGS
-#define STOF_HOPPER_QREGS 0
+#define STOF_HOPPER_QREGS 1
 #endif
     static constexpr bool kQRegs = STOF_HOPPER_QREGS && kHeadDim == 128;
 };
