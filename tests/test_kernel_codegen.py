@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -123,3 +124,11 @@ ptxas info    : Function properties for _ZN4stof1jE
     assert k["_ZN4stof1kE"]["spill_stores"] == 60 and "serialized" in k["_ZN4stof1kE"]["notes"][0]
     assert k["_ZN4stof1jE"]["spill_stores"] == 0 and "insufficient register" in k["_ZN4stof1jE"]["notes"][0]
     assert set(k) == {"_ZN4stof1kE", "_ZN4stof1jE"}
+
+
+def test_wgmma_wrappers_are_generated():
+    """plugins_cu/src/wgmma_ops.cuh is plugins_cu/tools/gen_wgmma.py's output (a new shape or form goes into the
+    generator, then the file is regenerated).  Host only."""
+    r = subprocess.run([sys.executable, str(ROOT / "plugins_cu" / "tools" / "gen_wgmma.py"), "--check"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr.strip()
