@@ -55,10 +55,7 @@ struct HopperTraits {
 #ifndef STOF_HOPPER_QREGS
 #define STOF_HOPPER_QREGS 1
 #endif
-#ifndef STOF_HOPPER_QREGS64
-#define STOF_HOPPER_QREGS64 0
-#endif
-    static constexpr bool kQRegs = STOF_HOPPER_QREGS && (kHeadDim == 128 || STOF_HOPPER_QREGS64);
+    static constexpr bool kQRegs = STOF_HOPPER_QREGS && kHeadDim == 128;
 };
 
 // Byte offset of 16-byte chunk ch of row r in a 128B-swizzled K-major tile of kRows rows.
