@@ -50,8 +50,10 @@ struct HopperTraits {
     static_assert(!kDeferPV || kWG == 1, "deferred PV wait: one warpgroup per CTA");
     // S = Q K^T with Q in registers (32 per thread, loaded once by ldmatrix) at head dim 128, where these kernels are
     // not held to 128 registers (167-176 -> 198-206; occupancy unchanged): as WsTraits::kQRegs.  Session 21 (A/B, 5
-    // rounds, D=128): 13 -1 to -5 % (causal S=4096 -4.8 %), 15 -0 to -1.3 %, 19 within noise.  At head dim 64 the
-    // 16 registers would break the 128-register cap of four CTAs per SM (session 3 measured it mixed there).
+    // rounds, D=128): 13 -1 to -5 % (causal S=4096 -4.8 %), 15 -0 to -1.3 %, 19 within noise.  Not at head dim 64:
+    // built under that head dim's 128-register cap (four CTAs per SM), the fp16 13 came out of ptxas with the Q
+    // registers reused for softmax temporaries inside the step loop -- wrong results (rel. err 0.4-0.8), no spill
+    // and no ptxas note (session 21; docs/bench/patches/session21_hopper_qregs64.diff).
 #ifndef STOF_HOPPER_QREGS
 #define STOF_HOPPER_QREGS 1
 #endif
