@@ -38,6 +38,9 @@ if has build; then
   # ptxas -v says so, and such a kernel is correct but up to twice as slow
   serial=$(grep -c "wgmma.mma_async instructions are serialized" "$OUT/build.log")
   [[ $serial -eq 0 ]] && echo "wgmma: no serialised kernels" || { echo "WARNING: $serial ptxas notes of serialised wgmma:"; grep "instructions are serialized" "$OUT/build.log" | cut -c1-220 | sort | uniq -c | head; }
+  # the Q registers of the register-A S MMAs must survive the step loop (session 21: under a register cap ptxas
+  # reused them, wrong results with no ptxas note)
+  if command -v cuobjdump >/dev/null; then python scripts/sass_rs_operands.py $lib | tail -8 || status=1; fi
 fi
 
 if has variants; then
@@ -56,6 +59,7 @@ if has variants; then
     name=${variants[$i]%%=*}
     if wait "${pids[$i]}"; then
       echo "variant $name (${variants[$i]#*=}): built; $(grep -c "instructions are serialized" "/tmp/stof_variant_$name.log") serialised-wgmma notes; hopper kernels with spills: $(grep -A1 "Function properties for _ZN4stof[0-9]*hopper" "/tmp/stof_variant_$name.log" | grep -c -E "[1-9][0-9]* bytes spill stores")"
+      command -v cuobjdump >/dev/null && python scripts/sass_rs_operands.py "build_$name/plugins_cu/libstof_kernels.so" | tail -1
     else
       echo "VARIANT $name FAILED"; grep -m5 -A5 error "/tmp/stof_variant_$name.log"; status=1
     fi

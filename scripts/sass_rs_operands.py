@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""Check the SASS of the wgmma kernels whose S = Q K^T MMA takes Q from registers: those registers must hold Q for
+the whole item, so nothing may write them but the `LDSM`s that load Q (and the address set-up of those `LDSM`s).
+
+    python scripts/sass_rs_operands.py build/plugins_cu/libstof_kernels.so      # needs cuobjdump (the GPU machine)
+
+Why: session 21 built the one-warpgroup kernels at head dim 64 with Q in registers, under that head dim's
+128-register cap, and ptxas reused the Q registers for softmax temporaries inside the step loop: wrong results, with
+no spill and no ptxas note (docs/performance.md, session 21).  The GPU tests caught it; this names the cause.
+
+An S MMA with Q in registers is an `HGMMA` with a register A operand and a K-major B (no `.tnspB`; the P V MMAs,
+whose register A is P, rewritten every step, are transposed-B).  A write to one of its A registers is allowed when
+it is an `LDSM`, or when the register is the address of an `LDSM` within the next few instructions.  Prints one
+line per offending kernel and exits 1 if there is one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+
+_INS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_S_MMA = re.compile(r"(?:@!?U?P\w+ )?HGMMA\.64x\d+x16\.F32(?:\.BF16)? R\d+, R(\d+), gdesc\[[^\]]*\](?!\.tnspB)")
+_WRITE = re.compile(r"(?:@!?U?P\w+ )?([A-Z][A-Z0-9_.]*) R(\d+)\b")
+_NO_DEST = ("HGMMA", "ST", "BRA", "ISETP", "FSETP", "RED", "ATOM", "SYNCS", "WARPGROUP", "BAR", "MEMBAR", "FENCE",
+            "R2UR", "BSSY", "BSYNC", "EXIT", "RET", "CALL", "NOP", "VOTE.ANY P", "PLOP3", "UTMA", "ARRIVES")
+ADDRESS_WINDOW = 64  # instructions between an address set-up and its LDSM
+
+
+def _width(op: str) -> int:
+    if op.startswith("LDSM") and ".4" in op or ".128" in op:
+        return 4
+    if ".64" in op or "WIDE" in op:
+        return 2
+    return 1
+
+
+def functions(sass: str) -> dict[str, list[str]]:
+    """cuobjdump -sass text -> {function name: instructions (without addresses)}"""
+    out = {}
+    for part in re.split(r"\n\s*Function : ", sass)[1:]:
+        name = part.split("\n", 1)[0].strip()
+        out[name] = [i for _, i in _INS.findall(part)]
+    return out
+
+
+def bad_writes(ins: list[str]) -> list[str]:
+    """The instructions of one function that write a register-A operand of its S MMAs, other than the Q loads."""
+    regs = set()
+    for i in ins:
+        m = _S_MMA.match(i)
+        if m:
+            regs.update(range(int(m.group(1)), int(m.group(1)) + 4))
+    bad = []
+    for k, i in enumerate(ins):
+        m = _WRITE.match(i)
+        if not m or m.group(1).startswith(_NO_DEST):
+            continue
+        op, dst = m.group(1), int(m.group(2))
+        if not regs & set(range(dst, dst + _width(op))):
+            continue
+        if op.startswith("LDSM"):
+            continue
+        # the address of an LDSM shortly after (LDSM Rx, [Ry...] with y == dst)
+        if any(j.startswith("LDSM") and re.search(rf"\[R{dst}\b", j) for j in ins[k + 1:k + 1 + ADDRESS_WINDOW]):
+            continue
+        bad.append(i)
+    return bad
+
+
+def check(sass: str) -> dict[str, list[str]]:
+    return {name: b for name, ins in functions(sass).items() if (b := bad_writes(ins))}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("binary", help="libstof_kernels.so or a cubin")
+    ap.add_argument("--cuobjdump", default="cuobjdump")
+    args = ap.parse_args()
+    try:
+        sass = subprocess.run([args.cuobjdump, "-sass", args.binary], capture_output=True, text=True,
+                              check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        print(f"error: cuobjdump -sass {args.binary}: {e}", file=sys.stderr)
+        return 2
+    n_rs = sum(1 for ins in functions(sass).values() if any(_S_MMA.match(i) for i in ins))
+    found = check(sass)
+    for name, b in found.items():
+        print(f"Q REGISTERS OVERWRITTEN in {name[:120]}: {len(b)} writes, e.g. {'; '.join(b[:3])}")
+    print(f"register-A S MMAs: {n_rs} kernels checked, {len(found)} with their Q registers overwritten")
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""scripts/sass_rs_operands.py on hand-written SASS: the register-A (Q) operands of an S MMA may be written only by
+the LDSMs that load Q and their address set-up.  Host only."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("sass_rs_operands", ROOT / "scripts" / "sass_rs_operands.py")
+sro = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sro)
+
+HEAD = "\n\tFunction : {name}\n\t.headerflags\n"
+
+
+def sass(name, lines):
+    body = "".join(f"        /*{16 * k:04x}*/                   {line} ;   /* 0x0 */\n" for k, line in enumerate(lines))
+    return HEAD.format(name=name) + body
+
+
+GOOD = [
+    "IMAD R124, R15, 0x10, R17.reuse",  # the LDSM's address
+    "LDSM.16.M88.4 R124, [R124]",
+    "LDSM.16.M88.4 R128, [R9]",
+    "HGMMA.64x128x16.F32 R24, R124, gdesc[UR16], RZ, !UPT",
+    "HGMMA.64x128x16.F32 R24, R128, gdesc[UR16], R24, gsb0",
+    "F2FP.F16.F32.PACK_AB R140, R25, R24",  # P: read by the transposed-B P V MMA, rewritten every step
+    "HGMMA.64x72x16.F32 R88, R140, gdesc[UR20].tnspB, R88, gsb0",
+    "FMNMX R30, R24, R25, !PT",
+    "@!P0 BRA 0x0030",
+]
+BAD = GOOD[:7] + ["FMNMX R129, R24, R25, !PT", "@!P0 BRA 0x0030"]
+BF16_BAD = [line.replace(".F32 R", ".F32.BF16 R") for line in BAD]
+
+
+def test_kept_pattern_passes_and_clobber_is_found():
+    text = sass("good", GOOD) + sass("bad", BAD) + sass("bad_bf16", BF16_BAD) + sass("no_rs", ["FMNMX R129, R1, R2"])
+    found = sro.check(text)
+    assert set(found) == {"bad", "bad_bf16"}
+    assert found["bad"] == ["FMNMX R129, R24, R25, !PT"]
+
+
+def test_wide_writes_overlap():
+    lines = GOOD[:5] + ["IMAD.WIDE R126, R3, 0x4, R12", "@!P0 BRA 0x0030"]  # writes R126 and R127
+    assert sro.bad_writes([f"{line}" for line in lines]) == ["IMAD.WIDE R126, R3, 0x4, R12"]
