@@ -24,8 +24,8 @@ import sys
 _INS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _S_MMA = re.compile(r"(?:@!?U?P\w+ )?HGMMA\.64x\d+x16\.F32(?:\.BF16)? R\d+, R(\d+), gdesc\[[^\]]*\](?!\.tnspB)")
 _WRITE = re.compile(r"(?:@!?U?P\w+ )?([A-Z][A-Z0-9_.]*) R(\d+)\b")
-_NO_DEST = ("HGMMA", "ST", "BRA", "ISETP", "FSETP", "RED", "ATOM", "SYNCS", "WARPGROUP", "BAR", "MEMBAR", "FENCE",
-            "R2UR", "BSSY", "BSYNC", "EXIT", "RET", "CALL", "NOP", "VOTE.ANY P", "PLOP3", "UTMA", "ARRIVES")
+# ops whose first R operand is not the one written here: HGMMA writes its accumulators, not its A operand
+_NO_DEST = ("HGMMA",)
 ADDRESS_WINDOW = 64  # instructions between an address set-up and its LDSM
 
 

@@ -562,14 +562,16 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
     const uint64_t dQ0 = gmma_desc(sQ + wg * 64 * 128, 16, 1024);
     const uint64_t dK0 = gmma_desc(sKV, 16, 1024);
     const uint64_t dV0 = gmma_desc(sKV + HT::kSmemKV, kBlockN * 128, 1024);
-    uint32_t rQ[HT::kQRegs ? kKD : 1][4];  // HT::kQRegs: this warp's 16 Q rows (A fragments, one per k16 block)
+    uint32_t rQ[kKD][4];  // HT::kQRegs: this warp's 16 Q rows (A fragments, one per k16 block)
     if constexpr (HT::kQRegs) {
         if (!negate_q) {  // (negated: landed and synchronised above) Q's copies are the oldest group
             cp_async_wait<kStages - 1>();
             __syncthreads();
         }
+        // rows 16 warp + (lane & 15), columns 16 kk + 8 (lane >> 4): ldmatrix.x4 gives the A fragment (rows g / g + 8,
+        // columns 2 tig / 8 + 2 tig), as in ws_consume_items
 #pragma unroll
-        for (int kk = 0; kk < (HT::kQRegs ? kKD : 1); ++kk)
+        for (int kk = 0; kk < kKD; ++kk)
             ldmatrix_x4(rQ[kk], sQ + swz128<kBlockM>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
     }
 
@@ -617,7 +619,7 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
             const uint64_t da = dQ0 + (((kk >> 2) * (kBlockM * 128) + (kk & 3) * 32) >> 4);
             const uint64_t db = dK + (((kk >> 2) * (kBlockN * 128) + (kk & 3) * 32) >> 4);
             if constexpr (HT::kQRegs)
-                wgmma_rs_kb<64, Elem>(rS, rQ[HT::kQRegs ? kk : 0], db, kk > 0 ? 1 : 0);
+                wgmma_rs_kb<64, Elem>(rS, rQ[kk], db, kk > 0 ? 1 : 0);
             else
                 wgmma_ss<64, Elem>(rS, da, db, kk > 0 ? 1 : 0);
         }

@@ -66,10 +66,7 @@ struct WsTraits {
     // only) and drew the same energy per call at the board's power cap there (session 20).
     // Head dim 64 only: at 128 the ones would have to be V's third 64-column chunk, 2 LBOs on, where the next
     // stage's K is (and the accumulators would need 136 / 2 registers).
-#ifndef STOF_WS_SUM_MMA  // experiments: 0 takes the sums from FADDs at head dim 64 too
-#define STOF_WS_SUM_MMA 1
-#endif
-    static constexpr bool kSumMma = kHeadDim == 64 && STOF_WS_SUM_MMA;
+    static constexpr bool kSumMma = kHeadDim == 64;
     static constexpr int kON = kHeadDim + (kSumMma ? 8 : 0);  // P V's N
     static constexpr int kSmemOnes = kSumMma ? kBlockN * 128 : 0;
     static constexpr int kOnesOffset = 2 * kStages * kSmemKV;  // from the ring's start
@@ -688,7 +685,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
     const uint32_t mask_sel = mask_selector(p);
     const int32_t* kpm = nullptr;
     uint64_t dQ0 = 0;
-    uint32_t rQ[WT::kQRegs ? kKD : 1][4];  // WT::kQRegs: this warp's 16 Q rows (A fragments, one per k16 block)
+    uint32_t rQ[kKD][4];  // WT::kQRegs: this warp's 16 Q rows (A fragments, one per k16 block)
     WsDesc st;
 
     // descriptors = base + (byte offset >> 4) (shared addresses < 2^18: the 14-bit field never carries)
@@ -705,7 +702,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
             const uint64_t da = dQ0 + (((kk >> 2) * (kBlockM * 128) + (kk & 3) * 32) >> 4);
             const uint64_t db = dK + (((kk >> 2) * (kBlockN * 128) + (kk & 3) * 32) >> 4);
             if constexpr (WT::kQRegs)
-                wgmma_rs_kb<kBlockN, Elem>(rS, rQ[WT::kQRegs ? kk : 0], db, kk > 0 ? 1 : 0);
+                wgmma_rs_kb<kBlockN, Elem>(rS, rQ[kk], db, kk > 0 ? 1 : 0);
             else
                 wgmma_ss<kBlockN, Elem>(rS, da, db, kk > 0 ? 1 : 0);
         }
@@ -856,7 +853,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
             // rows 16 warp + (lane & 15) of this consumer's 64, columns 16 kk + 8 (lane >> 4): ldmatrix.x4 gives
             // the A fragment (rows g / g + 8, columns 2 tig / 8 + 2 tig)
 #pragma unroll
-            for (int kk = 0; kk < (WT::kQRegs ? kKD : 1); ++kk)
+            for (int kk = 0; kk < kKD; ++kk)
                 ldmatrix_x4(rQ[kk], cur.sQ + swz128<kBlockM>(64 * w + warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
         }
 
@@ -920,10 +917,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
             const int stage = it % kStages;
             mbar_wait(full_bar(stage), (it / kStages) & 1);
             STOF_PROF_T(t1);
-#ifndef STOF_WS_STEP_FENCE  // experiments: 0 drops it where the producer is the TMA (async proxy like the wgmma)
-#define STOF_WS_STEP_FENCE 1
-#endif
-            if constexpr (STOF_WS_STEP_FENCE || !WT::kTma) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
             st = ws_read_desc<WT::kConsumers, WT::kSkip>(sDesc + stage * kWsDescBytes, w);
             issue_s(stage);
             STOF_PROF_T(t1a);
