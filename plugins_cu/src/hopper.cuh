@@ -262,9 +262,14 @@ constexpr float kRescaleSlack = 8.f;
 // session 7; cuDNN's SDPA kernel interleaves them).  Measured (A/B, session 7): warp-specialised tactics 24
 // -0.9 to -2.8 %, 22 -1 to -6 %; the one-warpgroup tactic 13 -1.4 to +2.7 %, so only hopper_ws.cuh uses it.
 // kRowSum = false: row_sum is left alone (the caller gets P's row sums from the tensor cores, hopper_ws.cuh).
-template <int kNI, bool kInterleaved = false, bool kRowSum = true>
+struct NoHook {
+    __device__ __forceinline__ void operator()() const {}
+};
+// before_exps (kInterleaved, kRowSum = false): called once the max is reduced, before the exps (hopper_ws.cuh's
+// MMA turns hand the tensor cores to the other consumer there; ptxas keeps the exps' FFMAs and MUFU ops after it).
+template <int kNI, bool kInterleaved = false, bool kRowSum = true, class Hook = NoHook>
 __device__ __forceinline__ bool online_softmax(float (&rS)[kNI * 4], float (&row_max)[2], float (&row_sum)[2],
-                                               float (&alpha)[2], float mul) {
+                                               float (&alpha)[2], float mul, Hook before_exps = Hook()) {
     float mx[2];
     bool grow[2];
 #pragma unroll
@@ -310,7 +315,13 @@ __device__ __forceinline__ bool online_softmax(float (&rS)[kNI * 4], float (&row
             }
         }
     }
-    if constexpr (kInterleaved) {
+    if constexpr (kInterleaved && !kRowSum && !std::is_same<Hook, NoHook>::value) {
+#pragma unroll
+        for (int i = 0; i < kNI * 4; ++i) rS[i] = fmaf(rS[i], mul, -m_use[(i >> 1) & 1]);
+        before_exps();
+#pragma unroll
+        for (int i = 0; i < kNI * 4; ++i) rS[i] = fast_exp2(rS[i]);
+    } else if constexpr (kInterleaved) {
         float acc[2][2] = {{0.f, 0.f}, {0.f, 0.f}};  // two chains per row
 #pragma unroll
         for (int ni = 0; ni < kNI; ++ni)

@@ -14,8 +14,9 @@
 //     O += P_{i-1} V_{i-1},
 //     mask + online softmax of S_i while P_{i-1} V_{i-1} runs, then O rescaled and the stage released
 //     (mbarrier empty[stage], one arrival per consumer thread).  A consumer whose tile row has no tile in a
-//     sub-block masks it.  The consumers are not synchronised with each other, so one's softmax overlaps the
-//     other's MMAs (FlashAttention-3's ping-pong turns on named barriers were measured 2-4 % slower here, session 5).
+//     sub-block masks it.  At head dim 64 the two consumers take turns on the tensor cores (WsTraits::kTurns): one
+//     issues its MMAs once the other's max is reduced, so they run under the other's exps (session 23; the turns
+//     handed over right after the MMA issue, sessions 5 and 7, were 2-4 % slower).
 //   hopper_ws_persist_fwd: the same, persistent (one CTA per SM taking items from a work counter); the consumers
 //     issue an item's first S with the previous item's last P V at head dim 64 (ws_consume_items).  With two
 //     consumers a second producer warp starts the items (claim, Q, walk start) while the first streams K/V.
@@ -114,6 +115,20 @@ struct WsTraits {
 #define STOF_WS_QREGS 1
 #endif
     static constexpr bool kQRegs = STOF_WS_QREGS && kConsumers == 2;
+    // MMA turns (FlashAttention-3's ping-pong, handed over mid-softmax): a consumer issues a step's MMAs only once
+    // the other has finished its max reduction (named barriers 3 + w; bar.arrive lands after the max tree, before
+    // the exps' FFMAs, where ptxas puts it), so one consumer's MMAs run under the other's exps, not under its max
+    // tree.  Why (session 23, plugins_cu/tools/mb_rs_overlap.cu): a warpgroup's MMAs run at full speed beside
+    // another warpgroup's MUFU work (+6-18 %), but beside FFMA/FMNMX work both slow down (MMAs +63-70 %, the ALU
+    // work +27-30 %), and a warpgroup's own softmax cannot overlap its own MMAs (their issue blocks the warps).
+    // Measured (A/B, 5 rounds): tactic 24 -1.2 to -6.2 % in every cell (causal S=1024 / 4096 / 8192 -4.3 / -1.9 /
+    // -1.7 %, sliding S=4096 -2.5 %, BigBird -6.2 %).  Sessions 5 and 7 handed the turn over right after the MMA
+    // issue, so the other's MMAs ran under the max tree: +2 to +4 %.  Needs the row sums on the tensor cores (the
+    // exps' pass without sums, online_softmax's hook).  STOF_WS_TURNS=0 turns it off.
+#ifndef STOF_WS_TURNS
+#define STOF_WS_TURNS 1
+#endif
+    static constexpr bool kTurns = STOF_WS_TURNS && kConsumers == 2 && kSumMma;
     static constexpr int kSmemPersist = persist_smem(kQBufs);
     static_assert(kSmemSize <= 227 * 1024 && kSmemPersist <= 227 * 1024, "shared memory");
     // setmaxnreg moves registers inside what the CTA got at launch (ptxas: 65536 / kThreads, rounded down to 8)
@@ -174,6 +189,9 @@ __device__ __forceinline__ void ws_bulk_wait() {
 
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 // The block of ones P V's extra columns read (WT::kSumMma), written by all threads before the CTA's first barrier.
@@ -743,7 +761,18 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
                 mask_scores<8>(rS, bits, tig, mask_sel, hh * 32);
             }
         }
-        return online_softmax<kNI, true, !WT::kSumMma>(rS, row_max, row_sum, alpha, mul);
+        if constexpr (WT::kTurns) {
+            // the other consumer's turn on the tensor cores once this one's max is reduced (WsTraits::kTurns)
+            return online_softmax<kNI, true, false>(rS, row_max, row_sum, alpha, mul,
+                                                    [&]() { named_barrier_arrive(3 + (1 - w), 256); });
+        } else {
+            return online_softmax<kNI, true, !WT::kSumMma>(rS, row_max, row_sum, alpha, mul);
+        }
+    };
+    // before each step's MMA issue (not the P V-only issue of finish_open, which both consumers skip alike: the
+    // two issue the same steps, as the walk is the union, so the turns stay paired)
+    auto my_turn = [&]() {
+        if constexpr (WT::kTurns) named_barrier_sync(3 + w, 256);
     };
     // an item's O (normalised by sum) staged through this consumer's (now unused) Q rows, then 16-byte stores
     // (kStagedO: the producer's TMA store)
@@ -873,6 +902,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
         float alpha[2];
         if (pending) {
             STOF_PROF_T(ti0);
+            my_turn();
             issue_s(stage0);
             issue_pv(prev_stage);
             STOF_PROF_T(ti1);
@@ -897,6 +927,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
             mbar_arrive(empty_bar(prev_stage));
             epilogue(open, open_sum);
         } else {
+            my_turn();
             issue_s(stage0);
             wgmma_wait<0>();
             fence_regs(rS);
@@ -919,6 +950,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
             STOF_PROF_T(t1);
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
             st = ws_read_desc<WT::kConsumers, WT::kSkip>(sDesc + stage * kWsDescBytes, w);
+            my_turn();
             issue_s(stage);
             STOF_PROF_T(t1a);
             issue_pv(prev_stage);
@@ -1094,6 +1126,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
         item = WsItem{q0, h, b, has_steps, sQ, 0};
         return true;
     };
+    if (WT::kTurns && w == 1) named_barrier_arrive(3, 256);  // consumer 0 takes the first MMA turn
     ws_consume_items<WT>(p, next_item, [](const WsItem&) {}, sKV, sBar, sDesc, w, ctid);
 #else
     __trap();  // built without sm_90a: the dispatcher never selects this tactic then
@@ -1509,6 +1542,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         mbar_arrive(q_empty(item.tag));
     };
+    if (WT::kTurns && w == 1) named_barrier_arrive(3, 256);  // consumer 0 takes the first MMA turn
     ws_consume_items<WT, WT::kSchedWarp>(p, next_item, item_done, sKV, sBar, sDesc, w, ctid
 #ifdef STOF_WS_PROFILE
                          , prof

@@ -51,13 +51,17 @@ def _to_bhsd(t, bhsd):
 
 
 def check_all_tactics(case: str, dense_np: np.ndarray, layout: TileLayout, *, B, H, Sq, Sk, D, dtype, seed,
-                      bhsd=True, lengths=None, kpm=None, scale=None, workspace=True, only=None):
+                      bhsd=True, lengths=None, kpm=None, scale=None, workspace=True, only=None, key_gain=None):
     """Run every listed tactic (or those of `only`) on one problem and compare with the float64 reference.
-    workspace=False runs without the C ABI workspace (the warp-specialised tactics then one CTA per work item)."""
+    workspace=False runs without the C ABI workspace (the warp-specialised tactics then one CTA per work item);
+    key_gain: a factor per key (length Sk) that K's rows are multiplied by (scores that grow along a row)."""
     if dense_np.ndim == 2:
         dense_np = dense_np[None]
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = rand_qkv(B, H, Sq, Sk, D, dtype, gen, bhsd)
+    if key_gain is not None:
+        g = torch.as_tensor(np.asarray(key_gain, np.float32), device="cuda")
+        k = (k.float() * (g[None, None, :, None] if bhsd else g[None, :, None, None])).to(dtype)
     scale = 1.0 / D**0.5 if scale is None else scale
     dl = DeviceLayout(layout)
     dense = torch.from_numpy(np.ascontiguousarray(dense_np[:, :Sq, :Sk])).cuda()
@@ -157,6 +161,24 @@ def test_nonpositive_scale(scale, dtype, D):
             check_all_tactics(f"{spec} S={S} scale={scale}", mask.dense(S, S), layout, B=2, H=2, Sq=S, Sk=S, D=D,
                               dtype=dtype, seed=S + D, kpm=kpm if spec == "causal" else None, scale=scale,
                               workspace=workspace)
+
+
+@pytest.mark.parametrize("D", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_growing_scores(dtype, D):
+    """Scores whose row maxima jump along the row: K's rows scaled by 1 (keys < 200), 3 (a jump past the kernels'
+    lazy-rescale slack of 2^8) and 40 (a jump of ~140 in the exp2 domain, where an exp against the old maximum
+    overflows fp32: the speculative-exp kernels' fallback), with and without leading keys padded (rows whose first
+    step has no allowed key, running maximum -inf), every tactic."""
+    S = 640
+    gain = np.where(np.arange(S) < 200, 1.0, np.where(np.arange(S) < 400, 3.0, 40.0))
+    kpm = np.ones((2, S), bool)
+    kpm[1, :150] = False
+    for spec in ("causal", "sliding:window=256", "dilated:window=384,dilation=2", "longformer:window=64,global=4"):
+        mask = parse_mask(spec)
+        layout = compile_mask(mask, S, S)
+        check_all_tactics(f"growing scores {spec}", mask.dense(S, S), layout, B=2, H=2, Sq=S, Sk=S, D=D,
+                          dtype=dtype, seed=S + D, kpm=kpm, key_gain=gain)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
