@@ -345,7 +345,8 @@ def _makespan(durations: np.ndarray, slots: int) -> float:
 # interleaved exps and the 4-stage ring of 22/24/29, from the session-7 final runs, S in {1024, 4096}; session 18:
 # every head-dim-64 entry, after the cheaper masking, from the session-18 final run, S in {1024, 4096}; session 21:
 # (22, 64), after Q moved into registers, from the session-21 final run, all 25 cells: its replay 25/25, as the
-# session-20 run's; refitting 24 too, or 21/22 at 128, replayed 24/25).
+# session-20 run's; refitting 24 too, or 21/22 at 128, replayed 24/25); session 23: (24, 64), after the MMA turns,
+# from the session-23 final run, all 25 cells (the old entry picked 22 at dilated S=1024, 1.12x; replay 25/25).
 # Tactics without an entry use the uncalibrated rate model below.
 COEF = {
     (1, 64): (1.31057, 1.69501, 2.0697, 12.98499),
@@ -381,7 +382,7 @@ COEF = {
     (22, 64): (0.6579, 0.67277, 2.41551, 4.31777),
     (22, 128): (1.03255, 1.14597, 3.61795, 6.88113),
     (23, 64): (0.63646, 0.69859, 2.59466, 10.54855),
-    (24, 64): (0.55866, 0.60659, 2.285, 9.76943),
+    (24, 64): (0.58, 0.61344, 2.10065, 6.67393),
     (25, 64): (1.52153, 1.94686, 5.23309, 9.44623),
     (27, 64): (1.18289, 1.68602, 4.44372, 12.93199),
     (28, 64): (0.91656, 0.73196, 8.85742, 0.85323),

@@ -14,7 +14,7 @@
 //     O += P_{i-1} V_{i-1},
 //     mask + online softmax of S_i while P_{i-1} V_{i-1} runs, then O rescaled and the stage released
 //     (mbarrier empty[stage], one arrival per consumer thread).  A consumer whose tile row has no tile in a
-//     sub-block masks it.  At head dim 64 the two consumers take turns on the tensor cores (WsTraits::kTurns): one
+//     sub-block masks it.  In tactic 24 the two consumers take turns on the tensor cores (WsTraits::kTurns): one
 //     issues its MMAs once the other's max is reduced, so they run under the other's exps (session 23; the turns
 //     handed over right after the MMA issue, sessions 5 and 7, were 2-4 % slower).
 //   hopper_ws_persist_fwd: the same, persistent (one CTA per SM taking items from a work counter); the consumers
@@ -123,12 +123,14 @@ struct WsTraits {
     // work +27-30 %), and a warpgroup's own softmax cannot overlap its own MMAs (their issue blocks the warps).
     // Measured (A/B, 5 rounds): tactic 24 -1.2 to -6.2 % in every cell (causal S=1024 / 4096 / 8192 -4.3 / -1.9 /
     // -1.7 %, sliding S=4096 -2.5 %, BigBird -6.2 %).  Sessions 5 and 7 handed the turn over right after the MMA
-    // issue, so the other's MMAs ran under the max tree: +2 to +4 %.  Needs the row sums on the tensor cores (the
-    // exps' pass without sums, online_softmax's hook).  STOF_WS_TURNS=0 turns it off.
+    // issue, so the other's MMAs ran under the max tree: +2 to +4 %.  Only with 128-key steps and the 4-stage
+    // ring (tactic 24): the 2-stage 21 and 23 measured +6 to +9 % and +1 to +5 % with it, the 64-key 22 -5 to +2 %.
+    // Needs the row sums on the tensor cores (the exps' pass without sums, online_softmax's hook).
+    // STOF_WS_TURNS=0 turns it off.
 #ifndef STOF_WS_TURNS
 #define STOF_WS_TURNS 1
 #endif
-    static constexpr bool kTurns = STOF_WS_TURNS && kConsumers == 2 && kSumMma;
+    static constexpr bool kTurns = STOF_WS_TURNS && kConsumers == 2 && kSumMma && kSub == 2 && kStages >= 4;
     static constexpr int kSmemPersist = persist_smem(kQBufs);
     static_assert(kSmemSize <= 227 * 1024 && kSmemPersist <= 227 * 1024, "shared memory");
     // setmaxnreg moves registers inside what the CTA got at launch (ptxas: 65536 / kThreads, rounded down to 8)
