@@ -1,11 +1,12 @@
-// Microbenchmark (session 23): does a warpgroup's in-flight wgmma slow the same warps' own softmax-like work, and
-// does it matter whether A comes from registers (RS, tactic 24's P V) or from shared memory (SS)?
+// Microbenchmark (session 23): what runs at the same time as a wgmma on an SM?  Inside one warpgroup, does the
+// warps' own softmax-like work overlap their MMAs, and does it matter whether A comes from registers (RS, tactic
+// 24's P V) or from shared memory (SS)?  Across two warpgroups, does one's work slow the other's MMAs?
 //
-// Each CTA runs 1 or 2 warpgroups (1 CTA per SM, 132 CTAs); every warpgroup loops as tactic 24's consumers do:
-// [a small SS wgmma "S", then 8 x wgmma m64n64k16 (RS or SS: "P V"), two commit groups] [wait for S] [64 exp2
-// (FFMA + MUFU) that depend on S, or FFMA + FMNMX + FMUL] [wait for P V].  Printed: SM cycles per loop iteration (mean over warps, clock64), per configuration.  If "RS + work" costs
-// clearly more than max("RS alone", "work alone") while "SS + work" does not, the register-operand MMA in flight is
-// what slows the softmax that overlaps it.
+// One CTA per SM (132), 1 or 2 warpgroups, each looping as tactic 24's consumers do: [a small SS wgmma "S", then
+// 8 x wgmma m64n64k16 (RS or SS: "P V"), two commit groups] [wait for S] [64 exp2 (FFMA + MUFU) that depend on S,
+// or 64 FFMA + FMNMX + FMUL] [wait for P V] (kLate: that wait at the next iteration's start); kHetero: warpgroup 0
+// only the MMAs, warpgroup 1 only the work.  Printed: SM cycles per loop iteration (mean over warps, clock64).
+// Results (H100): docs/bench/session23.md, calls 3-4.
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90a -I plugins_cu/src -o /tmp/mb plugins_cu/tools/mb_rs_overlap.cu && /tmp/mb
 #include <cstdio>
