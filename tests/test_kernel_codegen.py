@@ -132,3 +132,18 @@ def test_wgmma_wrappers_are_generated():
     r = subprocess.run([sys.executable, str(ROOT / "plugins_cu" / "tools" / "gen_wgmma.py"), "--check"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr.strip()
+
+
+def test_overlap_microbenchmark_keeps_its_wgmma_async(tmp_path):
+    """plugins_cu/tools/mb_rs_overlap.cu (session 23's measurement of what runs beside a wgmma) compiles against
+    the library's headers, and ptxas keeps its MMAs asynchronous: a serialised wgmma there would time MMA and work
+    one after the other by construction and make its numbers meaningless."""
+    cmd = [NVCC, "-std=c++17", "-O3", "-arch=sm_90a", f"-I{SRC}", "-Xptxas", "-v", "-cubin",
+           "-o", str(tmp_path / "mb.cubin"), str(ROOT / "plugins_cu" / "tools" / "mb_rs_overlap.cu")]
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:]
+    kernels = {k: v for k, v in parse_ptxas(r.stdout).items() if "mb_kernel" in k}
+    assert len(kernels) == 16, sorted(kernels)  # the flag sets main() runs (each at 1 and 2 warpgroups)
+    noted = {k: v["notes"] for k, v in kernels.items() if v["notes"]}
+    assert not noted, f"serialised wgmma in the microbenchmark: {noted}"
+    assert all(v["spill_stores"] == 0 for v in kernels.values())
