@@ -267,6 +267,8 @@ struct NoHook {
 };
 // before_exps (kInterleaved, kRowSum = false): called once the max is reduced, before the exps (hopper_ws.cuh's
 // MMA turns hand the tensor cores to the other consumer there; ptxas keeps the exps' FFMAs and MUFU ops after it).
+// Only a real hook takes that two-loop pass: sending the hook-less callers through it too (the same arithmetic)
+// reorders the SASS of tactics 21-23, 28 and 29, which were measured in their current form (session 23, local SASS).
 template <int kNI, bool kInterleaved = false, bool kRowSum = true, class Hook = NoHook>
 __device__ __forceinline__ bool online_softmax(float (&rS)[kNI * 4], float (&row_max)[2], float (&row_sum)[2],
                                                float (&alpha)[2], float mul, Hook before_exps = Hook()) {
