@@ -346,7 +346,9 @@ def _makespan(durations: np.ndarray, slots: int) -> float:
 # every head-dim-64 entry, after the cheaper masking, from the session-18 final run, S in {1024, 4096}; session 21:
 # (22, 64), after Q moved into registers, from the session-21 final run, all 25 cells: its replay 25/25, as the
 # session-20 run's; refitting 24 too, or 21/22 at 128, replayed 24/25); session 23: (24, 64), after the MMA turns,
-# from the session-23 final run, all 25 cells (the old entry picked 22 at dilated S=1024, 1.12x; replay 25/25).
+# from the session-23 final run, all 25 cells (the old entry picked 22 at dilated S=1024, 1.12x; replay 25/25);
+# session 24: (29, 64) from the same run (the session-7 entry, against the refitted 24, picked 29 at causal
+# S=8192: 1.04x the best, and behind SDPA is_causal there; replays 25/25 on the session-20, -21 and -23 runs).
 # Tactics without an entry use the uncalibrated rate model below.
 COEF = {
     (1, 64): (1.31057, 1.69501, 2.0697, 12.98499),
@@ -386,7 +388,7 @@ COEF = {
     (25, 64): (1.52153, 1.94686, 5.23309, 9.44623),
     (27, 64): (1.18289, 1.68602, 4.44372, 12.93199),
     (28, 64): (0.91656, 0.73196, 8.85742, 0.85323),
-    (29, 64): (0.79156, 0.69242, 6.5127, 4.66207),
+    (29, 64): (0.84553, 0.69191, 6.36996, 4.63677),
     (25, 128): (1.37512, 1.474, 5.87342, 4.86012),
     (26, 64): (1.29326, 1.70597, 3.74426, 11.81557),
     (26, 128): (2.36085, 2.64478, 7.118, 8.63134),
