@@ -397,19 +397,21 @@ __device__ __forceinline__ void mask_softmax_step(float (&rS)[kNI * 4], float (&
 #ifndef STOF_STAGE_O_RCP
 #define STOF_STAGE_O_RCP 1
 #endif
+template <bool kApprox = true>
 __device__ __forceinline__ float inv_row_sum(float l) {
-#if STOF_STAGE_O_RCP
-    float r;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(l));
-    return l > 0.f ? r : 0.f;
-#else
-    return l > 0.f ? 1.f / l : 0.f;
-#endif
+    if constexpr (kApprox && STOF_STAGE_O_RCP) {
+        float r;
+        asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(l));
+        return l > 0.f ? r : 0.f;
+    } else {
+        return l > 0.f ? 1.f / l : 0.f;
+    }
 }
 // Epilogue, part 1: each thread normalises its two rows of O (row sums reduced over the quad; empty rows -> 0)
 // and writes them as Elem pairs into the kRows-row swizzled tile at sTile (rows row0 + {g, g + 8}).  The first
-// kDI * 4 of rO are O's; kQuadSum = false: row_sum already holds the whole rows' sums.
-template <class Elem, int kDI, int kRows, bool kQuadSum = true, int kNO>
+// kDI * 4 of rO are O's; kQuadSum = false: row_sum already holds the whole rows' sums.  kApproxRcp: inv_row_sum's
+// rcp.approx (the three-consumer kernels keep the division: the approximation cost them 4 more bytes of spills).
+template <class Elem, int kDI, int kRows, bool kQuadSum = true, bool kApproxRcp = true, int kNO>
 __device__ __forceinline__ void stage_o(const float (&rO)[kNO], const float (&row_sum)[2], uint32_t sTile,
                                         int row0, int g, int tig) {
     static_assert(kNO >= kDI * 4, "O registers");
@@ -420,7 +422,7 @@ __device__ __forceinline__ void stage_o(const float (&rO)[kNO], const float (&ro
             l += __shfl_xor_sync(0xffffffffu, l, 1);
             l += __shfl_xor_sync(0xffffffffu, l, 2);
         }
-        const float inv = inv_row_sum(l);
+        const float inv = inv_row_sum<kApproxRcp>(l);
         const int row = row0 + hh * 8 + g;
 #pragma unroll
         for (int di = 0; di < kDI; ++di) {

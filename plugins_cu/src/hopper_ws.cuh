@@ -782,9 +782,9 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
         STOF_PROF_T(te0);
         if constexpr (WT::kSumMma) {
             const float mma_sum[2] = {rO[kDI * 4], rO[kDI * 4 + 2]};
-            stage_o<Elem, kDI, kBlockM, false>(rO, mma_sum, item.sQ, 64 * w + warp * 16, g, tig);
+            stage_o<Elem, kDI, kBlockM, false, WT::kConsumers == 2>(rO, mma_sum, item.sQ, 64 * w + warp * 16, g, tig);
         } else {
-            stage_o<Elem, kDI, kBlockM>(rO, sum, item.sQ, 64 * w + warp * 16, g, tig);
+            stage_o<Elem, kDI, kBlockM, true, WT::kConsumers == 2>(rO, sum, item.sQ, 64 * w + warp * 16, g, tig);
         }
         if constexpr (!kStagedO) {
             named_barrier_sync(1 + w, 128);
