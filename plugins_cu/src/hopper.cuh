@@ -390,10 +390,11 @@ __device__ __forceinline__ void mask_softmax_step(float (&rS)[kNI * 4], float (&
 }
 
 // 1 / (a row's sum of P), 0 for a row with no allowed key.  rcp.approx (one MUFU.RCP, within an ulp of fp32) rather
-// than the IEEE division, whose FCHK and slow-path call sat on every item's epilogue: a non-empty row's sum is >= 1
-// (its running max's P is 1), so the approximation's ftz and range never matter, and O is rounded to fp16 / bf16
-// after.  Measured (session 24, A/B, 5 rounds): tactic 24 sliding S=2048 / 4096 / 8192 -0.9 / -2.1 / -2.2 %, causal
-// S=1024 -1.5 %, BigBird -1.4 %, no cell slower; tactic 13 -0.1 to -1.4 %.  STOF_STAGE_O_RCP=0 restores the division.
+// than the IEEE division, whose FCHK and slow-path call sat on every item's epilogue: a non-empty row's sum is at
+// least about 1 (its running max's P is 1 up to the exp2's rounding), so the approximation's ftz and range never
+// matter, and O is rounded to fp16 / bf16 after.  Measured (session 24, A/B, 5 rounds): tactic 24 sliding S=2048 /
+// 4096 / 8192 -0.9 / -2.1 / -2.2 %, causal S=1024 -1.5 %, BigBird -1.4 %, no cell slower; tactic 13 -0.1 to -1.4 %.
+// STOF_STAGE_O_RCP=0 restores the division.
 #ifndef STOF_STAGE_O_RCP
 #define STOF_STAGE_O_RCP 1
 #endif
