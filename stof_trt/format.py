@@ -284,6 +284,12 @@ class TileLayout:
         tile rows (C ABI version 4); derived, not stored; exactly what ``stof_layout_pair_order()`` writes."""
         return pairs_longest_first(self._row_counts()).ravel()
 
+    def lane_bitmaps(self) -> np.ndarray | None:
+        """int32 ``[max(P,1) * tile_m*tile_n/16]``: the bitmaps in the tensor-core kernels' thread order (C ABI
+        version 5), or None when the tile shape has none (``tile_m % 16`` or ``tile_n % 64`` not 0).  Derived, not
+        stored; exactly what ``stof_layout_lane_bitmaps()`` writes (docs/format.md, "Derived: the lane bitmaps")."""
+        return lane_bitmaps(self.bitmaps, self.tile_m, self.tile_n)
+
     def _row_counts(self) -> np.ndarray:
         return np.diff(np.asarray(self.row_ptr, np.int64)).reshape(self.num_layouts, self.Tq)
 
@@ -321,6 +327,32 @@ def rows_longest_first(counts: np.ndarray) -> np.ndarray:
     # lexsort: last key is primary -> by layout, then more tiles first, then higher row first
     order = np.lexsort((-rows.ravel(), -counts.ravel(), lay.ravel()))
     return np.ascontiguousarray(rows.ravel()[order], dtype=np.int32).reshape(L, tq)
+
+
+def lane_bitmaps(bitmaps: np.ndarray, tile_m: int, tile_n: int) -> np.ndarray | None:
+    """The lane bitmaps of ``bitmaps`` (``[P, tile_m*tile_n/32]`` int32), flattened int32: entry ``(p, r, j, l)``
+    (bitmap ``p``, row group ``r`` of 16 rows, 64-key sub-block ``j``, lane ``l = 4g + t``) is the int32 pair
+    ``(z, y)`` at ``2 * (((p*(tile_m/16) + r)*(tile_n/64) + j)*32 + l)``, where bit ``8q + 2(2h + w) + c`` of ``z``
+    (``q < 4``; ``h, w, c < 2``) is the mask bit of row ``16r + g + 8h``, column ``64j + 32w + 8q + 2t + c``, and bit
+    ``q`` of ``y`` repeats bit ``8q + 7`` of ``z``.  None when ``tile_m % 16`` or ``tile_n % 64`` is not 0."""
+    tile_m, tile_n = int(tile_m), int(tile_n)
+    if tile_m % 16 or tile_n % 64 or tile_m < 16 or tile_n < 64:
+        return None
+    words = np.ascontiguousarray(bitmaps, np.int32).view(np.uint32).reshape(-1, tile_m, tile_n // 32)
+    P = words.shape[0]
+    # [P, r, h, g, j, w]: row 16 r + 8 h + g, word 2 j + w
+    w6 = words.reshape(P, tile_m // 16, 2, 8, tile_n // 64, 2).astype(np.uint64)
+    t = np.arange(4, dtype=np.uint64)
+    z = np.zeros((P, tile_m // 16, tile_n // 64, 8, 4), np.uint64)   # [P, r, j, g, t]
+    for h in range(2):
+        for w in range(2):
+            part = w6[:, :, h, :, :, w].transpose(0, 1, 3, 2)       # [P, r, j, g]
+            z |= ((part[..., None] >> (2 * t)) & 0x03030303) << (2 * (2 * h + w))
+    y = np.zeros_like(z)
+    for q in range(4):
+        y |= ((z >> (8 * q + 7)) & 1) << q
+    out = np.stack([z, y], axis=-1).astype(np.uint32)                # [P, r, j, g, t, 2]
+    return out.view(np.int32).ravel()
 
 
 def pairs_longest_first(counts: np.ndarray) -> np.ndarray:

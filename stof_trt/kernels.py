@@ -40,10 +40,10 @@ from pathlib import Path
 __all__ = [
     "StofKernelError", "load_library", "library_available", "DeviceLayout", "Tactic", "all_tactics",
     "tactic_info", "list_tactics", "sparse_attention", "Runner", "STATUS", "ABI_VERSION", "native_row_order",
-    "native_sched_chunk", "native_pair_order",
+    "native_sched_chunk", "native_pair_order", "native_lane_bitmaps",
 ]
 
-ABI_VERSION = 4  # STOF_ABI_VERSION of the header this module mirrors
+ABI_VERSION = 5  # STOF_ABI_VERSION of the header this module mirrors
 
 STATUS = {0: "SUCCESS", 1: "INVALID_ARGUMENT", 2: "UNSUPPORTED", 3: "INVALID_TACTIC", 4: "CUDA",
           5: "INSUFFICIENT_BUFFER"}
@@ -80,6 +80,7 @@ class _Params(ctypes.Structure):
         ("sched_chunk", ctypes.c_int32),  # ABI version 2 (then 4 bytes of padding, as in C)
         ("workspace", ctypes.c_void_p), ("workspace_bytes", ctypes.c_int64),  # ABI version 3
         ("pair_order", ctypes.c_void_p),  # ABI version 4
+        ("lane_bitmaps", ctypes.c_void_p),  # ABI version 5
     ]
 
 
@@ -139,6 +140,8 @@ def load_library(path: str | os.PathLike | None = None) -> ctypes.CDLL:
     lib.stof_layout_sched_chunk.restype = ctypes.c_int
     lib.stof_layout_pair_order.argtypes = [i32p, ctypes.c_int32, ctypes.c_int32, i32p]
     lib.stof_layout_pair_order.restype = ctypes.c_int
+    lib.stof_layout_lane_bitmaps.argtypes = [i32p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, i32p]
+    lib.stof_layout_lane_bitmaps.restype = ctypes.c_int
     _LIB = lib
     return lib
 
@@ -188,6 +191,24 @@ def native_pair_order(row_ptr, num_layouts: int, tiles_q: int):
     out = np.empty(max(num_layouts * ((tiles_q + 1) // 2), 1), np.int32)  # sizes < 1: INVALID_ARGUMENT
     i32p = ctypes.POINTER(ctypes.c_int32)
     _check(lib.stof_layout_pair_order(rp.ctypes.data_as(i32p), num_layouts, tiles_q, out.ctypes.data_as(i32p)))
+    return out
+
+
+def native_lane_bitmaps(bitmaps, tile_m: int, tile_n: int):
+    """The C helper ``stof_layout_lane_bitmaps`` on host ``bitmaps`` (``[P, tile_m*tile_n/32]`` int32, P >= 1):
+    int32 numpy ``[P * tile_m*tile_n/16]`` (= ``TileLayout.lane_bitmaps()``)."""
+    import numpy as np
+
+    lib = load_library()
+    tile_m, tile_n = int(tile_m), int(tile_n)
+    bm = np.ascontiguousarray(bitmaps, dtype=np.int32)
+    per = tile_m * tile_n // 32
+    if per < 1 or bm.size % per != 0:
+        raise ValueError(f"bitmaps of {bm.size} int32 are not whole {tile_m}x{tile_n} bitmaps")
+    n = bm.size // per
+    out = np.empty(max(n * per * 2, 1), np.int32)
+    i32p = ctypes.POINTER(ctypes.c_int32)
+    _check(lib.stof_layout_lane_bitmaps(bm.ctypes.data_as(i32p), n, tile_m, tile_n, out.ctypes.data_as(i32p)))
     return out
 
 
@@ -245,7 +266,7 @@ class DeviceLayout:
     derived ``sched_chunk`` (an int, ``layout.sched_chunk()``; passed unless a run gives ``sched_chunk=N``) plus its
     metadata."""
 
-    def __init__(self, layout, device="cuda"):
+    def __init__(self, layout, device="cuda", lane_bitmaps: bool = True):
         import torch
 
         self.layout = layout
@@ -268,6 +289,10 @@ class DeviceLayout:
         self.row_order_is_default = _last_first(ro, self.num_layouts, int(layout.Tq))
         self.pair_order_is_default = _last_first(po, self.num_layouts, (int(layout.Tq) + 1) // 2)
         self.sched_chunk = int(layout.sched_chunk())
+        # (C ABI 5) None for tile shapes without them, or when not asked for (the kernels then pack the bitmaps'
+        # words themselves: the same result, slower)
+        lb = layout.lane_bitmaps() if lane_bitmaps else None
+        self.lane_bitmaps = None if lb is None else upload(lb)
 
     def __repr__(self) -> str:
         return f"DeviceLayout({self.layout!r})"
@@ -328,6 +353,8 @@ def _make_params(q, k, v, o, dl: DeviceLayout, scale, key_lengths, key_padding_m
     # independent of row_order; None = the layout's value; an explicit value goes to the library as given
     # (a negative one is its INVALID_ARGUMENT)
     p.sched_chunk = dl.sched_chunk if sched_chunk is None else int(sched_chunk)
+    if getattr(dl, "lane_bitmaps", None) is not None:
+        p.lane_bitmaps = dl.lane_bitmaps.data_ptr()
     if key_lengths is not None:
         if key_lengths.dtype != torch.int32 or not key_lengths.is_contiguous() or key_lengths.numel() != B:
             raise ValueError("key_lengths must be a contiguous int32 [B] tensor")

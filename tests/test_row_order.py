@@ -146,15 +146,16 @@ def test_native_errors(kernels):
 
 def test_abi_version(kernels):
     lib = kernels.load_library()
-    assert lib.stof_abi_version() == kernels.ABI_VERSION == 4
+    assert lib.stof_abi_version() == kernels.ABI_VERSION == 5
     names = [f[0] for f in kernels._Params._fields_]
-    assert names[-5:] == ["row_order", "sched_chunk", "workspace", "workspace_bytes", "pair_order"]
+    assert names[-6:] == ["row_order", "sched_chunk", "workspace", "workspace_bytes", "pair_order", "lane_bitmaps"]
     p = kernels._Params()
     lib.stof_attn_params_init(ctypes.byref(p))
     assert p.row_order is None                                           # init leaves it NULL
     assert p.sched_chunk == 0                                            # and sched_chunk 0 (library default)
     assert p.workspace is None and p.workspace_bytes == 0                # and no workspace (ABI 3)
     assert p.pair_order is None                                          # and no pair order (ABI 4)
+    assert p.lane_bitmaps is None                                        # and no lane bitmaps (ABI 5)
 
 
 def _valid_params(kernels):

@@ -28,6 +28,8 @@ struct KernelParams {
     const int32_t* col_idx;
     const int32_t* tile_bitmap_index;
     const int32_t* bitmaps;
+    // the bitmaps in the tensor-core kernels' thread order (C ABI 5, stof_layout_lane_bitmaps), or null
+    const int32_t* lane_bitmaps;
     int tile_m, tile_n, num_layouts, tq;  // tq = tile rows per layout = ceil(layout_seq_q / tile_m)
     const int32_t* key_lengths;           // [B] or null
     const int32_t* key_padding_mask;      // [B, seq_k] or null

@@ -183,6 +183,40 @@ __device__ __forceinline__ void mask_scores(float (&s)[kN], const uint32_t (&bit
     }
 }
 
+// The thread's mask word pair of one 64-key sub-block, in the order mask_scores_packed reads: z as mask_scores packs
+// it (byte q: row hh, word w's bits at 2 (2 hh + w) + {0, 1}), y the four bits R2P cannot reach (bit 7 of each byte
+// of z) in bits 0-3, so that they too go into predicates by one R2P.  The layout's lane_bitmaps (C ABI 5,
+// stof_layout_lane_bitmaps) hold exactly these pairs, so a PARTIAL sub-block's mask is one 8-byte load there.
+__device__ __forceinline__ uint2 pack_mask_bits(const uint32_t (&bits)[2][2], int tig, uint32_t sel) {
+    uint32_t z = 0;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+        for (int w = 0; w < 2; ++w) z |= ((bits[hh][w] >> (tig * 2)) & 0x03030303u) << (2 * (2 * hh + w));
+    z = __byte_perm(z, 0u, sel);
+    uint32_t y = (z >> 7) & 0x01010101u;
+    y = (y | (y >> 7) | (y >> 14) | (y >> 21)) & 0xfu;
+    return make_uint2(z, y);
+}
+
+// mask_scores for one 64-key sub-block from its packed word pair (pack_mask_bits, or a lane_bitmaps entry): the 28
+// bits 8 q + 0..6 of z and the 4 bits of y, each selecting its score against -inf.
+template <int kN>
+__device__ __forceinline__ void mask_scores_packed(float (&s)[kN], uint2 zy, int off) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+            for (int w = 0; w < 2; ++w)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const int bit = 2 * (2 * hh + w) + c;  // in byte q
+                    const bool keep = bit == 7 ? (zy.y & (1u << q)) != 0u : (zy.x & (1u << (q * 8 + bit))) != 0u;
+                    if (!keep) s[off + (w * 4 + q) * 4 + hh * 2 + c] = -INFINITY;
+                }
+}
+
 // The multiplier of the raw scores in the exp2 FFMA when the scale is folded whatever its sign (the max is taken on
 // raw scores): scale_log2 itself when positive; |scale_log2| when negative, with Q negated in shared memory first
 // (flip_signs: S = -Q K^T, and softmax(s scale) = softmax(-s |scale|)); FLT_MIN for a zero scale, where every allowed

@@ -141,6 +141,12 @@ struct WsTraits {
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
+// STOF_LANE_BITS=0 builds the two-consumer kernels without the lane_bitmaps path (C ABI 5): every PARTIAL
+// sub-block's mask is then packed from the bitmap's words, as before session 25 (A/B runs).
+#ifndef STOF_LANE_BITS
+#define STOF_LANE_BITS 1
+#endif
+
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
     asm volatile(
         "{\n.reg .pred P1;\nLAB_WAIT:\n"  // labels are scoped by the braces
@@ -703,6 +709,15 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
     uint32_t bm_row = 0;  // the byte offset of the thread's first bitmap row (g) of the item inside a bitmap
     const uint32_t bm_tile_bytes = static_cast<uint32_t>(p.tile_m * p.tile_n / 8), bm_row8 = p.tile_n;
     const uint32_t mask_sel = mask_selector(p);
+    // The layout's lane_bitmaps (C ABI 5): a PARTIAL sub-block's mask words already in this thread's order, one
+    // 8-byte load instead of two loads and the packing (pack_mask_bits).  Only in the 64-key-step kernels (21, 22):
+    // in 24 the two paths' code measured 0 to +1 % (sliding, causal) for -1 % on dilated and Longformer (session
+    // 25), and the three-consumer kernels' registers are at the spill limit.
+    constexpr bool kLaneBits = STOF_LANE_BITS && WT::kConsumers == 2 && kBlockN == 64;
+    const char* const lane_bits = kLaneBits ? reinterpret_cast<const char*>(p.lane_bitmaps) : nullptr;
+    const bool use_lane_bits = kLaneBits && lane_bits != nullptr;
+    const uint32_t lb_tile_bytes = static_cast<uint32_t>(p.tile_m * p.tile_n / 4);
+    uint32_t lb_row = 0;  // the byte offset of the thread's entry for the item's rows, sub-block 0, in bitmap 0
     const int32_t* kpm = nullptr;
     uint64_t dQ0 = 0;
     uint32_t rQ[kKD][4];  // WT::kQRegs: this warp's 16 Q rows (A fragments, one per k16 block)
@@ -755,12 +770,21 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
             // loop, where R2P's seven-predicate writes made ptxas keep the others in registers
             const bool bound = n0 + 64 > mask_len;
             if (bm_idx != -1 || bound) {
-                uint32_t bits[2][2] = {{0u, 0u}, {0u, 0u}};
-                if (bm_idx != -2) {
-                    row_bits_pair(bits, p.bitmaps, bm_row, bm_row8, bm_idx, bm_tile_bytes, st.sub[hh]);
-                    if (bound) and_key_words(bits, n0, kv_len, kpm, lane);  // (warp-uniform)
+                uint2 zy = make_uint2(0u, 0u);
+                if (use_lane_bits && !bound) {  // (warp-uniform)
+                    if (bm_idx != -2)
+                        zy = __ldg(reinterpret_cast<const uint2*>(
+                            lane_bits + (static_cast<uint32_t>(bm_idx) * lb_tile_bytes + lb_row +
+                                         static_cast<uint32_t>(st.sub[hh]) * 256u)));
+                } else {
+                    uint32_t bits[2][2] = {{0u, 0u}, {0u, 0u}};
+                    if (bm_idx != -2) {
+                        row_bits_pair(bits, p.bitmaps, bm_row, bm_row8, bm_idx, bm_tile_bytes, st.sub[hh]);
+                        if (bound) and_key_words(bits, n0, kv_len, kpm, lane);  // (warp-uniform)
+                    }
+                    zy = pack_mask_bits(bits, tig, mask_sel);
                 }
-                mask_scores<8>(rS, bits, tig, mask_sel, hh * 32);
+                mask_scores_packed(rS, zy, hh * 32);
             }
         }
         if constexpr (WT::kTurns) {
@@ -877,6 +901,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
         kv_len = effective_kv_len(p, cur.b);
         my_a0 = (cur.q0 + 64 * w) % p.tile_m;
         bm_row = static_cast<uint32_t>((my_a0 + warp * 16 + g) * (p.tile_n / 8));
+        if constexpr (kLaneBits) lb_row = static_cast<uint32_t>(((my_a0 / 16 + warp) * (p.tile_n / 64)) * 256 + lane * 8);
         kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(cur.b) * p.seq_k : nullptr;
         mask_len = kpm != nullptr ? -1 : kv_len;
         dQ0 = gmma_desc(cur.sQ + w * 64 * 128, 16, 1024);

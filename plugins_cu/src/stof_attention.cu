@@ -178,6 +178,14 @@ KernelParams kernel_params(const stof_attn_params_t& p) {
     k.pair_order = p.pair_order;  // likewise
     k.uniform_rows = false;       // schedule_grid sets it from sched_chunk
     k.sched_chunk = p.sched_chunk;  // 0: schedule_grid picks it
+    // lane_bitmaps are twice the bitmaps' bytes, addressed by 32-bit byte offsets like them (tactic_valid): beyond
+    // that the kernels pack the bitmaps' words as without them (same result)
+    const uint64_t tiles = static_cast<uint64_t>(p.num_layouts > 0 ? p.num_layouts : 1) *
+                           static_cast<uint64_t>((p.layout_seq_q + p.tile_m - 1) / p.tile_m) *
+                           static_cast<uint64_t>((p.layout_seq_k + p.tile_n - 1) / p.tile_n);
+    const bool lane_ok = p.tile_m % 16 == 0 && p.tile_n % 64 == 0 &&
+                         tiles * static_cast<uint64_t>(p.tile_m) * static_cast<uint64_t>(p.tile_n) / 4 <= 0xffffffffull;
+    k.lane_bitmaps = lane_ok ? p.lane_bitmaps : nullptr;
     k.work_counter = p.workspace != nullptr && p.workspace_bytes >= kWorkspaceBytes ? static_cast<int*>(p.workspace)
                                                                                      : nullptr;
     return k;
@@ -335,6 +343,40 @@ stof_status_t stof_layout_sched_chunk(const int32_t* row_ptr, int32_t num_layout
         uniform = 4 * static_cast<int64_t>(tiles_q) * longest <= 5 * static_cast<int64_t>(rp[tiles_q] - rp[0]);
     }
     *chunk = uniform ? 1 : 0;
+    tLastError[0] = '\0';
+    return STOF_SUCCESS;
+}
+
+stof_status_t stof_layout_lane_bitmaps(const int32_t* bitmaps, int32_t num_bitmaps, int32_t tile_m, int32_t tile_n,
+                                       int32_t* out) {
+    if (bitmaps == nullptr || out == nullptr) return fail(STOF_ERROR_INVALID_ARGUMENT, "bitmaps or out is NULL");
+    if (num_bitmaps < 1 || tile_m < 16 || tile_m % 16 != 0 || tile_n < 64 || tile_n % 64 != 0)
+        return fail(STOF_ERROR_INVALID_ARGUMENT,
+                    "num_bitmaps %d must be >= 1, tile_m %d a multiple of 16, tile_n %d a multiple of 64", num_bitmaps,
+                    tile_m, tile_n);
+    // entry (bitmap p, row group r of 16 rows, sub-block j of 64 keys, lane l = 4 g + t): the pair (z, y) of
+    // pack_mask_bits (hopper.cuh) for rows 16 r + g (hh = 0) and 16 r + g + 8 (hh = 1)
+    const int64_t words_per_row = tile_n / 32;
+    int32_t* dst = out;
+    for (int64_t p = 0; p < num_bitmaps; ++p)
+        for (int32_t r = 0; r < tile_m / 16; ++r)
+            for (int32_t j = 0; j < tile_n / 64; ++j)
+                for (int32_t l = 0; l < 32; ++l, dst += 2) {
+                    const int32_t g = l / 4, t = l % 4;
+                    uint32_t z = 0;
+                    for (int hh = 0; hh < 2; ++hh) {
+                        const int64_t row = 16 * r + g + 8 * hh;
+                        for (int w = 0; w < 2; ++w) {
+                            const uint32_t word = static_cast<uint32_t>(
+                                bitmaps[(p * tile_m + row) * words_per_row + 2 * j + w]);
+                            z |= ((word >> (2 * t)) & 0x03030303u) << (2 * (2 * hh + w));
+                        }
+                    }
+                    uint32_t y = 0;
+                    for (int q = 0; q < 4; ++q) y |= ((z >> (8 * q + 7)) & 1u) << q;
+                    dst[0] = static_cast<int32_t>(z);
+                    dst[1] = static_cast<int32_t>(y);
+                }
     tLastError[0] = '\0';
     return STOF_SUCCESS;
 }

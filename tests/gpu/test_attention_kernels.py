@@ -39,6 +39,10 @@ MASKS = [
 ]
 
 
+# the tactics that read the layout's lane_bitmaps (C ABI 5): each is also run without them
+LANE_BITMAP_TACTICS = (21, 22, 23, 24)
+
+
 def _log(record: dict) -> None:
     path = os.environ.get("STOF_TEST_REPORT")
     if path:
@@ -82,6 +86,7 @@ def check_all_tactics(case: str, dense_np: np.ndarray, layout: TileLayout, *, B,
         tactics = [t for t in tactics if t in only]
         assert tactics, f"none of {only} listed"
     tol = TOL[dtype]
+    dl_plain = None
     for t in tactics:
         out = torch.full_like(q, float("nan"))
         sparse_attention(q, k, v, dl, scale=scale, tactic=t, key_lengths=lengths_t, key_padding_mask=kpm_t,
@@ -97,6 +102,16 @@ def check_all_tactics(case: str, dense_np: np.ndarray, layout: TileLayout, *, B,
         assert finite, f"{case} tactic {tactic_info(t).name}: non-finite output (unwritten or NaN)"
         assert err <= tol, f"{case} tactic {tactic_info(t).name}: rel err {err:.3e} > {tol}"
         assert zero_rows_ok, f"{case} tactic {tactic_info(t).name}: rows with no allowed key are not 0"
+        if t in LANE_BITMAP_TACTICS and dl.lane_bitmaps is not None:
+            # the same run with the bitmaps' words packed by the kernel (no lane_bitmaps, C ABI 5): the same
+            # masks, so the same bits
+            if dl_plain is None:
+                dl_plain = DeviceLayout(layout, lane_bitmaps=False)
+            out2 = torch.full_like(q, float("nan"))
+            sparse_attention(q, k, v, dl_plain, scale=scale, tactic=t, key_lengths=lengths_t,
+                             key_padding_mask=kpm_t, out=out2, bhsd=bhsd, workspace=workspace)
+            torch.cuda.synchronize()
+            assert torch.equal(out2, out), f"{case} tactic {tactic_info(t).name}: lane_bitmaps change the output"
     for t in invalid:  # tactics not listed must be refused, not run
         with pytest.raises(StofKernelError) as ei:
             sparse_attention(q, k, v, dl, tactic=t, bhsd=bhsd)

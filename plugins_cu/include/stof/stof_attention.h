@@ -21,7 +21,7 @@ extern "C" {
 #endif
 
 #define STOF_FORMAT_VERSION 2  /* docs/format.md; layouts of version 1 are read as well */
-#define STOF_ABI_VERSION 4
+#define STOF_ABI_VERSION 5
 
 #if defined(_WIN32)
 #define STOF_API __declspec(dllexport)
@@ -109,6 +109,13 @@ typedef struct {
      * NULL where the helper's order is that default (every layout last first, e.g. causal): the same schedule, and
      * the kernels skip one dependent load before each work item. */
     const int32_t* pair_order;
+
+    /* --- the bitmaps in the kernels' thread order (optional; ABI version 5) -------------------------------- */
+    /* [max(P,1) * tile_m*tile_n/16] device int32, exactly as stof_layout_lane_bitmaps() writes them from this
+     * layout's bitmaps, or NULL.  Derived, never stored (docs/format.md "Derived: the lane bitmaps").  The
+     * two-consumer warp-specialised tactics (21-24) then read a PARTIAL 64-key sub-block's mask with one 8-byte load
+     * per thread instead of two loads and a packing step; the others ignore it.  Same result either way. */
+    const int32_t* lane_bitmaps;
 } stof_attn_params_t;
 
 /* Zero the struct and fill the defaults (dtype fp16, num_layouts 1, tile 64x64). */
@@ -166,6 +173,12 @@ STOF_API stof_status_t stof_layout_pair_order(const int32_t* row_ptr, int32_t nu
  * Same result as stof_trt.format.TileLayout.sched_chunk(). */
 STOF_API stof_status_t stof_layout_sched_chunk(const int32_t* row_ptr, int32_t num_layouts, int32_t tiles_q,
                                                int32_t* chunk);
+
+/* Host helper: the lane_bitmaps of stof_attn_params_t (ABI version 5) from num_bitmaps host bitmaps of a layout
+ * (tile_m % 16 == 0, tile_n % 64 == 0; num_bitmaps >= 1, the padding row of a layout without one counts) into out,
+ * num_bitmaps * tile_m*tile_n/16 int32.  Same result as stof_trt.format.TileLayout.lane_bitmaps(). */
+STOF_API stof_status_t stof_layout_lane_bitmaps(const int32_t* bitmaps, int32_t num_bitmaps, int32_t tile_m,
+                                                int32_t tile_n, int32_t* out);
 
 /* --- analytical pre-search (host only; plugins_cu/src/presearch.cc, the C++ port of stof_trt/presearch.py) --- */
 

@@ -169,7 +169,12 @@ std::shared_ptr<SparseAttentionKernel::LayoutCheck const> SparseAttentionKernel:
     // and the pair order of the kernels whose work item covers two tile rows (ABI v4), after it in the same buffer
     int64_t const nPairs = mNumLayouts * ((tilesQ + 1) / 2);
     check->pairOrderOffset = nRows;
-    check->rowOrderHost.resize(static_cast<size_t>(nRows + nPairs));
+    // and the lane bitmaps (ABI v5), for the tile shapes that have them (tile_m % 16, tile_n % 64 == 0)
+    int64_t const bitmapWords = mTileM * mTileN / 32;  // (the bitmaps' shape is checked with the inputs)
+    bool const laneShape = mTileM % 16 == 0 && mTileN % 64 == 0 && nbBitmaps >= 1;
+    check->laneOffset = nRows + nPairs;
+    check->laneCount = laneShape ? 2 * nbBitmaps * bitmapWords : 0;
+    check->rowOrderHost.resize(static_cast<size_t>(nRows + nPairs + check->laneCount));
     stof_status_t const ro = stof_layout_row_order(rowPtr.data(), static_cast<int32_t>(mNumLayouts),
                                                    static_cast<int32_t>(tilesQ), check->rowOrderHost.data());
     STOF_REQUIRE(ro == STOF_SUCCESS, ORT_FAIL, "stof_layout_row_order: ", stof_status_string(ro), ": ",
@@ -179,6 +184,13 @@ std::shared_ptr<SparseAttentionKernel::LayoutCheck const> SparseAttentionKernel:
                                                     check->rowOrderHost.data() + check->pairOrderOffset);
     STOF_REQUIRE(po == STOF_SUCCESS, ORT_FAIL, "stof_layout_pair_order: ", stof_status_string(po), ": ",
                  stof_last_error_message());
+    if (check->laneCount > 0) {
+        stof_status_t const lb = stof_layout_lane_bitmaps(host[3].data(), static_cast<int32_t>(nbBitmaps),
+                                                          static_cast<int32_t>(mTileM), static_cast<int32_t>(mTileN),
+                                                          check->rowOrderHost.data() + check->laneOffset);
+        STOF_REQUIRE(lb == STOF_SUCCESS, ORT_FAIL, "stof_layout_lane_bitmaps: ", stof_status_string(lb), ": ",
+                     stof_last_error_message());
+    }
     auto lastFirst = [&](int64_t off, int64_t n) {
         for (int64_t l = 0; l < mNumLayouts; ++l)
             for (int64_t i = 0; i < n; ++i)
@@ -194,7 +206,8 @@ std::shared_ptr<SparseAttentionKernel::LayoutCheck const> SparseAttentionKernel:
                  stof_last_error_message());
     // The device copy only for constant layouts (made once, kept with the cached check): for a layout fed at run
     // time it would cost an allocation, a synchronising copy and a free per call, for a scheduling hint --
-    // row_order and pair_order stay NULL there (the kernels' reversed order), sched_chunk still applies.
+    // row_order, pair_order and lane_bitmaps stay NULL there (the kernels' reversed order, their own packing),
+    // sched_chunk still applies.
     if (mLayoutConstant) {
         size_t const roBytes = check->rowOrderHost.size() * sizeof(int32_t);
         void* roDevice = nullptr;
@@ -436,6 +449,8 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
         if (layout->rowOrderDevice != nullptr) {
             p.row_order = layout->rowOrderDefault ? nullptr : layout->rowOrderDevice;
             p.pair_order = layout->pairOrderDefault ? nullptr : layout->rowOrderDevice + layout->pairOrderOffset;
+            // the bitmaps in the kernels' thread order (ABI v5; same result without them)
+            if (layout->laneCount > 0) p.lane_bitmaps = layout->rowOrderDevice + layout->laneOffset;
         }
         p.sched_chunk = layout->schedChunk;    // (batch, head) interleaving (ABI v2), computed with the layout check
         if (!fromCache) {  // no tactic-cache entry: the pre-search's first choice (memoised per shape bucket)

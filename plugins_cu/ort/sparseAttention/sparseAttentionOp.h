@@ -37,10 +37,13 @@ private:
         std::vector<int32_t> host[4];  // the arrays on the host (for the pre-search)
         // stof_layout_row_order() of host[0] ([L*Tq], tile rows longest first: stof_attn_params_t::row_order),
         // then at pairOrderOffset stof_layout_pair_order()'s ([L*ceil(Tq/2)]: stof_attn_params_t::pair_order, ABI
-        // v4), on the host and uploaded once to rowOrderDevice, which this object owns (cudaFree in the destructor)
+        // v4), then at laneOffset (when laneCount > 0) stof_layout_lane_bitmaps() of host[3] (the bitmaps in the
+        // kernels' thread order: stof_attn_params_t::lane_bitmaps, ABI v5), on the host and uploaded once to
+        // rowOrderDevice, which this object owns (cudaFree in the destructor)
         std::vector<int32_t> rowOrderHost;
         int32_t* rowOrderDevice{nullptr};
         int64_t pairOrderOffset{0};
+        int64_t laneOffset{0}, laneCount{0};
         // either order equal to the kernels' default (every layout last first: causal) is not passed (same schedule,
         // one dependent load less per work item)
         bool rowOrderDefault{false}, pairOrderDefault{false};
