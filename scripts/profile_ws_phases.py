@@ -34,10 +34,10 @@ SPAN_CTAS = 1000  # hopper_ws.cuh kWsSpanCtas: g_ws_span holds CTAs 0..999's spa
 MARKS = ["entry", "row_ptr_in", "barrier", "q_issued", "windows_in", "first_kv_issued", "c0_q_landed",
          "c0_kv_landed", "c0_s0_done", "c0_end", "c0_no_more_items", "sched_stores_issued", "sched_stores_done",
          "c0_regs", "sched_regs"]
-NUM_COUNTERS = 18  # hopper_ws.cuh g_ws_prof: [cta 0..1][slot: consumer 0..2, producer][warp 0..3][counter]
+NUM_COUNTERS = 20  # hopper_ws.cuh g_ws_prof: [cta 0..1][slot: consumer 0..2, producer][warp 0..3][counter]
 NAMES = ["full", "issue_and_wait_s", "softmax_and_wait_pv", "rest", "steps", "epilogue", "first_steps", "issue",
          "total", "items", "handoff", "last_pv", "first_full_wait",
-         "first_issue", "first_wait_s", "first_softmax", "first_wait_pv", "issue_s"]
+         "first_issue", "first_wait_s", "first_softmax", "first_wait_pv", "issue_s", "q_full_late", "q_full_wait"]
 PRODUCER_NAMES = {0: "empty_waits", 1: "q_empty_waits", 2: "claims", 3: "item_start", 4: "items", 5: "step_walks",
                   6: "step_descriptors", 7: "step_tma_issue", 8: "total", 9: "steps"}
 
@@ -130,7 +130,8 @@ def main():
                 # chained items (head dim 64): an item's first step also holds the previous item's last P V and
                 # epilogue, which the epilogue counter counts as well; [11] is then the CTA's last P V only
                 print(f"    {items} items; per item: first step {x[6] / items:.0f}, epilogue {x[5] / items:.0f}, "
-                      f"hand-off {x[10] / items:.0f}, first K/V wait {x[12] / items:.0f} (chained first steps: issue "
+                      f"hand-off {x[10] / items:.0f} (q_full wait {x[19] / items:.0f}, q_full late in {x[18]} of "
+                      f"{x[9]} items), first K/V wait {x[12] / items:.0f} (chained first steps: issue "
                       f"{x[13] / items:.0f}, waitS {x[14] / items:.0f}, softmax {x[15] / items:.0f}, waitPV "
                       f"{x[16] / items:.0f}); last P V outside first steps {x[11]} in all; "
                       f"steady steps {loop / x[8]:.0%} of the total, first steps + hand-offs + that P V "

@@ -499,12 +499,13 @@ __device__ __forceinline__ void ws_load_sub(uint32_t s_tile, int h, const typena
 // [9] items, [10] the item hand-offs (q_full wait and the item's read), [11] last P Vs outside first steps (chained
 // items: [6] holds the previous item's last P V and its epilogue, which [5] also counts), [12] the first steps'
 // full-barrier waits (part of [6]: the item's first K/V not yet landed), and of the chained first steps (part of
-// [6]): [13] the MMA issue, [14] the S wait, [15] the softmax, [16] the P V wait.  Slot 3 is the producer
+// [6]): [13] the MMA issue, [14] the S wait, [15] the softmax, [16] the P V wait; [18] items whose q_full was not
+// complete when first tested, [19] the q_full waits alone (part of [10]; persistent kernels).  Slot 3 is the producer
 // thread's (warp 0): [0] empty-barrier waits, [1] q_empty waits, [2] claiming items (the atomics), [3] from the
 // claim to the item's Q expect_tx (walk start, Q copies), [4] items, [8] total; per step: [5] the walk of the next
 // step (ws_take_step), [6] the descriptor (the one-thread walk's bitmap-index loads), [7] the TMA issue, [9] steps.
 // (kSchedWarp kernels do not write slot 3: their items start in the scheduler warp.)
-constexpr int kWsProfCounters = 18;
+constexpr int kWsProfCounters = 20;
 constexpr int kWsProfWords = 2 * 4 * 4 * kWsProfCounters, kWsSpanCtas = 1000, kWsSpanWords = 2 * 1024;
 static __device__ uint32_t g_ws_prof[kWsProfWords];
 // each CTA's (up to 1024) %globaltimer (ns) at its start and when its consumers finished: the schedule's tail
@@ -1552,7 +1553,21 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
 #endif
     int buf = 0, qphase = 0;
     auto next_item = [&](WsItem& item) -> bool {
+#ifdef STOF_WS_PROFILE
+        uint32_t q_ready;  // [18]: q_full not yet complete when first tested
+        asm volatile("{\n.reg .pred P1;\nmbarrier.test_wait.parity.shared::cta.b64 P1, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, P1;\n}\n"
+                     : "=r"(q_ready)
+                     : "r"(q_full(buf)), "r"(qphase)
+                     : "memory");
+        STOF_PROF_T(tq0);
+#endif
         mbar_wait(q_full(buf), qphase);
+#ifdef STOF_WS_PROFILE
+        STOF_PROF_T(tq1);
+        STOF_PROF_ADD(18, q_ready ? 0u : 1u);
+        STOF_PROF_ADD(19, tq1 - tq0);  // [19]: the wait itself (part of [10])
+#endif
         int qb, h, b, flags;
         asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
                      : "=r"(qb), "=r"(h), "=r"(b), "=r"(flags)
