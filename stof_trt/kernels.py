@@ -23,7 +23,9 @@ order, last rows first) or an order is that default already (causal layouts: pas
 kernels a load per work item).  It also keeps
 ``layout.sched_chunk()`` (C ABI version 2 ``sched_chunk``: 1 for layouts of near-equal row lengths, else 0 = the
 library's default); every run passes it unless called with an explicit ``sched_chunk=N`` (N >= 0; benchmarks).
-The two are independent: ``row_order=False`` still passes the layout's ``sched_chunk``.
+The two are independent: ``row_order=False`` still passes the layout's ``sched_chunk``.  And it uploads
+``layout.lane_bitmaps()`` (C ABI version 5: the bitmaps in the kernels' thread order; ``DeviceLayout(layout,
+lane_bitmaps=False)`` leaves them out, the same result), which every run passes.
 
 The library is found at ``$STOF_KERNELS_LIB``, else ``build/plugins_cu/libstof_kernels.so`` under the
 repository root (``cmake -S . -B build && cmake --build build -j``).
@@ -263,8 +265,9 @@ class DeviceLayout:
     """A TileLayout's four int32 arrays on the GPU (torch tensors), its derived ``row_order`` (``[L*Tq]``, tile rows
     longest first) and ``pair_order`` (``[L*ceil(Tq/2)]``, pairs of tile rows longest first; set it to None to run
     two-row kernels in their default order), both passed to the kernels unless a run says ``row_order=False``, its
-    derived ``sched_chunk`` (an int, ``layout.sched_chunk()``; passed unless a run gives ``sched_chunk=N``) plus its
-    metadata."""
+    derived ``sched_chunk`` (an int, ``layout.sched_chunk()``; passed unless a run gives ``sched_chunk=N``), its
+    derived ``lane_bitmaps`` (``layout.lane_bitmaps()``, C ABI 5; None with ``lane_bitmaps=False`` or a tile shape
+    without them; always passed when present) plus its metadata."""
 
     def __init__(self, layout, device="cuda", lane_bitmaps: bool = True):
         import torch
