@@ -147,45 +147,9 @@ __device__ __forceinline__ uint32_t mask_selector(const KernelParams& p) {
     return 0x3210u | (static_cast<uint32_t>(p.tile_n) >> 20);  // tile_n <= 256 (stof_attn_validate): 0x3210
 }
 
-// Masks one warp's two score rows (g and g + 8; wgmma/mma C layout, kNI groups of 8 columns) of each 64-key
-// sub-block.  bits[hh][w]: the 32-key words of allowed keys of the row (the tile bitmap's words, all ones for a FULL
-// tile, ANDed with key_words() where the key bound or padding cuts).  Column (w*4+q)*8 + 2*tig + c is bit q*8 + c of
-// word w >> 2*tig.  Per sub-block the thread's 16 bits (two rows, two words) are packed into one register, byte q
-// holding row hh, word w's bits at 2 (2 hh + w) + {0, 1}; then each byte is read into predicates at once (R2P: seven
-// per instruction) and each score selected against its predicate.  The packed word goes through `sel`
-// (mask_selector), or ptxas undoes the packing.  s[off ..) holds the sub-block's scores: off is a constant after
-// unrolling (a 64-key sub-block of a 128-key step masked in place; copying it out and back cost 64 register moves
-// per step).  History: a 16-bit gather per row (~30 instructions per row and sub-block) until session 17; then each
-// word shifted and each score tested against a constant bit (session 17: tactic 24 dilated -4.6 %); packed since
-// session 18.
-template <int kNI, int kN>
-__device__ __forceinline__ void mask_scores(float (&s)[kN], const uint32_t (&bits)[2][kNI / 4], int tig, uint32_t sel,
-                                            int off = 0) {
-    static_assert(kNI % 8 == 0, "whole 64-key sub-blocks");
-#pragma unroll
-    for (int j = 0; j < kNI / 8; ++j) {  // sub-block j: words 2j, 2j + 1
-        uint32_t z = 0;
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh)
-#pragma unroll
-            for (int w = 0; w < 2; ++w) z |= ((bits[hh][2 * j + w] >> (tig * 2)) & 0x03030303u) << (2 * (2 * hh + w));
-        z = __byte_perm(z, 0u, sel);
-#pragma unroll
-        for (int q = 0; q < 4; ++q)
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh)
-#pragma unroll
-                for (int w = 0; w < 2; ++w)
-#pragma unroll
-                    for (int c = 0; c < 2; ++c)
-                        if ((z & (1u << (q * 8 + 2 * (2 * hh + w) + c))) == 0u)
-                            s[off + ((2 * j + w) * 4 + q) * 4 + hh * 2 + c] = -INFINITY;
-    }
-}
-
-// The thread's mask word pair of one 64-key sub-block, in the order mask_scores_packed reads: z as mask_scores packs
-// it (byte q: row hh, word w's bits at 2 (2 hh + w) + {0, 1}), y the four bits R2P cannot reach (bit 7 of each byte
-// of z) in bits 0-3, so that they too go into predicates by one R2P.  The layout's lane_bitmaps (C ABI 5,
+// The thread's mask word pair of one 64-key sub-block (bits[hh][w]: row hh's 32-key words, as mask_scores below), in
+// the order mask_scores_packed reads: z with byte q holding row hh, word w's bits at 2 (2 hh + w) + {0, 1}, y the
+// four bits R2P cannot reach (bit 7 of each byte of z) in bits 0-3.  The layout's lane_bitmaps (C ABI 5,
 // stof_layout_lane_bitmaps) hold exactly these pairs, so a PARTIAL sub-block's mask is one 8-byte load there.
 __device__ __forceinline__ uint2 pack_mask_bits(const uint32_t (&bits)[2][2], int tig, uint32_t sel) {
     uint32_t z = 0;
@@ -215,6 +179,28 @@ __device__ __forceinline__ void mask_scores_packed(float (&s)[kN], uint2 zy, int
                     const bool keep = bit == 7 ? (zy.y & (1u << q)) != 0u : (zy.x & (1u << (q * 8 + bit))) != 0u;
                     if (!keep) s[off + (w * 4 + q) * 4 + hh * 2 + c] = -INFINITY;
                 }
+}
+
+// Masks one warp's two score rows (g and g + 8; wgmma/mma C layout, kNI groups of 8 columns) of each 64-key
+// sub-block.  bits[hh][w]: the 32-key words of allowed keys of the row (the tile bitmap's words, all ones for a FULL
+// tile, ANDed with key_words() where the key bound or padding cuts).  Column (w*4+q)*8 + 2*tig + c is bit q*8 + c of
+// word w >> 2*tig.  Per sub-block the thread's 16 bits (two rows, two words) are packed into one register, byte q
+// holding row hh, word w's bits at 2 (2 hh + w) + {0, 1}; then each byte is read into predicates at once (R2P: seven
+// per instruction) and each score selected against its predicate.  The packed word goes through `sel`
+// (mask_selector), or ptxas undoes the packing.  s[off ..) holds the sub-block's scores: off is a constant after
+// unrolling (a 64-key sub-block of a 128-key step masked in place; copying it out and back cost 64 register moves
+// per step).  History: a 16-bit gather per row (~30 instructions per row and sub-block) until session 17; then each
+// word shifted and each score tested against a constant bit (session 17: tactic 24 dilated -4.6 %); packed since
+// session 18.
+template <int kNI, int kN>
+__device__ __forceinline__ void mask_scores(float (&s)[kN], const uint32_t (&bits)[2][kNI / 4], int tig, uint32_t sel,
+                                            int off = 0) {
+    static_assert(kNI % 8 == 0, "whole 64-key sub-blocks");
+#pragma unroll
+    for (int j = 0; j < kNI / 8; ++j) {  // sub-block j: words 2j, 2j + 1
+        const uint32_t sub[2][2] = {{bits[0][2 * j], bits[0][2 * j + 1]}, {bits[1][2 * j], bits[1][2 * j + 1]}};
+        mask_scores_packed(s, pack_mask_bits(sub, tig, sel), off + 32 * j);
+    }
 }
 
 // The multiplier of the raw scores in the exp2 FFMA when the scale is folded whatever its sign (the max is taken on
