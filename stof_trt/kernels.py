@@ -356,7 +356,7 @@ def _make_params(q, k, v, o, dl: DeviceLayout, scale, key_lengths, key_padding_m
     # independent of row_order; None = the layout's value; an explicit value goes to the library as given
     # (a negative one is its INVALID_ARGUMENT)
     p.sched_chunk = dl.sched_chunk if sched_chunk is None else int(sched_chunk)
-    if getattr(dl, "lane_bitmaps", None) is not None:
+    if dl.lane_bitmaps is not None:
         p.lane_bitmaps = dl.lane_bitmaps.data_ptr()
     if key_lengths is not None:
         if key_lengths.dtype != torch.int32 or not key_lengths.is_contiguous() or key_lengths.numel() != B:

@@ -141,6 +141,15 @@ stof_status_t validate(const stof_attn_params_t* p) {
     return STOF_SUCCESS;
 }
 
+// The bytes of one bitmap per tile of the layouts (every layout's tiles, stored or not): a bound on any bitmap byte
+// offset, since a bitmap index is below the number of stored tiles.
+uint64_t layout_bitmap_bytes(const stof_attn_params_t& p) {
+    const uint64_t tiles = static_cast<uint64_t>(p.num_layouts > 0 ? p.num_layouts : 1) *
+                           static_cast<uint64_t>((p.layout_seq_q + p.tile_m - 1) / p.tile_m) *
+                           static_cast<uint64_t>((p.layout_seq_k + p.tile_n - 1) / p.tile_n);
+    return tiles * static_cast<uint64_t>(p.tile_m) * static_cast<uint64_t>(p.tile_n) / 8;
+}
+
 bool tactic_valid(const TacticDesc& t, const stof_attn_params_t& p) {
     if (t.family == 1 && (p.tile_m % t.block_m != 0 || p.tile_n % t.block_n != 0)) return false;
     // wgmma CTAs: 64 rows per warpgroup, each inside one tile row; a CTA may span several tile rows
@@ -148,12 +157,7 @@ bool tactic_valid(const TacticDesc& t, const stof_attn_params_t& p) {
     if (t.family == 3 && (!stof::kHopperCompiled || current_sm() != 90)) return false;
     // The wgmma kernels address bitmap words by 32-bit byte offsets (row_bits_pair): a bitmap index is below the
     // layouts' tile count, so every offset stays below 2^32 when tiles x tile bytes does.
-    if (t.family == 3) {
-        const uint64_t tiles = static_cast<uint64_t>(p.num_layouts > 0 ? p.num_layouts : 1) *
-                               static_cast<uint64_t>((p.layout_seq_q + p.tile_m - 1) / p.tile_m) *
-                               static_cast<uint64_t>((p.layout_seq_k + p.tile_n - 1) / p.tile_n);
-        if (tiles * static_cast<uint64_t>(p.tile_m) * static_cast<uint64_t>(p.tile_n) / 8 > 0xffffffffull) return false;
-    }
+    if (t.family == 3 && layout_bitmap_bytes(p) > 0xffffffffull) return false;
     return launcher_for(t, p) != nullptr;
 }
 
@@ -180,11 +184,7 @@ KernelParams kernel_params(const stof_attn_params_t& p) {
     k.sched_chunk = p.sched_chunk;  // 0: schedule_grid picks it
     // lane_bitmaps are twice the bitmaps' bytes, addressed by 32-bit byte offsets like them (tactic_valid): beyond
     // that the kernels pack the bitmaps' words as without them (same result)
-    const uint64_t tiles = static_cast<uint64_t>(p.num_layouts > 0 ? p.num_layouts : 1) *
-                           static_cast<uint64_t>((p.layout_seq_q + p.tile_m - 1) / p.tile_m) *
-                           static_cast<uint64_t>((p.layout_seq_k + p.tile_n - 1) / p.tile_n);
-    const bool lane_ok = p.tile_m % 16 == 0 && p.tile_n % 64 == 0 &&
-                         tiles * static_cast<uint64_t>(p.tile_m) * static_cast<uint64_t>(p.tile_n) / 4 <= 0xffffffffull;
+    const bool lane_ok = p.tile_m % 16 == 0 && p.tile_n % 64 == 0 && 2 * layout_bitmap_bytes(p) <= 0xffffffffull;
     k.lane_bitmaps = lane_ok ? p.lane_bitmaps : nullptr;
     k.work_counter = p.workspace != nullptr && p.workspace_bytes >= kWorkspaceBytes ? static_cast<int*>(p.workspace)
                                                                                      : nullptr;
