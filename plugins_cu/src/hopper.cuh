@@ -289,9 +289,19 @@ struct NoHook {
 // MMA turns hand the tensor cores to the other consumer there; ptxas keeps the exps' FFMAs and MUFU ops after it).
 // Only a real hook takes that two-loop pass: sending the hook-less callers through it too (the same arithmetic)
 // reorders the SASS of tactics 21-23, 28 and 29, which were measured in their current form (session 23, local SASS).
-template <int kNI, bool kInterleaved = false, bool kRowSum = true, class Hook = NoHook>
+// exp_chain (the hook pass only; hopper_ws.cuh's WsExpChain): packs P as the exps come and makes some groups' exp
+// arguments wait for an earlier group's packed P, so that ptxas interleaves the FFMAs and packs with the MUFU ops
+// instead of issuing every FFMA first and every pack last.  NoExpChain: rS keeps P unpacked (the caller packs it).
+struct NoExpChain {
+    static constexpr int kLag = 0;
+    template <int N>
+    __device__ __forceinline__ void pack(int, const float (&)[N]) const {}
+    __device__ __forceinline__ uint32_t packed(int) const { return 0u; }
+};
+template <int kNI, bool kInterleaved = false, bool kRowSum = true, class Hook = NoHook, class ExpChain = NoExpChain>
 __device__ __forceinline__ bool online_softmax(float (&rS)[kNI * 4], float (&row_max)[2], float (&row_sum)[2],
-                                               float (&alpha)[2], float mul, Hook before_exps = Hook()) {
+                                               float (&alpha)[2], float mul, Hook before_exps = Hook(),
+                                               ExpChain exp_chain = ExpChain()) {
     float mx[2];
     bool grow[2];
 #pragma unroll
@@ -337,7 +347,30 @@ __device__ __forceinline__ bool online_softmax(float (&rS)[kNI * 4], float (&row
             }
         }
     }
-    if constexpr (kInterleaved && !kRowSum && !std::is_same<Hook, NoHook>::value) {
+    if constexpr (kInterleaved && !kRowSum && !std::is_same<Hook, NoHook>::value && ExpChain::kLag > 0) {
+        // Group ni's exp arguments (every kEvery-th group from kLag on, and the groups after it) take mul through an
+        // integer add of the sign bit of group ni - kLag's packed P, which is 0 (every P >= 0, and a NaN is
+        // canonical): the same mul, but not before that pack.  Measured against the form below (session 26, A/B, 6
+        // rounds, tactic 24): -1.0 to -1.9 % in 8 of 9 cells (causal S=1024 / 4096 / 8192 -1.5 / -1.7 / -1.6 %,
+        // sliding S=4096 / 8192 -1.3 / -1.0 %, dilated -1.4 %, Longformer -1.9 %, BigBird -1.8 %), sliding S=2048
+        // +0.7 %.  (A float FMA by 0 would do the same, but a NaN P would then reach the thread's other row.)
+        constexpr int kLag = ExpChain::kLag, kEvery = ExpChain::kEvery;
+        before_exps();
+        float mul_g = mul;
+#pragma unroll
+        for (int ni = 0; ni < kNI; ++ni) {
+            if (ni >= kLag && ni % kEvery == 0) {
+                uint32_t mb = __float_as_uint(mul);
+                asm("{\n .reg .b32 t;\n shr.u32 t, %1, 31;\n add.u32 %0, %0, t;\n}"
+                    : "+r"(mb)
+                    : "r"(exp_chain.packed(ni - kLag)));
+                mul_g = __uint_as_float(mb);
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) rS[ni * 4 + j] = fast_exp2(fmaf(rS[ni * 4 + j], mul_g, -m_use[j >> 1]));
+            exp_chain.pack(ni, rS);
+        }
+    } else if constexpr (kInterleaved && !kRowSum && !std::is_same<Hook, NoHook>::value) {
 #pragma unroll
         for (int i = 0; i < kNI * 4; ++i) rS[i] = fmaf(rS[i], mul, -m_use[(i >> 1) & 1]);
         before_exps();

@@ -131,6 +131,14 @@ struct WsTraits {
 #define STOF_WS_TURNS 1
 #endif
     static constexpr bool kTurns = STOF_WS_TURNS && kConsumers == 2 && kSumMma && kSub == 2 && kStages >= 4;
+    // The exp chain (WsExpChain, online_softmax): P packed as the exps come, the exp arguments of every second
+    // 8-column group chained to the packed P two groups back, so ptxas interleaves FFMAs, MUFU ops and packs
+    // (it otherwise issued 64 FFMAs, then 64 MUFU ops, then most of the 32 packs).  With the turns only (tactic 24):
+    // -1 to -2 % in 8 of 9 cells (session 26).  STOF_WS_EXP_CHAIN=0 restores session 25's SASS.
+#ifndef STOF_WS_EXP_CHAIN
+#define STOF_WS_EXP_CHAIN 1
+#endif
+    static constexpr bool kExpChain = STOF_WS_EXP_CHAIN && kTurns;
     static constexpr int kSmemPersist = persist_smem(kQBufs);
     static_assert(kSmemSize <= 227 * 1024 && kSmemPersist <= 227 * 1024, "shared memory");
     // setmaxnreg moves registers inside what the CTA got at launch (ptxas: 65536 / kThreads, rounded down to 8)
@@ -673,6 +681,22 @@ struct WsItem {
 // after its last step.  Steps come as descriptors with the ring stages (ws_write_desc), from ring position 0 on.
 // kStagedO: the epilogue only stages O in the item's Q buffer (then item_done); the producer stores it (the
 // persistent kSchedWarp kernels).
+// The exp chain of tactic 24's softmax (online_softmax's ExpChain; WsTraits::kExpChain): group ni's four exps are
+// packed into P as they come (P's layout as pack_p's), and every second group's exp arguments from group 2 on wait
+// for the packed P two groups back.
+template <class Elem, int kKN>
+struct WsExpChain {
+    static constexpr int kLag = 2, kEvery = 2;
+    uint32_t (&rP)[kKN][4];
+    template <int N>
+    __device__ __forceinline__ void pack(int ni, const float (&rS)[N]) const {
+        const int kn = ni >> 1, o = (ni & 1) * 2;
+        rP[kn][o] = ElemTraits<Elem>::pack(rS[ni * 4 + 0], rS[ni * 4 + 1]);
+        rP[kn][o + 1] = ElemTraits<Elem>::pack(rS[ni * 4 + 2], rS[ni * 4 + 3]);
+    }
+    __device__ __forceinline__ uint32_t packed(int ni) const { return rP[ni >> 1][(ni & 1) * 2]; }
+};
+
 template <class WT, bool kStagedO = false, class NextItem, class ItemDone>
 __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem&& next_item, ItemDone&& item_done,
                                                  uint32_t sKV, uint32_t sBar, uint32_t sDesc, int w, int ctid
@@ -788,7 +812,18 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
                 mask_scores_packed(rS, zy, hh * 32);
             }
         }
-        if constexpr (WT::kTurns) {
+        if constexpr (WT::kExpChain) {
+            // the turn handed over as below; P packed by the exp chain, so the outstanding P V (which reads rP) is
+            // awaited first (where ptxas put that wait anyway)
+            return online_softmax<kNI, true, false>(
+                rS, row_max, row_sum, alpha, mul,
+                [&]() {
+                    named_barrier_arrive(3 + (1 - w), 256);
+                    wgmma_wait<0>();
+                    fence_regs(rO);
+                },
+                WsExpChain<Elem, kKN>{rP});
+        } else if constexpr (WT::kTurns) {
             // the other consumer's turn on the tensor cores once this one's max is reduced (WsTraits::kTurns)
             return online_softmax<kNI, true, false>(rS, row_max, row_sum, alpha, mul,
                                                     [&]() { named_barrier_arrive(3 + (1 - w), 256); });
@@ -965,7 +1000,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
             softmax(alpha);
         }
         zero_o();
-        pack_p<Elem, kKN>(rP, rS);
+        if constexpr (!WT::kExpChain) pack_p<Elem, kKN>(rP, rS);
         prev_stage = stage0;
         ++it;
         STOF_PROF_T(tf1);
@@ -998,7 +1033,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
             STOF_PROF_T(t3);
             mbar_arrive(empty_bar(prev_stage));
             if (rescale) rescale_o<kON / 8>(rO, alpha);  // with kSumMma the row sums too
-            pack_p<Elem, kKN>(rP, rS);
+            if constexpr (!WT::kExpChain) pack_p<Elem, kKN>(rP, rS);
             prev_stage = stage;
             more = st.mine;
 #ifdef STOF_WS_PROFILE
