@@ -674,13 +674,6 @@ struct WsItem {
     int tag;
 };
 
-// Consumer warpgroup w: every work item next_item(WsItem&) hands out (false: no more).  With WT::kChainItems the
-// items are chained: an item's first step issues its S = Q K^T together with the previous item's last P V, so the
-// first softmax overlaps that MMA, and the previous item's epilogue (O normalised, staged through its own Q rows,
-// stored; then item_done(item)) runs once both are done.  Otherwise each item's last P V and epilogue come right
-// after its last step.  Steps come as descriptors with the ring stages (ws_write_desc), from ring position 0 on.
-// kStagedO: the epilogue only stages O in the item's Q buffer (then item_done); the producer stores it (the
-// persistent kSchedWarp kernels).
 // The exp chain of tactic 24's softmax (online_softmax's ExpChain; WsTraits::kExpChain): group ni's four exps are
 // packed into P as they come (P's layout as pack_p's), and every second group's exp arguments from group 2 on wait
 // for the packed P two groups back.
@@ -697,6 +690,13 @@ struct WsExpChain {
     __device__ __forceinline__ uint32_t packed(int ni) const { return rP[ni >> 1][(ni & 1) * 2]; }
 };
 
+// Consumer warpgroup w: every work item next_item(WsItem&) hands out (false: no more).  With WT::kChainItems the
+// items are chained: an item's first step issues its S = Q K^T together with the previous item's last P V, so the
+// first softmax overlaps that MMA, and the previous item's epilogue (O normalised, staged through its own Q rows,
+// stored; then item_done(item)) runs once both are done.  Otherwise each item's last P V and epilogue come right
+// after its last step.  Steps come as descriptors with the ring stages (ws_write_desc), from ring position 0 on.
+// kStagedO: the epilogue only stages O in the item's Q buffer (then item_done); the producer stores it (the
+// persistent kSchedWarp kernels).
 template <class WT, bool kStagedO = false, class NextItem, class ItemDone>
 __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem&& next_item, ItemDone&& item_done,
                                                  uint32_t sKV, uint32_t sBar, uint32_t sDesc, int w, int ctid
