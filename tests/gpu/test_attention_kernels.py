@@ -217,6 +217,46 @@ def test_long_rows_and_all_masked():
                       dtype=torch.bfloat16, seed=1)
 
 
+@pytest.mark.parametrize("D", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_nan_inputs_stay_in_their_rows(dtype, D):
+    """A NaN in one key of K and in one row of Q: exactly the output rows the float64 reference makes NaN (those
+    that attend to that key, and that row) are NaN in every tactic, and every other row is finite and within the
+    tolerance.  A masked NaN key must not reach a row (masks select -inf, they do not add it), nor may a NaN reach
+    the other row a thread holds (tactic 24's exp chain links a thread's two rows by an integer add of a packed P's
+    sign bit, session 26; a float multiply-add by 0 there would carry the NaN)."""
+    mask = parse_mask("sliding:window=100|global:n=2")
+    S, B, H = 333, 2, 2
+    layout = compile_mask(mask, S, S)
+    dense = torch.from_numpy(np.ascontiguousarray(mask.dense(S, S)[None])).cuda()
+    gen = torch.Generator(device="cuda").manual_seed(26)
+    q, k, v = rand_qkv(B, H, S, S, D, dtype, gen)
+    # keys 145 and 201 of (b 0, h 1), at even and odd columns of their 8-column groups: rows 45..301 and the two
+    # global rows attend to them; row 37 of (b 1, h 0)
+    k[0, 1, 145, 5] = float("nan")
+    k[0, 1, 201, 7] = float("nan")
+    q[1, 0, 37, :] = float("nan")
+    scale = 1.0 / D**0.5
+    ref, _ = reference(q, k, v, dense, scale)
+    ref_nan = torch.isnan(ref).any(-1)
+    assert 100 < int(ref_nan.sum()) < B * H * S  # the case has NaN rows and clean rows
+    dl = DeviceLayout(layout)
+    tol = TOL[dtype]
+    for t in list_tactics(q, k, v, dl):
+        out = torch.full_like(q, float("nan"))
+        sparse_attention(q, k, v, dl, scale=scale, tactic=t, out=out)
+        torch.cuda.synchronize()
+        name = tactic_info(t).name
+        out_nan = torch.isnan(out).any(-1)
+        assert torch.equal(out_nan, ref_nan), (
+            f"tactic {name}: {int((out_nan & ~ref_nan).sum())} rows NaN that the reference has finite, "
+            f"{int((~out_nan & ref_nan).sum())} the other way")
+        clean = ~ref_nan
+        assert bool(torch.isfinite(out[clean]).all()), f"tactic {name}: non-finite values in clean rows"
+        err = rel_err(out[clean], ref[clean])
+        assert err <= tol, f"tactic {name}: rel err {err:.3e} > {tol} on the rows without NaN"
+
+
 WS_TACTICS = (21, 22, 23, 24, 28, 29)  # warp-specialised: persistent with a workspace, one CTA per work item without
 
 
