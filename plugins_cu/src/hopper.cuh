@@ -289,9 +289,10 @@ struct NoHook {
 // MMA turns hand the tensor cores to the other consumer there; ptxas keeps the exps' FFMAs and MUFU ops after it).
 // Only a real hook takes that two-loop pass: sending the hook-less callers through it too (the same arithmetic)
 // reorders the SASS of tactics 21-23, 28 and 29, which were measured in their current form (session 23, local SASS).
-// exp_chain (the hook pass only; hopper_ws.cuh's WsExpChain): packs P as the exps come and makes some groups' exp
-// arguments wait for an earlier group's packed P, so that ptxas interleaves the FFMAs and packs with the MUFU ops
-// instead of issuing every FFMA first and every pack last.  NoExpChain: rS keeps P unpacked (the caller packs it).
+// exp_chain (kInterleaved; hopper_ws.cuh's WsExpChain): before_exps, then P packed as the exps come, some groups'
+// exp arguments waiting for an earlier group's packed P, so that ptxas interleaves the FFMAs and packs with the
+// MUFU ops instead of issuing every FFMA first and every pack last.  NoExpChain: rS keeps P unpacked (the caller
+// packs it).
 struct NoExpChain {
     static constexpr int kLag = 0;
     template <int N>
@@ -347,17 +348,19 @@ __device__ __forceinline__ bool online_softmax(float (&rS)[kNI * 4], float (&row
             }
         }
     }
-    if constexpr (kInterleaved && !kRowSum && !std::is_same<Hook, NoHook>::value && ExpChain::kLag > 0) {
+    if constexpr (kInterleaved && ExpChain::kLag > 0) {
         // From group kLag on, every kEvery-th group's exp arguments (and the groups' up to the next such one) take
         // mul through an integer add of the sign bit of group ni - kLag's packed P, which is 0 (every P >= 0, and a
         // NaN is canonical): the same mul, but not before that pack.  Measured against the form below (session 26,
         // A/B, 6 rounds, tactic 24): -1.0 to -1.9 % in 8 of 9 cells (causal S=1024 / 4096 / 8192 -1.5 / -1.7 /
         // -1.6 %, sliding S=4096 / 8192 -1.3 / -1.0 %, dilated -1.4 %, Longformer -1.9 %, BigBird -1.8 %), sliding
-        // S=2048 +0.7 %.  (A float FMA by 0 would do the same, but a NaN P would then reach the thread's other row:
-        // test_nan_inputs_stay_in_their_rows fails on that form.)
+        // S=2048 +0.7 %; in 21 / 22 (with kRowSum at head dim 128) -1 to -4 % but for sliding +0.4 % (hopper_ws.cuh,
+        // WsTraits::kExpChain).  (A float FMA by 0 would do the same, but a NaN P would then reach the thread's other
+        // row: test_nan_inputs_stay_in_their_rows fails on that form.)
         constexpr int kLag = ExpChain::kLag, kEvery = ExpChain::kEvery;
         before_exps();
         float mul_g = mul;
+        float acc[2][2] = {{0.f, 0.f}, {0.f, 0.f}};  // kRowSum: two chains per row
 #pragma unroll
         for (int ni = 0; ni < kNI; ++ni) {
             if (ni >= kLag && ni % kEvery == 0) {
@@ -368,8 +371,15 @@ __device__ __forceinline__ bool online_softmax(float (&rS)[kNI * 4], float (&row
                 mul_g = __uint_as_float(mb);
             }
 #pragma unroll
-            for (int j = 0; j < 4; ++j) rS[ni * 4 + j] = fast_exp2(fmaf(rS[ni * 4 + j], mul_g, -m_use[j >> 1]));
+            for (int j = 0; j < 4; ++j) {
+                rS[ni * 4 + j] = fast_exp2(fmaf(rS[ni * 4 + j], mul_g, -m_use[j >> 1]));
+                if constexpr (kRowSum) acc[j >> 1][ni & 1] += rS[ni * 4 + j];
+            }
             exp_chain.pack(ni, rS);
+        }
+        if constexpr (kRowSum) {
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) row_sum[hh] += acc[hh][0] + acc[hh][1];
         }
     } else if constexpr (kInterleaved && !kRowSum && !std::is_same<Hook, NoHook>::value) {
 #pragma unroll

@@ -131,14 +131,17 @@ struct WsTraits {
 #define STOF_WS_TURNS 1
 #endif
     static constexpr bool kTurns = STOF_WS_TURNS && kConsumers == 2 && kSumMma && kSub == 2 && kStages >= 4;
-    // The exp chain (WsExpChain, online_softmax): P packed as the exps come, the exp arguments of every second
-    // 8-column group chained to the packed P two groups back, so ptxas interleaves FFMAs, MUFU ops and packs
-    // (it otherwise issued 64 FFMAs, then 64 MUFU ops, then most of the 32 packs).  With the turns only (tactic 24):
-    // -1 to -2 % in 8 of 9 cells (session 26).  STOF_WS_EXP_CHAIN=0 restores session 25's SASS.
+    // The exp chain (WsExpChain, online_softmax): P packed as the exps come (the step's P V awaited first), the
+    // exp arguments of every second 8-column group chained to the packed P two groups back, so ptxas interleaves
+    // FFMAs, MUFU ops and packs (it otherwise issued 64 FFMAs, then 64 MUFU ops, then most of the 32 packs).
+    // Session 26 (A/B, 5-6 rounds): tactic 24 -1 to -2 % in 8 of 9 cells; 22 at head dim 128 causal S=1024 / 4096
+    // -1.0 / -3.8 %, dilated -4.3 %, Longformer -0.7 %, sliding +0.4 %, 21 -1.0 to -1.5 %; 22 at 64 -1.2 / -1.6 %
+    // (Longformer S=1024, sliding S=4096).  Not in the three-consumer kernels (registers at the spill limit).
+    // STOF_WS_EXP_CHAIN=0 restores session 25's SASS.
 #ifndef STOF_WS_EXP_CHAIN
 #define STOF_WS_EXP_CHAIN 1
 #endif
-    static constexpr bool kExpChain = STOF_WS_EXP_CHAIN && kTurns;
+    static constexpr bool kExpChain = STOF_WS_EXP_CHAIN && kConsumers == 2;
     static constexpr int kSmemPersist = persist_smem(kQBufs);
     static_assert(kSmemSize <= 227 * 1024 && kSmemPersist <= 227 * 1024, "shared memory");
     // setmaxnreg moves registers inside what the CTA got at launch (ptxas: 65536 / kThreads, rounded down to 8)
@@ -674,9 +677,9 @@ struct WsItem {
     int tag;
 };
 
-// The exp chain of tactic 24's softmax (online_softmax's ExpChain; WsTraits::kExpChain): group ni's four exps are
-// packed into P as they come (P's layout as pack_p's), and every second group's exp arguments from group 2 on wait
-// for the packed P two groups back.
+// The exp chain of the two-consumer kernels' softmax (online_softmax's ExpChain; WsTraits::kExpChain): group ni's
+// four exps are packed into P as they come (P's layout as pack_p's), and every second group's exp arguments from
+// group 2 on wait for the packed P two groups back.
 template <class Elem, int kKN>
 struct WsExpChain {
     static constexpr int kLag = 2, kEvery = 2;
@@ -812,13 +815,21 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
                 mask_scores_packed(rS, zy, hh * 32);
             }
         }
-        if constexpr (WT::kExpChain) {
+        if constexpr (WT::kExpChain && WT::kTurns) {
             // the turn handed over as below; P packed by the exp chain, so the outstanding P V (which reads rP) is
             // awaited first (where ptxas put that wait anyway)
             return online_softmax<kNI, true, false>(
                 rS, row_max, row_sum, alpha, mul,
                 [&]() {
                     named_barrier_arrive(3 + (1 - w), 256);
+                    wgmma_wait<0>();
+                    fence_regs(rO);
+                },
+                WsExpChain<Elem, kKN>{rP});
+        } else if constexpr (WT::kExpChain) {
+            return online_softmax<kNI, true, !WT::kSumMma>(
+                rS, row_max, row_sum, alpha, mul,
+                [&]() {
                     wgmma_wait<0>();
                     fence_regs(rO);
                 },
