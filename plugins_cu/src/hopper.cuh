@@ -351,12 +351,9 @@ __device__ __forceinline__ bool online_softmax(float (&rS)[kNI * 4], float (&row
     if constexpr (kInterleaved && ExpChain::kLag > 0) {
         // From group kLag on, every kEvery-th group's exp arguments (and the groups' up to the next such one) take
         // mul through an integer add of the sign bit of group ni - kLag's packed P, which is 0 (every P >= 0, and a
-        // NaN is canonical): the same mul, but not before that pack.  Measured against the form below (session 26,
-        // A/B, 6 rounds, tactic 24): -1.0 to -1.9 % in 8 of 9 cells (causal S=1024 / 4096 / 8192 -1.5 / -1.7 /
-        // -1.6 %, sliding S=4096 / 8192 -1.3 / -1.0 %, dilated -1.4 %, Longformer -1.9 %, BigBird -1.8 %), sliding
-        // S=2048 +0.7 %; in 21 / 22 (with kRowSum at head dim 128) -1 to -4 % but for sliding +0.4 % (hopper_ws.cuh,
-        // WsTraits::kExpChain).  (A float FMA by 0 would do the same, but a NaN P would then reach the thread's other
-        // row: test_nan_inputs_stay_in_their_rows fails on that form.)
+        // NaN is canonical): the same mul, but not before that pack (measured: hopper_ws.cuh, WsTraits::kExpChain).
+        // A float FMA by 0 would do the same, but a NaN P would then reach the thread's other row:
+        // test_nan_inputs_stay_in_their_rows fails on that form.
         constexpr int kLag = ExpChain::kLag, kEvery = ExpChain::kEvery;
         before_exps();
         float mul_g = mul;
