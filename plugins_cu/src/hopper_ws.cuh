@@ -86,14 +86,20 @@ struct WsTraits {
     // slot per Q buffer; kSchedWarp: per Q buffer a walk window and record, and kQBufs + 1 mbarriers
     static constexpr int persist_smem(int qbufs) {
         return qbufs * kSmemQ + kSmemRing + 8 * (2 * kStages + 2 * qbufs) + 16 * qbufs + kSmemDesc + kSmemWalk + 1024 +
-               (kSchedWarp ? qbufs * (kSmemWalk + 128) + 8 * (1 + qbufs) : 0);  // 128: kWsRecBytes
+               (kSchedWarp ? qbufs * (kSmemWalk + 128) + 8 * (1 + 2 * qbufs) : 0);  // 128: kWsRecBytes
     }
     // Consumers chain their work items (ws_consume_items) at head dim 64: tactic 24 sliding -5.6 %, causal within
     // noise; at 128 (tactic 22) chaining measured +4 to +7 % on sliding, so those finish each item first (session 8).
     static constexpr bool kChainItems = kHeadDim == 64;
     // Chained consumers release an item's Q buffer only at the next item's first step; with two buffers the producer
     // then waits to load the next Q (sliding +12 %), so they get three.
-    static constexpr int kQBufs = kChainItems ? 3 : 2;
+#ifndef STOF_WS_ITEM_FAST
+#define STOF_WS_ITEM_FAST 0
+#endif
+#ifndef STOF_WS_QBUFS
+#define STOF_WS_QBUFS 3
+#endif
+    static constexpr int kQBufs = kChainItems ? (kConsumers == 2 ? STOF_WS_QBUFS : 3) : 2;
     // A consumer runs only the steps from its first tile of an item to its last (the descriptors' more_w,
     // ws_consume_items); the others' MMAs would give masked scores only.  Three-consumer causal items end with a
     // step of which consumer 0 has no tile, banded ones start with one of which consumer 2 has none, and a head's
@@ -142,6 +148,12 @@ struct WsTraits {
 #define STOF_WS_EXP_CHAIN 1
 #endif
     static constexpr bool kExpChain = STOF_WS_EXP_CHAIN && kConsumers == 2;
+    // EXPERIMENT (session 27): an item's first P V overwrites O (wgmma scale-d 0) instead of adding to an O the
+    // consumer zeroed (ptxas zeroed it with 72 uniform moves per item, on the chain from one item to the next).
+#ifndef STOF_WS_PV_OVERWRITE
+#define STOF_WS_PV_OVERWRITE 0
+#endif
+    static constexpr bool kPvOverwrite = STOF_WS_PV_OVERWRITE && kConsumers == 2;
     static constexpr int kSmemPersist = persist_smem(kQBufs);
     static_assert(kSmemSize <= 227 * 1024 && kSmemPersist <= 227 * 1024, "shared memory");
     // setmaxnreg moves registers inside what the CTA got at launch (ptxas: 65536 / kThreads, rounded down to 8)
@@ -771,12 +783,13 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
         }
         wgmma_commit();
     };
-    auto issue_pv = [&](int stage) {  // O += P V
+    auto issue_pv = [&](int stage, int acc) {  // O += P V (acc 0: O = P V, WT::kPvOverwrite)
         const uint64_t off = static_cast<uint64_t>((stage * 2 * WT::kSmemKV) >> 4);
         const uint64_t dV = dV0 + off - (WT::kSumMma ? off << 16 : 0);  // start + off; LBO - off (the ones stay)
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kKN; ++kk) wgmma_rs<kON, Elem>(rO, rP[kk], dV + ((kk * 16 * 128) >> 4), 1);
+        for (int kk = 0; kk < kKN; ++kk)
+            wgmma_rs<kON, Elem>(rO, rP[kk], dV + ((kk * 16 * 128) >> 4), kk > 0 || !WT::kPvOverwrite ? 1 : acc);
         wgmma_commit();
     };
     // Mask (sub-blocks this consumer's tile row lacks are -inf: the MMAs of a step run for every consumer, so
@@ -874,6 +887,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
     WsItem cur, open;  // open: the item whose last P V (from ring stage prev_stage) and epilogue are outstanding
     bool pending = false;
     int it = 0, prev_stage = 0;
+    int pv_acc = 1, open_acc = 1;  // WT::kPvOverwrite: 0 until the current / open item's first P V is issued
     // WT::kSkip: a step with no tile of this consumer, before its first or after its last in the item, is released
     // unread (its descriptor's `more` only)
     auto skip_step = [&]() -> bool {
@@ -887,7 +901,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
     };
     auto finish_open = [&]() {  // the open item's last P V, then its epilogue
         STOF_PROF_T(tl0);
-        issue_pv(prev_stage);
+        issue_pv(prev_stage, open_acc);
         wgmma_wait<0>();
         fence_regs(rO);
         mbar_arrive(empty_bar(prev_stage));
@@ -946,7 +960,13 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
             continue;
         }
         kv_len = effective_kv_len(p, cur.b);
+#if STOF_WS_ITEM_FAST
+        // EXPERIMENT (session 27): tile_m is a power of two in every layout compile_mask makes; the general
+        // remainder (an integer division by a run-time value, ~20 dependent instructions) stays for the others
+        my_a0 = (p.tile_m & (p.tile_m - 1)) == 0 ? (cur.q0 + 64 * w) & (p.tile_m - 1) : (cur.q0 + 64 * w) % p.tile_m;
+#else
         my_a0 = (cur.q0 + 64 * w) % p.tile_m;
+#endif
         bm_row = static_cast<uint32_t>((my_a0 + warp * 16 + g) * (p.tile_n / 8));
         if constexpr (kLaneBits) lb_row = static_cast<uint32_t>(((my_a0 / 16 + warp) * (p.tile_n / 64)) * 256 + lane * 8);
         kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(cur.b) * p.seq_k : nullptr;
@@ -978,7 +998,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
             STOF_PROF_T(ti0);
             my_turn();
             issue_s(stage0);
-            issue_pv(prev_stage);
+            issue_pv(prev_stage, open_acc);
             STOF_PROF_T(ti1);
             wgmma_wait<1>();  // S_0
             fence_regs(rS);
@@ -1010,7 +1030,10 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
             row_sum[0] = row_sum[1] = 0.f;
             softmax(alpha);
         }
-        zero_o();
+        if constexpr (WT::kPvOverwrite)
+            pv_acc = 0;
+        else
+            zero_o();
         if constexpr (!WT::kExpChain) pack_p<Elem, kKN>(rP, rS);
         prev_stage = stage0;
         ++it;
@@ -1027,7 +1050,8 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
             my_turn();
             issue_s(stage);
             STOF_PROF_T(t1a);
-            issue_pv(prev_stage);
+            issue_pv(prev_stage, pv_acc);
+            pv_acc = 1;
             STOF_PROF_T(t1b);
             wgmma_wait<1>();  // S_i
             fence_regs(rS);
@@ -1063,6 +1087,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
             STOF_PROF_ADD(17, t1a - t1);
         }
         open = cur;
+        open_acc = pv_acc;
         pending = true;
         if constexpr (WT::kSkip) {
             // Steps left in the item with no tile of this consumer are released unread.  Up to kStages - 2 of them
@@ -1358,6 +1383,14 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
     const uint32_t sRecB = sWinB + kQBufs * WT::kSmemWalk;
     const uint32_t sGo = sRecB + kQBufs * kWsRecBytes;
     auto walk_ready = [&](int j) { return sGo + 8 + 8 * j; };
+    // EXPERIMENT (session 27): the scheduler starts a statically assigned item once the streaming warp's walk of the
+    // item STOF_WS_SCHED_AHEAD before it has ended (go_of: one go barrier per Q buffer), not only the item before.
+#ifndef STOF_WS_SCHED_AHEAD
+#define STOF_WS_SCHED_AHEAD 1
+#endif
+    constexpr int kAhead = STOF_WS_SCHED_AHEAD;
+    static_assert(kAhead == 1 || (kAhead >= 2 && kAhead < kQBufs), "scheduler look-ahead");
+    auto go_of = [&](int j) { return kAhead == 1 ? sGo : walk_ready(kQBufs + j); };
 
     const int tid = threadIdx.x;
     if (tid == 0) STOF_MARK(0);
@@ -1385,6 +1418,10 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
     if (tid == 0) {
         if constexpr (WT::kSchedWarp) {
             mbar_init(sGo, 32);  // every lane of the streaming warp arrives (see its go hook)
+            if constexpr (kAhead > 1) {
+#pragma unroll
+                for (int j = 0; j < kQBufs; ++j) mbar_init(go_of(j), 32);
+            }
 #pragma unroll
             for (int j = 0; j < kQBufs; ++j) mbar_init(walk_ready(j), 32);
         }
@@ -1447,7 +1484,15 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                         store_o_of(buf, qphase ^ 1);
                         if (lane == 0) ws_bulk_wait<true>();
                     }
-                    if (j >= 1) mbar_wait(sGo, (j - 1) & 1);
+                    if constexpr (kAhead == 1) {
+                        if (j >= 1) mbar_wait(sGo, (j - 1) & 1);
+                    } else {
+                        // as ws_claim_item: its claim is static while n_static < static_rounds
+                        const int grid = static_cast<int>(gridDim.x);
+                        const int static_rounds = p.uniform_rows ? max(1, n_items / grid - 1) : 1;
+                        const int a = n_static < static_rounds ? kAhead : 1;
+                        if (j >= a) mbar_wait(go_of((j - a) % kQBufs), ((j - a) / kQBufs) & 1);
+                    }
                     BlockWork wk{0, 0, 0};
                     const bool early = j == 0 && early_ok;
                     bool valid;
@@ -1523,7 +1568,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                     // of several items per CTA, session 15.)
                     auto go = [&](const WsWalk<2>& c) {
                         if (!go_sent && c.c[0] == INT_MAX && c.c[1] == INT_MAX) {
-                            mbar_arrive(sGo);
+                            mbar_arrive(go_of(buf));
                             go_sent = true;
                         }
                     };
@@ -1531,7 +1576,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                     const bool issued = (flags & kWsFirstIssued) != 0;
                     const bool have = issued ? (flags & kWsFirstMore) != 0 : (flags & 2) != 0;
                     it = ws_produce_tma<WT>(p, cur, lane, st, have, h, b, it + (issued ? 1 : 0), sKV, sBar, sDesc, go);
-                    if (!go_sent) mbar_arrive(sGo);  // an item without steps (the hook never ran)
+                    if (!go_sent) mbar_arrive(go_of(buf));  // an item without steps (the hook never ran)
                     if (++buf == kQBufs) buf = 0, qphase ^= 1;
                 }
             }
