@@ -153,7 +153,7 @@ struct WsTraits {
 #ifndef STOF_WS_PV_OVERWRITE
 #define STOF_WS_PV_OVERWRITE 0
 #endif
-    static constexpr bool kPvOverwrite = STOF_WS_PV_OVERWRITE && kConsumers == 2;
+    static constexpr bool kPvOverwrite = STOF_WS_PV_OVERWRITE && kConsumers == 2 && kHeadDim == 64;
     static constexpr int kSmemPersist = persist_smem(kQBufs);
     static_assert(kSmemSize <= 227 * 1024 && kSmemPersist <= 227 * 1024, "shared memory");
     // setmaxnreg moves registers inside what the CTA got at launch (ptxas: 65536 / kThreads, rounded down to 8)
@@ -1388,8 +1388,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
 #ifndef STOF_WS_SCHED_AHEAD
 #define STOF_WS_SCHED_AHEAD 1
 #endif
-    constexpr int kAhead = STOF_WS_SCHED_AHEAD;
-    static_assert(kAhead == 1 || (kAhead >= 2 && kAhead < kQBufs), "scheduler look-ahead");
+    constexpr int kAhead = STOF_WS_SCHED_AHEAD < kQBufs ? STOF_WS_SCHED_AHEAD : 1;
     auto go_of = [&](int j) { return kAhead == 1 ? sGo : walk_ready(kQBufs + j); };
 
     const int tid = threadIdx.x;
