@@ -86,20 +86,14 @@ struct WsTraits {
     // slot per Q buffer; kSchedWarp: per Q buffer a walk window and record, and kQBufs + 1 mbarriers
     static constexpr int persist_smem(int qbufs) {
         return qbufs * kSmemQ + kSmemRing + 8 * (2 * kStages + 2 * qbufs) + 16 * qbufs + kSmemDesc + kSmemWalk + 1024 +
-               (kSchedWarp ? qbufs * (kSmemWalk + 128) + 8 * (1 + 2 * qbufs) : 0);  // 128: kWsRecBytes
+               (kSchedWarp ? qbufs * (kSmemWalk + 128) + 8 * (1 + qbufs) : 0);  // 128: kWsRecBytes
     }
     // Consumers chain their work items (ws_consume_items) at head dim 64: tactic 24 sliding -5.6 %, causal within
     // noise; at 128 (tactic 22) chaining measured +4 to +7 % on sliding, so those finish each item first (session 8).
     static constexpr bool kChainItems = kHeadDim == 64;
     // Chained consumers release an item's Q buffer only at the next item's first step; with two buffers the producer
     // then waits to load the next Q (sliding +12 %), so they get three.
-#ifndef STOF_WS_ITEM_FAST
-#define STOF_WS_ITEM_FAST 0
-#endif
-#ifndef STOF_WS_QBUFS
-#define STOF_WS_QBUFS 3
-#endif
-    static constexpr int kQBufs = kChainItems ? (kConsumers == 2 ? STOF_WS_QBUFS : 3) : 2;
+    static constexpr int kQBufs = kChainItems ? 3 : 2;
     // A consumer runs only the steps from its first tile of an item to its last (the descriptors' more_w,
     // ws_consume_items); the others' MMAs would give masked scores only.  Three-consumer causal items end with a
     // step of which consumer 0 has no tile, banded ones start with one of which consumer 2 has none, and a head's
@@ -148,10 +142,13 @@ struct WsTraits {
 #define STOF_WS_EXP_CHAIN 1
 #endif
     static constexpr bool kExpChain = STOF_WS_EXP_CHAIN && kConsumers == 2;
-    // EXPERIMENT (session 27): an item's first P V overwrites O (wgmma scale-d 0) instead of adding to an O the
-    // consumer zeroed (ptxas zeroed it with 72 uniform moves per item, on the chain from one item to the next).
+    // An item's first P V overwrites O (the wgmma's scale-d 0: O = P V) instead of adding to an O the consumer
+    // zeroed: ptxas zeroed the 36 accumulators with 72 uniform moves per item, on the path from one item's last step
+    // to the next one's first MMA.  Session 27 (A/B, 3 rounds): tactic 24 sliding S=2048 / 4096 / 8192 -0.7 / -1.5 /
+    // -0.8 %, causal S=1024 / 4096 -1.0 / -0.5 %, the other cells -0.3 to -0.6 %.  Head dim 64 only: at 128 the
+    // epilogue's registers moved onto those of Q (scripts/sass_rs_operands.py).  STOF_WS_PV_OVERWRITE=0 turns it off.
 #ifndef STOF_WS_PV_OVERWRITE
-#define STOF_WS_PV_OVERWRITE 0
+#define STOF_WS_PV_OVERWRITE 1
 #endif
     static constexpr bool kPvOverwrite = STOF_WS_PV_OVERWRITE && kConsumers == 2 && kHeadDim == 64;
     static constexpr int kSmemPersist = persist_smem(kQBufs);
@@ -166,6 +163,9 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
 }
 // STOF_LANE_BITS=0 builds tactics 21 and 22 without the lane_bitmaps path (C ABI 5): every PARTIAL sub-block's mask
 // is then packed from the bitmap's words, as before session 25 (A/B runs).
+#ifndef STOF_WS_POW2_TILE_M  // ws_consume_items: an item's first bitmap row without a remainder
+#define STOF_WS_POW2_TILE_M 1
+#endif
 #ifndef STOF_LANE_BITS
 #define STOF_LANE_BITS 1
 #endif
@@ -884,6 +884,11 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
         for (int i = 0; i < kON / 2; ++i) rO[i] = 0.f;
     };
 
+    // EXPERIMENT (session 27): the exp chain's hook (softmax) already waited for the step's P V
+#ifndef STOF_WS_PV_WAIT_ONCE
+#define STOF_WS_PV_WAIT_ONCE 0
+#endif
+    constexpr bool kPvWaited = STOF_WS_PV_WAIT_ONCE && WT::kExpChain;
     WsItem cur, open;  // open: the item whose last P V (from ring stage prev_stage) and epilogue are outstanding
     bool pending = false;
     int it = 0, prev_stage = 0;
@@ -960,9 +965,11 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
             continue;
         }
         kv_len = effective_kv_len(p, cur.b);
-#if STOF_WS_ITEM_FAST
-        // EXPERIMENT (session 27): tile_m is a power of two in every layout compile_mask makes; the general
-        // remainder (an integer division by a run-time value, ~20 dependent instructions) stays for the others
+        // A power-of-two tile_m (compile_mask's default, 64) takes a mask, not the remainder: an integer division
+        // by a run-time value, ~20 dependent instructions on the path into the item's first step.  Session 27 (A/B,
+        // 3 rounds): tactic 24 sliding S=2048 / 4096 / 8192 -0.7 / -1.5 / -0.4 %, causal S=4096 -1.1 %.
+        // STOF_WS_POW2_TILE_M=0 turns it off.
+#if STOF_WS_POW2_TILE_M
         my_a0 = (p.tile_m & (p.tile_m - 1)) == 0 ? (cur.q0 + 64 * w) & (p.tile_m - 1) : (cur.q0 + 64 * w) % p.tile_m;
 #else
         my_a0 = (cur.q0 + 64 * w) % p.tile_m;
@@ -1011,8 +1018,10 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
             fence_regs(rS);
 #endif
             STOF_PROF_T(ti3);
-            wgmma_wait<0>();  // the open item's last P V
-            fence_regs(rO);
+            if constexpr (!kPvWaited) {
+                wgmma_wait<0>();  // the open item's last P V
+                fence_regs(rO);
+            }
             STOF_PROF_T(ti4);
             STOF_PROF_ADD(13, ti1 - ti0);
             STOF_PROF_ADD(14, ti2 - ti1);
@@ -1063,8 +1072,10 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
 #else
             const bool rescale = softmax(alpha);
 #endif
-            wgmma_wait<0>();  // P_{i-1} V_{i-1}: O and rP free, stage i-1 no longer read
-            fence_regs(rO);
+            if constexpr (!kPvWaited) {
+                wgmma_wait<0>();  // P_{i-1} V_{i-1}: O and rP free, stage i-1 no longer read
+                fence_regs(rO);
+            }
             STOF_PROF_T(t3);
             mbar_arrive(empty_bar(prev_stage));
             if (rescale) rescale_o<kON / 8>(rO, alpha);  // with kSumMma the row sums too
@@ -1383,13 +1394,6 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
     const uint32_t sRecB = sWinB + kQBufs * WT::kSmemWalk;
     const uint32_t sGo = sRecB + kQBufs * kWsRecBytes;
     auto walk_ready = [&](int j) { return sGo + 8 + 8 * j; };
-    // EXPERIMENT (session 27): the scheduler starts a statically assigned item once the streaming warp's walk of the
-    // item STOF_WS_SCHED_AHEAD before it has ended (go_of: one go barrier per Q buffer), not only the item before.
-#ifndef STOF_WS_SCHED_AHEAD
-#define STOF_WS_SCHED_AHEAD 1
-#endif
-    constexpr int kAhead = STOF_WS_SCHED_AHEAD < kQBufs ? STOF_WS_SCHED_AHEAD : 1;
-    auto go_of = [&](int j) { return kAhead == 1 ? sGo : walk_ready(kQBufs + j); };
 
     const int tid = threadIdx.x;
     if (tid == 0) STOF_MARK(0);
@@ -1417,10 +1421,6 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
     if (tid == 0) {
         if constexpr (WT::kSchedWarp) {
             mbar_init(sGo, 32);  // every lane of the streaming warp arrives (see its go hook)
-            if constexpr (kAhead > 1) {
-#pragma unroll
-                for (int j = 0; j < kQBufs; ++j) mbar_init(go_of(j), 32);
-            }
 #pragma unroll
             for (int j = 0; j < kQBufs; ++j) mbar_init(walk_ready(j), 32);
         }
@@ -1483,15 +1483,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                         store_o_of(buf, qphase ^ 1);
                         if (lane == 0) ws_bulk_wait<true>();
                     }
-                    if constexpr (kAhead == 1) {
-                        if (j >= 1) mbar_wait(sGo, (j - 1) & 1);
-                    } else {
-                        // as ws_claim_item: its claim is static while n_static < static_rounds
-                        const int grid = static_cast<int>(gridDim.x);
-                        const int static_rounds = p.uniform_rows ? max(1, n_items / grid - 1) : 1;
-                        const int a = n_static < static_rounds ? kAhead : 1;
-                        if (j >= a) mbar_wait(go_of((j - a) % kQBufs), ((j - a) / kQBufs) & 1);
-                    }
+                    if (j >= 1) mbar_wait(sGo, (j - 1) & 1);
                     BlockWork wk{0, 0, 0};
                     const bool early = j == 0 && early_ok;
                     bool valid;
@@ -1567,7 +1559,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                     // of several items per CTA, session 15.)
                     auto go = [&](const WsWalk<2>& c) {
                         if (!go_sent && c.c[0] == INT_MAX && c.c[1] == INT_MAX) {
-                            mbar_arrive(go_of(buf));
+                            mbar_arrive(sGo);
                             go_sent = true;
                         }
                     };
@@ -1575,7 +1567,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                     const bool issued = (flags & kWsFirstIssued) != 0;
                     const bool have = issued ? (flags & kWsFirstMore) != 0 : (flags & 2) != 0;
                     it = ws_produce_tma<WT>(p, cur, lane, st, have, h, b, it + (issued ? 1 : 0), sKV, sBar, sDesc, go);
-                    if (!go_sent) mbar_arrive(go_of(buf));  // an item without steps (the hook never ran)
+                    if (!go_sent) mbar_arrive(sGo);  // an item without steps (the hook never ran)
                     if (++buf == kQBufs) buf = 0, qphase ^= 1;
                 }
             }
