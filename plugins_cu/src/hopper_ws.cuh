@@ -145,8 +145,10 @@ struct WsTraits {
     // An item's first P V overwrites O (the wgmma's scale-d 0: O = P V) instead of adding to an O the consumer
     // zeroed: ptxas zeroed the 36 accumulators with 72 uniform moves per item, on the path from one item's last step
     // to the next one's first MMA.  Session 27 (A/B, 3 rounds): tactic 24 sliding S=2048 / 4096 / 8192 -0.7 / -1.5 /
-    // -0.8 %, causal S=1024 / 4096 -1.0 / -0.5 %, the other cells -0.3 to -0.6 %.  Head dim 64 only: at 128 the
-    // epilogue's registers moved onto those of Q (scripts/sass_rs_operands.py).  STOF_WS_PV_OVERWRITE=0 turns it off.
+    // -0.8 %, causal S=1024 / 4096 -1.0 / -0.5 %, the other cells -0.3 to -0.6 %; with the power-of-two tile_m
+    // below (4 rounds) 24 -1.6 / -1.9 / -2.5 % on sliding, -0.5 to -1.5 % elsewhere, 22 level (-0.7 to +1.0 %).
+    // Head dim 64 only: at 128 the epilogue's registers moved onto those of Q (scripts/sass_rs_operands.py).
+    // STOF_WS_PV_OVERWRITE=0 turns it off.
 #ifndef STOF_WS_PV_OVERWRITE
 #define STOF_WS_PV_OVERWRITE 1
 #endif
