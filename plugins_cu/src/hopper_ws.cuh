@@ -888,7 +888,11 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
 
     // With the exp chain the softmax's hook has waited for the step's P V (it packs into rP): no second, empty
     // WARPGROUP.DEPBAR after it (session 27, A/B: -0.8 to +0.3 %, noise; one instruction fewer per step).
-    constexpr bool kPvWaited = WT::kExpChain;
+    // STOF_WS_PV_WAIT_ONCE=0 restores the second wait.
+#ifndef STOF_WS_PV_WAIT_ONCE
+#define STOF_WS_PV_WAIT_ONCE 1
+#endif
+    constexpr bool kPvWaited = STOF_WS_PV_WAIT_ONCE && WT::kExpChain;
     WsItem cur, open;  // open: the item whose last P V (from ring stage prev_stage) and epilogue are outstanding
     bool pending = false;
     int it = 0, prev_stage = 0;
