@@ -887,12 +887,14 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
     };
 
     // With the exp chain the softmax's hook has waited for the step's P V (it packs into rP): no second, empty
-    // WARPGROUP.DEPBAR after it (session 27, A/B: -0.8 to +0.3 %, noise; one instruction fewer per step).
-    // STOF_WS_PV_WAIT_ONCE=0 restores the second wait.
+    // WARPGROUP.DEPBAR after it (session 27, A/B: -0.8 to +0.3 %, noise; one instruction fewer per step).  Head dim
+    // 64 only: at 128 ptxas then reordered 22's exps, and with the power-of-two tile_m below 22 measured causal
+    // S=8192 +1.1 / +1.8 % in two runs, the other cells -1.9 to +0.9 %; the head-dim-128 kernels keep session 26's
+    // SASS.  STOF_WS_PV_WAIT_ONCE=0 restores the second wait.
 #ifndef STOF_WS_PV_WAIT_ONCE
 #define STOF_WS_PV_WAIT_ONCE 1
 #endif
-    constexpr bool kPvWaited = STOF_WS_PV_WAIT_ONCE && WT::kExpChain;
+    constexpr bool kPvWaited = STOF_WS_PV_WAIT_ONCE && WT::kExpChain && WT::kHeadDim == 64;
     WsItem cur, open;  // open: the item whose last P V (from ring stage prev_stage) and epilogue are outstanding
     bool pending = false;
     int it = 0, prev_stage = 0;
@@ -972,12 +974,11 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
         // A power-of-two tile_m (compile_mask's default, 64) takes a mask, not the remainder: an integer division
         // by a run-time value, ~20 dependent instructions on the path into the item's first step.  Session 27 (A/B,
         // 3 rounds): tactic 24 sliding S=2048 / 4096 / 8192 -0.7 / -1.5 / -0.4 %, causal S=4096 -1.1 %.
-        // STOF_WS_POW2_TILE_M=0 turns it off.
-#if STOF_WS_POW2_TILE_M
-        my_a0 = (p.tile_m & (p.tile_m - 1)) == 0 ? (cur.q0 + 64 * w) & (p.tile_m - 1) : (cur.q0 + 64 * w) % p.tile_m;
-#else
-        my_a0 = (cur.q0 + 64 * w) % p.tile_m;
-#endif
+        // Head dim 64 only (see kPvWaited).  STOF_WS_POW2_TILE_M=0 turns it off.
+        if (STOF_WS_POW2_TILE_M && WT::kHeadDim == 64 && (p.tile_m & (p.tile_m - 1)) == 0)
+            my_a0 = (cur.q0 + 64 * w) & (p.tile_m - 1);
+        else
+            my_a0 = (cur.q0 + 64 * w) % p.tile_m;
         bm_row = static_cast<uint32_t>((my_a0 + warp * 16 + g) * (p.tile_n / 8));
         if constexpr (kLaneBits) lb_row = static_cast<uint32_t>(((my_a0 / 16 + warp) * (p.tile_n / 64)) * 256 + lane * 8);
         kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(cur.b) * p.seq_k : nullptr;
