@@ -52,7 +52,13 @@ def main():
 
     from stof_trt.format import compile_mask
     from stof_trt.kernels import DeviceLayout
-    from stof_trt.masks import parse_mask
+    from stof_trt.masks import MaskSpecError, parse_mask
+
+    try:
+        mask = parse_mask(MASKS.get(a.mask, a.mask))
+    except MaskSpecError as e:
+        sys.exit(f"power_clock: --mask: {e}")
+    causal = a.mask == "causal"
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -80,9 +86,7 @@ def main():
         for S in [int(s) for s in a.sizes.split(",")]:
             g = torch.Generator(device="cuda").manual_seed(S)
             q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.float16, generator=g) for _ in range(3))
-            mask = parse_mask(MASKS.get(a.mask, a.mask))
             dl = DeviceLayout(compile_mask(mask, S, S))
-            causal = a.mask == "causal"
             if causal:
                 ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             else:

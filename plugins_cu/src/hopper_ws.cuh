@@ -163,11 +163,11 @@ struct WsTraits {
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
-// STOF_LANE_BITS=0 builds tactics 21 and 22 without the lane_bitmaps path (C ABI 5): every PARTIAL sub-block's mask
-// is then packed from the bitmap's words, as before session 25 (A/B runs).
 #ifndef STOF_WS_POW2_TILE_M  // ws_consume_items: an item's first bitmap row without a remainder
 #define STOF_WS_POW2_TILE_M 1
 #endif
+// STOF_LANE_BITS=0 builds tactics 21 and 22 without the lane_bitmaps path (C ABI 5): every PARTIAL sub-block's mask
+// is then packed from the bitmap's words, as before session 25 (A/B runs).
 #ifndef STOF_LANE_BITS
 #define STOF_LANE_BITS 1
 #endif
