@@ -291,13 +291,10 @@ struct NoHook {
 // reorders the SASS of tactics 21-23, 28 and 29, which were measured in their current form (session 23, local SASS).
 // exp_chain (kInterleaved; hopper_ws.cuh's WsExpChain): before_exps, then P packed as the exps come, some groups'
 // exp arguments waiting for an earlier group's packed P, so that ptxas interleaves the FFMAs and packs with the
-// MUFU ops instead of issuing every FFMA first and every pack last.  NoExpChain: rS keeps P unpacked (the caller
-// packs it).
+// MUFU ops instead of issuing every FFMA first and every pack last.  NoExpChain (kLag 0, that pass not taken): rS
+// keeps P unpacked (the caller packs it).
 struct NoExpChain {
     static constexpr int kLag = 0;
-    template <int N>
-    __device__ __forceinline__ void pack(int, const float (&)[N]) const {}
-    __device__ __forceinline__ uint32_t packed(int) const { return 0u; }
 };
 template <int kNI, bool kInterleaved = false, bool kRowSum = true, class Hook = NoHook, class ExpChain = NoExpChain>
 __device__ __forceinline__ bool online_softmax(float (&rS)[kNI * 4], float (&row_max)[2], float (&row_sum)[2],

@@ -830,21 +830,13 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
                 mask_scores_packed(rS, zy, hh * 32);
             }
         }
-        if constexpr (WT::kExpChain && WT::kTurns) {
-            // the turn handed over as below; P packed by the exp chain, so the outstanding P V (which reads rP) is
-            // awaited first (where ptxas put that wait anyway)
-            return online_softmax<kNI, true, false>(
-                rS, row_max, row_sum, alpha, mul,
-                [&]() {
-                    named_barrier_arrive(3 + (1 - w), 256);
-                    wgmma_wait<0>();
-                    fence_regs(rO);
-                },
-                WsExpChain<Elem, kKN>{rP});
-        } else if constexpr (WT::kExpChain) {
+        if constexpr (WT::kExpChain) {
+            // the turn handed over as below (kTurns); P packed by the exp chain, so the outstanding P V (which reads
+            // rP) is awaited first (where ptxas put that wait anyway)
             return online_softmax<kNI, true, !WT::kSumMma>(
                 rS, row_max, row_sum, alpha, mul,
                 [&]() {
+                    if constexpr (WT::kTurns) named_barrier_arrive(3 + (1 - w), 256);
                     wgmma_wait<0>();
                     fence_regs(rO);
                 },
