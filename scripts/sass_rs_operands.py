@@ -10,7 +10,9 @@ no spill and no ptxas note (docs/performance.md, session 21).  The GPU tests cau
 
 An S MMA with Q in registers is an `HGMMA` with a register A operand and a K-major B (no `.tnspB`; the P V MMAs,
 whose register A is P, rewritten every step, are transposed-B).  A write to one of its A registers is allowed when
-it is an `LDSM`, or when the register is the address of an `LDSM` within the next few instructions.  Prints one
+it is an `LDSM`, when the register is the address of an `LDSM` within the next few instructions, or when the
+write is a scratch value that an `LDSM` of Q replaces before any S MMA reads it, with no S MMA in flight (after a
+`WARPGROUP.DEPBAR`: the address set-up of a Q reload under the previous item's last softmax).  Prints one
 line per offending kernel and exits 1 if there is one.
 """
 
@@ -66,8 +68,35 @@ def bad_writes(ins: list[str]) -> list[str]:
         # the address of an LDSM shortly after (LDSM Rx, [Ry...] with y == dst)
         if any(j.startswith("LDSM") and re.search(rf"\[R{dst}\b", j) for j in ins[k + 1:k + 1 + ADDRESS_WINDOW]):
             continue
+        if _dead_before_q_load(ins, k, dst, _width(op)):
+            continue
         bad.append(i)
     return bad
+
+
+def _dead_before_q_load(ins: list[str], k: int, dst: int, width: int) -> bool:
+    """Instruction k's write (registers dst .. dst + width) is a scratch value that no S MMA can see: no S MMA is in
+    flight (going back, a WARPGROUP.DEPBAR comes before any S MMA) and an LDSM loads Q over every written register
+    before any S MMA, branch or the function's end (going forward, straight-line code).  ptxas puts the address
+    set-up of a Q reload made under the previous item's softmax there (STOF_WS_PREP_NEXT)."""
+    for j in reversed(ins[:k]):
+        if j.startswith("WARPGROUP.DEPBAR"):
+            break
+        if _S_MMA.match(j):
+            return False
+    else:
+        return False
+    left = set(range(dst, dst + width))
+    for j in ins[k + 1:]:
+        if _S_MMA.match(j) or re.search(r"\b(BRA|BRX|JMP|RET|EXIT)\b", j):
+            return False
+        m = _WRITE.match(j)
+        if m and m.group(1).startswith("LDSM"):
+            d = int(m.group(2))
+            left -= set(range(d, d + _width(m.group(1))))
+            if not left:
+                return True
+    return False
 
 
 def check(sass: str) -> dict[str, list[str]]:

@@ -43,3 +43,23 @@ def test_kept_pattern_passes_and_clobber_is_found():
 def test_wide_writes_overlap():
     lines = GOOD[:5] + ["IMAD.WIDE R126, R3, 0x4, R12", "@!P0 BRA 0x0030"]  # writes R126 and R127
     assert sro.bad_writes([f"{line}" for line in lines]) == ["IMAD.WIDE R126, R3, 0x4, R12"]
+
+
+def test_scratch_value_replaced_by_q_load_after_the_wait():
+    # the next item's Q loaded under the last step's softmax: its address set-up in Q's registers, after the S wait
+    head = GOOD[:5] + ["WARPGROUP.DEPBAR.LE gsb0, 0x1"]
+    ok = head + ["VIADD R125, R15, 0x2", "LOP3.LUT R125, R125, 0x7, R0, 0x78, !PT", "IMAD R132, R125, 0x10, R12",
+                 "LDSM.16.M88.4 R124, [R13]", "LDSM.16.M88.4 R132, [R132]", "@!P0 BRA 0x0030"]
+    assert sro.bad_writes(ok) == []
+    # before the wait, the S MMA may still read the register
+    early = GOOD[:5] + ["VIADD R125, R15, 0x2", "WARPGROUP.DEPBAR.LE gsb0, 0x1", "LDSM.16.M88.4 R124, [R13]"]
+    assert sro.bad_writes(early) == ["VIADD R125, R15, 0x2"]
+    # an S MMA (or a branch) before the reload would see the scratch value
+    read = head + ["VIADD R125, R15, 0x2", "HGMMA.64x128x16.F32 R24, R124, gdesc[UR16], RZ, !UPT",
+                   "LDSM.16.M88.4 R124, [R13]"]
+    assert sro.bad_writes(read) == ["VIADD R125, R15, 0x2"]
+    branch = head + ["VIADD R125, R15, 0x2", "@P1 BRA 0x0040", "LDSM.16.M88.4 R124, [R13]"]
+    assert sro.bad_writes(branch) == ["VIADD R125, R15, 0x2"]
+    # a reload that covers only part of the written pair leaves a register clobbered
+    wide = head + ["IMAD.WIDE R126, R3, 0x4, R12", "LDSM.16.M88.4 R120, [R13]", "@!P0 BRA 0x0030"]
+    assert sro.bad_writes(wide) == ["IMAD.WIDE R126, R3, 0x4, R12"]
