@@ -74,17 +74,31 @@ def bad_writes(ins: list[str]) -> list[str]:
     return bad
 
 
+def _s_retired(ins: list[str], k: int) -> bool:
+    """No S MMA is in flight at instruction k: going back, a `WARPGROUP.DEPBAR.LE gsb0, N` comes first, and at least
+    N MMA groups (an `HGMMA ... gsb0` ends one) were committed between the last S MMA and it, so the S group is not
+    among the N it lets run on."""
+    for d in range(k - 1, -1, -1):
+        if _S_MMA.match(ins[d]):
+            return False
+        m = re.match(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x([0-9a-f]+)", ins[d])
+        if m:
+            later = 0
+            for j in reversed(ins[:d]):
+                if _S_MMA.match(j):
+                    return later >= int(m.group(1), 16)
+                if j.startswith("HGMMA") and "gsb0" in j:
+                    later += 1
+            return True  # no S MMA before it
+    return False
+
+
 def _dead_before_q_load(ins: list[str], k: int, dst: int, width: int) -> bool:
     """Instruction k's write (registers dst .. dst + width) is a scratch value that no S MMA can see: no S MMA is in
-    flight (going back, a WARPGROUP.DEPBAR comes before any S MMA) and an LDSM loads Q over every written register
-    before any S MMA, branch or the function's end (going forward, straight-line code).  ptxas puts the address
-    set-up of a Q reload made under the previous item's softmax there (STOF_WS_PREP_NEXT)."""
-    for j in reversed(ins[:k]):
-        if j.startswith("WARPGROUP.DEPBAR"):
-            break
-        if _S_MMA.match(j):
-            return False
-    else:
+    flight (_s_retired) and an LDSM loads Q over every written register before any S MMA, branch or the function's
+    end (going forward, straight-line code).  ptxas puts the address set-up of a Q reload made under the previous
+    item's softmax there (STOF_WS_PREP_NEXT)."""
+    if not _s_retired(ins, k):
         return False
     left = set(range(dst, dst + width))
     for j in ins[k + 1:]:

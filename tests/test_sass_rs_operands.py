@@ -47,7 +47,9 @@ def test_wide_writes_overlap():
 
 def test_scratch_value_replaced_by_q_load_after_the_wait():
     # the next item's Q loaded under the last step's softmax: its address set-up in Q's registers, after the S wait
-    head = GOOD[:5] + ["WARPGROUP.DEPBAR.LE gsb0, 0x1"]
+    # (S, then P V committed, then a wait that lets the one group after S run on)
+    pv = "HGMMA.64x72x16.F32 R88, R140, gdesc[UR20].tnspB, R88, gsb0"
+    head = GOOD[:5] + [pv, "WARPGROUP.DEPBAR.LE gsb0, 0x1"]
     ok = head + ["VIADD R125, R15, 0x2", "LOP3.LUT R125, R125, 0x7, R0, 0x78, !PT", "IMAD R132, R125, 0x10, R12",
                  "LDSM.16.M88.4 R124, [R13]", "LDSM.16.M88.4 R132, [R132]", "@!P0 BRA 0x0030"]
     assert sro.bad_writes(ok) == []
@@ -60,6 +62,12 @@ def test_scratch_value_replaced_by_q_load_after_the_wait():
     assert sro.bad_writes(read) == ["VIADD R125, R15, 0x2"]
     branch = head + ["VIADD R125, R15, 0x2", "@P1 BRA 0x0040", "LDSM.16.M88.4 R124, [R13]"]
     assert sro.bad_writes(branch) == ["VIADD R125, R15, 0x2"]
+    # a wait that lets one group run on retires S only if a later group (here P V) was committed after it
+    set_up = ["VIADD R125, R15, 0x2", "LDSM.16.M88.4 R124, [R13]", "@!P0 BRA 0x0030"]
+    assert sro.bad_writes(GOOD[:5] + ["WARPGROUP.DEPBAR.LE gsb0, 0x1"] + set_up) == ["VIADD R125, R15, 0x2"]
+    assert sro.bad_writes(GOOD[:5] + ["WARPGROUP.DEPBAR.LE gsb0, 0x0"] + set_up) == []
+    pv_first = GOOD[:2] + [pv] + GOOD[3:5] + ["WARPGROUP.DEPBAR.LE gsb0, 0x1"] + set_up
+    assert sro.bad_writes(pv_first) == ["VIADD R125, R15, 0x2"]
     # a reload that covers only part of the written pair leaves a register clobbered
     wide = head + ["IMAD.WIDE R126, R3, 0x4, R12", "LDSM.16.M88.4 R120, [R13]", "@!P0 BRA 0x0030"]
     assert sro.bad_writes(wide) == ["IMAD.WIDE R126, R3, 0x4, R12"]
