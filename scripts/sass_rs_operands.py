@@ -12,7 +12,8 @@ An S MMA with Q in registers is an `HGMMA` with a register A operand and a K-maj
 whose register A is P, rewritten every step, are transposed-B).  A write to one of its A registers is allowed when
 it is an `LDSM`, when the register is the address of an `LDSM` within the next few instructions, or when the
 write is a scratch value that an `LDSM` of Q replaces before any S MMA reads it, with no S MMA in flight (after a
-`WARPGROUP.DEPBAR`: the address set-up of a Q reload under the previous item's last softmax).  Prints one
+`WARPGROUP.DEPBAR.LE gsb0, N` that N later-committed groups let retire the S group: the address set-up of a Q reload
+under the previous item's last softmax).  Prints one
 line per offending kernel and exits 1 if there is one.
 """
 
@@ -25,6 +26,7 @@ import sys
 
 _INS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _S_MMA = re.compile(r"(?:@!?U?P\w+ )?HGMMA\.64x\d+x16\.F32(?:\.BF16)? R\d+, R(\d+), gdesc\[[^\]]*\](?!\.tnspB)")
+_GROUP_END = re.compile(r"(?:@!?U?P\w+ )?HGMMA\..*\bgsb0\b")  # the last MMA of a committed group
 _WRITE = re.compile(r"(?:@!?U?P\w+ )?([A-Z][A-Z0-9_.]*) R(\d+)\b")
 # ops whose first R operand is not the one written here: HGMMA writes its accumulators, not its A operand
 _NO_DEST = ("HGMMA",)
@@ -87,7 +89,7 @@ def _s_retired(ins: list[str], k: int) -> bool:
             for j in reversed(ins[:d]):
                 if _S_MMA.match(j):
                     return later >= int(m.group(1), 16)
-                if j.startswith("HGMMA") and "gsb0" in j:
+                if _GROUP_END.match(j):
                     later += 1
             return True  # no S MMA before it
     return False
@@ -97,7 +99,7 @@ def _dead_before_q_load(ins: list[str], k: int, dst: int, width: int) -> bool:
     """Instruction k's write (registers dst .. dst + width) is a scratch value that no S MMA can see: no S MMA is in
     flight (_s_retired) and an LDSM loads Q over every written register before any S MMA, branch or the function's
     end (going forward, straight-line code).  ptxas puts the address set-up of a Q reload made under the previous
-    item's softmax there (STOF_WS_PREP_NEXT)."""
+    item's softmax there (STOF_WS_PREP_NEXT in docs/bench/patches/session28_experiments.diff)."""
     if not _s_retired(ins, k):
         return False
     left = set(range(dst, dst + width))

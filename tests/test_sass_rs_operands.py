@@ -66,6 +66,7 @@ def test_scratch_value_replaced_by_q_load_after_the_wait():
     set_up = ["VIADD R125, R15, 0x2", "LDSM.16.M88.4 R124, [R13]", "@!P0 BRA 0x0030"]
     assert sro.bad_writes(GOOD[:5] + ["WARPGROUP.DEPBAR.LE gsb0, 0x1"] + set_up) == ["VIADD R125, R15, 0x2"]
     assert sro.bad_writes(GOOD[:5] + ["WARPGROUP.DEPBAR.LE gsb0, 0x0"] + set_up) == []
+    assert sro.bad_writes(GOOD[:5] + ["@P0 " + pv, "WARPGROUP.DEPBAR.LE gsb0, 0x1"] + set_up) == []  # predicated
     pv_first = GOOD[:2] + [pv] + GOOD[3:5] + ["WARPGROUP.DEPBAR.LE gsb0, 0x1"] + set_up
     assert sro.bad_writes(pv_first) == ["VIADD R125, R15, 0x2"]
     # a reload that covers only part of the written pair leaves a register clobbered
