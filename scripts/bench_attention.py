@@ -7,7 +7,8 @@
 Per cell (head dim, S, mask): STOF with the pre-search's first choice and with the best measured tactic (every
 valid tactic the model does not prune at > 20x its best prediction), SDPA dense (no mask), SDPA with the boolean
 mask, SDPA is_causal (causal only), FlexAttention (torch.compile(flex_attention) + create_block_mask of the same
-mask).  Times: triton.testing.do_bench medians (CUDA events).  Each STOF output is checked against Flex's (rel
+mask), and on sliding cells cuDNN's own band kernel (scripts/cudnn_band.py; where nvidia-cudnn-frontend is
+installed, the fastest of its plans).  Times: triton.testing.do_bench medians (CUDA events).  Each STOF output is checked against Flex's (rel
 err) so all methods compute the same masked attention.  Also measures the roofline ingredients (device copy
 bandwidth, dense fp16 matmul rate).  Causal cells also time STOF's best tactic and SDPA is_causal in
 --causal-rounds interleaved rounds (default 10) and report the median of the per-round ratio with a 95 % bootstrap
@@ -195,6 +196,15 @@ def main():
                     cell["sdpa_causal_ms"] = bench(sdpa_causal)
                     if args.causal_rounds > 0:
                         cell["causal_paired"] = paired_ratio(runners[best_name], sdpa_causal, args.causal_rounds, bench)
+                if mname == "sliding" and mask.left == mask.right:  # NVIDIA's own band kernel, where
+                    try:                                                 # nvidia-cudnn-frontend is installed
+                        from cudnn_band import band_anchor
+
+                        cb = band_anchor(q, k, v, mask.right, o_stof)  # checked against STOF and float64
+                        cell["cudnn_band_ms"] = bench(cb)
+                        cell["cudnn_band_plan"] = cb.plan
+                    except Exception as e:  # noqa: BLE001 -- not installed, or cuDNN refuses the problem
+                        cell["cudnn_band_error"] = repr(e)[:300]
                 if flex is not None:
                     try:
                         mm = mask_mod_for(mname, mask, S, torch)
@@ -211,6 +221,8 @@ def main():
                 cell["x_flex_pick"] = cell.get("flex_ms", float("nan")) / cell["stof_pick_ms"]
                 cell["x_sdpa_mask"] = cell.get("sdpa_mask_ms", float("nan")) / st
                 cell["x_floor"] = st / cell["floor_ms"]
+                if "cudnn_band_ms" in cell:
+                    cell["x_cudnn_band"] = cell["cudnn_band_ms"] / st
                 cells.append(cell)
                 print(f"D={D:3d} S={S:5d} {mname:10s} dens={cell['density']:.3f} stof pick {cell['pick']} "
                       f"{cell['stof_pick_ms']:.3f} best {best_name} {st:.3f} ms ({cell['tflops_best']:.0f} TF/s, "
@@ -238,6 +250,8 @@ def main():
             "causal_x_sdpa_is_causal_paired": {c["S"]: [c["causal_paired"][k] for k in ("ratio", "lo", "hi")]
                                                for c in sel if "causal_paired" in c},
             "geomean_x_sdpa_mask": geomean([c["x_sdpa_mask"] for c in sel]),
+            # cuDNN's own sliding-window kernel / STOF best (sliding cells, where nvidia-cudnn-frontend is installed)
+            "sliding_x_cudnn_band": {c["S"]: c["x_cudnn_band"] for c in sel if "x_cudnn_band" in c},
         }
     summary["presearch_hit_rate"] = (sum(c["pick_hit"] for c in cells) / len(cells)) if cells else float("nan")
     summary["presearch_cells"] = len(cells)
@@ -248,12 +262,13 @@ def main():
 
     # table (markdown)
     lines = ["| D | S | mask | density | STOF pick ms | STOF best ms (tactic) | Flex ms | SDPA ms | SDPA+mask ms | "
-             "is_causal ms | TFLOP/s | x Flex | x floor |", "|" + "---|" * 13]
+             "is_causal ms | cuDNN band ms | TFLOP/s | x Flex | x floor |", "|" + "---|" * 14]
     for c in cells:
         lines.append(f"| {c['D']} | {c['S']} | {c['mask']} | {c['density']:.3f} | {c['stof_pick_ms']:.3f} | "
                      f"{c['stof_best_ms']:.3f} ({c['best']}) | {c.get('flex_ms', float('nan')):.3f} | "
                      f"{c['sdpa_dense_ms']:.3f} | {c.get('sdpa_mask_ms', float('nan')):.3f} | "
-                     f"{c.get('sdpa_causal_ms', float('nan')):.3f} | {c['tflops_best']:.0f} | {c['x_flex']:.2f} | "
+                     f"{c.get('sdpa_causal_ms', float('nan')):.3f} | {c.get('cudnn_band_ms', float('nan')):.3f} | "
+                     f"{c['tflops_best']:.0f} | {c['x_flex']:.2f} | "
                      f"{c['x_floor']:.2f} |")
     paired = [c for c in cells if "causal_paired" in c]
     if paired:
@@ -281,7 +296,8 @@ def main():
                 Ss = [c["S"] for c in sel]
                 for key, lab in [("stof_best_ms", "STOF best"), ("stof_pick_ms", "STOF pick"), ("flex_ms", "Flex"),
                                  ("sdpa_dense_ms", "SDPA dense"), ("sdpa_mask_ms", "SDPA+mask"),
-                                 ("sdpa_causal_ms", "SDPA is_causal"), ("floor_ms", "floor")]:
+                                 ("sdpa_causal_ms", "SDPA is_causal"), ("cudnn_band_ms", "cuDNN band"),
+                                 ("floor_ms", "floor")]:
                     ys = [c.get(key, float("nan")) for c in sel]
                     if any(math.isfinite(y) for y in ys):
                         ax.plot(Ss, ys, marker="o", label=lab, linestyle="--" if key == "floor_ms" else "-")

@@ -23,6 +23,12 @@ exec > >(tee -a "$OUT/log") 2>&1
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
 status=0
 echo "== $(date -u +%FT%TZ) stages=$STAGES"
+# Wheels the GPU image lacks, staged in a carried folder (e.g. nvidia-cudnn-frontend for the cuDNN band anchor of
+# scripts/cudnn_band.py): STOF_EXTRA_WHEELS=.device-carry/cfe
+if [[ -n "${STOF_EXTRA_WHEELS:-}" ]]; then
+  pip install -q --no-deps --target /tmp/stof-extra "$STOF_EXTRA_WHEELS"/*.whl 2>&1 | grep -v "WARNING: Running pip as" || true
+  export PYTHONPATH=/tmp/stof-extra${PYTHONPATH:+:$PYTHONPATH}
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv
 
 if has build; then
