@@ -10,8 +10,9 @@ kernel draws more power per unit of work, it runs at a lower clock than another 
 each method in a loop for --seconds (no L2 flush) while `nvidia-smi -lms 20` samples the SM clock, power and
 temperature, then reports per method: calls per second (the time per call), the median clock and power over the
 phase's samples after its first 0.5 s, the energy per call (power x time per call) and the SM cycles per call (clock x
-time per call).  Causal runs SDPA is_causal's cuDNN kernel beside STOF; other masks (--mask, a benchmark mask name or
-a mask spec) run STOF's tactics alone, checked against SDPA with the boolean mask.
+time per call).  Causal runs SDPA is_causal's cuDNN kernel beside STOF; a symmetric sliding window runs cuDNN's own
+band kernel beside it (scripts/cudnn_band.py, where nvidia-cudnn-frontend is installed); other masks (--mask, a
+benchmark mask name or a mask spec) run STOF's tactics alone, checked against SDPA with the boolean mask.
 Writes power_clock.json under --out.  Needs a CUDA GPU and nvidia-smi: a measurement, not a test.
 """
 
@@ -52,7 +53,7 @@ def main():
 
     from stof_trt.format import compile_mask
     from stof_trt.kernels import DeviceLayout
-    from stof_trt.masks import MaskSpecError, parse_mask
+    from stof_trt.masks import MaskSpecError, Sliding, parse_mask
 
     try:
         mask = parse_mask(MASKS.get(a.mask, a.mask))
@@ -101,6 +102,13 @@ def main():
                     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
             if causal:
                 methods["sdpa_cudnn"] = cudnn
+            elif isinstance(mask, Sliding) and mask.left == mask.right:
+                try:  # a sliding window: cuDNN's own band kernel, where nvidia-cudnn-frontend is installed
+                    from cudnn_band import band_anchor
+
+                    methods["cudnn_band"] = band_anchor(q, k, v, mask.right, ref)
+                except Exception as e:  # noqa: BLE001 -- not installed, or cuDNN refuses the problem
+                    print(f"power_clock: no cuDNN band anchor: {str(e)[:160]}", file=sys.stderr)
             for rd in range(a.rounds):
                 for name, fn in methods.items():
                     fn()
