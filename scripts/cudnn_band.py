@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from paired_anchor import checked_runner, median_ci, rel_err  # noqa: E402
+
 
 class CudnnBand:
     """cuDNN SDPA with keys j allowed for query i when i - left < j <= i + right (left = right + 1 for
@@ -121,10 +123,6 @@ class CudnnBand:
         self.plan = f"{best[1]}:{best[2]}"
 
 
-def rel_err(x, ref):
-    return float((x.float() - ref.float()).norm() / ref.float().norm())
-
-
 def band_reference64(q, k, v, window: int, b: int = 0, h: int = 0):
     """float64 attention of one (batch, head) under |i - j| <= window, scale 1/sqrt(D)."""
     import torch
@@ -167,8 +165,6 @@ def band_anchor(q, k, v, window: int, ref, tol: float = 2e-3, autotune: bool = T
 
 
 def main():
-    from paired_anchor import median_ci
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1024,2048,4096,8192")
     ap.add_argument("--dims", default="64")
@@ -187,7 +183,7 @@ def main():
 
     from stof_trt import presearch
     from stof_trt.format import compile_mask
-    from stof_trt.kernels import DeviceLayout, Runner, tactic_info
+    from stof_trt.kernels import DeviceLayout, tactic_info
     from stof_trt.masks import parse_mask
 
     out = Path(a.out)
@@ -214,13 +210,8 @@ def main():
             dl = DeviceLayout(layout)
             pick = presearch.rank(layout, batch=B, heads=H, head_dim=D, gpu=gpu)[0][0]
             ref = F.scaled_dot_product_attention(q, k, v, attn_mask=torch.from_numpy(mask.dense(S, S)).cuda()[None, None])
-            r = Runner(q, k, v, dl, tactic=pick)
-            r.out.fill_(float("nan"))
-            r()
-            torch.cuda.synchronize()
+            r = checked_runner(q, k, v, dl, pick, ref, f"D={D} S={S}")  # poisoned, checked; exits otherwise
             e_stof = rel_err(r.out, ref)
-            if not e_stof < 2e-3:
-                sys.exit(f"cudnn_band: STOF tactic {pick} differs from SDPA at D={D} S={S}: rel err {e_stof:.2e}")
             try:
                 cb = band_anchor(q, k, v, a.window, ref)
             except RuntimeError as e:
