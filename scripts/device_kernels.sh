@@ -25,8 +25,13 @@ status=0
 echo "== $(date -u +%FT%TZ) stages=$STAGES"
 # Wheels the GPU image lacks, staged in a carried folder (e.g. nvidia-cudnn-frontend for the cuDNN band anchor of
 # scripts/cudnn_band.py): STOF_EXTRA_WHEELS=.device-carry/cfe
+# (this script's own stages see them; a command after it needs `export PYTHONPATH=/tmp/stof-extra` too)
 if [[ -n "${STOF_EXTRA_WHEELS:-}" ]]; then
-  pip install -q --no-deps --target /tmp/stof-extra "$STOF_EXTRA_WHEELS"/*.whl 2>&1 | grep -v "WARNING: Running pip as" || true
+  if pip install -q --no-deps --target /tmp/stof-extra "$STOF_EXTRA_WHEELS"/*.whl > /tmp/stof-extra.log 2>&1; then
+    echo "extra wheels installed into /tmp/stof-extra: $(cd "$STOF_EXTRA_WHEELS" && ls *.whl | tr '\n' ' ')"
+  else
+    echo "WARNING: extra wheels from $STOF_EXTRA_WHEELS not installed:"; tail -3 /tmp/stof-extra.log; status=1
+  fi
   export PYTHONPATH=/tmp/stof-extra${PYTHONPATH:+:$PYTHONPATH}
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv

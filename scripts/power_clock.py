@@ -103,12 +103,13 @@ def main():
             if causal:
                 methods["sdpa_cudnn"] = cudnn
             elif isinstance(mask, Sliding) and mask.left == mask.right:
-                try:  # a sliding window: cuDNN's own band kernel, where nvidia-cudnn-frontend is installed
-                    from cudnn_band import band_anchor
+                from cudnn_band import try_band_anchor  # cuDNN's own band kernel, where the wheel is installed
 
-                    methods["cudnn_band"] = band_anchor(q, k, v, mask.right, ref)
-                except Exception as e:  # noqa: BLE001 -- not installed, or cuDNN refuses the problem
-                    print(f"power_clock: no cuDNN band anchor: {str(e)[:160]}", file=sys.stderr)
+                cb, why = try_band_anchor(q, k, v, mask.right, ref)
+                if cb is not None:
+                    methods["cudnn_band"] = cb
+                else:
+                    print(f"power_clock: no cuDNN band anchor: {why}", file=sys.stderr)
             for rd in range(a.rounds):
                 for name, fn in methods.items():
                     fn()

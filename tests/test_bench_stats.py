@@ -49,3 +49,33 @@ def test_a_round_times_every_method_once_in_a_seeded_order():
         paired_anchor.time_round(methods, lambda fn: c.append(fn) or 0.0, seed=seed)
         orders.add(tuple(c))
     assert len(orders) > 1  # and the order changes between rounds
+
+
+def test_floor_verdict_needs_the_whole_interval_on_one_side_of_the_target():
+    assert paired_anchor.floor_verdict(1.1, 1.29) == "met"
+    assert paired_anchor.floor_verdict(1.31, 1.8) == "not met"
+    assert paired_anchor.floor_verdict(1.25, 1.35) == "undecided"
+
+
+def test_round_times_the_floor_last_and_then_rests(monkeypatch):
+    slept = []
+    monkeypatch.setattr("time.sleep", slept.append)
+    order = []
+    methods = {n: n for n in ("matmul", "stof_24_pick", "copy", "cudnn_band", "sdpa_causal")}
+    for seed in range(20):  # whatever the shuffle, the matmul never runs before a method
+        order.clear()
+        rec = paired_anchor.time_round(methods, lambda fn: order.append(fn) or 1.0, seed)
+        assert order[-2:] == ["copy", "matmul"] and sorted(order[:-2]) == ["cudnn_band", "sdpa_causal", "stof_24_pick"]
+        assert set(rec) == set(methods)
+    assert slept == [paired_anchor.REST_AFTER_FLOOR_S] * 20
+    slept.clear()
+    paired_anchor.time_round({"a": "a", "b": "b"}, lambda fn: 1.0, 0)  # no floor in the round: no rest
+    assert slept == []
+
+
+def test_roofline_floor_is_the_larger_of_memory_and_tile_flops():
+    rd = {"copy": 0.5, "matmul": 2.0}  # ms
+    bw = 2 * paired_anchor.COPY_ELEMS * 2 / 0.5e-3
+    rate = 2 * paired_anchor.MATMUL_N**3 / 2.0e-3
+    assert paired_anchor.roofline_floor_ms(rd, 3e8, 1e9) == pytest.approx(3e8 / bw * 1e3)  # memory-bound
+    assert paired_anchor.roofline_floor_ms(rd, 1e6, 1e13) == pytest.approx(1e13 / rate * 1e3)  # FLOP-bound

@@ -49,5 +49,83 @@ def test_anchor_without_the_wheel_is_one_clear_error():
         pytest.skip("nvidia-cudnn-frontend is installed here")
     q, k, v = _qkv(64, 16, seed=1)
     ref = cudnn_band.band_reference64(q, k, v, 8)[None, None].expand(2, 3, 64, 16)
-    with pytest.raises(RuntimeError, match=r"no cuDNN band matches \|q-k\| <= 8: left=9: refused"):
+    with pytest.raises(RuntimeError, match="nvidia-cudnn-frontend is not usable here"):
         cudnn_band.band_anchor(q, k, v, 8, ref)
+    cb, why = cudnn_band.try_band_anchor(q, k, v, 8, ref)
+    assert cb is None and "not usable" in why
+
+
+class _FakeBand:
+    """Stands in for CudnnBand on the CPU: the band i - left < j <= i + right (or, with inclusive=True,
+    i - left <= j <= i + right), in float32; autotune may break the output, as a wrong plan would."""
+
+    inclusive = False
+    break_on_tune = False
+    refuse = False
+
+    def __init__(self, q, k, v, left, right):
+        if self.refuse:
+            raise ValueError("graph not supported")
+        self.q, self.k, self.v, self.left, self.right = q, k, v, left, right
+        self.out = torch.empty_like(q)
+        self.plan, self.plan_ms, self.broken = "fake", {}, False
+
+    def autotune(self):
+        self.broken = self.break_on_tune
+
+    def __call__(self):
+        S = self.q.shape[2]
+        i = torch.arange(S)
+        d = i[None, :] - i[:, None]  # j - i
+        lo = -self.left if self.inclusive else -self.left + 1
+        allowed = (d >= lo) & (d <= self.right)
+        s = self.q @ self.k.transpose(-1, -2) / math.sqrt(self.q.shape[-1])
+        s = s.masked_fill(~allowed, float("-inf"))
+        self.out.copy_(torch.softmax(s, -1) @ self.v)
+        if self.broken:
+            self.out.mul_(1.01)
+        return self.out
+
+
+@pytest.fixture
+def fake_cudnn(monkeypatch):
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "cudnn", types.ModuleType("cudnn"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    for attr in ("inclusive", "break_on_tune", "refuse"):
+        monkeypatch.setattr(_FakeBand, attr, False)
+    monkeypatch.setattr(cudnn_band, "CudnnBand", _FakeBand)
+    return _FakeBand
+
+
+@pytest.mark.parametrize("inclusive", [False, True])
+def test_anchor_settles_the_bound_convention(fake_cudnn, inclusive):
+    fake_cudnn.inclusive = inclusive
+    q, k, v = _qkv(96, 16, seed=3)
+    window = 12
+    ref = torch.stack([torch.stack([cudnn_band.band_reference64(q, k, v, window, b, h) for h in range(3)])
+                       for b in range(2)]).float()
+    cb = cudnn_band.band_anchor(q, k, v, window, ref)
+    assert cb.left == (window if inclusive else window + 1) and cb.right == window
+    assert cb.rel_err < 1e-5 and cb.rel_err64 < 1e-5
+
+
+def test_anchor_rejects_a_plan_that_breaks_after_tuning(fake_cudnn):
+    fake_cudnn.break_on_tune = True
+    q, k, v = _qkv(64, 16, seed=4)
+    ref = torch.stack([torch.stack([cudnn_band.band_reference64(q, k, v, 5, b, h) for h in range(3)])
+                       for b in range(2)]).float()
+    with pytest.raises(RuntimeError, match="differs after tuning"):
+        cudnn_band.band_anchor(q, k, v, 5, ref)
+
+
+def test_anchor_names_cudnn_errors_and_wrong_answers(fake_cudnn):
+    q, k, v = _qkv(64, 16, seed=5)
+    ref = torch.zeros(2, 3, 64, 16) + 1.0  # no band's answer
+    with pytest.raises(RuntimeError, match=r"left=6: rel err .*; left=5: rel err"):
+        cudnn_band.band_anchor(q, k, v, 5, ref)
+    fake_cudnn.refuse = True
+    cb, why = cudnn_band.try_band_anchor(q, k, v, 5, ref)
+    assert cb is None and "cuDNN error ValueError: graph not supported" in why
