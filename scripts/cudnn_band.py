@@ -7,14 +7,17 @@ Why: the issue's sliding target (STOF within 1.3x of the roofline floor at S=409
 at a step cost equal to cuDNN's dense kernel (docs/performance.md).  SDPA cannot pass cuDNN a band (only a boolean
 mask, or is_causal), so none of the issue's anchors is a kernel made for the band.  cuDNN's graph API takes one: its
 SDPA node's diagonal band bounds (nvidia-cudnn-frontend, a PyPI wheel; the GPU machine lacks it, so it travels as a
-staged wheel).  This is NVIDIA's own sliding-window kernel on the same GPU, the strongest reference there is for what
-the band costs.
+staged wheel: STOF_EXTRA_WHEELS in scripts/device_kernels.sh).  This is NVIDIA's own sliding-window kernel on the same
+GPU: the reference made for this mask.
 
-`CudnnBand(q, k, v, window)` builds the graph once (fp16/bf16 [B, H, S, D] q/k/v, S_q = S_k) and runs it on the
-current stream; `band_anchor` returns one whose output matches a reference (the bound's convention, inclusive or
-not, is settled that way rather than assumed).  Standalone, the script times STOF (the pre-search pick), the cuDNN
-band and the roofline floor in paired rounds per cell and writes cudnn_band.json / cudnn_band.md under --out.
-Needs a CUDA GPU and the wheel: a benchmark, not a test.
+`CudnnBand(q, k, v, left, right)` builds the graph once (fp16/bf16 [B, H, S, D] q/k/v, S_q = S_k) and runs it on the
+current stream; `band_anchor(q, k, v, window, ref)` returns one whose output matches ref and a float64 reference (the
+bound's convention, inclusive or not, is settled that way rather than assumed), run by the fastest of cuDNN's plans;
+`try_band_anchor` returns (None, why) instead of raising, for the benchmarks that leave the anchor out where it
+cannot be had.  Standalone, the script times STOF (the pre-search pick), the cuDNN band and the roofline floor in
+paired rounds per cell (paired_anchor.time_round: the floor's copy and matmul last) and writes cudnn_band.json /
+cudnn_band.md under --out; a cell without the anchor makes it exit non-zero.  Needs a CUDA GPU and the wheel: a
+benchmark, not a test.
 """
 
 from __future__ import annotations
