@@ -8,8 +8,8 @@ Per cell (head dim, S, mask): STOF with the pre-search's first choice and with t
 valid tactic the model does not prune at > 20x its best prediction), SDPA dense (no mask), SDPA with the boolean
 mask, SDPA is_causal (causal only), FlexAttention (torch.compile(flex_attention) + create_block_mask of the same
 mask), and on sliding cells cuDNN's own band kernel (scripts/cudnn_band.py; where nvidia-cudnn-frontend is
-installed, the fastest of its plans).  Times: triton.testing.do_bench medians (CUDA events).  Each STOF output is checked against Flex's (rel
-err) so all methods compute the same masked attention.  Also measures the roofline ingredients (device copy
+installed, the fastest of its plans).  Times: triton.testing.do_bench medians (CUDA events).  Each STOF output is
+checked against Flex's (rel err) so all methods compute the same masked attention.  Also measures the roofline ingredients (device copy
 bandwidth, dense fp16 matmul rate).  Causal cells also time STOF's best tactic and SDPA is_causal in
 --causal-rounds interleaved rounds (default 10) and report the median of the per-round ratio with a 95 % bootstrap
 interval (summary key causal_x_sdpa_is_causal_paired): the two are within 1-5 % of each other, inside either's
@@ -103,6 +103,8 @@ def main():
     from stof_trt.kernels import DeviceLayout, Runner, tactic_info
     from stof_trt.masks import parse_mask
 
+    from paired_anchor import copy_bandwidth, floor_methods, matmul_rate, roofline_floor_ms
+
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
@@ -112,17 +114,11 @@ def main():
     def bench(fn, rep=args.rep):
         return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
-    # Roofline ingredients, measured in this run.
-    x = torch.randn(256 * 1024 * 1024, device="cuda", dtype=torch.float16)  # 512 MiB
-    y = torch.empty_like(x)
-    t_copy = bench(lambda: y.copy_(x))
-    copy_bw = 2 * x.numel() * 2 / (t_copy * 1e-3)
-    del x, y
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
-    t_mm = bench(lambda: a @ b)
-    mm_rate = 2 * 8192**3 / (t_mm * 1e-3)
-    del a, b
+    # Roofline ingredients, measured in this run (paired_anchor's copy and matmul).
+    fm = floor_methods()
+    t_floor = {n: bench(fn) for n, fn in fm.items()}
+    del fm
+    copy_bw, mm_rate = copy_bandwidth(t_floor["copy"]), matmul_rate(t_floor["matmul"])
     print(f"device {dev.name}: copy {copy_bw / 1e12:.2f} TB/s, fp16 matmul {mm_rate / 1e12:.0f} TFLOP/s", flush=True)
 
     flex = create_block_mask = None
@@ -151,7 +147,7 @@ def main():
                 allowed = int(dense.sum())
                 flops = 4.0 * B * H * D * allowed
                 tile_flops = 4.0 * B * H * D * layout.nnz * layout.tile_m * layout.tile_n
-                floor = max(4 * B * H * S * D * 2 / copy_bw, tile_flops / mm_rate)
+                floor = roofline_floor_ms(t_floor, 4 * B * H * S * D * 2, tile_flops) / 1e3  # s
                 cell = {"D": D, "S": S, "mask": mname, "spec": MASKS[mname], "density": allowed / S / S,
                         "nnz": int(layout.nnz), "partial": int(layout.num_partial), "sdpa_dense_ms": t_dense,
                         "floor_ms": floor * 1e3, "gflop": flops / 1e9, "row_order": not args.no_row_order,

@@ -95,12 +95,20 @@ def floor_methods():
     return {"copy": lambda: y.copy_(x), "matmul": lambda: a @ b}
 
 
+def copy_bandwidth(ms):
+    """Bytes per second of floor_methods' copy (read + write) that took ms."""
+    return 2 * COPY_ELEMS * 2 / (ms * 1e-3)
+
+
+def matmul_rate(ms):
+    """FLOP per second of floor_methods' matmul that took ms."""
+    return 2 * MATMUL_N**3 / (ms * 1e-3)
+
+
 def roofline_floor_ms(rd, nbytes, tile_flops):
-    """The floor of docs/performance.md from one round's copy and matmul times (ms): max(q, k, v read and o written
-    at the copy's bandwidth, the allowed tiles' FLOPs at the matmul's rate)."""
-    copy_bw = 2 * COPY_ELEMS * 2 / (rd["copy"] * 1e-3)
-    mm_rate = 2 * MATMUL_N**3 / (rd["matmul"] * 1e-3)
-    return max(nbytes / copy_bw, tile_flops / mm_rate) * 1e3
+    """The floor of docs/performance.md from the copy and matmul times in rd (ms): max(q, k, v read and o written
+    at the copy's bandwidth, the allowed tiles' FLOPs at the matmul's rate), in ms."""
+    return max(nbytes / copy_bandwidth(rd["copy"]), tile_flops / matmul_rate(rd["matmul"])) * 1e3
 
 
 def time_round(methods, bench, seed):
@@ -242,8 +250,8 @@ def main():
                                  "ratio": m_, "lo": lo, "hi": hi, "verdict": verdict(lo, hi),
                                  "target": "anchor/STOF >= 1.0"})
         else:
-            copy_bw = [2 * COPY_ELEMS * 2 / (p["copy"] * 1e-3) for p in per]
-            mm_rate = [2 * MATMUL_N**3 / (p["matmul"] * 1e-3) for p in per]
+            copy_bw = [copy_bandwidth(p["copy"]) for p in per]
+            mm_rate = [matmul_rate(p["matmul"]) for p in per]
             floor = [roofline_floor_ms(p, c["bytes"], c["tile_flops"]) for p in per]
             if "cudnn_band" in names:
                 ratio = [p["cudnn_band"] / f for p, f in zip(per, floor)]
@@ -261,7 +269,8 @@ def main():
                 m_, lo, hi = median_ci(ratio)
                 rows.append({"cell": cname, "stof": sn, "anchor": "floor", "stof_ms": med[sn],
                              "anchor_ms": float(np.median(floor)), "ratio": m_, "lo": lo, "hi": hi,
-                             "verdict": floor_verdict(lo, hi), "target": "STOF/floor <= 1.3", "copy_tb_s": float(np.median(copy_bw)) / 1e12,
+                             "verdict": floor_verdict(lo, hi), "target": "STOF/floor <= 1.3",
+                             "copy_tb_s": float(np.median(copy_bw)) / 1e12,
                              "matmul_tflop_s": float(np.median(mm_rate)) / 1e12})
 
     md = [f"Paired rounds: {a.rounds} (each round times every method of a cell once, shuffled); device {dev.name}; "
