@@ -318,6 +318,69 @@ def test_warp_specialised_long_rows(D):
                       H=3, Sq=2200, Sk=2200, D=D, dtype=torch.bfloat16, seed=43 + D, bhsd=False, only=WS_TACTICS)
 
 
+# (B, H, S) per head dim: q, k, v and o each past 2^31 elements (4 GiB of fp16), so every offset into them needs
+# 64 bits; D=64 as [B,H,S,D], D=128 as [B,S,H,D] (the sequence stride is then H * D)
+BIG_SHAPES = {64: (9, 128, 32768, True), 128: (5, 128, 32768, False)}
+
+
+@pytest.mark.parametrize("D", HEAD_DIMS)
+def test_tensors_past_2_31_elements(D):
+    """Every tactic on tensors of more than 2^31 elements (4.8-5.4 GB each): the output poisoned with NaN, every
+    element finite afterwards (each row written), and rows of three (batch, head) pairs, the last one's ending
+    past 2^32 bytes, against float64: the global rows, the last 64 rows and 96 random ones.  The mask (a band
+    and 3 global tokens) has PARTIAL tiles on every row and 512-tile rows (the global queries)."""
+    B, H, S, bhsd = BIG_SHAPES[D]
+    dtype = torch.float16
+    nbytes = B * H * S * D * 2
+    assert B * H * S * D > 2**31
+    free, _ = torch.cuda.mem_get_info()
+    if free < 4 * nbytes + (4 << 30):
+        pytest.skip(f"needs {(4 * nbytes + (4 << 30)) / 2**30:.0f} GiB of free GPU memory, {free / 2**30:.0f} free")
+    mask = parse_mask("sliding:window=100|global:n=3")
+    dl = DeviceLayout(compile_mask(mask, S, S))
+    gen = torch.Generator(device="cuda").manual_seed(31 + D)
+    shape = (B, H, S, D) if bhsd else (B, S, H, D)
+    q, k, v = (torch.randn(shape, generator=gen, device="cuda", dtype=dtype) for _ in range(3))
+    scale = 1.0 / D**0.5
+    rng = np.random.default_rng(D)
+    rows = np.unique(np.concatenate([[0, 1, 2], np.arange(S - 64, S), rng.integers(3, S - 64, 96)]))
+    keys = np.arange(S, dtype=np.int64)
+    allowed = torch.from_numpy(np.ascontiguousarray(
+        mask.evaluate(rows[:, None].astype(np.int64), keys[None, :], seq_q=S, seq_k=S))).cuda()
+    rows_t = torch.from_numpy(rows).cuda()
+
+    def head(t, b, h):  # [S, D] of (b, h)
+        return t[b, h] if bhsd else t[b, :, h]
+
+    pairs = [(0, 0), (B // 2, 7), (B - 1, H - 1)]
+    refs = {}
+    for b, h in pairs:
+        qd, kd, vd = head(q, b, h)[rows_t].double(), head(k, b, h).double(), head(v, b, h).double()
+        s = (qd @ kd.T * scale).masked_fill(~allowed, float("-inf"))
+        pr = torch.exp(s - s.amax(-1, keepdim=True))
+        refs[(b, h)] = (pr @ vd) / pr.sum(-1, keepdim=True)
+    last = head(q, B - 1, H - 1)[S - 1, D - 1]
+    assert (last.data_ptr() - q.data_ptr()) >= 2**32  # the last pair's rows sit past 4 GiB
+    out = torch.empty_like(q)
+    tol = TOL[dtype]
+    tactics = list_tactics(q, k, v, dl, bhsd=bhsd)
+    assert len(tactics) >= 10, tactics
+    for t in tactics:
+        name = tactic_info(t).name
+        out.fill_(float("nan"))
+        sparse_attention(q, k, v, dl, scale=scale, tactic=t, out=out, bhsd=bhsd)
+        torch.cuda.synchronize()
+        for b in range(B):
+            assert bool(torch.isfinite(out[b]).all()), f"tactic {name}: batch {b} has unwritten or non-finite rows"
+        for b, h in pairs:
+            err = rel_err(head(out, b, h)[rows_t], refs[(b, h)])
+            _log({"case": f"tensors past 2^31 elements b={b} h={h}", "tactic": name, "dtype": "float16", "D": D,
+                  "Sq": S, "Sk": S, "err": err, "tol": tol, "zero_rows_ok": True, "ok": err <= tol})
+            assert err <= tol, f"tactic {name}: (b {b}, h {h}) rel err {err:.3e} > {tol}"
+    del q, k, v, out
+    torch.cuda.empty_cache()
+
+
 def test_wgmma_tactics_need_32bit_bitmap_offsets():
     """The wgmma kernels address bitmap words by 32-bit byte offsets: a layout whose tiles x tile bytes reach 2^32 (a
     compiled 2^20 x 2^20 layout: 2^28 64x64 tiles of 512 bytes) lists none of them (the call never reads the layout),
