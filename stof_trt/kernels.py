@@ -25,7 +25,9 @@ kernels a load per work item).  It also keeps
 library's default); every run passes it unless called with an explicit ``sched_chunk=N`` (N >= 0; benchmarks).
 The two are independent: ``row_order=False`` still passes the layout's ``sched_chunk``.  And it uploads
 ``layout.lane_bitmaps()`` (C ABI version 5: the bitmaps in the kernels' thread order; ``DeviceLayout(layout,
-lane_bitmaps=False)`` leaves them out, the same result), which every run passes.
+lane_bitmaps=False)`` leaves them out, the same result), which every run passes, as it does the bitmaps' row
+count (C ABI version 6 ``num_bitmaps``: the wgmma tactics' 32-bit bitmap offsets are then bounded by the bitmaps
+themselves, not by the whole tile grid, which refused them on long sequences).
 
 The library is found at ``$STOF_KERNELS_LIB``, else ``build/plugins_cu/libstof_kernels.so`` under the
 repository root (``cmake -S . -B build && cmake --build build -j``).
@@ -45,7 +47,7 @@ __all__ = [
     "native_sched_chunk", "native_pair_order", "native_lane_bitmaps",
 ]
 
-ABI_VERSION = 5  # STOF_ABI_VERSION of the header this module mirrors
+ABI_VERSION = 6  # STOF_ABI_VERSION of the header this module mirrors
 
 STATUS = {0: "SUCCESS", 1: "INVALID_ARGUMENT", 2: "UNSUPPORTED", 3: "INVALID_TACTIC", 4: "CUDA",
           5: "INSUFFICIENT_BUFFER"}
@@ -83,6 +85,7 @@ class _Params(ctypes.Structure):
         ("workspace", ctypes.c_void_p), ("workspace_bytes", ctypes.c_int64),  # ABI version 3
         ("pair_order", ctypes.c_void_p),  # ABI version 4
         ("lane_bitmaps", ctypes.c_void_p),  # ABI version 5
+        ("num_bitmaps", ctypes.c_int32),  # ABI version 6
     ]
 
 
@@ -267,7 +270,8 @@ class DeviceLayout:
     two-row kernels in their default order), both passed to the kernels unless a run says ``row_order=False``, its
     derived ``sched_chunk`` (an int, ``layout.sched_chunk()``; passed unless a run gives ``sched_chunk=N``), its
     derived ``lane_bitmaps`` (``layout.lane_bitmaps()``, C ABI 5; None with ``lane_bitmaps=False`` or a tile shape
-    without them; always passed when present) plus its metadata."""
+    without them; always passed when present), its bitmaps' row count ``num_bitmaps`` (C ABI 6; always passed) plus
+    its metadata."""
 
     def __init__(self, layout, device="cuda", lane_bitmaps: bool = True):
         import torch
@@ -296,6 +300,9 @@ class DeviceLayout:
         # words themselves: the same result, slower)
         lb = layout.lane_bitmaps() if lane_bitmaps else None
         self.lane_bitmaps = None if lb is None else upload(lb)
+        # (C ABI 6) the bitmaps' row count, passed with every run; 0 = not given (the library then bounds it by the
+        # whole tile grid)
+        self.num_bitmaps = int(self.bitmaps.shape[0])
 
     def __repr__(self) -> str:
         return f"DeviceLayout({self.layout!r})"
@@ -358,6 +365,7 @@ def _make_params(q, k, v, o, dl: DeviceLayout, scale, key_lengths, key_padding_m
     p.sched_chunk = dl.sched_chunk if sched_chunk is None else int(sched_chunk)
     if dl.lane_bitmaps is not None:
         p.lane_bitmaps = dl.lane_bitmaps.data_ptr()
+    p.num_bitmaps = dl.num_bitmaps
     if key_lengths is not None:
         if key_lengths.dtype != torch.int32 or not key_lengths.is_contiguous() or key_lengths.numel() != B:
             raise ValueError("key_lengths must be a contiguous int32 [B] tensor")

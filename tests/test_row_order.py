@@ -146,9 +146,10 @@ def test_native_errors(kernels):
 
 def test_abi_version(kernels):
     lib = kernels.load_library()
-    assert lib.stof_abi_version() == kernels.ABI_VERSION == 5
+    assert lib.stof_abi_version() == kernels.ABI_VERSION == 6
     names = [f[0] for f in kernels._Params._fields_]
-    assert names[-6:] == ["row_order", "sched_chunk", "workspace", "workspace_bytes", "pair_order", "lane_bitmaps"]
+    assert names[-7:] == ["row_order", "sched_chunk", "workspace", "workspace_bytes", "pair_order", "lane_bitmaps",
+                          "num_bitmaps"]
     p = kernels._Params()
     lib.stof_attn_params_init(ctypes.byref(p))
     assert p.row_order is None                                           # init leaves it NULL
@@ -156,6 +157,19 @@ def test_abi_version(kernels):
     assert p.workspace is None and p.workspace_bytes == 0                # and no workspace (ABI 3)
     assert p.pair_order is None                                          # and no pair order (ABI 4)
     assert p.lane_bitmaps is None                                        # and no lane bitmaps (ABI 5)
+    assert p.num_bitmaps == 0                                            # and no bitmap count (ABI 6)
+
+
+def test_num_bitmaps_checked(kernels):
+    """ABI 6: num_bitmaps >= 0 (0: not given); a negative count is INVALID_ARGUMENT with a message that names it."""
+    lib = kernels.load_library()
+    p = _valid_params(kernels)
+    for n in (0, 1, 2**31 - 1):
+        p.num_bitmaps = n
+        assert lib.stof_attn_validate(ctypes.byref(p)) in (0, 2), lib.stof_last_error_message()
+    p.num_bitmaps = -1
+    assert lib.stof_attn_validate(ctypes.byref(p)) == 1
+    assert b"num_bitmaps" in lib.stof_last_error_message()
 
 
 def _valid_params(kernels):

@@ -135,19 +135,24 @@ stof_status_t validate(const stof_attn_params_t* p) {
         return fail(STOF_ERROR_INVALID_ARGUMENT, "workspace must be 16-byte aligned with workspace_bytes >= 0");
     if (p->layout_seq_q < 1 || p->layout_seq_k < 1)
         return fail(STOF_ERROR_INVALID_ARGUMENT, "compiled layout sizes must be >= 1");
+    if (p->num_bitmaps < 0)
+        return fail(STOF_ERROR_INVALID_ARGUMENT, "num_bitmaps must be >= 0 (0: not given), got %d", p->num_bitmaps);
     if (p->seq_q > p->layout_seq_q || p->seq_k > p->layout_seq_k)
         return fail(STOF_ERROR_INVALID_ARGUMENT, "run-time Sq=%d Sk=%d exceed the compiled layout (%d x %d)",
                     p->seq_q, p->seq_k, p->layout_seq_q, p->layout_seq_k);
     return STOF_SUCCESS;
 }
 
-// The bytes of one bitmap per tile of the layouts (every layout's tiles, stored or not): a bound on any bitmap byte
-// offset, since a bitmap index is below the number of stored tiles.
+// A bound on any bitmap byte offset: the bitmaps' bytes when the caller gives their row count (ABI 6), else one
+// bitmap per tile of the layouts (every layout's tiles, stored or not), since a bitmap index is below the number
+// of stored tiles.
 uint64_t layout_bitmap_bytes(const stof_attn_params_t& p) {
-    const uint64_t tiles = static_cast<uint64_t>(p.num_layouts > 0 ? p.num_layouts : 1) *
-                           static_cast<uint64_t>((p.layout_seq_q + p.tile_m - 1) / p.tile_m) *
-                           static_cast<uint64_t>((p.layout_seq_k + p.tile_n - 1) / p.tile_n);
-    return tiles * static_cast<uint64_t>(p.tile_m) * static_cast<uint64_t>(p.tile_n) / 8;
+    const uint64_t rows = p.num_bitmaps > 0
+                              ? static_cast<uint64_t>(p.num_bitmaps)
+                              : static_cast<uint64_t>(p.num_layouts > 0 ? p.num_layouts : 1) *
+                                    static_cast<uint64_t>((p.layout_seq_q + p.tile_m - 1) / p.tile_m) *
+                                    static_cast<uint64_t>((p.layout_seq_k + p.tile_n - 1) / p.tile_n);
+    return rows * static_cast<uint64_t>(p.tile_m) * static_cast<uint64_t>(p.tile_n) / 8;
 }
 
 bool tactic_valid(const TacticDesc& t, const stof_attn_params_t& p) {
@@ -156,7 +161,8 @@ bool tactic_valid(const TacticDesc& t, const stof_attn_params_t& p) {
     if (t.family == 3 && (p.tile_m % 64 != 0 || p.tile_n % t.block_n != 0)) return false;
     if (t.family == 3 && (!stof::kHopperCompiled || current_sm() != 90)) return false;
     // The wgmma kernels address bitmap words by 32-bit byte offsets (row_bits_pair): a bitmap index is below the
-    // layouts' tile count, so every offset stays below 2^32 when tiles x tile bytes does.
+    // bitmaps' row count (or the layouts' tile count), so every offset stays below 2^32 when that times the tile's
+    // bytes does.
     if (t.family == 3 && layout_bitmap_bytes(p) > 0xffffffffull) return false;
     return launcher_for(t, p) != nullptr;
 }

@@ -318,6 +318,56 @@ def test_warp_specialised_long_rows(D):
                       H=3, Sq=2200, Sk=2200, D=D, dtype=torch.bfloat16, seed=43 + D, bhsd=False, only=WS_TACTICS)
 
 
+def check_sampled_rows(case, mask, dl, q, k, v, *, pairs, rows, bhsd=True, num_heads=None):
+    """Every listed tactic on a problem too large for a whole float64 reference: the output poisoned with NaN, every
+    element finite afterwards (each row written), and `rows` (query indices) of the (batch, head) `pairs` against
+    float64, each head under its own layout (head h uses layout h % L).  Returns the tactics run."""
+    S_q, S_k = (q.shape[2], k.shape[2]) if bhsd else (q.shape[1], k.shape[1])
+    D = q.shape[-1]
+    scale = 1.0 / D**0.5
+    keys = np.arange(S_k, dtype=np.int64)
+    rows_t = torch.from_numpy(rows).cuda()
+
+    def head(t, b, h):  # [S, D] of (b, h)
+        return t[b, h] if bhsd else t[b, :, h]
+
+    refs = {}
+    for b, h in pairs:
+        lay = h % dl.num_layouts
+        allowed = torch.from_numpy(np.ascontiguousarray(np.broadcast_to(mask.evaluate(
+            rows[:, None].astype(np.int64), keys[None, :], seq_q=S_q, seq_k=S_k, head=lay),
+            (len(rows), S_k)))).cuda()
+        assert bool(allowed.any(-1).all())  # every sampled row has a key (no zero rows to special-case)
+        qd, kd, vd = head(q, b, h)[rows_t].double(), head(k, b, h).double(), head(v, b, h).double()
+        sc = (qd @ kd.T * scale).masked_fill(~allowed, float("-inf"))
+        pr = torch.exp(sc - sc.amax(-1, keepdim=True))
+        refs[(b, h)] = (pr @ vd) / pr.sum(-1, keepdim=True)
+    out = torch.empty_like(q)
+    tol = TOL[q.dtype]
+    tactics = list_tactics(q, k, v, dl, bhsd=bhsd)
+    assert len(tactics) >= 10, tactics
+    for t in tactics:
+        name = tactic_info(t).name
+        out.fill_(float("nan"))
+        sparse_attention(q, k, v, dl, scale=scale, tactic=t, out=out, bhsd=bhsd)
+        torch.cuda.synchronize()
+        for b in range(out.shape[0]):
+            assert bool(torch.isfinite(out[b]).all()), f"{case} tactic {name}: batch {b} has unwritten rows"
+        for b, h in pairs:
+            err = rel_err(head(out, b, h)[rows_t], refs[(b, h)])
+            _log({"case": f"{case} b={b} h={h}", "tactic": name, "dtype": str(q.dtype).split(".")[-1], "D": D,
+                  "Sq": S_q, "Sk": S_k, "err": err, "tol": tol, "zero_rows_ok": True, "ok": err <= tol})
+            assert err <= tol, f"{case} tactic {name}: (b {b}, h {h}) rel err {err:.3e} > {tol}"
+    del out
+    return tactics
+
+
+def _sample_rows(S, seed, extra=()):
+    """The first 3 and last 64 query rows, 96 random ones and `extra`, sorted and unique."""
+    rng = np.random.default_rng(seed)
+    return np.unique(np.concatenate([[0, 1, 2], np.arange(S - 64, S), rng.integers(3, S - 64, 96), list(extra)]))
+
+
 # (B, H, S) per head dim: q, k, v and o each past 2^31 elements (4 GiB of fp16), so every offset into them needs
 # 64 bits; D=64 as [B,H,S,D], D=128 as [B,S,H,D] (the sequence stride is then H * D)
 BIG_SHAPES = {64: (9, 128, 32768, True), 128: (5, 128, 32768, False)}
@@ -325,12 +375,10 @@ BIG_SHAPES = {64: (9, 128, 32768, True), 128: (5, 128, 32768, False)}
 
 @pytest.mark.parametrize("D", HEAD_DIMS)
 def test_tensors_past_2_31_elements(D):
-    """Every tactic on tensors of more than 2^31 elements (4.8-5.4 GB each): the output poisoned with NaN, every
-    element finite afterwards (each row written), and rows of three (batch, head) pairs, the last one's starting
-    past 2^32 bytes, against float64: the global rows, the last 64 rows and 96 random ones.  The mask (a band
-    and 3 global tokens) has PARTIAL tiles on every row and 512-tile rows (the global queries)."""
+    """Every tactic on tensors of more than 2^31 elements (4.8-5.4 GB each), checked by check_sampled_rows on three
+    (batch, head) pairs, the last one's rows starting past 2^32 bytes.  The mask (a band and 3 global tokens) has
+    PARTIAL tiles on every row and 512-tile rows (the global queries)."""
     B, H, S, bhsd = BIG_SHAPES[D]
-    dtype = torch.float16
     nbytes = B * H * S * D * 2
     assert B * H * S * D > 2**31
     free, _ = torch.cuda.mem_get_info()
@@ -340,61 +388,68 @@ def test_tensors_past_2_31_elements(D):
     dl = DeviceLayout(compile_mask(mask, S, S))
     gen = torch.Generator(device="cuda").manual_seed(31 + D)
     shape = (B, H, S, D) if bhsd else (B, S, H, D)
-    q, k, v = (torch.randn(shape, generator=gen, device="cuda", dtype=dtype) for _ in range(3))
-    scale = 1.0 / D**0.5
-    rng = np.random.default_rng(D)
-    rows = np.unique(np.concatenate([[0, 1, 2], np.arange(S - 64, S), rng.integers(3, S - 64, 96)]))
-    keys = np.arange(S, dtype=np.int64)
-    allowed = torch.from_numpy(np.ascontiguousarray(
-        mask.evaluate(rows[:, None].astype(np.int64), keys[None, :], seq_q=S, seq_k=S))).cuda()
-    rows_t = torch.from_numpy(rows).cuda()
-
-    def head(t, b, h):  # [S, D] of (b, h)
-        return t[b, h] if bhsd else t[b, :, h]
-
-    pairs = [(0, 0), (B // 2, 7), (B - 1, H - 1)]
-    refs = {}
-    for b, h in pairs:
-        qd, kd, vd = head(q, b, h)[rows_t].double(), head(k, b, h).double(), head(v, b, h).double()
-        s = (qd @ kd.T * scale).masked_fill(~allowed, float("-inf"))
-        pr = torch.exp(s - s.amax(-1, keepdim=True))
-        refs[(b, h)] = (pr @ vd) / pr.sum(-1, keepdim=True)
-    first = head(q, B - 1, H - 1)[0, 0]
+    q, k, v = (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float16) for _ in range(3))
+    first = (q[B - 1, H - 1] if bhsd else q[B - 1, :, H - 1])[0, 0]
     assert first.data_ptr() - q.data_ptr() >= 2**32  # the last pair's rows start past 4 GiB
-    out = torch.empty_like(q)
-    tol = TOL[dtype]
-    tactics = list_tactics(q, k, v, dl, bhsd=bhsd)
-    assert len(tactics) >= 10, tactics
-    for t in tactics:
-        name = tactic_info(t).name
-        out.fill_(float("nan"))
-        sparse_attention(q, k, v, dl, scale=scale, tactic=t, out=out, bhsd=bhsd)
-        torch.cuda.synchronize()
-        for b in range(B):
-            assert bool(torch.isfinite(out[b]).all()), f"tactic {name}: batch {b} has unwritten or non-finite rows"
-        for b, h in pairs:
-            err = rel_err(head(out, b, h)[rows_t], refs[(b, h)])
-            _log({"case": f"tensors past 2^31 elements b={b} h={h}", "tactic": name, "dtype": "float16", "D": D,
-                  "Sq": S, "Sk": S, "err": err, "tol": tol, "zero_rows_ok": True, "ok": err <= tol})
-            assert err <= tol, f"tactic {name}: (b {b}, h {h}) rel err {err:.3e} > {tol}"
-    del q, k, v, out
+    check_sampled_rows("tensors past 2^31 elements", mask, dl, q, k, v, pairs=[(0, 0), (B // 2, 7), (B - 1, H - 1)],
+                       rows=_sample_rows(S, D), bhsd=bhsd)
+    del q, k, v
     torch.cuda.empty_cache()
 
 
+@pytest.mark.parametrize("D", HEAD_DIMS)
+def test_long_sequences_list_and_run_the_wgmma_tactics(D):
+    """Layouts whose tile grids would hold more than 2^32 bytes of one-bitmap-per-tile (the bound the library used
+    before C ABI 6, which refused the wgmma tactics there) but few bitmaps: S = 2^18 under one layout (a band with
+    3 global tokens: 4,096-tile global rows) and S = 2^16 under 16 per-head BigBird layouts.  The wgmma tactics are
+    listed (on sm_90) and every tactic matches float64 on sampled rows (check_sampled_rows); without the bitmap
+    count they are not listed."""
+    dtype = torch.bfloat16 if D == 128 else torch.float16
+    for spec, S, H, bhsd in (("sliding:window=128|global:n=3", 1 << 18, 2, True),
+                             ("bigbird:block=64,window=1,global=1,random=0.02,seed=4,per_head=1", 1 << 16, 16, False)):
+        mask = parse_mask(spec)
+        layout = compile_mask(mask, S, S, num_heads=H)
+        assert layout.num_layouts * layout.Tq * -(-S // 64) * 512 > 2**32
+        dl = DeviceLayout(layout)
+        gen = torch.Generator(device="cuda").manual_seed(S + D)
+        shape = (1, H, S, D) if bhsd else (1, S, H, D)
+        q, k, v = (torch.randn(shape, generator=gen, device="cuda", dtype=dtype) for _ in range(3))
+        ids = check_sampled_rows(f"{spec} S={S}", mask, dl, q, k, v, pairs=[(0, 0), (0, H - 1)],
+                                 rows=_sample_rows(S, D, extra=[S // 2]), bhsd=bhsd)
+        if torch.cuda.get_device_capability() == (9, 0) and 24 in all_ids_of_family(FAMILY_HOPPER):
+            assert 24 in ids, ids
+            dl.num_bitmaps = 0  # not given: the whole grid bounds it, and the wgmma tactics are refused
+            old = list_tactics(q, k, v, dl, bhsd=bhsd)
+            assert old and not [t for t in old if tactic_info(t).family == FAMILY_HOPPER], old
+        del q, k, v
+
+
+def all_ids_of_family(family):
+    return [t.id for t in all_tactics() if t.family == family]
+
+
 def test_wgmma_tactics_need_32bit_bitmap_offsets():
-    """The wgmma kernels address bitmap words by 32-bit byte offsets: a layout whose tiles x tile bytes reach 2^32 (a
-    compiled 2^20 x 2^20 layout: 2^28 64x64 tiles of 512 bytes) lists none of them (the call never reads the layout),
-    while the same problem on its real layout lists them."""
+    """The wgmma kernels address bitmap words by 32-bit byte offsets.  With the bitmaps' row count given (C ABI 6,
+    what DeviceLayout passes) a layout compiled for 2^20 x 2^20 lists them as its real size does, since its few
+    bitmaps stay far below 2^32 bytes; a count whose bitmaps reach 2^32 bytes lists none of them (one bitmap fewer
+    lists them again); without a count (0) the library bounds it by the whole tile grid (2^28 64x64 tiles of 512
+    bytes): none either."""
     layout = compile_mask(parse_mask("causal"), 128, 128)
     dl = DeviceLayout(layout)
+    assert dl.num_bitmaps == layout.bitmaps.shape[0] >= 1
     q, k, v = _problem()
     ids = list_tactics(q, k, v, dl)
     hopper = [t for t in ids if tactic_info(t).family == FAMILY_HOPPER]
     if torch.cuda.get_device_capability() == (9, 0) and hopper:
         dl.seq_q = dl.seq_k = 1 << 20
-        big = list_tactics(q, k, v, dl)
-        assert big and not [t for t in big if tactic_info(t).family == FAMILY_HOPPER], big
-        assert set(big) == set(ids) - set(hopper)
+        assert set(list_tactics(q, k, v, dl)) == set(ids)
+        for n in (0, 1 << 23):  # not given; 2^23 bitmaps of 512 bytes (2^32 bytes)
+            dl.num_bitmaps = n
+            big = list_tactics(q, k, v, dl)
+            assert big and not [t for t in big if tactic_info(t).family == FAMILY_HOPPER], (n, big)
+            assert set(big) == set(ids) - set(hopper)
+        dl.num_bitmaps = (1 << 23) - 1  # 2^32 - 512 bytes
+        assert set(list_tactics(q, k, v, dl)) == set(ids)
 
 
 def _problem(D=64, Sq=128, Sk=128, dtype=torch.float16):

@@ -21,7 +21,7 @@ extern "C" {
 #endif
 
 #define STOF_FORMAT_VERSION 2  /* docs/format.md; layouts of version 1 are read as well */
-#define STOF_ABI_VERSION 5
+#define STOF_ABI_VERSION 6
 
 #if defined(_WIN32)
 #define STOF_API __declspec(dllexport)
@@ -116,6 +116,14 @@ typedef struct {
      * two-consumer warp-specialised tactics (21-24) then read a PARTIAL 64-key sub-block's mask with one 8-byte load
      * per thread instead of two loads and a packing step; the others ignore it.  Same result either way. */
     const int32_t* lane_bitmaps;
+
+    /* --- the bitmaps' row count (optional; ABI version 6) ------------------------------------------------- */
+    /* P, the rows of `bitmaps` (a layout without PARTIAL tiles has its one padding row), or 0: not given.  The
+     * wgmma tactics address bitmap words (and lane_bitmaps) by 32-bit byte offsets, so they are valid while
+     * P * tile_m*tile_n/8 bytes stay below 2^32.  Without P the library bounds it by the layouts' whole tile grid
+     * (L * Tq * Tk tiles): on 64x64 tiles that refuses them from S of about 185k with one layout (54k with 12
+     * per-head layouts), however few tiles are stored.  Same result either way; < 0 is INVALID_ARGUMENT. */
+    int32_t num_bitmaps;
 } stof_attn_params_t;
 
 /* Zero the struct and fill the defaults (dtype fp16, num_layouts 1, tile 64x64). */

@@ -438,6 +438,11 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
         p.col_idx = static_cast<int32_t const*>(in[kCOL_IDX].data);
         p.tile_bitmap_index = static_cast<int32_t const*>(in[kTILE_BITMAP_INDEX].data);
         p.bitmaps = static_cast<int32_t const*>(in[kBITMAPS].data);
+        // their row count (ABI v6): the wgmma tactics' 32-bit bitmap offsets are bounded by it, not by the whole
+        // tile grid, which refused them on long sequences
+        p.num_bitmaps = in[kBITMAPS].shape[0] <= std::numeric_limits<int32_t>::max()
+                            ? static_cast<int32_t>(in[kBITMAPS].shape[0])
+                            : 0;
         p.tile_m = static_cast<int32_t>(mTileM);
         p.tile_n = static_cast<int32_t>(mTileN);
         p.num_layouts = static_cast<int32_t>(mNumLayouts);

@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""Long sequences: STOF with and without the bitmaps' row count (C ABI 6), against FlexAttention.  Needs a GPU.
+
+    PYTHONUNBUFFERED=1 python scripts/bench_long_seq.py --out $OUT
+
+Until C ABI 6 the library bounded the wgmma kernels' 32-bit bitmap offsets by the whole tile grid (one bitmap of
+512 bytes per 64x64 tile), so it refused those kernels, its fastest, once L * Tq * Tk * 512 bytes passed 2^32: from
+S of about 185k under one layout, 54k under 12 per-head layouts.  The binding now passes the bitmaps' row count
+(`DeviceLayout.num_bitmaps`); 0 gives the old listing.  Per cell, every tactic the library lists is timed once, and
+the best of the new and of the old listing are reported beside FlexAttention (torch.compile'd flex_attention with
+create_block_mask of the same mask, 128x128 blocks).  Every STOF output is compared with Flex's.  Times:
+triton.testing.do_bench medians (CUDA events).  Writes bench_long_seq.json and .md under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# name: (mask spec, per-head layouts)
+MASKS = {
+    "sliding": ("sliding:window=128", False),
+    "bigbird_per_head": ("bigbird:block=64,window=1,global=1,random=0.02,seed=4,per_head=1", True),
+}
+
+
+def parse_cells(text):
+    """'sliding:262144;bigbird_per_head:65536' -> [(mask name, S)]"""
+    cells = []
+    for part in filter(None, text.split(";")):
+        name, s = part.split(":")
+        if name not in MASKS:
+            raise SystemExit(f"unknown mask {name!r}: one of {', '.join(MASKS)}")
+        cells.append((name, int(s)))
+    return cells
+
+
+def mask_mod_for(name, mask, S, H, torch):
+    if name == "sliding":
+        return lambda b, h, q, k: (q - k).abs() <= 128
+    # block tables per head, [H, S/64, S/64] (the dense mask would be H * S^2 bytes)
+    blocks = torch.from_numpy(np.stack([mask.layout(S, S, head=h) for h in range(H)])).cuda()
+    return lambda b, h, q, k: blocks[h, q // 64, k // 64]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cells", default="sliding:65536;sliding:131072;sliding:262144;bigbird_per_head:65536",
+                    help="mask:S list; masks: " + ", ".join(MASKS))
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--dim", type=int, default=64, choices=(64, 128))
+    ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
+    ap.add_argument("--out", type=Path, default=Path("."))
+    args = ap.parse_args()
+    cells = parse_cells(args.cells)
+
+    import torch
+    import triton
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from stof_trt.format import compile_mask
+    from stof_trt.kernels import DeviceLayout, list_tactics, sparse_attention, tactic_info
+    from stof_trt.masks import parse_mask
+
+    torch._dynamo.config.cache_size_limit = 1000
+    flex = torch.compile(flex_attention, dynamic=False)
+    B, H, D = args.batch, args.heads, args.dim
+
+    def bench(fn):
+        return triton.testing.do_bench(fn, warmup=25, rep=args.rep, return_mode="median")
+
+    rows = []
+    for name, S in cells:
+        spec, per_head = MASKS[name]
+        mask = parse_mask(spec)
+        layout = compile_mask(mask, S, S, num_heads=H if per_head else None)
+        dl = DeviceLayout(layout)
+        gen = torch.Generator(device="cuda").manual_seed(S)
+        q, k, v = (torch.randn(B, H, S, D, generator=gen, device="cuda", dtype=torch.float16) for _ in range(3))
+        bm = create_block_mask(mask_mod_for(name, mask, S, H, torch), None, H if per_head else None, S, S,
+                               device="cuda")
+        ref = flex(q, k, v, block_mask=bm)
+        t_flex = bench(lambda: flex(q, k, v, block_mask=bm))
+        new_ids = list_tactics(q, k, v, dl)
+        dl.num_bitmaps = 0
+        old_ids = list_tactics(q, k, v, dl)
+        dl.num_bitmaps = int(dl.bitmaps.shape[0])
+        times, errs = {}, {}
+        out = torch.empty_like(q)
+        for t in new_ids:
+            out.fill_(float("nan"))
+            sparse_attention(q, k, v, dl, tactic=t, out=out)
+            torch.cuda.synchronize()
+            errs[t] = float((out.double() - ref.double()).norm() / ref.double().norm())
+            times[t] = bench(lambda t=t: sparse_attention(q, k, v, dl, tactic=t, out=out))
+        best_new = min(new_ids, key=times.get)
+        best_old = min((t for t in old_ids if t in times), key=times.get)
+        grid_bytes = layout.num_layouts * layout.Tq * -(-S // 64) * 512
+        row = {"mask": name, "spec": spec, "S": S, "B": B, "H": H, "D": D, "layouts": int(layout.num_layouts),
+               "num_bitmaps": int(dl.num_bitmaps), "grid_bitmap_bytes": int(grid_bytes),
+               "flex_ms": t_flex, "tactics_new": new_ids, "tactics_old": old_ids,
+               "best_new": tactic_info(best_new).name, "best_new_ms": times[best_new],
+               "best_old": tactic_info(best_old).name, "best_old_ms": times[best_old],
+               "old_over_new": times[best_old] / times[best_new], "flex_over_new": t_flex / times[best_new],
+               "max_rel_err_vs_flex": max(errs.values()),
+               "ms": {tactic_info(t).name: times[t] for t in new_ids}}
+        rows.append(row)
+        print(f"{name:17s} S={S:7d} L={row['layouts']:2d} grid bitmaps {grid_bytes / 2**30:5.1f} GiB, listed "
+              f"{len(new_ids)} (old {len(old_ids)}): best {row['best_new']} {row['best_new_ms']:.3f} ms, old best "
+              f"{row['best_old']} {row['best_old_ms']:.3f} ms ({row['old_over_new']:.2f}x), Flex "
+              f"{t_flex:.3f} ms ({row['flex_over_new']:.2f}x), max rel err vs Flex {row['max_rel_err_vs_flex']:.1e}",
+              flush=True)
+        q = k = v = out = ref = bm = None  # (freed before the next cell)
+        torch.cuda.empty_cache()
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_long_seq.json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows},
+                                                             indent=1))
+    md = ["| mask | S | layouts | grid bitmaps (GiB) | STOF best (ms) | old listing's best (ms) | old / new | Flex (ms) "
+          "| Flex / STOF | max rel err vs Flex |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        md.append(f"| {r['mask']} | {r['S']} | {r['layouts']} | {r['grid_bitmap_bytes'] / 2**30:.1f} | "
+                  f"{r['best_new_ms']:.3f} ({r['best_new']}) | {r['best_old_ms']:.3f} ({r['best_old']}) | "
+                  f"{r['old_over_new']:.2f} | {r['flex_ms']:.3f} | {r['flex_over_new']:.2f} | "
+                  f"{r['max_rel_err_vs_flex']:.1e} |")
+    (args.out / "bench_long_seq.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
