@@ -85,7 +85,7 @@ def main():
         gen = torch.Generator(device="cuda").manual_seed(S)
         q, k, v = (torch.randn(B, H, S, D, generator=gen, device="cuda", dtype=torch.float16) for _ in range(3))
         bm = create_block_mask(mask_mod_for(name, mask, S, H, torch), None, H if per_head else None, S, S,
-                               device="cuda")
+                               device="cuda", _compile=True)  # (uncompiled, it would evaluate all S^2 pairs)
         ref = flex(q, k, v, block_mask=bm)
         t_flex = bench(lambda: flex(q, k, v, block_mask=bm))
         new_ids = list_tactics(q, k, v, dl)

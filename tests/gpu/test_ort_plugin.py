@@ -293,6 +293,42 @@ def test_sparse_attention_packed_qkv(spec, S, B, H, D, dtype, padding):
 
 @needs_lib
 @needs_cuda
+def test_sparse_attention_long_sequence_picks_from_every_tactic(capfd):
+    """S = 2^18 under one layout (a band and 2 global tokens): one bitmap per tile of the whole grid would pass 2^32
+    bytes, the layout's few bitmaps do not.  The plugin passes their row count (C ABI 6), so on sm_90 its pre-search
+    pick may be, and is, a wgmma tactic (the library refused those there before); sampled rows against float64."""
+    import re
+
+    from stof_trt import kernels
+
+    S, B, H, D = 1 << 18, 1, 2, 64
+    spec = "sliding:window=128|global:n=2"
+    layout = compile_mask(spec, S, S)
+    m = attention_model(layout, B=B, H=H, D=D, dynamic=False)
+    rng = np.random.default_rng(18)
+    feeds = {n: rng.standard_normal((B, H, S, D)).astype(np.float16) for n in "qkv"}
+    (got,), _ = _cuda_run(m, feeds, verbose=True)
+    log = capfd.readouterr().err
+    assert np.isfinite(got).all()
+    rows = np.unique(np.concatenate([[0, 1, 2, S // 2, S - 1], rng.integers(0, S, 59)]))
+    keys = np.arange(S)
+    allowed = (np.abs(rows[:, None] - keys[None, :]) <= 128) | (rows[:, None] < 2) | (keys[None, :] < 2)
+    for h in range(H):
+        q, k, v = (feeds[n][0, h].astype(np.float64) for n in "qkv")
+        sc = np.where(allowed, q[rows] @ k.T / math.sqrt(D), -np.inf)
+        p = np.exp(sc - sc.max(-1, keepdims=True))
+        ref = (p @ v) / p.sum(-1, keepdims=True)
+        err = np.linalg.norm(got[0, h, rows].astype(np.float64) - ref) / np.linalg.norm(ref)
+        assert err <= 2e-3, (h, err)
+    pick = re.search(r"pre-search first choice (\d+)", log)
+    assert pick, log[-2000:]
+    torch = pytest.importorskip("torch")
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert kernels.tactic_info(int(pick.group(1))).family == kernels.FAMILY_HOPPER, log[-2000:]
+
+
+@needs_lib
+@needs_cuda
 def test_sparse_attention_shorter_runtime_sequence():
     layout = compile_mask("longformer:window=32,global=8", 256, 256)
     m = attention_model(layout, B=2, H=2, D=64, padding=True)
