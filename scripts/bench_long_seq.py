@@ -7,8 +7,9 @@ Until C ABI 6 the library bounded the wgmma kernels' 32-bit bitmap offsets by th
 512 bytes per 64x64 tile), so it refused those kernels, its fastest, once L * Tq * Tk * 512 bytes passed 2^32: from
 S of about 185k under one layout, 54k under 12 per-head layouts.  The binding now passes the bitmaps' row count
 (`DeviceLayout.num_bitmaps`); 0 gives the old listing.  Per cell, every tactic the library lists is timed once, and
-the best of the new and of the old listing are reported beside FlexAttention (torch.compile'd flex_attention with
-create_block_mask of the same mask, 128x128 blocks).  Every STOF output is compared with Flex's.  Times:
+the best of the new and of the old listing are reported beside the pre-search's first choice (stof_trt.presearch,
+within 10 % of the best?) and FlexAttention (torch.compile'd flex_attention with create_block_mask of the same mask,
+128x128 blocks).  Every STOF output is compared with Flex's (with --no-flex, with the best tactic's).  Times:
 triton.testing.do_bench medians (CUDA events).  Writes bench_long_seq.json and .md under --out.
 """
 
@@ -26,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 # name: (mask spec, per-head layouts)
 MASKS = {
     "sliding": ("sliding:window=128", False),
+    "dilated": ("dilated:window=256,dilation=2", False),
+    "longformer": ("longformer:window=128,global=16", False),
     "bigbird_per_head": ("bigbird:block=64,window=1,global=1,random=0.02,seed=4,per_head=1", True),
 }
 
@@ -44,6 +47,10 @@ def parse_cells(text):
 def mask_mod_for(name, mask, S, H, torch):
     if name == "sliding":
         return lambda b, h, q, k: (q - k).abs() <= 128
+    if name == "dilated":
+        return lambda b, h, q, k: ((q - k).abs() <= 256) & ((q - k) % 2 == 0)
+    if name == "longformer":
+        return lambda b, h, q, k: ((q - k).abs() <= 128) | (q < 16) | (k < 16)
     # block tables per head, [H, S/64, S/64] (the dense mask would be H * S^2 bytes)
     blocks = torch.from_numpy(np.stack([mask.layout(S, S, head=h) for h in range(H)])).cuda()
     return lambda b, h, q, k: blocks[h, q // 64, k // 64]
@@ -57,6 +64,7 @@ def main():
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--dim", type=int, default=64, choices=(64, 128))
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
+    ap.add_argument("--no-flex", action="store_true", help="leave FlexAttention out (its compile takes minutes)")
     ap.add_argument("--out", type=Path, default=Path("."))
     args = ap.parse_args()
     cells = parse_cells(args.cells)
@@ -65,6 +73,7 @@ def main():
     import triton
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    from stof_trt import presearch
     from stof_trt.format import compile_mask
     from stof_trt.kernels import DeviceLayout, list_tactics, sparse_attention, tactic_info
     from stof_trt.masks import parse_mask
@@ -72,6 +81,7 @@ def main():
     torch._dynamo.config.cache_size_limit = 1000
     flex = torch.compile(flex_attention, dynamic=False)
     B, H, D = args.batch, args.heads, args.dim
+    gpu = presearch.gpu_props()
 
     def bench(fn):
         return triton.testing.do_bench(fn, warmup=25, rep=args.rep, return_mode="median")
@@ -84,11 +94,15 @@ def main():
         dl = DeviceLayout(layout)
         gen = torch.Generator(device="cuda").manual_seed(S)
         q, k, v = (torch.randn(B, H, S, D, generator=gen, device="cuda", dtype=torch.float16) for _ in range(3))
-        bm = create_block_mask(mask_mod_for(name, mask, S, H, torch), None, H if per_head else None, S, S,
-                               device="cuda", _compile=True)  # (uncompiled, it would evaluate all S^2 pairs)
-        ref = flex(q, k, v, block_mask=bm)
-        t_flex = bench(lambda: flex(q, k, v, block_mask=bm))
+        ref = bm = None
+        t_flex = float("nan")
+        if not args.no_flex:
+            bm = create_block_mask(mask_mod_for(name, mask, S, H, torch), None, H if per_head else None, S, S,
+                                   device="cuda", _compile=True)  # (uncompiled, it would evaluate all S^2 pairs)
+            ref = flex(q, k, v, block_mask=bm)
+            t_flex = bench(lambda: flex(q, k, v, block_mask=bm))
         new_ids = list_tactics(q, k, v, dl)
+        ranked = [t for t, _ in presearch.rank(layout, batch=B, heads=H, head_dim=D, gpu=gpu) if t in new_ids]
         dl.num_bitmaps = 0
         old_ids = list_tactics(q, k, v, dl)
         dl.num_bitmaps = int(dl.bitmaps.shape[0])
@@ -98,6 +112,8 @@ def main():
             out.fill_(float("nan"))
             sparse_attention(q, k, v, dl, tactic=t, out=out)
             torch.cuda.synchronize()
+            if ref is None:  # --no-flex: the first tactic's output is the reference for the others
+                ref = out.clone()
             errs[t] = float((out.double() - ref.double()).norm() / ref.double().norm())
             times[t] = bench(lambda t=t: sparse_attention(q, k, v, dl, tactic=t, out=out))
         best_new = min(new_ids, key=times.get)
@@ -108,13 +124,18 @@ def main():
                "flex_ms": t_flex, "tactics_new": new_ids, "tactics_old": old_ids,
                "best_new": tactic_info(best_new).name, "best_new_ms": times[best_new],
                "best_old": tactic_info(best_old).name, "best_old_ms": times[best_old],
+               "pick": tactic_info(ranked[0]).name if ranked else None,
+               "pick_ms": times[ranked[0]] if ranked else float("nan"),
+               "pick_hit": bool(ranked) and times[ranked[0]] <= 1.10 * times[best_new],
                "old_over_new": times[best_old] / times[best_new], "flex_over_new": t_flex / times[best_new],
                "max_rel_err_vs_flex": max(errs.values()),
+               "reference": "flex" if not args.no_flex else tactic_info(new_ids[0]).name,
                "ms": {tactic_info(t).name: times[t] for t in new_ids}}
         rows.append(row)
         print(f"{name:17s} S={S:7d} L={row['layouts']:2d} grid bitmaps {grid_bytes / 2**30:5.1f} GiB, listed "
               f"{len(new_ids)} (old {len(old_ids)}): best {row['best_new']} {row['best_new_ms']:.3f} ms, old best "
-              f"{row['best_old']} {row['best_old_ms']:.3f} ms ({row['old_over_new']:.2f}x), Flex "
+              f"{row['best_old']} {row['best_old_ms']:.3f} ms ({row['old_over_new']:.2f}x), pick {row['pick']} "
+              f"{row['pick_ms']:.3f} ms, Flex "
               f"{t_flex:.3f} ms ({row['flex_over_new']:.2f}x), max rel err vs Flex {row['max_rel_err_vs_flex']:.1e}",
               flush=True)
         q = k = v = out = ref = bm = None  # (freed before the next cell)
@@ -123,12 +144,14 @@ def main():
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_long_seq.json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows},
                                                              indent=1))
-    md = ["| mask | S | layouts | grid bitmaps (GiB) | STOF best (ms) | old listing's best (ms) | old / new | Flex (ms) "
-          "| Flex / STOF | max rel err vs Flex |", "|---|---|---|---|---|---|---|---|---|---|"]
+    md = ["| mask | S | layouts | grid bitmaps (GiB) | STOF best (ms) | old listing's best (ms) | old / new | "
+          "pre-search pick (ms) | Flex (ms) | Flex / STOF | max rel err vs Flex |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         md.append(f"| {r['mask']} | {r['S']} | {r['layouts']} | {r['grid_bitmap_bytes'] / 2**30:.1f} | "
                   f"{r['best_new_ms']:.3f} ({r['best_new']}) | {r['best_old_ms']:.3f} ({r['best_old']}) | "
-                  f"{r['old_over_new']:.2f} | {r['flex_ms']:.3f} | {r['flex_over_new']:.2f} | "
+                  f"{r['old_over_new']:.2f} | {r['pick_ms']:.3f} ({r['pick']}{'' if r['pick_hit'] else ', > 1.1x'}) | "
+                  f"{r['flex_ms']:.3f} | {r['flex_over_new']:.2f} | "
                   f"{r['max_rel_err_vs_flex']:.1e} |")
     (args.out / "bench_long_seq.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
