@@ -60,6 +60,8 @@ STOF_FORMAT_VERSIONS_READ = (1, 2)
 
 # Elements evaluated per chunk when classifying unknown tiles: bounds peak memory (~ a few x 16 MB).
 _CHUNK_ELEMENTS = 1 << 24
+# Tiles of the grid classified per block of tile rows in compile_mask (~ a few x 32 MB of index arrays).
+_GRID_CHUNK_TILES = 1 << 22
 
 
 class TileClass(enum.IntEnum):
@@ -376,24 +378,36 @@ def _valid_counts(seq_q, seq_k, tile_m, tile_n) -> np.ndarray:
 def _assemble(cls_grid, part_bits, part_pos, seq_q, seq_k, tile_m, tile_n, mask_spec) -> TileLayout:
     """Build a TileLayout from a class grid [L,Tq,Tk] and the bits [P,tm,tn] of the PARTIAL tiles at part_pos
     (index arrays into the grid, any order)."""
-    L, tq, tk = cls_grid.shape
-    stored = cls_grid != TileClass.EMPTY
-    flat = np.flatnonzero(stored)                       # storage order: layout, tile row, tile column
-    nnz = flat.size
-    row_ptr = np.zeros(L * tq + 1, np.int64)
-    np.cumsum(stored.reshape(L * tq, tk).sum(1), out=row_ptr[1:])
-    col_idx = (flat % tk).astype(np.int32)
-    is_part = cls_grid.reshape(-1)[flat] == TileClass.PARTIAL
-    tile_bitmap_index = np.full(nnz, -1, np.int32)
-    tile_bitmap_index[is_part] = np.arange(int(is_part.sum()), dtype=np.int32)
+    flat = np.flatnonzero(cls_grid != TileClass.EMPTY)  # storage order: layout, tile row, tile column
     # Bits arrive in part_pos order; put them in storage order.
     part_flat = np.ravel_multi_index(part_pos, cls_grid.shape) if len(part_pos[0]) else np.zeros(0, np.int64)
     order = np.argsort(part_flat, kind="stable")
-    bits = np.asarray(part_bits, bool).reshape(-1, tile_m * tile_n)[order]
+    return _assemble_stored(cls_grid.shape, flat, cls_grid.reshape(-1)[flat],
+                            _pack_bitmaps(np.asarray(part_bits, bool)[order], tile_m, tile_n),
+                            seq_q, seq_k, tile_m, tile_n, mask_spec)
+
+
+def _pack_bitmaps(bits, tile_m, tile_n) -> np.ndarray:
+    """Tiles' bits [P,tm,tn] (bool) as bitmap rows [P, tm*tn/32] int32 of docs/format.md (element t -> bit t)."""
+    bits = np.asarray(bits, bool).reshape(-1, tile_m * tile_n)
+    packed = np.packbits(bits, axis=1, bitorder="little")   # [P, words*4] bytes
+    return np.ascontiguousarray(packed).view("<u4").astype(np.uint32).view(np.int32)
+
+
+def _assemble_stored(shape, flat, classes, part_words, seq_q, seq_k, tile_m, tile_n, mask_spec) -> TileLayout:
+    """Build a TileLayout of grid shape (L, Tq, Tk) from its stored tiles: flat, their ascending indices into the
+    grid (storage order); classes, their TileClass (FULL or PARTIAL); part_words [P, tm*tn/32], the PARTIAL ones'
+    bitmaps (_pack_bitmaps) in the same order."""
+    L, tq, tk = shape
+    nnz = flat.size
+    row_ptr = np.zeros(L * tq + 1, np.int64)
+    np.cumsum(np.bincount(flat // tk, minlength=L * tq), out=row_ptr[1:])
+    col_idx = (flat % tk).astype(np.int32)
+    is_part = classes == TileClass.PARTIAL
+    tile_bitmap_index = np.full(nnz, -1, np.int32)
     words = tile_m * tile_n // 32
-    if bits.shape[0]:
-        packed = np.packbits(bits, axis=1, bitorder="little")   # [P, words*4] bytes, element t -> bit t
-        bitmaps = np.ascontiguousarray(packed).view("<u4").astype(np.uint32).view(np.int32)
+    if part_words.shape[0]:
+        bitmaps = part_words
         # Identical bitmaps stored once, numbered in order of first use (format version 2).  Why: a band's or a
         # causal mask's PARTIAL tiles repeat a few patterns, and the kernels then read a few rows many times instead
         # of a distinct row per tile (session 17, tactic 24 against the unshared layouts: Longformer -6 to -7 %,
@@ -419,8 +433,10 @@ def compile_mask(mask: MaskSpec | str | np.ndarray, seq_q: int, seq_k: int | Non
     """Compile a mask spec (or spec string, or dense bool array) for a ``seq_q x seq_k`` attention.
 
     Tiles the spec can classify from index ranges alone (bands, global tokens, block layouts) are never
-    evaluated element-wise; only UNKNOWN tiles are, in bounded chunks. No Python loop runs over tiles or
-    elements (only over layouts when the mask differs per head)."""
+    evaluated element-wise; only UNKNOWN tiles are, in bounded chunks. The tile grid is classified a block of tile
+    rows at a time and only the stored tiles are kept (PARTIAL ones as packed bitmaps), so memory grows with the
+    stored tiles, not with Tq x Tk: a 2^20-token band compiles in ~0.2 GB. No Python loop runs over tiles or
+    elements (only over layouts when the mask differs per head, and over blocks of tile rows)."""
     seq_k = seq_q if seq_k is None else seq_k
     check_tile_shape(tile_m, tile_n)
     if not (isinstance(seq_q, (int, np.integer)) and isinstance(seq_k, (int, np.integer))) or seq_q < 1 or seq_k < 1:
@@ -435,39 +451,48 @@ def compile_mask(mask: MaskSpec | str | np.ndarray, seq_q: int, seq_k: int | Non
         return TileLayout.from_dense(dense, tile_m, tile_n, mask_spec=str(spec))
 
     tq, tk = -(-seq_q // tile_m), -(-seq_k // tile_n)
-    r0 = (np.arange(tq, dtype=np.int64) * tile_m)[:, None]
-    r1 = np.minimum(r0 + tile_m, seq_q)
     c0 = (np.arange(tk, dtype=np.int64) * tile_n)[None, :]
     c1 = np.minimum(c0 + tile_n, seq_k)
-    valid = _valid_counts(seq_q, seq_k, tile_m, tile_n)
+    valid_rows = np.minimum(tile_m, seq_q - np.arange(tq, dtype=np.int64) * tile_m)
+    valid_cols = np.minimum(tile_n, seq_k - np.arange(tk, dtype=np.int64) * tile_n)
     # int32 indices: element-wise evaluation is memory-bound, and int32 division is several times faster.
     a = np.arange(tile_m, dtype=np.int32)[None, :, None]
     b = np.arange(tile_n, dtype=np.int32)[None, None, :]
     per_chunk = max(1, _CHUNK_ELEMENTS // (tile_m * tile_n))
+    # Tile rows are classified a block at a time and only the stored tiles are kept: memory grows with the stored
+    # tiles, not with the Tq x Tk grid (at S = 512k one layout's grid alone took 1.8 GB before).
+    rows_per_block = max(1, _GRID_CHUNK_TILES // tk)
 
-    grids, part_bits, part_pos = [], [], ([], [], [])
+    flats, classes, part_words = [], [], []
     for h in range(L):
         kw = dict(seq_q=seq_q, seq_k=seq_k, head=h)
-        cls = np.broadcast_to(spec.classify_tiles(r0, r1, c0, c1, **kw), (tq, tk)).astype(np.int8)
-        ui, uj = np.nonzero(cls == TILE_UNKNOWN)
-        for s in range(0, ui.size, per_chunk):
-            ti, tj = ui[s:s + per_chunk], uj[s:s + per_chunk]
-            q = ti.astype(np.int32)[:, None, None] * np.int32(tile_m) + a       # [U, tm, 1]
-            k = tj.astype(np.int32)[:, None, None] * np.int32(tile_n) + b       # [U, 1, tn]
-            inside = (q < seq_q) & (k < seq_k)
-            bits = spec.evaluate(np.minimum(q, np.int32(seq_q - 1)), np.minimum(k, np.int32(seq_k - 1)), **kw) & inside
-            count = bits.sum(axis=(1, 2))
-            full, empty = count == valid[ti, tj], count == 0
-            cls[ti[full], tj[full]] = TileClass.FULL
-            cls[ti[empty], tj[empty]] = TileClass.EMPTY
-            part = ~(full | empty)
-            cls[ti[part], tj[part]] = TileClass.PARTIAL
-            part_bits.append(bits[part])
-            for lst, v in zip(part_pos, (np.full(int(part.sum()), h), ti[part], tj[part])):
-                lst.append(v)
-        grids.append(cls)
-    grid = np.stack(grids)
-    assert not np.any(grid == TILE_UNKNOWN)
-    pos = tuple(np.concatenate(p) if p else np.zeros(0, np.int64) for p in part_pos)
-    bits = np.concatenate(part_bits) if part_bits else np.zeros((0, tile_m, tile_n), bool)
-    return _assemble(grid, bits, pos, seq_q, seq_k, tile_m, tile_n, str(spec))
+        for rs in range(0, tq, rows_per_block):
+            re = min(tq, rs + rows_per_block)
+            r0 = (np.arange(rs, re, dtype=np.int64) * tile_m)[:, None]
+            r1 = np.minimum(r0 + tile_m, seq_q)
+            cls = np.array(np.broadcast_to(spec.classify_tiles(r0, r1, c0, c1, **kw), (re - rs, tk)), np.int8)
+            ui, uj = np.nonzero(cls == TILE_UNKNOWN)               # row-major: storage order
+            for s in range(0, ui.size, per_chunk):
+                ti, tj = ui[s:s + per_chunk], uj[s:s + per_chunk]  # (ti: row within the block)
+                q = (ti + rs).astype(np.int32)[:, None, None] * np.int32(tile_m) + a   # [U, tm, 1]
+                k = tj.astype(np.int32)[:, None, None] * np.int32(tile_n) + b          # [U, 1, tn]
+                inside = (q < seq_q) & (k < seq_k)
+                bits = spec.evaluate(np.minimum(q, np.int32(seq_q - 1)), np.minimum(k, np.int32(seq_k - 1)),
+                                     **kw) & inside
+                count = bits.sum(axis=(1, 2))
+                valid = valid_rows[ti + rs] * valid_cols[tj]
+                full, empty = count == valid, count == 0
+                cls[ti[full], tj[full]] = TileClass.FULL
+                cls[ti[empty], tj[empty]] = TileClass.EMPTY
+                part = ~(full | empty)
+                cls[ti[part], tj[part]] = TileClass.PARTIAL
+                # ascending, as the PARTIAL tiles are stored; packed at once (8x smaller than the bools)
+                part_words.append(_pack_bitmaps(bits[part], tile_m, tile_n))
+            assert not np.any(cls == TILE_UNKNOWN)
+            si, sj = np.nonzero(cls != TileClass.EMPTY)
+            flats.append((h * tq + rs + si.astype(np.int64)) * tk + sj)
+            classes.append(cls[si, sj])
+    flat = np.concatenate(flats) if flats else np.zeros(0, np.int64)
+    cls_stored = np.concatenate(classes) if classes else np.zeros(0, np.int8)
+    words = np.concatenate(part_words) if part_words else np.zeros((0, tile_m * tile_n // 32), np.int32)
+    return _assemble_stored((L, tq, tk), flat, cls_stored, words, seq_q, seq_k, tile_m, tile_n, str(spec))
