@@ -460,7 +460,7 @@ def compile_mask(mask: MaskSpec | str | np.ndarray, seq_q: int, seq_k: int | Non
     b = np.arange(tile_n, dtype=np.int32)[None, None, :]
     per_chunk = max(1, _CHUNK_ELEMENTS // (tile_m * tile_n))
     # Tile rows are classified a block at a time and only the stored tiles are kept: memory grows with the stored
-    # tiles, not with the Tq x Tk grid (at S = 512k one layout's grid alone took 1.8 GB before).
+    # tiles, not with the Tq x Tk grid (a 2^19-token band took 1.8 GB of host memory when the grid was held whole).
     rows_per_block = max(1, _GRID_CHUNK_TILES // tk)
 
     flats, classes, part_words = [], [], []
