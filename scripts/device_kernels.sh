@@ -91,7 +91,7 @@ if has test; then
   t0=$SECONDS
   rm -f "$OUT/correctness.jsonl"
   # (eval, as for AB_ARGS: TEST_ARGS="-k 'a or b'" keeps its quoted words)
-  eval "STOF_TEST_REPORT=\"$OUT/correctness.jsonl\" python -m pytest -q -p no:cacheprovider tests/gpu/test_attention_kernels.py ${TEST_ARGS:-}" 2>&1 | tail -40
+  eval "STOF_TEST_REPORT=\"\$OUT/correctness.jsonl\" python -m pytest -q -p no:cacheprovider tests/gpu/test_attention_kernels.py ${TEST_ARGS:-}" 2>&1 | tail -40
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
   echo "tests done in $((SECONDS - t0)) s"
   python - "$OUT/correctness.jsonl" <<'PY'

@@ -293,7 +293,7 @@ def test_sparse_attention_packed_qkv(spec, S, B, H, D, dtype, padding):
 
 @needs_lib
 @needs_cuda
-def test_sparse_attention_long_sequence_picks_from_every_tactic(capfd):
+def test_sparse_attention_long_sequence_picks_from_every_tactic(capfd, monkeypatch):
     """S = 2^18 under one layout (a band and 2 global tokens): one bitmap per tile of the whole grid would pass 2^32
     bytes, the layout's few bitmaps do not.  The plugin passes their row count (C ABI 6), so on sm_90 its pre-search
     pick may be, and is, a wgmma tactic (the library refused those there before); sampled rows against float64."""
@@ -301,6 +301,9 @@ def test_sparse_attention_long_sequence_picks_from_every_tactic(capfd):
 
     from stof_trt import kernels
 
+    # the pick is the pre-search's, printed by the verbose plugin: no tactic cache, no pre-search switch-off
+    monkeypatch.delenv("STOF_TACTIC_CACHE", raising=False)
+    monkeypatch.delenv("STOF_ORT_PRESEARCH", raising=False)
     S, B, H, D = 1 << 18, 1, 2, 64
     spec = "sliding:window=128|global:n=2"
     layout = compile_mask(spec, S, S)
