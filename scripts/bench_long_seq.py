@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_attention's mask functions
 
 # name: (mask spec, per-head layouts)
 MASKS = {
@@ -45,15 +46,13 @@ def parse_cells(text):
 
 
 def mask_mod_for(name, mask, S, H, torch):
-    if name == "sliding":
-        return lambda b, h, q, k: (q - k).abs() <= 128
-    if name == "dilated":
-        return lambda b, h, q, k: ((q - k).abs() <= 256) & ((q - k) % 2 == 0)
-    if name == "longformer":
-        return lambda b, h, q, k: ((q - k).abs() <= 128) | (q < 16) | (k < 16)
-    # block tables per head, [H, S/64, S/64] (the dense mask would be H * S^2 bytes)
-    blocks = torch.from_numpy(np.stack([mask.layout(S, S, head=h) for h in range(H)])).cuda()
-    return lambda b, h, q, k: blocks[h, q // 64, k // 64]
+    if name == "bigbird_per_head":
+        # block tables per head, [H, S/64, S/64] (the dense mask would be H * S^2 bytes)
+        blocks = torch.from_numpy(np.stack([mask.layout(S, S, head=h) for h in range(H)])).cuda()
+        return lambda b, h, q, k: blocks[h, q // 64, k // 64]
+    from bench_attention import mask_mod_for as issue_mask_mod  # the issue's masks, as its benchmark has them
+
+    return issue_mask_mod(name, mask, S, torch)
 
 
 def main():
