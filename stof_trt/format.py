@@ -151,7 +151,8 @@ class TileLayout:
         padded[:, :sq, :sk] = m.astype(bool, copy=False)
         tiles = padded.reshape(L, tq, tile_m, tk, tile_n).swapaxes(2, 3)  # [L, Tq, Tk, tm, tn] view
         count = tiles.sum(axis=(3, 4), dtype=np.int64)
-        valid = _valid_counts(sq, sk, tile_m, tile_n)
+        rows, cols = _valid_extents(sq, sk, tile_m, tile_n)
+        valid = rows[:, None] * cols[None, :]
         cls_grid = np.where(count == 0, TileClass.EMPTY,
                             np.where(count == valid[None], TileClass.FULL, TileClass.PARTIAL)).astype(np.int8)
         part = np.nonzero(cls_grid == TileClass.PARTIAL)
@@ -367,12 +368,13 @@ def pairs_longest_first(counts: np.ndarray) -> np.ndarray:
     return rows_longest_first(padded.reshape(L, -1, 2).max(axis=2))
 
 
-def _valid_counts(seq_q, seq_k, tile_m, tile_n) -> np.ndarray:
-    """In-range element count of each tile, [Tq, Tk]."""
+def _valid_extents(seq_q, seq_k, tile_m, tile_n) -> tuple[np.ndarray, np.ndarray]:
+    """In-range rows of each tile row [Tq] and columns of each tile column [Tk] (int64): a tile (i, j) holds
+    rows[i] * cols[j] in-range elements."""
     tq, tk = -(-seq_q // tile_m), -(-seq_k // tile_n)
-    rows = np.minimum(tile_m, seq_q - np.arange(tq) * tile_m)
-    cols = np.minimum(tile_n, seq_k - np.arange(tk) * tile_n)
-    return rows[:, None].astype(np.int64) * cols[None, :]
+    rows = np.minimum(tile_m, seq_q - np.arange(tq, dtype=np.int64) * tile_m)
+    cols = np.minimum(tile_n, seq_k - np.arange(tk, dtype=np.int64) * tile_n)
+    return rows, cols
 
 
 def _assemble(cls_grid, part_bits, part_pos, seq_q, seq_k, tile_m, tile_n, mask_spec) -> TileLayout:
@@ -453,8 +455,7 @@ def compile_mask(mask: MaskSpec | str | np.ndarray, seq_q: int, seq_k: int | Non
     tq, tk = -(-seq_q // tile_m), -(-seq_k // tile_n)
     c0 = (np.arange(tk, dtype=np.int64) * tile_n)[None, :]
     c1 = np.minimum(c0 + tile_n, seq_k)
-    valid_rows = np.minimum(tile_m, seq_q - np.arange(tq, dtype=np.int64) * tile_m)
-    valid_cols = np.minimum(tile_n, seq_k - np.arange(tk, dtype=np.int64) * tile_n)
+    valid_rows, valid_cols = _valid_extents(seq_q, seq_k, tile_m, tile_n)
     # int32 indices: element-wise evaluation is memory-bound, and int32 division is several times faster.
     a = np.arange(tile_m, dtype=np.int32)[None, :, None]
     b = np.arange(tile_n, dtype=np.int32)[None, None, :]

@@ -22,6 +22,7 @@ from graph_rewrite.functions import (DOMAIN, add_layernorm_function, add_layerno
                                      attention_overload, gemm_epilogue_function, sparse_attention_function)
 from stof_trt import ort as sort  # noqa: E402
 from stof_trt.format import STOF_FORMAT_VERSION, compile_mask  # noqa: E402
+from stof_trt.masks import parse_mask  # noqa: E402
 
 OPSET = 17
 NP2ONNX = {np.float32: TensorProto.FLOAT, np.float16: TensorProto.FLOAT16}
@@ -314,8 +315,8 @@ def test_sparse_attention_long_sequence_picks_from_every_tactic(capfd, monkeypat
     log = capfd.readouterr().err
     assert np.isfinite(got).all()
     rows = np.unique(np.concatenate([[0, 1, 2, S // 2, S - 1], rng.integers(0, S, 59)]))
-    keys = np.arange(S)
-    allowed = (np.abs(rows[:, None] - keys[None, :]) <= 128) | (rows[:, None] < 2) | (keys[None, :] < 2)
+    allowed = np.broadcast_to(parse_mask(spec).evaluate(rows[:, None].astype(np.int64), np.arange(S)[None, :],
+                                                        seq_q=S, seq_k=S), (len(rows), S))
     for h in range(H):
         q, k, v = (feeds[n][0, h].astype(np.float64) for n in "qkv")
         sc = np.where(allowed, q[rows] @ k.T / math.sqrt(D), -np.inf)
