@@ -49,6 +49,13 @@ def sdpa_backends(q, k, v, F, torch):
     return out
 
 
+def stof_cells(info, Sq, D):
+    """Every STOF problem's tactics timed once, as scripts/bench_attention.py's "cells" (stof_trt.presearch.calibrate
+    and scripts/presearch_fit.py read them)."""
+    return [{"D": D, "S": Sq, "Sk": v["sk"], "spec": v["spec"], "mask": name, "measured_ms": v["once_ms"],
+             "pick": v["pick"]} for name, v in info.items()]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=8)
@@ -102,6 +109,7 @@ def main():
         best = min(once, key=once.get)
         methods[f"stof_{tag}"] = checked_runner(q, k, v, dl, best, ref, tag)
         info[f"stof_{tag}"] = {"tactic": best, "name": tactic_info(best).name, "pick": ranked[0][0],
+                               "spec": spec, "sk": k.shape[2],
                                "once_ms": {tactic_info(t).name: ms for t, ms in once.items()},
                                "tile_flops": 4.0 * B * H * D * layout.nnz * layout.tile_m * layout.tile_n}
         print(f"  stof_{tag}: best {tactic_info(best).name} {once[best]:.4f} ms (pick {ranked[0][0]})", flush=True)
@@ -144,7 +152,7 @@ def main():
     med = {n: median_ci([r[n] for r in per]) for n in methods}
     floor = median_ci([roofline_floor_ms(r, band_bytes, info["stof_band"]["tile_flops"]) for r in per])
     res = {"batch": B, "heads": H, "dim": D, "sq": Sq, "window": args.window, "rounds": per, "median_ms": med,
-           "band_floor_ms": floor, "stof": info,
+           "band_floor_ms": floor, "stof": info, "summary": {"batch": B, "heads": H}, "cells": stof_cells(info, Sq, D),
            "copy_TBps": copy_bandwidth(med["copy"][0]) / 1e12, "matmul_TFLOPs": matmul_rate(med["matmul"][0]) / 1e12}
     (out_dir / "ideal_band_work.json").write_text(json.dumps(res, indent=1))
     lines = [f"# The band's tile work without its mask (B={B}, H={H}, D={D}, Sq={Sq}, fp16; {args.rounds} rounds)",

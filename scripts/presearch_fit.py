@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""Replay the pre-search on recorded benchmark runs, and refit some of its constants (CPU only).
+
+    python scripts/presearch_fit.py --runs plugins_cu/measurements/h100_s27_final.json
+    python scripts/presearch_fit.py --runs RUN1.json,RUN2.json --fit 15:64,16:64 --fit-runs RUN1.json,RUN3.json
+
+A run is a scripts/bench_attention.py JSON (or scripts/ideal_band_work.py's, which holds the same "cells"): per
+cell, every tactic the benchmark timed.  The replay ranks each cell's tactics with stof_trt.presearch (the H100
+properties) and counts the cells where the first choice's measured time is within 10 % of the best measured one
+(the issue's measure); a first choice the run did not time counts as a miss and is named.  With --fit, the listed
+(tactic, head dim) entries of COEF are refitted by presearch.calibrate on --fit-runs (default: --runs) and every
+run is replayed with the refitted entries beside the current ones; paste the printed entries into COEF and re-run
+scripts/gen_presearch_table.py.  --json writes both replays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from stof_trt import presearch  # noqa: E402
+
+
+def replay(run_path: str, within: float = 1.10) -> list[dict]:
+    """Per cell of the run: the model's first choice, its measured time over the best, hit or not."""
+    res = json.loads(Path(run_path).read_text())
+    B, H = res["summary"]["batch"], res["summary"]["heads"]
+    out = []
+    for cell in res["cells"]:
+        stats = presearch.tile_stats(presearch.cell_layout(cell))
+        ranked = presearch.rank(stats, batch=B, heads=H, head_dim=cell["D"], gpu=presearch.H100_SXM)
+        meas = cell["measured_ms"]
+        best = min(meas, key=meas.get)
+        pick = presearch._BY_ID[ranked[0][0]].name
+        ratio = meas[pick] / meas[best] if pick in meas else float("nan")
+        out.append({"D": cell["D"], "S": cell["S"], "Sk": cell.get("Sk", cell["S"]), "mask": cell["mask"],
+                    "pick": pick, "best": best, "ratio": ratio, "hit": ratio <= within})
+    return out
+
+
+def summary(rows: list[dict]) -> str:
+    miss = [f"{r['mask']} D={r['D']} S={r['S']}" + (f" Sk={r['Sk']}" if r["Sk"] != r["S"] else "") +
+            f": {r['pick']} " + (f"{r['ratio']:.2f}x" if r["ratio"] == r["ratio"] else "not timed")
+            for r in rows if not r["hit"]]
+    return f"{sum(r['hit'] for r in rows)}/{len(rows)}" + (f"  misses: {'; '.join(miss)}" if miss else "")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", required=True, help="comma-separated benchmark JSONs to replay")
+    ap.add_argument("--fit", default="", help="comma-separated TACTIC:HEAD_DIM entries of COEF to refit")
+    ap.add_argument("--fit-runs", default="", help="comma-separated JSONs to fit on (default: --runs)")
+    ap.add_argument("--relative", action="store_true",
+                    help="fit relative errors (each cell weighed by 1 / its time), as session 31's refit did")
+    ap.add_argument("--json", default="", help="write the replays here")
+    args = ap.parse_args()
+    runs = [r for r in args.runs.split(",") if r]
+    for r in runs + [r for r in args.fit_runs.split(",") if r]:
+        if not Path(r).is_file():
+            sys.exit(f"presearch_fit: no such run: {r}")
+    try:
+        keys = {tuple(int(x) for x in k.split(":")) for k in args.fit.split(",") if k}
+    except ValueError:
+        sys.exit(f"presearch_fit: --fit takes TACTIC:HEAD_DIM entries, got {args.fit!r}")
+    bad = [k for k in keys if len(k) != 2 or k[0] not in {t.id for t in presearch.TACTICS} or k[1] not in (64, 128)]
+    if bad:
+        sys.exit(f"presearch_fit: unknown COEF entries {bad} (tactic ids of presearch.TACTICS, head dims 64/128)")
+
+    report = {"current": {r: replay(r) for r in runs}}
+    for r in runs:
+        print(f"current  {Path(r).name}: {summary(report['current'][r])}")
+    if keys:
+        fit_runs = [r for r in args.fit_runs.split(",") if r] or runs
+        coef = presearch.calibrate(fit_runs, keys=keys, relative=args.relative)
+        missing = keys - set(coef)
+        if missing:
+            sys.exit(f"presearch_fit: the fit runs timed none of {sorted(missing)}")
+        old = {k: presearch.COEF.get(k) for k in coef}
+        presearch.COEF.update(coef)
+        try:
+            report["refit"] = {r: replay(r) for r in runs}
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    presearch.COEF.pop(k)
+                else:
+                    presearch.COEF[k] = v
+        report["coef"] = {f"{k[0]}:{k[1]}": v for k, v in coef.items()}
+        for k in sorted(coef):
+            print(f"    {k}: {coef[k]},  # was {old[k]}")
+        for r in runs:
+            print(f"refit    {Path(r).name}: {summary(report['refit'][r])}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
