@@ -53,7 +53,7 @@ def stof_cells(info, Sq, D):
     """Every STOF problem's tactics timed once, as scripts/bench_attention.py's "cells" (stof_trt.presearch.calibrate
     and scripts/presearch_fit.py read them)."""
     return [{"D": D, "S": Sq, "Sk": v["sk"], "spec": v["spec"], "mask": name, "measured_ms": v["once_ms"],
-             "pick": v["pick"]} for name, v in info.items()]
+             "pick": v["pick_name"]} for name, v in info.items()]
 
 
 def main():
@@ -69,6 +69,12 @@ def main():
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    try:
+        sks = [int(s) for s in args.sk.split(",")]
+    except ValueError:
+        sys.exit(f"ideal_band_work: --sk takes comma-separated key counts, got {args.sk!r}")
+    if not sks or min(sks) < 1:
+        sys.exit(f"ideal_band_work: --sk takes positive key counts, got {args.sk!r}")
 
     import torch
     import torch.nn.functional as F
@@ -109,12 +115,13 @@ def main():
         best = min(once, key=once.get)
         methods[f"stof_{tag}"] = checked_runner(q, k, v, dl, best, ref, tag)
         info[f"stof_{tag}"] = {"tactic": best, "name": tactic_info(best).name, "pick": ranked[0][0],
+                               "pick_name": tactic_info(ranked[0][0]).name,
                                "spec": spec, "sk": k.shape[2],
                                "once_ms": {tactic_info(t).name: ms for t, ms in once.items()},
                                "tile_flops": 4.0 * B * H * D * layout.nnz * layout.tile_m * layout.tile_n}
         print(f"  stof_{tag}: best {tactic_info(best).name} {once[best]:.4f} ms (pick {ranked[0][0]})", flush=True)
 
-    for sk in [int(s) for s in args.sk.split(",")]:
+    for sk in sks:
         t0 = time.time()
         k = torch.randn(B, H, sk, D, device="cuda", dtype=torch.float16)
         v = torch.randn(B, H, sk, D, device="cuda", dtype=torch.float16)

@@ -25,9 +25,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from stof_trt import presearch  # noqa: E402
 
 
+def load_run(path: str) -> dict:
+    """A benchmark run's JSON, checked for what the replay and the fit read; a one-line error otherwise."""
+    try:
+        res = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        sys.exit(f"presearch_fit: cannot read {path}: {e}")
+    ok = (isinstance(res, dict) and isinstance(res.get("summary"), dict) and
+          {"batch", "heads"} <= set(res["summary"]) and isinstance(res.get("cells"), list) and
+          all(isinstance(c, dict) and {"D", "S", "spec", "mask", "measured_ms"} <= set(c) and c["measured_ms"]
+              for c in res["cells"]))
+    if not ok:
+        sys.exit(f"presearch_fit: {path} is not a benchmark run (summary.batch/heads and cells with D, S, spec, mask "
+                 "and measured_ms, as scripts/bench_attention.py and scripts/ideal_band_work.py write)")
+    return res
+
+
 def replay(run_path: str, within: float = 1.10) -> list[dict]:
-    """Per cell of the run: the model's first choice, its measured time over the best, hit or not."""
-    res = json.loads(Path(run_path).read_text())
+    """Per cell of the run: the model's first choice, its measured time over the best (None where the run did not
+    time it), hit or not."""
+    res = load_run(run_path)
     B, H = res["summary"]["batch"], res["summary"]["heads"]
     out = []
     for cell in res["cells"]:
@@ -35,16 +52,16 @@ def replay(run_path: str, within: float = 1.10) -> list[dict]:
         ranked = presearch.rank(stats, batch=B, heads=H, head_dim=cell["D"], gpu=presearch.H100_SXM)
         meas = cell["measured_ms"]
         best = min(meas, key=meas.get)
-        pick = presearch._BY_ID[ranked[0][0]].name
-        ratio = meas[pick] / meas[best] if pick in meas else float("nan")
+        pick = presearch._BY_ID[ranked[0][0]].name if ranked else None
+        ratio = meas[pick] / meas[best] if pick in meas else None
         out.append({"D": cell["D"], "S": cell["S"], "Sk": cell.get("Sk", cell["S"]), "mask": cell["mask"],
-                    "pick": pick, "best": best, "ratio": ratio, "hit": ratio <= within})
+                    "pick": pick, "best": best, "ratio": ratio, "hit": ratio is not None and ratio <= within})
     return out
 
 
 def summary(rows: list[dict]) -> str:
     miss = [f"{r['mask']} D={r['D']} S={r['S']}" + (f" Sk={r['Sk']}" if r["Sk"] != r["S"] else "") +
-            f": {r['pick']} " + (f"{r['ratio']:.2f}x" if r["ratio"] == r["ratio"] else "not timed")
+            f": {r['pick']} " + (f"{r['ratio']:.2f}x" if r["ratio"] is not None else "not timed")
             for r in rows if not r["hit"]]
     return f"{sum(r['hit'] for r in rows)}/{len(rows)}" + (f"  misses: {'; '.join(miss)}" if miss else "")
 
@@ -62,13 +79,16 @@ def main():
     for r in runs + [r for r in args.fit_runs.split(",") if r]:
         if not Path(r).is_file():
             sys.exit(f"presearch_fit: no such run: {r}")
+        load_run(r)
     try:
         keys = {tuple(int(x) for x in k.split(":")) for k in args.fit.split(",") if k}
     except ValueError:
         sys.exit(f"presearch_fit: --fit takes TACTIC:HEAD_DIM entries, got {args.fit!r}")
-    bad = [k for k in keys if len(k) != 2 or k[0] not in {t.id for t in presearch.TACTICS} or k[1] not in (64, 128)]
+    fittable = {t.id for t in presearch.TACTICS if t.family != presearch.FAMILY_ROW}
+    bad = [k for k in keys if len(k) != 2 or k[0] not in fittable or k[1] not in (64, 128)]
     if bad:
-        sys.exit(f"presearch_fit: unknown COEF entries {bad} (tactic ids of presearch.TACTICS, head dims 64/128)")
+        sys.exit(f"presearch_fit: cannot fit {sorted(bad)}: COEF entries are TACTIC:HEAD_DIM with a block-wise or "
+                 "wgmma tactic id of presearch.TACTICS (the row-wise ones have no constants) and head dim 64 or 128")
 
     report = {"current": {r: replay(r) for r in runs}}
     for r in runs:

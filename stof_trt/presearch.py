@@ -496,7 +496,8 @@ def calibrate(bench_json, gpu: GpuProps | None = None, keys=None, relative: bool
     gpu = gpu or H100_SXM
     rows: dict = {}
     for path in [bench_json] if isinstance(bench_json, (str, os.PathLike)) else bench_json:
-        res = json.load(open(path))
+        with open(path) as f:
+            res = json.load(f)
         B, H = res["summary"]["batch"], res["summary"]["heads"]
         for cell in res["cells"]:
             stats = tile_stats(cell_layout(cell))
