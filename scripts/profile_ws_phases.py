@@ -45,7 +45,8 @@ PRODUCER_NAMES = {0: "empty_waits", 1: "q_empty_waits", 2: "claims", 3: "item_st
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cells", default="64:4096:causal:24;64:4096:sliding:24",
-                    help="D:S:mask:tactic;... (mask: a name of the issue-3 benchmark, or a mask spec)")
+                    help="D:S:mask:tactic[:Sk];... (mask: a name of the issue-3 benchmark, or a mask spec; Sk: the "
+                         "keys, default S)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--json", default=None, help="also write the raw counters here")
@@ -69,9 +70,10 @@ def main():
     cells = []
     for cell in a.cells.split(";"):
         parts = cell.split(":")
-        if len(parts) != 4 or not (parts[0].isdigit() and parts[1].isdigit() and parts[3].isdigit()):
-            sys.exit(f"profile_ws_phases: --cells wants D:S:mask:tactic entries, got {cell!r}")
-        cells.append((int(parts[0]), int(parts[1]), parts[2], int(parts[3])))
+        if len(parts) not in (4, 5) or not all(parts[i].isdigit() for i in (0, 1, 3, 4) if i < len(parts)):
+            sys.exit(f"profile_ws_phases: --cells wants D:S:mask:tactic[:Sk] entries, got {cell!r}")
+        cells.append((int(parts[0]), int(parts[1]), parts[2], int(parts[3]), int(parts[4] if len(parts) == 5
+                                                                                  else parts[1])))
     from bench_attention import MASKS
     from stof_trt.format import compile_mask
     from stof_trt.kernels import DeviceLayout, sparse_attention
@@ -83,11 +85,12 @@ def main():
     lib.stof_ws_prof_read(buf, n)  # zeroes the counters
     span = (ctypes.c_ulonglong * 2048)()
     lib.stof_ws_span_read(span, 2048)
-    for D, S, mname, tactic in cells:
-        cell = f"{D}:{S}:{mname}:{tactic}"
+    for D, S, mname, tactic, Sk in cells:
+        cell = f"{D}:{S}:{mname}:{tactic}" + (f":{Sk}" if Sk != S else "")
         mask = parse_mask(MASKS.get(mname, mname))
-        dl = DeviceLayout(compile_mask(mask, S, S, num_heads=a.heads))
-        q, k, v = (torch.randn(a.batch, a.heads, S, D, device="cuda", dtype=torch.float16) for _ in range(3))
+        dl = DeviceLayout(compile_mask(mask, S, Sk, num_heads=a.heads))
+        q = torch.randn(a.batch, a.heads, S, D, device="cuda", dtype=torch.float16)
+        k, v = (torch.randn(a.batch, a.heads, Sk, D, device="cuda", dtype=torch.float16) for _ in range(2))
         flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda") if a.flush else None
         for _ in range(2):
             if flush is not None:
@@ -99,7 +102,8 @@ def main():
             torch.cuda.synchronize()
         if lib.stof_ws_prof_read(buf, n) != 0 or lib.stof_ws_span_read(span, 2048) != 0:
             sys.exit("profile_ws_phases: reading the counters failed")
-        print(f"== D={D} S={S} {mname} tactic {tactic}: {start.elapsed_time(end):.3f} ms per call (instrumented)")
+        print(f"== D={D} S={S}{f' Sk={Sk}' if Sk != S else ''} {mname} tactic {tactic}: "
+              f"{start.elapsed_time(end):.3f} ms per call (instrumented)")
         starts = [span[2 * i] for i in range(SPAN_CTAS) if span[2 * i + 1]]
         ends = [span[2 * i + 1] for i in range(SPAN_CTAS) if span[2 * i + 1]]
         marks = [span[2 * SPAN_CTAS + i] for i in range(len(MARKS))]
