@@ -353,8 +353,9 @@ def _makespan(durations: np.ndarray, slots: int) -> float:
 # session 31: (15, 64) and (16, 64), whose fits had no per-CTA cost (c = 0), so that with few keys per row (S_q=4096,
 # S_k=128 / 192, no mask) the model put them first at 1.23x / 1.38x the best: refitted on relative errors
 # (calibrate(relative=True)) over the session-26 and -27 runs and session 31's S_k-sweep runs
-# (scripts/ideal_band_work.py); scripts/presearch_fit.py replays 25/25 on the session-21, -23, -24, -26 and -27 runs,
-# 10/10 on session 29's sliding run and 6/6 + 4/4 on session 31's.
+# (scripts/ideal_band_work.py); scripts/presearch_fit.py replays 25/25 on every run of sessions 18-27 (head dims 64
+# and 128), 10/10 on session 29's sliding run, 6/6 + 4/4 on the fit's session-31 runs and 7/8 on its held-out check
+# (3/8 with the old entries); tests/test_presearch_replay.py holds those counts.
 # Tactics without an entry use the uncalibrated rate model below.
 COEF = {
     (1, 64): (1.31057, 1.69501, 2.0697, 12.98499),
