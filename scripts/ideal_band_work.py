@@ -28,25 +28,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from paired_anchor import (checked_runner, copy_bandwidth, floor_methods, matmul_rate, median_ci,  # noqa: E402
-                           rel_err, roofline_floor_ms, time_round)
-
-
-def sdpa_backends(q, k, v, F, torch):
-    """{name: fn} for SDPA with each backend that accepts (q, k, v), and the default dispatch."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    out = {"sdpa_default": lambda: F.scaled_dot_product_attention(q, k, v)}
-    for name, be in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
-        def fn(be=be):
-            with sdpa_kernel(be):
-                return F.scaled_dot_product_attention(q, k, v)
-        try:
-            fn()
-            torch.cuda.synchronize()
-            out[name] = fn
-        except RuntimeError as e:  # a backend that refuses the problem is left out
-            print(f"  {name}: refused ({str(e).splitlines()[0][:120]})")
-    return out
+                           rel_err, roofline_floor_ms, sdpa_backend_methods, time_round)
 
 
 def stof_cells(info, Sq, D):
@@ -127,10 +109,8 @@ def main():
         v = torch.randn(B, H, sk, D, device="cuda", dtype=torch.float16)
         ref = F.scaled_dot_product_attention(q, k, v)
         add_stof(f"dense{sk}", k, v, "full", ref)
-        for name, fn in sdpa_backends(q, k, v, F, torch).items():
-            err = rel_err(fn(), ref)
-            if not err < 2e-3:
-                sys.exit(f"ideal_band_work: {name} differs from SDPA's default at Sk={sk}: {err:.2e}")
+        methods[f"sdpa_default_dense{sk}"] = lambda k=k, v=v: F.scaled_dot_product_attention(q, k, v)
+        for name, fn in sdpa_backend_methods(q, k, v, ref, where=f" at Sk={sk}").items():
             methods[f"{name}_dense{sk}"] = fn
         if flex is not None:
             def fx(k=k, v=v):

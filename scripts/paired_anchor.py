@@ -84,6 +84,32 @@ COPY_ELEMS, MATMUL_N = 256 * 1024 * 1024, 8192
 REST_AFTER_FLOOR_S = 0.5
 
 
+def sdpa_backend_methods(q, k, v, ref, is_causal=False, where=""):
+    """{"sdpa_cudnn": fn, "sdpa_flash": fn}: SDPA with each backend forced, for those that accept (q, k, v) and match
+    ref within fp16's tolerance; a backend that refuses the problem is left out with a note on stderr."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    out = {}
+    for name, be in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
+        def fn(be=be):
+            with sdpa_kernel([be]):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+        try:
+            o = fn()
+            if o.is_cuda:
+                torch.cuda.synchronize()
+        except RuntimeError as e:  # the backend refuses this problem: not an anchor here
+            print(f"{Path(sys.argv[0]).stem}: {name} unavailable{where}: {str(e)[:120]}", file=sys.stderr)
+            continue
+        if rel_err(o, ref) < 2e-3:
+            out[name] = fn
+        else:
+            print(f"{Path(sys.argv[0]).stem}: {name} differs from the reference{where}: left out", file=sys.stderr)
+    return out
+
+
 def floor_methods():
     """{"copy": fn, "matmul": fn} over buffers of their own, for time_round and roofline_floor_ms."""
     import torch
@@ -152,7 +178,6 @@ def main():
     import torch
     import torch.nn.functional as F
     import triton.testing
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from stof_trt import presearch
     from stof_trt.format import compile_mask
@@ -186,17 +211,7 @@ def main():
                 continue
             m[f"stof_{t}" + ("_pick" if t == pick else "")] = checked_runner(q, k, v, dl, t, ref, f"causal S={S}")
         m["sdpa_causal"] = lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        for name, be in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
-            def fn(q=q, k=k, v=v, be=be):
-                with sdpa_kernel([be]):
-                    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            try:
-                o = fn()
-                torch.cuda.synchronize()
-                if rel_err(o, ref) < 2e-3:
-                    m[name] = fn
-            except RuntimeError as e:  # the backend refuses this problem: not an anchor here
-                print(f"paired_anchor: {name} unavailable at S={S}: {str(e)[:120]}", file=sys.stderr)
+        m.update(sdpa_backend_methods(q, k, v, ref, is_causal=True, where=f" at S={S}"))
         cells[f"causal:{S}"] = {"S": S, "mask": "causal", "pick": pick, "methods": m, "keep": (q, k, v, dl)}
 
     if a.sliding_size:

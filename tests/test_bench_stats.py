@@ -79,3 +79,25 @@ def test_roofline_floor_is_the_larger_of_memory_and_tile_flops():
     rate = 2 * paired_anchor.MATMUL_N**3 / 2.0e-3
     assert paired_anchor.roofline_floor_ms(rd, 3e8, 1e9) == pytest.approx(3e8 / bw * 1e3)  # memory-bound
     assert paired_anchor.roofline_floor_ms(rd, 1e6, 1e13) == pytest.approx(1e13 / rate * 1e3)  # FLOP-bound
+
+
+@pytest.mark.parametrize("case", ["match", "differs", "refuses"])
+def test_sdpa_backend_methods_keep_only_backends_that_run_and_match(monkeypatch, capsys, case):
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    ref = torch.randn(1, 2, 8, 16)
+
+    def fake_sdpa(*args, **kw):
+        if case == "refuses":
+            raise RuntimeError("No available kernel.")
+        return ref.clone() if case == "match" else ref + 1.0
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", fake_sdpa)
+    got = paired_anchor.sdpa_backend_methods(q, k, v, ref, where=" here")
+    if case == "match":
+        assert set(got) == {"sdpa_cudnn", "sdpa_flash"}
+        assert torch.equal(got["sdpa_flash"](), ref)
+    else:
+        assert got == {}
+        err = capsys.readouterr().err
+        assert ("unavailable here" if case == "refuses" else "differs from the reference here") in err
