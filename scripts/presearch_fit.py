@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Replay the pre-search on recorded benchmark runs, and refit some of its constants (CPU only).
 
-    python scripts/presearch_fit.py --runs plugins_cu/measurements/h100_s27_final.json
+    python scripts/presearch_fit.py --runs tests/data/h100_d64_f5301ee.json
     python scripts/presearch_fit.py --runs RUN1.json,RUN2.json --fit 15:64,16:64 --fit-runs RUN1.json,RUN3.json
 
-A run is a scripts/bench_attention.py JSON (or scripts/ideal_band_work.py's, which holds the same "cells"): per
+A run is a scripts/bench_attention.py JSON (tests/data/ holds the recorded ones): per
 cell, every tactic the benchmark timed.  The replay ranks each cell's tactics with stof_trt.presearch (the H100
 properties) and counts the cells where the first choice's measured time is within 10 % of the best measured one
 (the issue's measure); a first choice the run did not time counts as a miss and is named.  With --fit, the listed

@@ -11,24 +11,24 @@ import pytest
 from stof_trt import presearch
 
 ROOT = Path(__file__).resolve().parent.parent
-RUNS = ROOT / "plugins_cu" / "measurements"
+RUNS = ROOT / "tests" / "data"
 _spec = importlib.util.spec_from_file_location("presearch_fit", ROOT / "scripts" / "presearch_fit.py")
 presearch_fit = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(presearch_fit)
 
-# cells whose first choice was within 10 % of the best, per recorded run of the kernels since session 18 (earlier
-# runs timed kernels that have changed since), with the COEF in stof_trt/presearch.py; a change of COEF must not
+# cells whose first choice was within 10 % of the best, per recorded run (tests/data/README.md says which kernels
+# each one timed), with the COEF in stof_trt/presearch.py; a change of COEF must not
 # lower any of these (scripts/presearch_fit.py prints the misses)
 HITS = {
-    "h100_s18_final.json": 25, "h100_s18_refit.json": 50, "h100_s19_final.json": 25, "h100_s20_final.json": 25,
-    "h100_s21_final.json": 25, "h100_s23_final.json": 25, "h100_s24_final.json": 25, "h100_s26_final.json": 25,
-    "h100_s27_final.json": 25, "h100_s21_final_d128.json": 25, "h100_s25_d128.json": 25, "h100_s26_d128.json": 25,
-    "h100_s29_sliding.json": 10, "h100_s31_ideal_band_work.json": 4, "h100_s31_ideal_band_work_call8.json": 6,
-    "h100_s31_presearch_check_a.json": 4, "h100_s31_presearch_check_b.json": 3,
+    "h100_d64_3552491.json": 25, "h100_d64_d128_c9f344e.json": 50, "h100_d64_6e263a6.json": 25, "h100_d64_cb6d33d.json": 25,
+    "h100_d64_71ae7b3.json": 25, "h100_d64_8409f2d.json": 25, "h100_d64_a7eb448.json": 25, "h100_d64_e47c94c.json": 25,
+    "h100_d64_f5301ee.json": 25, "h100_d128_c6991ec.json": 25, "h100_d128_d20d29b.json": 25, "h100_d128_085a85f.json": 25,
+    "h100_sliding_f4d7123.json": 10, "h100_shortkeys_a.json": 4, "h100_shortkeys_b.json": 6,
+    "h100_heldout_a.json": 4, "h100_heldout_b.json": 3,
 }
-# the runs session 31 refitted (15, 64) and (16, 64) on, with calibrate(relative=True)
-REFIT_RUNS = ["h100_s26_final.json", "h100_s27_final.json", "h100_s31_ideal_band_work.json",
-              "h100_s31_ideal_band_work_call8.json"]
+# the runs (15, 64) and (16, 64) are fitted on, with calibrate(relative=True)
+REFIT_RUNS = ["h100_d64_e47c94c.json", "h100_d64_f5301ee.json", "h100_shortkeys_a.json",
+              "h100_shortkeys_b.json"]
 
 
 @pytest.mark.parametrize("run", sorted(HITS))
@@ -39,9 +39,9 @@ def test_first_choice_hits_recorded_runs(run):
 
 def test_replay_names_a_miss(tmp_path):
     """A run where the model's first choice is slow is a miss, with its ratio."""
-    res = json.loads((RUNS / "h100_s31_presearch_check_b.json").read_text())
+    res = json.loads((RUNS / "h100_heldout_b.json").read_text())
     cell = res["cells"][0]
-    first = presearch_fit.replay(str(RUNS / "h100_s31_presearch_check_b.json"))[0]["pick"]
+    first = presearch_fit.replay(str(RUNS / "h100_heldout_b.json"))[0]["pick"]
     cell["measured_ms"] = {n: 1.0 for n in cell["measured_ms"]}
     cell["measured_ms"][first] = 1.5
     res["cells"] = [cell]
@@ -91,11 +91,12 @@ def test_refitted_constants_come_from_their_runs():
 def test_fit_script_rejects_bad_arguments(tmp_path, capsys):
     import sys
 
-    sliding = str(RUNS / "h100_s29_sliding.json")
+    sliding = str(RUNS / "h100_sliding_f4d7123.json")
     (tmp_path / "not.json").write_text("{")
+    (tmp_path / "other.json").write_text('{"argv": [], "clock_mhz": 1980}')
     for argv, msg in [(["--runs", str(tmp_path / "none.json")], "no such run"),
                       (["--runs", str(tmp_path / "not.json")], "cannot read"),
-                      (["--runs", str(RUNS / "h100_s29_power_sliding.json")], "is not a benchmark run"),
+                      (["--runs", str(tmp_path / "other.json")], "is not a benchmark run"),
                       (["--runs", sliding, "--fit-runs", str(RUNS / "README.md")], "cannot read"),
                       (["--runs", sliding, "--fit", "15"], "cannot fit"),
                       (["--runs", sliding, "--fit", "12:64"], "cannot fit"),  # row-wise: no constants
