@@ -54,10 +54,7 @@ struct HopperTraits {
     // built under that head dim's 128-register cap (four CTAs per SM), the fp16 13 came out of ptxas with the Q
     // registers reused for softmax temporaries inside the step loop -- wrong results (rel. err 0.4-0.8), no spill
     // and no ptxas note (session 21; docs/bench/patches/session21_hopper_qregs64.diff).
-#ifndef STOF_HOPPER_QREGS
-#define STOF_HOPPER_QREGS 1
-#endif
-    static constexpr bool kQRegs = STOF_HOPPER_QREGS && kHeadDim == 128;
+    static constexpr bool kQRegs = kHeadDim == 128;
 };
 
 // Byte offset of 16-byte chunk ch of row r in a 128B-swizzled K-major tile of kRows rows.
@@ -375,12 +372,6 @@ __device__ __forceinline__ bool online_softmax(float (&rS)[kNI * 4], float (&row
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) row_sum[hh] += acc[hh][0] + acc[hh][1];
         }
-    } else if constexpr (kInterleaved && !kRowSum && !std::is_same<Hook, NoHook>::value) {
-#pragma unroll
-        for (int i = 0; i < kNI * 4; ++i) rS[i] = fmaf(rS[i], mul, -m_use[(i >> 1) & 1]);
-        before_exps();
-#pragma unroll
-        for (int i = 0; i < kNI * 4; ++i) rS[i] = fast_exp2(rS[i]);
     } else if constexpr (kInterleaved) {
         float acc[2][2] = {{0.f, 0.f}, {0.f, 0.f}};  // two chains per row
 #pragma unroll
@@ -452,13 +443,9 @@ __device__ __forceinline__ void mask_softmax_step(float (&rS)[kNI * 4], float (&
 // least about 1 (its running max's P is 1 up to the exp2's rounding), so the approximation's ftz and range never
 // matter, and O is rounded to fp16 / bf16 after.  Measured (session 24, A/B, 5 rounds): tactic 24 sliding S=2048 /
 // 4096 / 8192 -0.9 / -2.1 / -2.2 %, causal S=1024 -1.5 %, BigBird -1.4 %, no cell slower; tactic 13 -0.1 to -1.4 %.
-// STOF_STAGE_O_RCP=0 restores the division.
-#ifndef STOF_STAGE_O_RCP
-#define STOF_STAGE_O_RCP 1
-#endif
 template <bool kApprox = true>
 __device__ __forceinline__ float inv_row_sum(float l) {
-    if constexpr (kApprox && STOF_STAGE_O_RCP) {
+    if constexpr (kApprox) {
         float r;
         asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(l));
         return l > 0.f ? r : 0.f;

@@ -110,11 +110,8 @@ struct WsTraits {
     // energy per call under sustained load at causal S=8192 (where the board's 700 W cap sets the clock); head
     // dim 128, 22 -2.8 / -3.8 / -6.2 % causal S=1024 / 4096 / 8192, -2.5 % sliding, -3.5 % bigbird, 0 dilated,
     // 21 -1 to -3 %.  (The one-warpgroup kernels, at 128 registers for four CTAs per SM, measured mixed with it,
-    // session 3.)  Not with three consumers (160 registers each).  STOF_WS_QREGS=0 restores the SS form.
-#ifndef STOF_WS_QREGS
-#define STOF_WS_QREGS 1
-#endif
-    static constexpr bool kQRegs = STOF_WS_QREGS && kConsumers == 2;
+    // session 3.)  Not with three consumers (160 registers each).
+    static constexpr bool kQRegs = kConsumers == 2;
     // MMA turns (FlashAttention-3's ping-pong, handed over mid-softmax): a consumer issues a step's MMAs only once
     // the other has finished its max reduction (named barriers 3 + w; bar.arrive lands after the max tree, before
     // the exps' FFMAs, where ptxas puts it), so one consumer's MMAs run under the other's exps, not under its max
@@ -126,33 +123,21 @@ struct WsTraits {
     // issue, so the other's MMAs ran under the max tree: +2 to +4 %.  Only with 128-key steps and the 4-stage
     // ring (tactic 24): the 2-stage 21 and 23 measured +6 to +9 % and +1 to +5 % with it, the 64-key 22 -5 to +2 %.
     // Needs the row sums on the tensor cores (the exps' pass without sums, online_softmax's hook).
-    // STOF_WS_TURNS=0 turns it off.
-#ifndef STOF_WS_TURNS
-#define STOF_WS_TURNS 1
-#endif
-    static constexpr bool kTurns = STOF_WS_TURNS && kConsumers == 2 && kSumMma && kSub == 2 && kStages >= 4;
+    static constexpr bool kTurns = kConsumers == 2 && kSumMma && kSub == 2 && kStages >= 4;
     // The exp chain (WsExpChain, online_softmax): P packed as the exps come (the step's P V awaited first), the
     // exp arguments of every second 8-column group chained to the packed P two groups back, so ptxas interleaves
     // FFMAs, MUFU ops and packs (it otherwise issued 64 FFMAs, then 64 MUFU ops, then most of the 32 packs).
     // Session 26 (A/B, 5-6 rounds): tactic 24 -1 to -2 % in 8 of 9 cells; 22 at head dim 128 causal S=1024 / 4096
     // -1.0 / -3.8 %, dilated -4.3 %, Longformer -0.7 %, sliding +0.4 %, 21 -1.0 to -1.5 %; 22 at 64 -1.2 / -1.6 %
     // (Longformer S=1024, sliding S=4096).  Not in the three-consumer kernels (registers at the spill limit).
-    // STOF_WS_EXP_CHAIN=0 restores session 25's SASS.
-#ifndef STOF_WS_EXP_CHAIN
-#define STOF_WS_EXP_CHAIN 1
-#endif
-    static constexpr bool kExpChain = STOF_WS_EXP_CHAIN && kConsumers == 2;
+    static constexpr bool kExpChain = kConsumers == 2;
     // An item's first P V overwrites O (the wgmma's scale-d 0: O = P V) instead of adding to an O the consumer
     // zeroed: ptxas zeroed the 36 accumulators with 72 uniform moves per item, on the path from one item's last step
     // to the next one's first MMA.  Session 27 (A/B, 3 rounds): tactic 24 sliding S=2048 / 4096 / 8192 -0.7 / -1.5 /
     // -0.8 %, causal S=1024 / 4096 -1.0 / -0.5 %, the other cells -0.3 to -0.6 %; with the power-of-two tile_m
     // below (4 rounds) 24 -1.6 / -1.9 / -2.5 % on sliding, -0.5 to -1.5 % elsewhere, 22 level (-0.7 to +1.0 %).
     // Head dim 64 only: at 128 the epilogue's registers moved onto those of Q (scripts/sass_rs_operands.py).
-    // STOF_WS_PV_OVERWRITE=0 turns it off.
-#ifndef STOF_WS_PV_OVERWRITE
-#define STOF_WS_PV_OVERWRITE 1
-#endif
-    static constexpr bool kPvOverwrite = STOF_WS_PV_OVERWRITE && kConsumers == 2 && kHeadDim == 64;
+    static constexpr bool kPvOverwrite = kConsumers == 2 && kHeadDim == 64;
     static constexpr int kSmemPersist = persist_smem(kQBufs);
     static_assert(kSmemSize <= 227 * 1024 && kSmemPersist <= 227 * 1024, "shared memory");
     // setmaxnreg moves registers inside what the CTA got at launch (ptxas: 65536 / kThreads, rounded down to 8)
@@ -163,14 +148,6 @@ struct WsTraits {
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
-#ifndef STOF_WS_POW2_TILE_M  // ws_consume_items: an item's first bitmap row without a remainder
-#define STOF_WS_POW2_TILE_M 1
-#endif
-// STOF_LANE_BITS=0 builds tactics 21 and 22 without the lane_bitmaps path (C ABI 5): every PARTIAL sub-block's mask
-// is then packed from the bitmap's words, as before session 25 (A/B runs).
-#ifndef STOF_LANE_BITS
-#define STOF_LANE_BITS 1
-#endif
 
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
     asm volatile(
@@ -755,7 +732,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
     // 8-byte load instead of two loads and the packing (pack_mask_bits).  Only in the 64-key-step kernels (21, 22):
     // in 24 the two paths' code measured 0 to +1 % (sliding, causal) for -1 % on dilated and Longformer (session
     // 25), and the three-consumer kernels' registers are at the spill limit.
-    constexpr bool kLaneBits = STOF_LANE_BITS && WT::kConsumers == 2 && kBlockN == 64;
+    constexpr bool kLaneBits = WT::kConsumers == 2 && kBlockN == 64;
     const char* const lane_bits = kLaneBits ? reinterpret_cast<const char*>(p.lane_bitmaps) : nullptr;
     const bool use_lane_bits = kLaneBits && lane_bits != nullptr;
     const uint32_t lb_tile_bytes = static_cast<uint32_t>(p.tile_m * p.tile_n / 4);
@@ -841,10 +818,6 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
                     fence_regs(rO);
                 },
                 WsExpChain<Elem, kKN>{rP});
-        } else if constexpr (WT::kTurns) {
-            // the other consumer's turn on the tensor cores once this one's max is reduced (WsTraits::kTurns)
-            return online_softmax<kNI, true, false>(rS, row_max, row_sum, alpha, mul,
-                                                    [&]() { named_barrier_arrive(3 + (1 - w), 256); });
         } else {
             return online_softmax<kNI, true, !WT::kSumMma>(rS, row_max, row_sum, alpha, mul);
         }
@@ -882,11 +855,8 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
     // WARPGROUP.DEPBAR after it (session 27, A/B: -0.8 to +0.3 %, noise; one instruction fewer per step).  Head dim
     // 64 only: at 128 ptxas then reordered 22's exps, and with the power-of-two tile_m below 22 measured causal
     // S=8192 +1.1 / +1.8 % in two runs, the other cells -1.9 to +0.9 %; the head-dim-128 kernels keep session 26's
-    // SASS.  STOF_WS_PV_WAIT_ONCE=0 restores the second wait.
-#ifndef STOF_WS_PV_WAIT_ONCE
-#define STOF_WS_PV_WAIT_ONCE 1
-#endif
-    constexpr bool kPvWaited = STOF_WS_PV_WAIT_ONCE && WT::kExpChain && WT::kHeadDim == 64;
+    // SASS.
+    constexpr bool kPvWaited = WT::kExpChain && WT::kHeadDim == 64;
     WsItem cur, open;  // open: the item whose last P V (from ring stage prev_stage) and epilogue are outstanding
     bool pending = false;
     int it = 0, prev_stage = 0;
@@ -966,8 +936,8 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
         // A power-of-two tile_m (compile_mask's default, 64) takes a mask, not the remainder: an integer division
         // by a run-time value, ~20 dependent instructions on the path into the item's first step.  Session 27 (A/B,
         // 3 rounds): tactic 24 sliding S=2048 / 4096 / 8192 -0.7 / -1.5 / -0.4 %, causal S=4096 -1.1 %.
-        // Head dim 64 only (see kPvWaited).  STOF_WS_POW2_TILE_M=0 turns it off.
-        if (STOF_WS_POW2_TILE_M && WT::kHeadDim == 64 && (p.tile_m & (p.tile_m - 1)) == 0)
+        // Head dim 64 only (see kPvWaited).
+        if (WT::kHeadDim == 64 && (p.tile_m & (p.tile_m - 1)) == 0)
             my_a0 = (cur.q0 + 64 * w) & (p.tile_m - 1);
         else
             my_a0 = (cur.q0 + 64 * w) % p.tile_m;
