@@ -492,67 +492,6 @@ __device__ __forceinline__ void ws_load_sub(uint32_t s_tile, int h, const typena
     }
 }
 
-#ifdef STOF_WS_PROFILE
-// Diagnostic build only (-DSTOF_WS_PROFILE): SM clock cycles per phase of the consumers' steady loop, stored per
-// consumer warp of CTAs 0 and 1 of the persistent kernel into g_ws_prof (read with stof_ws_prof_read(), hopper.cu;
-// not printf: a call in the kernel makes ptxas serialise every wgmma, warning C7510).  [0] full-barrier wait,
-// [1] MMA issue + wait for S, [2] softmax up to the P V wait, [3] the rest (exps ptxas put after that wait,
-// rescale, pack), [4] steps, [5] epilogue, [6] first steps, [7] the MMA issue alone (part of [1]), [8] total,
-// [9] items, [10] the item hand-offs (q_full wait and the item's read), [11] last P Vs outside first steps (chained
-// items: [6] holds the previous item's last P V and its epilogue, which [5] also counts), [12] the first steps'
-// full-barrier waits (part of [6]: the item's first K/V not yet landed), and of the chained first steps (part of
-// [6]): [13] the MMA issue, [14] the S wait, [15] the softmax, [16] the P V wait; [18] items whose q_full was not
-// complete when first tested, [19] the q_full waits alone (part of [10]; persistent kernels).  Slot 3 is the producer
-// thread's (warp 0): [0] empty-barrier waits, [1] q_empty waits, [2] claiming items (the atomics), [3] from the
-// claim to the item's Q expect_tx (walk start, Q copies), [4] items, [8] total; per step: [5] the walk of the next
-// step (ws_take_step), [6] the descriptor (the one-thread walk's bitmap-index loads), [7] the TMA issue, [9] steps.
-// (kSchedWarp kernels do not write slot 3: their items start in the scheduler warp.)
-constexpr int kWsProfCounters = 20;
-constexpr int kWsProfWords = 2 * 4 * 4 * kWsProfCounters, kWsSpanCtas = 1000, kWsSpanWords = 2 * 1024;
-static __device__ uint32_t g_ws_prof[kWsProfWords];
-// each CTA's (up to 1024) %globaltimer (ns) at its start and when its consumers finished: the schedule's tail
-static __device__ unsigned long long g_ws_span[kWsSpanWords];
-// Host: this translation unit's copy of a counter array added into out[0, n), then zeroed (hopper.cu's readers sum
-// the copies of the four hopper_<dtype>_d<D>.cu files).
-template <class T, int N>
-static cudaError_t ws_drain_add(const T (&sym)[N], T* out, int n) {
-    static T host[N];
-    static const T zeros[N] = {};
-    cudaError_t err = cudaMemcpyFromSymbol(host, sym, sizeof(host));
-    if (err != cudaSuccess) return err;  // out keeps no stale copy
-    for (int i = 0; i < n && i < N; ++i) out[i] += host[i];
-    return cudaMemcpyToSymbol(sym, zeros, sizeof(zeros));
-}
-#define STOF_WS_PROF_DRAIN(tag)                                                                                    \
-    cudaError_t ws_prof_add_##tag(uint32_t* out, int n) { return ws_drain_add(g_ws_prof, out, n); }                \
-    cudaError_t ws_span_add_##tag(unsigned long long* out, int n) { return ws_drain_add(g_ws_span, out, n); }
-__device__ __forceinline__ unsigned long long ws_globaltimer() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t)::"memory");
-    return t;
-}
-__device__ __forceinline__ uint32_t ws_clock() {
-    uint32_t t;
-    asm volatile("mov.u32 %0, %%clock;\n" : "=r"(t)::"memory");
-    return t;
-}
-#define STOF_PROF_T(var) const uint32_t var = ws_clock()
-// CTA 0's timeline (SM clock64 at marks, one thread each) in g_ws_span[2 kWsSpanCtas + i] (scripts/profile_ws_phases.py;
-// ptxas may move a clock read across a barrier, so compare marks of one warp, and those of others loosely)
-#define STOF_MARK(i)                                                                                  \
-    do {                                                                                              \
-        if (blockIdx.x == 0) g_ws_span[2 * kWsSpanCtas + (i)] = static_cast<unsigned long long>(clock64()); \
-    } while (0)
-#define STOF_PROF_ADD(i, v) \
-    do {                    \
-        if (prof) prof[i] += (v); \
-    } while (0)  // the one-CTA-per-item kernel passes none
-#else
-#define STOF_PROF_T(var)
-#define STOF_PROF_ADD(i, v)
-#define STOF_MARK(i)
-#define STOF_WS_PROF_DRAIN(tag)
-#endif
 
 // One step's K/V into ring stage sK, completing on its full barrier (the arrival with the expected bytes first).
 // One lane.
@@ -586,41 +525,24 @@ template <class WT, class Hook = WsNoHook>
 __device__ __forceinline__ int ws_produce_tma(const KernelParams& p, WsProducerWalk<WT::kConsumers>& cur, int lane,
                                               WsStep<WT::kSub, WT::kConsumers> st,
                                               bool have, int h, int b, int it, uint32_t sKV, uint32_t sBar,
-                                              uint32_t sDesc, Hook&& on_step = Hook{}
-#ifdef STOF_WS_PROFILE
-                                              , uint32_t* prof = nullptr
-#endif
-) {
+                                              uint32_t sDesc, Hook&& on_step = Hook{}) {
     constexpr int kStages = WT::kStages, kSub = WT::kSub;
     WsStep<kSub, WT::kConsumers> next;
     for (; have; ++it) {
-        STOF_PROF_T(tw0);
         const bool more = ws_take_step<kSub>(cur, p, next);  // one step ahead: the descriptor's `more`
         on_step(cur);
         const int s = it % kStages;
-#ifdef STOF_WS_PROFILE
-        if (next.n0[0] == -12345) STOF_PROF_ADD(11, 1u);  // uses the walk's result: the timer waits for its loads
-#endif
-        STOF_PROF_T(te0);
-        STOF_PROF_ADD(5, te0 - tw0);
         if (it >= kStages) mbar_wait(sBar + 8 * (kStages + s), ((it / kStages) + 1) & 1);  // empty[s]
-        STOF_PROF_T(te1);
-        STOF_PROF_ADD(0, te1 - te0);
         const uint32_t full = sBar + 8 * s;
         const uint32_t sK = sKV + s * 2 * WT::kSmemKV;
         const int more_w = WT::kSkip ? ws_more_mask(cur, next) : 0;
         if (lane == 0) {
             using Walk = WsProducerWalk<WT::kConsumers>;
             ws_write_desc<WT::kSkip, Walk>(sDesc + s * kWsDescBytes, st, more, more_w, p);
-            STOF_PROF_T(td1);
-            STOF_PROF_ADD(6, td1 - te1);
             ws_tma_step<WT>(p, st, h, b, sK, full);  // its arrival releases the descriptor
-            STOF_PROF_T(tt1);
-            STOF_PROF_ADD(7, tt1 - td1);
         }
         // the warp reconverges every step: no lane may fall kStages positions behind lane 0 in the parity waits above
         if constexpr (kWsProducerLanes<WT::kConsumers> > 1) __syncwarp();
-        STOF_PROF_ADD(9, 1u);
         st = next;
         have = more;
     }
@@ -693,11 +615,7 @@ struct WsExpChain {
 // persistent kSchedWarp kernels).
 template <class WT, bool kStagedO = false, class NextItem, class ItemDone>
 __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem&& next_item, ItemDone&& item_done,
-                                                 uint32_t sKV, uint32_t sBar, uint32_t sDesc, int w, int ctid
-#ifdef STOF_WS_PROFILE
-                                                 , uint32_t* prof = nullptr
-#endif
-) {
+                                                 uint32_t sKV, uint32_t sBar, uint32_t sDesc, int w, int ctid) {
     using Elem = typename WT::Elem;
     constexpr int kNI = WT::kNI, kKD = WT::kKD, kKN = WT::kKN, kDI = WT::kDI;
     constexpr int kBlockM = WT::kBlockM, kBlockN = WT::kBlockN, kStages = WT::kStages, kSub = WT::kSub;
@@ -830,7 +748,6 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
     // an item's O (normalised by sum) staged through this consumer's (now unused) Q rows, then 16-byte stores
     // (kStagedO: the producer's TMA store)
     auto epilogue = [&](const WsItem& item, const float (&sum)[2]) {
-        STOF_PROF_T(te0);
         if constexpr (WT::kSumMma) {
             const float mma_sum[2] = {rO[kDI * 4], rO[kDI * 4 + 2]};
             stage_o<Elem, kDI, kBlockM, false, WT::kConsumers == 2>(rO, mma_sum, item.sQ, 64 * w + warp * 16, g, tig);
@@ -843,8 +760,6 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
             store_o<Elem, kBlockM, 64, WT::kChunks, 128>(item.sQ, gO, p.o_ss, item.q0, 64 * w, p.seq_q, ctid);
         }
         item_done(item);
-        STOF_PROF_T(te1);
-        STOF_PROF_ADD(5, te1 - te0);
     };
     auto zero_o = [&]() {
 #pragma unroll
@@ -873,24 +788,15 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
         return more != 0;
     };
     auto finish_open = [&]() {  // the open item's last P V, then its epilogue
-        STOF_PROF_T(tl0);
         issue_pv(prev_stage, open_acc);
         wgmma_wait<0>();
         fence_regs(rO);
         mbar_arrive(empty_bar(prev_stage));
-        STOF_PROF_T(tl1);
-        STOF_PROF_ADD(11, tl1 - tl0);
         epilogue(open, row_sum);
         pending = false;
     };
     for (;;) {
-        STOF_PROF_T(th0);
         const bool got = next_item(cur);
-        if (w == 0 && ctid == 0 && it == 0 && got) STOF_MARK(6);
-        if (w == 0 && ctid == 0 && !got) STOF_MARK(10);
-        STOF_PROF_T(th1);
-        STOF_PROF_ADD(10, th1 - th0);
-        STOF_PROF_ADD(9, 1u);
         if (!got) break;
         if constexpr (kFoldAll) {
             if (negate_q) ws_negate_rows<WT>(cur.sQ, w, ctid);
@@ -955,13 +861,9 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
         }
 
         // First step: S_0 (with the open item's last P V) and its softmax.
-        STOF_PROF_T(tf0);
         if constexpr (!WT::kSkip) {  // (kSkip: read above)
             stage0 = it % kStages;
             mbar_wait(full_bar(stage0), (it / kStages) & 1);
-            STOF_PROF_T(tf0w);
-            STOF_PROF_ADD(12, tf0w - tf0);
-            if (w == 0 && ctid == 0 && it == 0) STOF_MARK(7);
             // cp.async writes -> wgmma reads (the cp.async producer); redundant with the TMA producer, whose writes
             // are async-proxy like the wgmma reads, but dropping it there measured as noise (session 7, A/B run 5)
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -969,31 +871,19 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
         }
         float alpha[2];
         if (pending) {
-            STOF_PROF_T(ti0);
             my_turn();
             issue_s(stage0);
             issue_pv(prev_stage, open_acc);
-            STOF_PROF_T(ti1);
             wgmma_wait<1>();  // S_0
             fence_regs(rS);
-            STOF_PROF_T(ti2);
             const float open_sum[2] = {row_sum[0], row_sum[1]};
             row_max[0] = row_max[1] = -INFINITY;
             row_sum[0] = row_sum[1] = 0.f;
             softmax(alpha);  // fresh row state: no rescale
-#ifdef STOF_WS_PROFILE
-            fence_regs(rS);
-#endif
-            STOF_PROF_T(ti3);
             if constexpr (!kPvWaited) {
                 wgmma_wait<0>();  // the open item's last P V
                 fence_regs(rO);
             }
-            STOF_PROF_T(ti4);
-            STOF_PROF_ADD(13, ti1 - ti0);
-            STOF_PROF_ADD(14, ti2 - ti1);
-            STOF_PROF_ADD(15, ti3 - ti2);
-            STOF_PROF_ADD(16, ti4 - ti3);
             mbar_arrive(empty_bar(prev_stage));
             epilogue(open, open_sum);
         } else {
@@ -1001,7 +891,6 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
             issue_s(stage0);
             wgmma_wait<0>();
             fence_regs(rS);
-            if (w == 0 && ctid == 0 && it == 0) STOF_MARK(8);
             row_max[0] = row_max[1] = -INFINITY;
             row_sum[0] = row_sum[1] = 0.f;
             softmax(alpha);
@@ -1013,56 +902,28 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
         if constexpr (!WT::kExpChain) pack_p<Elem, kKN>(rP, rS);
         prev_stage = stage0;
         ++it;
-        STOF_PROF_T(tf1);
-        STOF_PROF_ADD(6, tf1 - tf0);
         // Steady state, step i: S_i and P_{i-1} V_{i-1} in flight together; softmax of S_i while P V runs.
         for (bool more = st.mine; more; ++it) {
-            STOF_PROF_T(t0);
             const int stage = it % kStages;
             mbar_wait(full_bar(stage), (it / kStages) & 1);
-            STOF_PROF_T(t1);
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
             st = ws_read_desc<WT::kConsumers, WT::kSkip>(sDesc + stage * kWsDescBytes, w);
             my_turn();
             issue_s(stage);
-            STOF_PROF_T(t1a);
             issue_pv(prev_stage, pv_acc);
             pv_acc = 1;
-            STOF_PROF_T(t1b);
             wgmma_wait<1>();  // S_i
             fence_regs(rS);
-            STOF_PROF_T(t2);
-#ifdef STOF_WS_PROFILE_NO_SOFTMAX
-            // diagnostic only (wrong results): the step loop without its softmax, to time the MMAs alone
-            alpha[0] = alpha[1] = 1.f;
-            const bool rescale = false;
-#else
             const bool rescale = softmax(alpha);
-#endif
             if constexpr (!kPvWaited) {
                 wgmma_wait<0>();  // P_{i-1} V_{i-1}: O and rP free, stage i-1 no longer read
                 fence_regs(rO);
             }
-            STOF_PROF_T(t3);
             mbar_arrive(empty_bar(prev_stage));
             if (rescale) rescale_o<kON / 8>(rO, alpha);  // with kSumMma the row sums too
             if constexpr (!WT::kExpChain) pack_p<Elem, kKN>(rP, rS);
             prev_stage = stage;
             more = st.mine;
-#ifdef STOF_WS_PROFILE
-            fence_regs(rS);
-            uint32_t dep = 0;
-            for (int kk = 0; kk < kKN; ++kk) dep |= rP[kk][0];
-            asm volatile("" ::"r"(dep) : "memory");
-#endif
-            STOF_PROF_T(t4);
-            STOF_PROF_ADD(0, t1 - t0);
-            STOF_PROF_ADD(1, t2 - t1);
-            STOF_PROF_ADD(2, t3 - t2);
-            STOF_PROF_ADD(3, t4 - t3);
-            STOF_PROF_ADD(4, 1u);
-            STOF_PROF_ADD(7, t1b - t1);
-            STOF_PROF_ADD(17, t1a - t1);
         }
         open = cur;
         open_acc = pv_acc;
@@ -1086,7 +947,6 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
         }
     }
     if (pending) finish_open();
-    if (w == 0 && ctid == 0) STOF_MARK(9);
 }
 
 template <class WT>
@@ -1363,7 +1223,6 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
     auto walk_ready = [&](int j) { return sGo + 8 + 8 * j; };
 
     const int tid = threadIdx.x;
-    if (tid == 0) STOF_MARK(0);
     const int wg = tid / 128;
     const int n_items = p.persist_items;
     // The scheduler warp starts its first item's walk before the CTA's set-up (barrier init, the block of ones, the
@@ -1382,7 +1241,6 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
             if (early_ok)  // buffer 0's window
                 early_cur.init_begin(p, WsWalk<2>::row_ptr_of_lane(p, early_wk.qb * kBlockM, early_wk.h, tid & 31),
                                      p.seq_k, sWinB, tid & 31, early_col, early_bmi);
-            if (early_ok && tid == 32) STOF_MARK(1);
         }
     }
     if (tid == 0) {
@@ -1405,11 +1263,9 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
     }
     ws_fill_ones<WT>(sKV, tid);
     __syncthreads();
-    if (tid == 0) STOF_MARK(2);
 
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WT::kProducerRegs));
-        if (tid == 32) STOF_MARK(14);
         if constexpr (WT::kSchedWarp) {
             // Two producer warps.  Warp 1, the scheduler, starts the items: it claims one, issues its Q copies, walks
             // to its first step (row ranges and windows: two L2 round trips) and hands it to warp 0 through a record
@@ -1463,7 +1319,6 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                         valid = ws_claim_item<kBlockM, 32, true>(p, j, lane, n_items, wk, n_static) < n_items;
                     }
                     if (valid && lane == 0) ws_q_copies<WT>(p, sQ0 + buf * WT::kSmemQ, wk, q_full(buf));
-                    if (j == 0 && lane == 0) STOF_MARK(3);
                     WsWalk<2> cur;
                     WsStep<WT::kSub, 2> st;
                     bool have = false;
@@ -1471,7 +1326,6 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                         if (early) {
                             cur = early_cur;
                             cur.put_windows(p, early_col, early_bmi);
-                            if (lane == 0) STOF_MARK(4);
                         } else {
                             ws_walk_init(cur, p, wk.qb * kBlockM, wk.h, p.seq_k, sWinB + buf * WT::kSmemWalk, lane);
                         }
@@ -1483,7 +1337,6 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                     if (early && have) {
                         const bool more = ws_issue_first_step<WT>(p, cur, lane, st, wk.h, wk.b, sKV, sBar, sDesc);
                         first = kWsFirstIssued | (more ? kWsFirstMore : 0);
-                        if (lane == 0) STOF_MARK(5);
                     }
                     if (lane == 0) {
                         ws_publish_item<WT>(sItem + 16 * buf, wk, valid, have, q_full(buf), first);
@@ -1496,9 +1349,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                 }
                 // j: the first index without an item; the O of items max(0, j - kQBufs + 1) .. j - 1 is still to go
                 for (int i = max(0, j - kQBufs + 1); i < j; ++i) store_o_of(i % kQBufs, (i / kQBufs) & 1);
-                if (lane == 0) STOF_MARK(11);
                 if (lane == 0) ws_bulk_wait<false>();
-                if (lane == 0) STOF_MARK(12);
             } else if (pw == 0) {
                 int buf = 0, qphase = 0, it = 0;
                 for (;;) {
@@ -1543,19 +1394,12 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
             if (tid >= kLanes) return;  // (one thread since the scheduler warp: the three-consumer kernels)
             const int lane = tid;
             int it = 0;
-#ifdef STOF_WS_PROFILE
-            uint32_t prof[kWsProfCounters] = {};
-            const uint32_t tk0 = ws_clock();
-#endif
             int buf = 0, qphase = 0;  // item j's Q buffer (j % kQBufs) and the parity of its (j / kQBufs)-th use
             int n_static = 0;
             for (int j = 0;; ++j) {
-                STOF_PROF_T(tq0);
                 if (j >= kQBufs) mbar_wait(q_empty(buf), qphase ^ 1);  // item j - kQBufs's O is out of this buffer
-                STOF_PROF_T(tq1);
                 BlockWork wk{0, 0, 0};
                 const bool valid = ws_claim_item<kBlockM, kLanes, false>(p, j, lane, n_items, wk, n_static) < n_items;
-                STOF_PROF_T(tq2);
                 // The Q copies go before the walk (their latency under its loads).
                 if (valid && lane == 0) ws_q_copies<WT>(p, sQ0 + buf * WT::kSmemQ, wk, q_full(buf));
                 WsProducerWalk<WT::kConsumers> cur;
@@ -1567,56 +1411,19 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                 }
                 if (lane == 0) ws_publish_item<WT>(sItem + 16 * buf, wk, valid, have, q_full(buf));
                 if (!valid) break;
-                STOF_PROF_T(tq3);
-                STOF_PROF_ADD(1, tq1 - tq0);
-                STOF_PROF_ADD(2, tq2 - tq1);
-                STOF_PROF_ADD(3, tq3 - tq2);
-                STOF_PROF_ADD(4, 1u);
-                it = ws_produce_tma<WT>(p, cur, lane, st, have, wk.h, wk.b, it, sKV, sBar, sDesc, WsNoHook{}
-#ifdef STOF_WS_PROFILE
-                                        , prof
-#endif
-                );
+                it = ws_produce_tma<WT>(p, cur, lane, st, have, wk.h, wk.b, it, sKV, sBar, sDesc);
                 if (++buf == kQBufs) buf = 0, qphase ^= 1;
             }
-#ifdef STOF_WS_PROFILE
-            prof[8] = ws_clock() - tk0;
-            if (blockIdx.x < 2 && lane == 0) {
-#pragma unroll
-                for (int i = 0; i < kWsProfCounters; ++i)
-                    g_ws_prof[((blockIdx.x * 4 + 3) * 4) * kWsProfCounters + i] = prof[i];
-            }
-#endif
         }
         return;
     }
 
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WT::kConsumerRegs));
-    if (tid == 128) STOF_MARK(13);
     const int w = wg - 1;
     const int ctid = tid - 128 * wg;
-#ifdef STOF_WS_PROFILE
-    uint32_t prof[kWsProfCounters] = {};
-    const uint32_t tk0 = ws_clock();
-    if (ctid == 0 && w == 0 && blockIdx.x < kWsSpanCtas) g_ws_span[2 * blockIdx.x] = ws_globaltimer();
-#endif
     int buf = 0, qphase = 0;
     auto next_item = [&](WsItem& item) -> bool {
-#ifdef STOF_WS_PROFILE
-        uint32_t q_ready;  // [18]: q_full not yet complete when first tested
-        asm volatile("{\n.reg .pred P1;\nmbarrier.test_wait.parity.shared::cta.b64 P1, [%1], %2;\n"
-                     "selp.u32 %0, 1, 0, P1;\n}\n"
-                     : "=r"(q_ready)
-                     : "r"(q_full(buf)), "r"(qphase)
-                     : "memory");
-        STOF_PROF_T(tq0);
-#endif
         mbar_wait(q_full(buf), qphase);
-#ifdef STOF_WS_PROFILE
-        STOF_PROF_T(tq1);
-        STOF_PROF_ADD(18, q_ready ? 0u : 1u);
-        STOF_PROF_ADD(19, tq1 - tq0);  // [19]: the wait itself (part of [10])
-#endif
         int qb, h, b, flags;
         asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
                      : "=r"(qb), "=r"(h), "=r"(b), "=r"(flags)
@@ -1634,20 +1441,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
         mbar_arrive(q_empty(item.tag));
     };
     if (WT::kTurns && w == 1) named_barrier_arrive(3, 256);  // consumer 0 takes the first MMA turn
-    ws_consume_items<WT, WT::kSchedWarp>(p, next_item, item_done, sKV, sBar, sDesc, w, ctid
-#ifdef STOF_WS_PROFILE
-                         , prof
-#endif
-    );
-#ifdef STOF_WS_PROFILE
-    prof[8] = ws_clock() - tk0;
-    if (ctid == 0 && blockIdx.x < kWsSpanCtas) atomicMax(&g_ws_span[2 * blockIdx.x + 1], ws_globaltimer());
-    if (blockIdx.x < 2 && (ctid & 31) == 0) {
-#pragma unroll
-        for (int i = 0; i < kWsProfCounters; ++i)
-            g_ws_prof[((blockIdx.x * 4 + w) * 4 + (ctid >> 5)) * kWsProfCounters + i] = prof[i];
-    }
-#endif
+    ws_consume_items<WT, WT::kSchedWarp>(p, next_item, item_done, sKV, sBar, sDesc, w, ctid);
 #else
     __trap();  // built without sm_90a: the dispatcher never selects this tactic then
 #endif
