@@ -1,6 +1,6 @@
 // Host side of the Hopper (wgmma) tactics: the TMA tensor maps.  The kernels and their launcher tables are in
 // hopper_<dtype>_d<head dim>.cu (one translation unit each: parallel builds).
-#include "hopper_instantiate.cuh"
+#include "hopper_sync.cuh"
 
 namespace stof {
 

@@ -16,11 +16,10 @@
 // value would otherwise give NaN) and their scores are masked as in every kernel.
 #pragma once
 
-#include <cuda.h>
-
 #include <type_traits>
 
-#include "hopper_ws.cuh"
+#include "hopper.cuh"
+#include "hopper_sync.cuh"
 
 namespace stof {
 
