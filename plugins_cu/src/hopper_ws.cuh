@@ -2,24 +2,24 @@
 // tile format.  Same semantics as blockwise.cuh / hopper.cuh.
 //
 // One CTA = a work item of 64 * kConsumers query rows (128, or 192 for tactics 28/29), 1 + kConsumers warpgroups:
-//   warpgroup 0, the producer: walks the union of the consumers' 64-row tile rows' non-empty columns (a MergeWalk,
-//     hopper.cuh: WsWalk by one warp, or MergedCursor), gathers kSub 64-key sub-blocks per step (they need not be
+//   warpgroup 0, the producer (hopper_ws_producer.cuh): walks the union of the consumers' 64-row tile rows'
+//     non-empty columns (a MergeWalk: WsWalk by one warp, or MergedCursor), gathers kSub 64-key sub-blocks per step (they need not be
 //     adjacent keys: a step of a sparse row joins its next two non-empty sub-blocks), streams K and V into a
 //     kStages-deep ring (lane 0 issuing TMA boxes; 128 threads with cp.async and zero-fill when key_lengths is
 //     given) and publishes a step descriptor with each stage (ws_write_desc), signalling one mbarrier (full[stage])
 //     per step.  It gives its registers to the consumers (setmaxnreg).
-//   warpgroups 1 .. kConsumers, the consumers: each owns 64 query rows (inside one format tile row) and runs, per step,
+//   warpgroups 1 .. kConsumers, the consumers (hopper_ws_consumer.cuh): each owns 64 query rows (inside one format tile row) and runs, per step,
 //     S_i = Q K_i^T  (wgmma, issued before the previous step's P V so the tensor cores stay fed; with two
 //       consumers Q comes from registers, WsTraits::kQRegs),
 //     O += P_{i-1} V_{i-1},
 //     mask + online softmax of S_i while P_{i-1} V_{i-1} runs, then O rescaled and the stage released
 //     (mbarrier empty[stage], one arrival per consumer thread).  A consumer whose tile row has no tile in a
 //     sub-block masks it.  In tactic 24 the two consumers take turns on the tensor cores (WsTraits::kTurns): one
-//     issues its MMAs once the other's max is reduced, so they run under the other's exps (session 23; the turns
-//     handed over right after the MMA issue, sessions 5 and 7, were 2-4 % slower).
+//     issues its MMAs once the other's max is reduced, so they run under the other's exps.
 //   hopper_ws_persist_fwd: the same, persistent (one CTA per SM taking items from a work counter); the consumers
 //     issue an item's first S with the previous item's last P V at head dim 64 (ws_consume_items).  With two
-//     consumers a second producer warp starts the items (claim, Q, walk start) while the first streams K/V.
+//     consumers a second producer warp starts the items (claim, Q, walk start) while the first streams K/V
+//     (hopper_ws_scheduler.cuh).  The mbarrier and TMA primitives are in hopper_sync.cuh.
 // Why: the one-warpgroup kernels (hopper.cuh) serialise barrier -> QK^T -> softmax -> PV inside each CTA and
 // re-read K/V for every 64 rows; here loads never stall the math warps, K/V are read once per 128 rows, and a
 // 128-key step (kSub = 2) halves the per-step softmax bookkeeping (max reductions, O rescale, barriers).
@@ -191,8 +191,6 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
     // The scheduler warp starts its first item's walk before the CTA's set-up (barrier init, the block of ones, the
     // barrier, which waits for it): row ranges, then windows (WsWalk::init_begin).  The kernel's start is a chain of
     // dependent DRAM round trips (row_ptr, the windows, the first K/V) at a cold L2; this takes the set-up off it.
-    // Measured (session 14, A/B run 3): causal S=1024 -2.6 %, sliding S=4096 -1.8 %, a one-item call about
-    // -0.35 us; the row ranges alone gave about half of that.
     BlockWork early_wk{0, 0, 0};
     bool early_ok = false;  // the first item (the CTA's own index) is in range and its walk begun
     WsWalk<2> early_cur;
@@ -234,9 +232,8 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
             // to its first step (row ranges and windows: two L2 round trips) and hands it to warp 0 through a record
             // (walk_ready[buf]).  Warp 0 streams each item's K/V steps; once the item it streams has no walk left
             // beyond its last two steps (ws_produce_tma's hook), it lets the scheduler start the next (go).  So the
-            // claim, about 1.7 k cycles, and the walk's start, about 2.8 k, leave warp 0's chain (session 10
-            // profile), but an item is claimed only about two steps before its predecessor's walk ends: claiming a
-            // whole item early measured slower at S = 1024 (session 8; the tail grows).
+            // claim and the walk's start (thousands of cycles) leave warp 0's chain, but an item is claimed only
+            // about two steps before its predecessor's walk ends: claiming earlier lengthens the tail.
             const int pw = tid >> 5, lane = tid & 31;
             using Rec = WsRecord<WT::kSub, 2>;
             if (pw == 1) {
@@ -263,8 +260,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                     // Item j - kQBufs's O out of the buffer before its Q comes in -- before waiting for go, not after:
                     // its consumers are usually done with it by then, so the store leaves the chain from go to the
                     // next item's first K/V (claim, Q, walk).  It writes nothing the streaming warp reads; go still
-                    // orders the slot, record and window writes below.  Session 17: 22 -0.6 to -2.7 % (D=64), 24
-                    // within noise; causal S=1024's first-step K/V wait ~550 -> ~260 cycles per item (CTA 0).
+                    // orders the slot, record and window writes below.
                     if (j >= kQBufs) {
                         store_o_of(buf, qphase ^ 1);
                         if (lane == 0) tma_store_wait<true>();
@@ -273,7 +269,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                     BlockWork wk{0, 0, 0};
                     const bool early = j == 0 && early_ok;
                     bool valid;
-                    if (early) {  // the CTA's own index, claimed above (a claim here measured 0.2 us slower, call 19)
+                    if (early) {  // the CTA's own index, claimed above (off the start-up chain)
                         if (blockIdx.x == 0 && lane == 0) atomicExch(p.work_counter, 0);  // as ws_claim_item does
                         wk = early_wk;
                         n_static = 1;  // it was static item 0
@@ -295,7 +291,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                         have = ws_take_step<WT::kSub>(cur, p, st);
                     }
                     // The CTA's first item: its first step is issued here, not by warp 0 after the record's
-                    // hand-off (session 14: causal S=1024 -0.8 %, a one-item call about -0.35 us).
+                    // hand-off, one hand-off less on the kernel's start-up chain.
                     int first = 0;
                     if (early && have) {
                         const bool more = ws_issue_first_step<WT>(p, cur, lane, st, wk.h, wk.b, sKV, sBar, sDesc);
@@ -335,9 +331,8 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                     // after each step's walk: the walk has ended (every row past its last tile or the key bound;
                     // its window is not read again)
                     // Every lane arrives (the condition is warp-uniform): each releases its own reads of this item's
-                    // slot, record and window, which the scheduler overwrites kQBufs items later.  (A lane-0 arrival
-                    // left compute-sanitizer racecheck reporting those reads against the scheduler's writes on grids
-                    // of several items per CTA, session 15.)
+                    // slot, record and window, which the scheduler overwrites kQBufs items later (a lane-0 arrival
+                    // would leave the other lanes' reads unordered: compute-sanitizer racecheck reports them).
                     auto go = [&](const WsWalk<2>& c) {
                         if (!go_sent && c.c[0] == INT_MAX && c.c[1] == INT_MAX) {
                             mbar_arrive(sGo);
@@ -354,7 +349,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
             }
         } else {
             constexpr int kLanes = kWsProducerLanes<WT::kConsumers>;
-            if (tid >= kLanes) return;  // (one thread since the scheduler warp: the three-consumer kernels)
+            if (tid >= kLanes) return;  // one thread: the three-consumer kernels
             const int lane = tid;
             int it = 0;
             int buf = 0, qphase = 0;  // item j's Q buffer (j % kQBufs) and the parity of its (j / kQBufs)-th use

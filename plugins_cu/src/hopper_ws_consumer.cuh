@@ -64,11 +64,9 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
     const int g = lane >> 2, tig = lane & 3;
     const float sl2 = p.scale_log2;
     // kFoldAll (two consumers): the scale is folded into the exp2 FFMA whatever its sign (folded_exp2_scale; each
-    // item's Q rows negated first for scale < 0, ws_negate_rows).  So the step loop has one path: the pre-scaled one it carried for scale <= 0 cost ~0.5 % there as code
-    // that never ran (session 19: the loop's static size costs ~0.5 % per KB; 24 -2.3 to 0 %).  The three-consumer
-    // kernels keep it: the negation's barrier under a condition took their MMA descriptors off the uniform datapath
-    // and added reloads of spilled registers (tactic 29 +8 to +40 %).  Folding only scale >= 0 there, with negative
-    // scales sent to the two-consumer kernel, is no better: their spills went 250 -> 478 bytes (session 20, SASS).
+    // item's Q rows negated first for scale < 0, ws_negate_rows), so the step loop has one path, and less code.
+    // The three-consumer kernels keep the pre-scaled path: a conditional negation costs them spills and uniform
+    // registers.
     constexpr bool kFoldAll = WT::kConsumers == 2;
     const bool fold = kFoldAll || sl2 > 0.f;  // otherwise scores are pre-scaled, then masked
     const bool negate_q = kFoldAll && sl2 < 0.f;
@@ -87,8 +85,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
     const uint32_t mask_sel = mask_selector(p);
     // The layout's lane_bitmaps (C ABI 5): a PARTIAL sub-block's mask words already in this thread's order, one
     // 8-byte load instead of two loads and the packing (pack_mask_bits).  Only in the 64-key-step kernels (21, 22):
-    // in 24 the two paths' code measured 0 to +1 % (sliding, causal) for -1 % on dilated and Longformer (session
-    // 25), and the three-consumer kernels' registers are at the spill limit.
+    // in 24 the second path's code costs as much as it saves, and the three-consumer kernels are at the spill limit.
     constexpr bool kLaneBits = WT::kConsumers == 2 && kBlockN == 64;
     const char* const lane_bits = kLaneBits ? reinterpret_cast<const char*>(p.lane_bitmaps) : nullptr;
     const bool use_lane_bits = kLaneBits && lane_bits != nullptr;
@@ -206,10 +203,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
     };
 
     // With the exp chain the softmax's hook has waited for the step's P V (it packs into rP): no second, empty
-    // WARPGROUP.DEPBAR after it (session 27, A/B: -0.8 to +0.3 %, noise; one instruction fewer per step).  Head dim
-    // 64 only: at 128 ptxas then reordered 22's exps, and with the power-of-two tile_m below 22 measured causal
-    // S=8192 +1.1 / +1.8 % in two runs, the other cells -1.9 to +0.9 %; the head-dim-128 kernels keep session 26's
-    // SASS.
+    // WARPGROUP.DEPBAR after it.  Head dim 64 only: at 128 ptxas then reorders tactic 22's exps, for the worse.
     constexpr bool kPvWaited = WT::kExpChain && WT::kHeadDim == 64;
     WsItem cur, open;  // open: the item whose last P V (from ring stage prev_stage) and epilogue are outstanding
     bool pending = false;
@@ -279,9 +273,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
         }
         kv_len = effective_kv_len(p, cur.b);
         // A power-of-two tile_m (compile_mask's default, 64) takes a mask, not the remainder: an integer division
-        // by a run-time value, ~20 dependent instructions on the path into the item's first step.  Session 27 (A/B,
-        // 3 rounds): tactic 24 sliding S=2048 / 4096 / 8192 -0.7 / -1.5 / -0.4 %, causal S=4096 -1.1 %.
-        // Head dim 64 only (see kPvWaited).
+        // by a run-time value is ~20 dependent instructions on the path into the item's first step.  Head dim 64 only.
         if (WT::kHeadDim == 64 && (p.tile_m & (p.tile_m - 1)) == 0)
             my_a0 = (cur.q0 + 64 * w) & (p.tile_m - 1);
         else
@@ -304,7 +296,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
             stage0 = it % kStages;
             mbar_wait(full_bar(stage0), (it / kStages) & 1);
             // cp.async writes -> wgmma reads (the cp.async producer); redundant with the TMA producer, whose writes
-            // are async-proxy like the wgmma reads, but dropping it there measured as noise (session 7, A/B run 5)
+            // are async-proxy like the wgmma reads, but free there
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
             st = ws_read_desc<WT::kConsumers>(sDesc + stage0 * kWsDescBytes, w);
         }

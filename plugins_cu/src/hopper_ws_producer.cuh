@@ -14,11 +14,8 @@ namespace stof {
 // lanes fill with coalesced loads (every row's at once at an item's start): one L2 round trip per 32 tiles of a row
 // instead of a dependent load per tile, and the bitmap indices come with the walk (the descriptor loaded them).
 // Columns at or past the key bound end a row (they ascend), so no load trims its end.  A MergeWalk (hopper.cuh) whose
-// tile handle is the tile's bitmap index + 2 (FULL: 1).  Measured (session 10, A/B run 9): tactic 24 -1.2 to -3.9 %
-// on causal S=1024-8192, -0.4 / -1.2 % on sliding S=1024 / 4096.  The producer's per-step chain did not shrink
-// (~1,300 cycles; ~1,150 with one thread: it is issue-bound, not load-bound); what shrank is the time from a stage's
-// release to its TMA (the descriptor's bitmap-index loads, 250-300 -> 60-70 cycles).  Not in the three-consumer
-// kernels: their producer has 32 registers (this walk measured +0.3 to +3.7 % there).
+// tile handle is the tile's bitmap index + 2 (FULL: 1).  It shortens the time from a stage's release to its TMA.
+// Not in the three-consumer kernels: their producer has 32 registers.
 template <int kC>
 struct WsWalk : MergeWalk<WsWalk<kC>, kC> {
     int e[kC], end[kC], c[kC], win[kC];  // next entry, end, its column (INT_MAX when done), window's first entry

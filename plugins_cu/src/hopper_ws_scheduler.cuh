@@ -14,11 +14,9 @@ namespace stof {
 // static_rounds gridDim.x on, in the schedule's order (dynamic list scheduling: the longest rows still go first and the
 // tail balances).  static_rounds is 1 (only the CTA's own index) unless kStatic (the kernels with a scheduler warp,
 // 21-24) and the caller said the layout's rows are of near-equal length (sched_chunk 1, stof_layout_sched_chunk);
-// then every wave but the last is static (session 15: sliding S = 2048-4096 -2 %; with unequal items, causal
-// S >= 2048 +4-5 %, the imbalance a static share leaves).  (The three-consumer kernels' single producer thread
-// spilled 8 more bytes with the static count live in its loop; they are not the sliding kernels.)
-// The work counter needs no memset before the launch (session 11: -1.5 to -2.5 % at S = 1024, one operation less
-// per call): CTA 0's claiming thread zeroes it before its first claim.  A claim made elsewhere before that reads
+// then every wave but the last is static (with unequal items a static share leaves an imbalance).
+// The work counter needs no memset before the launch (one operation less per call): CTA 0's claiming thread zeroes
+// it before its first claim.  A claim made elsewhere before that reads
 // whatever the workspace held: out of range, it ends that CTA's items (CTA 0 claims after the reset, so every item is
 // still handed out); in range, it runs an item that is handed out again after the reset -- twice, the same bytes.
 template <int kBlockM, int kLanes, bool kStatic>
