@@ -3,12 +3,14 @@
 //
 // One CTA = a work item of 64 * kConsumers query rows (128, or 192 for tactics 28/29), 1 + kConsumers warpgroups:
 //   warpgroup 0, the producer (hopper_ws_producer.cuh): walks the union of the consumers' 64-row tile rows'
-//     non-empty columns (a MergeWalk: WsWalk by one warp, or MergedCursor), gathers kSub 64-key sub-blocks per step (they need not be
-//     adjacent keys: a step of a sparse row joins its next two non-empty sub-blocks), streams K and V into a
+//     non-empty columns (a MergeWalk: WsWalk by one warp, or MergedCursor), gathers kSub 64-key sub-blocks per
+//     step (they need not be adjacent keys: a step of a sparse row joins its next two non-empty sub-blocks),
+//     streams K and V into a
 //     kStages-deep ring (lane 0 issuing TMA boxes; 128 threads with cp.async and zero-fill when key_lengths is
 //     given) and publishes a step descriptor with each stage (ws_write_desc), signalling one mbarrier (full[stage])
 //     per step.  It gives its registers to the consumers (setmaxnreg).
-//   warpgroups 1 .. kConsumers, the consumers (hopper_ws_consumer.cuh): each owns 64 query rows (inside one format tile row) and runs, per step,
+//   warpgroups 1 .. kConsumers, the consumers (hopper_ws_consumer.cuh): each owns 64 query rows (inside one format
+//     tile row) and runs, per step,
 //     S_i = Q K_i^T  (wgmma, issued before the previous step's P V so the tensor cores stay fed; with two
 //       consumers Q comes from registers, WsTraits::kQRegs),
 //     O += P_{i-1} V_{i-1},
