@@ -4,9 +4,9 @@ the whole item, so nothing may write them but the `LDSM`s that load Q (and the a
 
     python scripts/sass_rs_operands.py build/plugins_cu/libstof_kernels.so      # needs cuobjdump (the GPU machine)
 
-Why: session 21 built the one-warpgroup kernels at head dim 64 with Q in registers, under that head dim's
-128-register cap, and ptxas reused the Q registers for softmax temporaries inside the step loop: wrong results, with
-no spill and no ptxas note (docs/performance.md, session 21).  The GPU tests caught it; this names the cause.
+Why: under a register cap (the one-warpgroup kernels at head dim 64 have 128) ptxas can reuse the Q registers for
+softmax temporaries inside the step loop: wrong results, with no spill and no ptxas note.  The GPU tests catch the
+results; this names the cause, without a GPU.
 
 An S MMA with Q in registers is an `HGMMA` with a register A operand and a K-major B (no `.tnspB`; the P V MMAs,
 whose register A is P, rewritten every step, are transposed-B).  A write to one of its A registers is allowed when
@@ -99,7 +99,7 @@ def _dead_before_q_load(ins: list[str], k: int, dst: int, width: int) -> bool:
     """Instruction k's write (registers dst .. dst + width) is a scratch value that no S MMA can see: no S MMA is in
     flight (_s_retired) and an LDSM loads Q over every written register before any S MMA, branch or the function's
     end (going forward, straight-line code).  ptxas puts the address set-up of a Q reload made under the previous
-    item's softmax there (STOF_WS_PREP_NEXT in docs/bench/patches/session28_experiments.diff)."""
+    item's softmax there."""
     if not _s_retired(ins, k):
         return False
     left = set(range(dst, dst + width))

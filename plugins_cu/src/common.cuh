@@ -182,11 +182,8 @@ __device__ __forceinline__ BlockWork block_work(const KernelParams& p) {
 
 // The schedule's L2 budget, the K/V bytes of the (batch, head) pairs whose work it interleaves (docs/kernels.md
 // "Schedule"), by how many CTAs a kernel keeps in flight: the warp-specialised kernels hold one work item per SM
-// (persistent, or one CTA per SM), every other kernel several CTAs per SM.  Session 16 (B=8 H=12 D=64, 4 to 64 MiB):
-// the kernels with several CTAs per SM (13, 19) ran 5-11 % faster on Longformer and BigBird at S=1024 and 4096 and
-// 8 % on causal S=1024 with 32 MiB than with 16 (a chunk boundary restarts the longest rows first, and at 16 MiB the
-// last chunk's long rows start late), within noise elsewhere (BigBird D=128 S=8192 +3-4 %), and slower at 64 MiB
-// (S=4096: 3-6 %); tactic 24 was best at 8-16 MiB on causal and mixed on the others, so it keeps 16.
+// (persistent, or one CTA per SM), every other kernel several CTAs per SM.  Several CTAs per SM run best with 32 MiB
+// (at 16 the last chunk's long rows start late; 64 is slower again), one item per SM with 16.
 constexpr int64_t kSchedL2BytesOneItemPerSm = static_cast<int64_t>(16) << 20;
 constexpr int64_t kSchedL2BytesManyCtas = static_cast<int64_t>(32) << 20;
 inline int64_t sched_l2_budget_bytes(int64_t budget) {

@@ -1,8 +1,6 @@
-// Host side of the Hopper (wgmma) tactics: the TMA tensor maps, the diagnostic profile readers.  The kernels and
-// their launcher tables are in hopper_<dtype>_d<head dim>.cu (one translation unit each: parallel builds).
-#include <algorithm>
-
-#include "hopper_instantiate.cuh"
+// Host side of the Hopper (wgmma) tactics: the TMA tensor maps.  The kernels and their launcher tables are in
+// hopper_<dtype>_d<head dim>.cu (one translation unit each: parallel builds).
+#include "hopper_sync.cuh"
 
 namespace stof {
 
@@ -58,39 +56,6 @@ bool encode_q_map(KernelParams& p, int head_dim, bool bf16) {
 bool encode_o_map(KernelParams& p, int head_dim, bool bf16) {
     return encode_rows_map(&p.tma_o, p.o, p.o_ss, p.o_sh, p.o_sb, p.seq_q, p.heads, p.batch, head_dim, bf16);
 }
-
-#ifdef STOF_WS_PROFILE
-// Diagnostic build only: the warp-specialised kernels' phase counters (g_ws_prof, hopper_ws.cuh) into `out`, zeroed
-// after (so a launch that is not the persistent kernel reads as zeros).  Each hopper_<dtype>_d<D>.cu has its own
-// copy of the counters; only the one whose kernel ran since the last read holds any, so their sum is that one's.
-// Returns a cudaError_t.
-#define STOF_WS_PROF_TU(X) X(F16D64) X(F16D128) X(BF16D64) X(BF16D128)
-#define STOF_WS_PROF_DECL(tag)                                 \
-    cudaError_t ws_prof_add_##tag(uint32_t* out, int n);       \
-    cudaError_t ws_span_add_##tag(unsigned long long* out, int n);
-STOF_WS_PROF_TU(STOF_WS_PROF_DECL)
-extern "C" __attribute__((visibility("default"))) int stof_ws_prof_read(uint32_t* out, int n) {
-    n = std::min(n, kWsProfWords);
-    if (n <= 0) return static_cast<int>(cudaErrorInvalidValue);
-    std::fill(out, out + n, 0u);
-    cudaError_t err = cudaSuccess;
-#define STOF_WS_PROF_ADD(tag) \
-    if (err == cudaSuccess) err = ws_prof_add_##tag(out, n);
-    STOF_WS_PROF_TU(STOF_WS_PROF_ADD)
-    return static_cast<int>(err);
-}
-// The same for the per-CTA start/end times (g_ws_span: 2 x 1024 nanosecond stamps).
-extern "C" __attribute__((visibility("default"))) int stof_ws_span_read(unsigned long long* out, int n) {
-    n = std::min(n, kWsSpanWords);
-    if (n <= 0) return static_cast<int>(cudaErrorInvalidValue);
-    std::fill(out, out + n, 0ull);
-    cudaError_t err = cudaSuccess;
-#define STOF_WS_SPAN_ADD(tag) \
-    if (err == cudaSuccess) err = ws_span_add_##tag(out, n);
-    STOF_WS_PROF_TU(STOF_WS_SPAN_ADD)
-    return static_cast<int>(err);
-}
-#endif
 
 #if defined(STOF_HAS_SM90A)
 extern const bool kHopperCompiled = true;

@@ -48,16 +48,9 @@ struct HopperTraits {
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim");
     static_assert(kSmemQ % 1024 == 0 && kSmemKV % 1024 == 0, "1024-byte aligned tiles");
     static_assert(!kDeferPV || kWG == 1, "deferred PV wait: one warpgroup per CTA");
-    // S = Q K^T with Q in registers (32 per thread, loaded once by ldmatrix) at head dim 128, where these kernels are
-    // not held to 128 registers (167-176 -> 198-206; occupancy unchanged): as WsTraits::kQRegs.  Session 21 (A/B, 5
-    // rounds, D=128): 13 -1 to -5 % (causal S=4096 -4.8 %), 15 -0 to -1.3 %, 19 within noise.  Not at head dim 64:
-    // built under that head dim's 128-register cap (four CTAs per SM), the fp16 13 came out of ptxas with the Q
-    // registers reused for softmax temporaries inside the step loop -- wrong results (rel. err 0.4-0.8), no spill
-    // and no ptxas note (session 21; docs/bench/patches/session21_hopper_qregs64.diff).
-#ifndef STOF_HOPPER_QREGS
-#define STOF_HOPPER_QREGS 1
-#endif
-    static constexpr bool kQRegs = STOF_HOPPER_QREGS && kHeadDim == 128;
+    // S = Q K^T with Q in registers (ldmatrix once) at head dim 128, as WsTraits::kQRegs.  Not at head dim 64: under
+    // its 128-register cap ptxas reuses the Q registers inside the step loop (wrong results; sass_rs_operands.py).
+    static constexpr bool kQRegs = kHeadDim == 128;
 };
 
 // Byte offset of 16-byte chunk ch of row r in a 128B-swizzled K-major tile of kRows rows.
@@ -86,8 +79,8 @@ __device__ __forceinline__ void fence_regs(float (&r)[N]) {
 
 // The 64 keys [n0, n0 + 64) of a step as two "key allowed" words in the bitmap's bit order (bit i of word w =
 // key n0 + 32 w + i is below the key length and not padded): one coalesced load and one ballot per word and warp
-// (the per-column loads this replaces cost 16 loads and ~30 integer instructions per thread and step, on every
-// tile of a padded batch).  Every lane of the warp must call it (warp-uniform control flow).
+// (per-column loads would cost 16 loads and ~30 integer instructions per thread and step, on every tile of a
+// padded batch).  Every lane of the warp must call it (warp-uniform control flow).
 __device__ __forceinline__ void key_words(uint32_t (&kw)[2], int n0, int kv_len, const int32_t* kpm, int lane) {
 #pragma unroll
     for (int w = 0; w < 2; ++w) {
@@ -189,9 +182,7 @@ __device__ __forceinline__ void mask_scores_packed(float (&s)[kN], uint2 zy, int
 // per instruction) and each score selected against its predicate.  The packed word goes through `sel`
 // (mask_selector), or ptxas undoes the packing.  s[off ..) holds the sub-block's scores: off is a constant after
 // unrolling (a 64-key sub-block of a 128-key step masked in place; copying it out and back cost 64 register moves
-// per step).  History: a 16-bit gather per row (~30 instructions per row and sub-block) until session 17; then each
-// word shifted and each score tested against a constant bit (session 17: tactic 24 dilated -4.6 %); packed since
-// session 18.
+// per step).
 template <int kNI, int kN>
 __device__ __forceinline__ void mask_scores(float (&s)[kN], const uint32_t (&bits)[2][kNI / 4], int tig, uint32_t sel,
                                             int off = 0) {
@@ -232,8 +223,8 @@ __device__ __forceinline__ void flip_signs(uint32_t base, int t) {
 // Rows [row0, row0 + kRows) of a [rows, stride_s] tensor into a kRows-row swizzled tile, by HT::kThreads threads;
 // rows >= limit are zero-filled.  Each thread copies one 16-byte chunk column (ch) of rows r0, r0 + kRowStep, ...:
 // kRowStep is a multiple of 8, so the swizzle pattern of its chunks is the same in every iteration and the source
-// and destination addresses advance by constants (the ncu profile of run 9 found 45 % of the one-warpgroup
-// kernel's instructions were integer address/index work).
+// and destination addresses advance by constants (per-iteration address arithmetic would dominate the
+// one-warpgroup kernel's integer work).
 template <class HT, int kRows>
 __device__ __forceinline__ void load_rows_async128(uint32_t s_tile, const typename HT::Elem* g, int64_t stride_s,
                                                    int row0, int limit, int tid) {
@@ -257,9 +248,8 @@ __device__ __forceinline__ void load_rows_async128(uint32_t s_tile, const typena
 }
 
 // In-register tree reduction t[0] = op(t[0 .. 2W)), W a power of two.  Recursion on a template width, not a
-// `for (w = N / 2; w >= 1; w /= 2)` loop: nvcc left that loop rolled at N = 16 (128-key steps), which indexed t[]
-// dynamically and put it in local memory: every 128-key-step kernel ran 1.5-2.1x slower (sessions 2-3; device A/B
-// in docs/performance.md, session 4).
+// `for (w = N / 2; w >= 1; w /= 2)` loop: nvcc leaves that loop rolled at N = 16 (128-key steps), indexing t[]
+// dynamically in local memory (1.5-2x slower kernels).
 template <int W, int N, class Op>
 __device__ __forceinline__ void tree_reduce(float (&t)[N], Op op) {
     if constexpr (W >= 1) {
@@ -277,19 +267,14 @@ constexpr float kRescaleSlack = 8.f;
 // exponentiates rS in place and updates row_max / row_sum.  The running max is only moved when a row's max grows
 // by more than kRescaleSlack (FlashAttention-4's lazy rescaling); returns true (warp-uniform) when some row of the
 // warp moved it, and then O must be multiplied by alpha (per row) -- most steps skip that multiply.
-// kInterleaved: both rows' exps in one pass, each one's sum added as it comes.  ptxas then interleaves the MUFU
-// ops with the FFMA/FADD work; row by row it issued ~30 MUFU ops back to back, each a stall for the warp (ncu,
-// session 7; cuDNN's SDPA kernel interleaves them).  Measured (A/B, session 7): warp-specialised tactics 24
-// -0.9 to -2.8 %, 22 -1 to -6 %; the one-warpgroup tactic 13 -1.4 to +2.7 %, so only hopper_ws.cuh uses it.
+// kInterleaved: both rows' exps in one pass, each one's sum added as it comes, so ptxas interleaves the MUFU ops
+// with the FFMA/FADD work instead of issuing them back to back; only the warp-specialised kernels gain from it.
 // kRowSum = false: row_sum is left alone (the caller gets P's row sums from the tensor cores, hopper_ws.cuh).
 struct NoHook {
     __device__ __forceinline__ void operator()() const {}
 };
-// before_exps (kInterleaved, kRowSum = false): called once the max is reduced, before the exps (hopper_ws.cuh's
-// MMA turns hand the tensor cores to the other consumer there; ptxas keeps the exps' FFMAs and MUFU ops after it).
-// Only a real hook takes that two-loop pass: sending the hook-less callers through it too (the same arithmetic)
-// reorders the SASS of tactics 21-23, 28 and 29, which were measured in their current form (session 23, local SASS).
-// exp_chain (kInterleaved; hopper_ws.cuh's WsExpChain): before_exps, then P packed as the exps come, some groups'
+// exp_chain (kInterleaved; hopper_ws.cuh's WsExpChain): before_exps (the caller's hook once the max is reduced:
+// the MMA turns hand the tensor cores to the other consumer there), then P packed as the exps come, some groups'
 // exp arguments waiting for an earlier group's packed P, so that ptxas interleaves the FFMAs and packs with the
 // MUFU ops instead of issuing every FFMA first and every pack last.  NoExpChain (kLag 0, that pass not taken): rS
 // keeps P unpacked (the caller packs it).
@@ -375,12 +360,6 @@ __device__ __forceinline__ bool online_softmax(float (&rS)[kNI * 4], float (&row
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) row_sum[hh] += acc[hh][0] + acc[hh][1];
         }
-    } else if constexpr (kInterleaved && !kRowSum && !std::is_same<Hook, NoHook>::value) {
-#pragma unroll
-        for (int i = 0; i < kNI * 4; ++i) rS[i] = fmaf(rS[i], mul, -m_use[(i >> 1) & 1]);
-        before_exps();
-#pragma unroll
-        for (int i = 0; i < kNI * 4; ++i) rS[i] = fast_exp2(rS[i]);
     } else if constexpr (kInterleaved) {
         float acc[2][2] = {{0.f, 0.f}, {0.f, 0.f}};  // two chains per row
 #pragma unroll
@@ -450,15 +429,10 @@ __device__ __forceinline__ void mask_softmax_step(float (&rS)[kNI * 4], float (&
 // 1 / (a row's sum of P), 0 for a row with no allowed key.  rcp.approx (one MUFU.RCP, within an ulp of fp32) rather
 // than the IEEE division, whose FCHK and slow-path call sat on every item's epilogue: a non-empty row's sum is at
 // least about 1 (its running max's P is 1 up to the exp2's rounding), so the approximation's ftz and range never
-// matter, and O is rounded to fp16 / bf16 after.  Measured (session 24, A/B, 5 rounds): tactic 24 sliding S=2048 /
-// 4096 / 8192 -0.9 / -2.1 / -2.2 %, causal S=1024 -1.5 %, BigBird -1.4 %, no cell slower; tactic 13 -0.1 to -1.4 %.
-// STOF_STAGE_O_RCP=0 restores the division.
-#ifndef STOF_STAGE_O_RCP
-#define STOF_STAGE_O_RCP 1
-#endif
+// matter, and O is rounded to fp16 / bf16 after.
 template <bool kApprox = true>
 __device__ __forceinline__ float inv_row_sum(float l) {
-    if constexpr (kApprox && STOF_STAGE_O_RCP) {
+    if constexpr (kApprox) {
         float r;
         asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(l));
         return l > 0.f ? r : 0.f;
@@ -607,7 +581,7 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
     const int32_t* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.seq_k : nullptr;
     const float sl2 = p.scale_log2;
     // The scale is folded into the exp2 FFMA whatever its sign (folded_exp2_scale; Q negated below for scale < 0),
-    // so the step loop carries no pre-scaled path (session 19).
+    // so the step loop carries no pre-scaled path.
     const bool negate_q = sl2 < 0.f;
     const float mul = folded_exp2_scale(sl2);
 
@@ -856,8 +830,7 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kHeadDim == 64 ? 3 : 2) hopp
 
     // Step i: S_i and P_{i-1} V_{i-1} in flight together; the softmax of S_i runs while P V does.  Every O
     // rescale and P write happens with no wgmma in flight (ptxas serialises all wgmma of a kernel that defines
-    // an accumulator register between a wgmma's issue and its wait: warning C7515, which the previous version
-    // of this kernel had).
+    // an accumulator register between a wgmma's issue and its wait: warning C7515).
     for (int it = 0; it < n_iter; ++it) {
         cp_async_wait<kStages - 3>();  // tile it (and Q) resident for this thread
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");

@@ -8,6 +8,4 @@ namespace stof {
 extern const LaunchFn kHopperLaunchersF16D64[kNumHopperTactics] = {STOF_HOPPER_TACTICS(STOF_X)};
 #undef STOF_X
 
-STOF_WS_PROF_DRAIN(F16D64)
-
 }  // namespace stof

@@ -6,6 +6,7 @@
 #pragma once
 
 #include "hopper_tma.cuh"
+#include "hopper_ws.cuh"
 #include "tactics.h"
 
 namespace stof {

@@ -1,7 +1,7 @@
 // One-warpgroup wgmma kernel (as tactic 13 / 14 of hopper.cuh) with K/V brought in by the Tensor Memory Accelerator.
 //
-// Why: the ncu source profile of tactic 13 (session 2) counted ~82 of its ~379 warp instructions per 64-key step
-// as K/V address arithmetic and cp.async issue, plus a CTA barrier per step for the copies' visibility.  Here one
+// Why: about a fifth of tactic 13's warp instructions per 64-key step are K/V address arithmetic and cp.async
+// issue, plus a CTA barrier per step for the copies' visibility.  Here one
 // thread issues two bulk tensor copies (K, V) per 64-key half of a step -- a 128-key step (tactic 27) has two halves,
 // any columns of the walk; an absent second half (odd walks) is not copied, its V rows are zeroed and its scores
 // masked -- (cp.async.bulk.tensor, 64 rows x 128 bytes per box, written in the
@@ -16,11 +16,10 @@
 // value would otherwise give NaN) and their scores are masked as in every kernel.
 #pragma once
 
-#include <cuda.h>
-
 #include <type_traits>
 
-#include "hopper_ws.cuh"
+#include "hopper.cuh"
+#include "hopper_sync.cuh"
 
 namespace stof {
 

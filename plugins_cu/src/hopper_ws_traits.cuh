@@ -1,0 +1,186 @@
+// The warp-specialised kernels' shapes (WsTraits: tile, ring, registers, shared memory and the features each shape
+// takes) and what their producer hands the consumers with each ring stage: the step and its descriptor.
+#pragma once
+
+#include <type_traits>
+
+#include "hopper.cuh"
+
+namespace stof {
+
+template <int kHeadDim_, int kStages_, int kSub_, typename Elem_, bool kTma_ = false, int kConsumers_ = 2>
+struct WsTraits {
+    using Elem = Elem_;
+    static constexpr bool kTma = kTma_;  // producer: one lane issuing TMA boxes instead of 128 threads' cp.async
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kStages = kStages_;
+    static constexpr int kSub = kSub_;  // 64-key sub-blocks per step
+    static constexpr int kConsumers = kConsumers_;  // 2, or 3 (FlashAttention-3's D=64 shape; TMA producer only)
+    static_assert(kConsumers == 2 || (kConsumers == 3 && kTma), "consumers");
+    static constexpr int kBlockM = 64 * kConsumers;
+    static constexpr int kBlockN = 64 * kSub;
+    static constexpr int kThreads = 128 * (kConsumers + 1);
+    // 2 consumers: the unrolled cp.async address arithmetic spills below ~72; 128 * 72 + 256 * 216 = 64,512.
+    // 3 consumers (512 threads, 128 registers each at launch): 128 * 32 + 384 * 160 = 65,536.
+    static constexpr int kProducerRegs = kConsumers == 2 ? 72 : 32;
+    static constexpr int kConsumerRegs = kConsumers == 2 ? 216 : 160;
+    static constexpr int kNI = kBlockN / 8;
+    static constexpr int kKD = kHeadDim / 16;
+    static constexpr int kKN = kBlockN / 16;
+    static constexpr int kDI = kHeadDim / 8;
+    static constexpr int kChunks = kHeadDim / 8;
+    static constexpr int kSmemQ = kBlockM * kHeadDim * 2;
+    static constexpr int kSmemKV = kBlockN * kHeadDim * 2;  // one of K or V, one stage
+    static constexpr int kSmemBar = 16 * kStages;            // full[] and empty[] mbarriers
+    static constexpr int kSmemDesc = 64 * kStages;           // a step descriptor per stage (kWsDescBytes)
+    static constexpr int kSmemWalk = 2 * 32 * 8;             // the two-consumer TMA producer's walk (WsWalk)
+    // Row sums of P on the tensor cores: P V runs with N = kHeadDim + 8 against a block of ones after the ring, so
+    // the softmax (the bottleneck at head dim 64) loses its FADDs and quad shuffles.  Not at 128: no room in the LBO.
+    static constexpr bool kSumMma = kHeadDim == 64;
+    static constexpr int kON = kHeadDim + (kSumMma ? 8 : 0);  // P V's N
+    static constexpr int kSmemOnes = kSumMma ? kBlockN * 128 : 0;
+    static constexpr int kOnesOffset = 2 * kStages * kSmemKV;  // from the ring's start
+    static constexpr int kSmemRing = kOnesOffset + kSmemOnes;  // K/V stages, then the ones
+    // each stage's V descriptor's LBO (14 bits of 16-byte units) reaches the ones
+    static_assert(!kSumMma || kOnesOffset - kSmemKV < (1 << 18), "ones block beyond the LBO field");
+    static constexpr int kSmemSize = kSmemQ + kSmemRing + kSmemBar + kSmemDesc + kSmemWalk + 1024;
+    static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim");
+    static_assert(kSub == 1 || kSub == 2, "64 or 128 keys per step");
+    // A second producer warp starts the persistent kernel's items (claim, Q, walk) and stores their O by TMA, so
+    // neither sits on the K/V stream nor on the consumers' epilogue.
+    static constexpr bool kSchedWarp = kConsumers == 2 && kTma;
+    // persistent form: kQBufs Q buffers, the ring, full/empty[kStages] + q_full/q_empty[kQBufs] mbarriers, an item
+    // slot per Q buffer; kSchedWarp: per Q buffer a walk window and record, and kQBufs + 1 mbarriers
+    static constexpr int persist_smem(int qbufs) {
+        return qbufs * kSmemQ + kSmemRing + 8 * (2 * kStages + 2 * qbufs) + 16 * qbufs + kSmemDesc + kSmemWalk + 1024 +
+               (kSchedWarp ? qbufs * (kSmemWalk + 128) + 8 * (1 + qbufs) : 0);  // 128: kWsRecBytes
+    }
+    // Consumers chain their work items (ws_consume_items) at head dim 64; at 128 chaining is slower (registers), so
+    // those finish each item first.
+    static constexpr bool kChainItems = kHeadDim == 64;
+    // Chained consumers release an item's Q buffer only at the next item's first step; with two buffers the producer
+    // then waits to load the next Q (sliding +12 %), so they get three.
+    static constexpr int kQBufs = kChainItems ? 3 : 2;
+    // A consumer runs only the steps from its first tile of an item to its last (the descriptors' more_w): with
+    // three consumers causal and banded items have steps where one consumer has no tile.  Two consumers gain nothing.
+    static constexpr bool kSkip = kConsumers == 3;
+    static_assert(!kChainItems || persist_smem(3) <= 227 * 1024, "shared memory for three Q buffers");
+    // S = Q K^T with the consumer's Q rows in registers (ldmatrix once per item): the S MMA reads only K from shared
+    // memory and its loop loses the Q descriptors.  Not with three consumers (160 registers each).
+    static constexpr bool kQRegs = kConsumers == 2;
+    // MMA turns (FlashAttention-3's ping-pong): a consumer issues a step's MMAs once the other has reduced its max
+    // (named barriers 3 + w), so they run beside the other's exps; beside FFMA/FMNMX work both would slow down.
+    // Only with 128-key steps and a 4-stage ring (tactic 24); needs the row sums on the tensor cores.
+    static constexpr bool kTurns = kConsumers == 2 && kSumMma && kSub == 2 && kStages >= 4;
+    // The exp chain (WsExpChain): P packed as the exps come, some groups' exp arguments chained to an earlier packed
+    // P, so ptxas interleaves FFMAs, MUFU ops and packs.  Not with three consumers (registers at the spill limit).
+    static constexpr bool kExpChain = kConsumers == 2;
+    // An item's first P V overwrites O (scale-d 0) instead of adding to a zeroed O: no accumulator zeroing between
+    // items.  Head dim 64 only: at 128 ptxas then moves the epilogue's registers onto Q's (sass_rs_operands.py).
+    static constexpr bool kPvOverwrite = kConsumers == 2 && kHeadDim == 64;
+    static constexpr int kSmemPersist = persist_smem(kQBufs);
+    static_assert(kSmemSize <= 227 * 1024 && kSmemPersist <= 227 * 1024, "shared memory");
+    // setmaxnreg moves registers inside what the CTA got at launch (ptxas: 65536 / kThreads, rounded down to 8)
+    static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= kThreads * ((65536 / kThreads) & ~7),
+                  "setmaxnreg budget");
+};
+
+// The block of ones P V's extra columns read (WT::kSumMma), written by all threads before the CTA's first barrier.
+template <class WT>
+__device__ __forceinline__ void ws_fill_ones(uint32_t sKV, int tid) {
+    if constexpr (WT::kSumMma) {
+        const uint32_t one = std::is_same<typename WT::Elem, __half>::value ? 0x3C003C00u : 0x3F803F80u;
+        const uint32_t sOnes = sKV + WT::kOnesOffset;
+        for (int i = tid; i < WT::kSmemOnes / 16; i += WT::kThreads)
+            asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(sOnes + 16 * i), "r"(one) : "memory");
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // read by wgmma (async proxy)
+    }
+}
+
+// One step of the merged walk: up to kSub sub-blocks; n0 = first key (-1: absent), sub = the 64-key sub-block
+// inside its tile, ent[w][h] = consumer w's tile there as the cursor's handle (-1: none; Cursor::bitmap_of gives
+// its tile_bitmap_index).
+template <int kSub, int kC = 2>
+struct WsStep {
+    int n0[kSub], sub[kSub], ent[kC][kSub];
+};
+
+// The step descriptor the producer publishes with each ring stage (64 bytes of shared memory per stage, written
+// before the stage's full-barrier arrival, which releases it): the step's sub-blocks and, per consumer, the bitmap
+// index of its tile there.  The consumers read it instead of walking the tile lists: the walk's dependent index
+// loads would stall them on every step.
+//   int n0[2]      first key of sub-block h (-1: absent)                             bytes  0..15 (with sub)
+//   int sub[2]     the sub-block's 64-key index inside its tile
+//   int bm[2][2]   [consumer][h] for consumers 0, 1: tile_bitmap_index of the          bytes 16..31
+//                  consumer's entry (-1: FULL), -2: no tile there
+//   int more       1 when the work item has a further step                            bytes 32..35
+//   int more_w     bit w: consumer w has a tile in a further step (ws_more_mask;     bytes 36..39
+//                  WsTraits::kSkip kernels only)
+//   int bm2[2]     consumer 2's (three-consumer kernels)                              bytes 40..47
+constexpr int kWsDescBytes = 64;
+
+template <bool kSkip, class Cursor, int kSub, int kC>
+__device__ __forceinline__ void ws_write_desc(uint32_t d, const WsStep<kSub, kC>& st, bool more, int more_w,
+                                              const KernelParams& p) {
+    int bm[3][2];
+#pragma unroll
+    for (int w = 0; w < 3; ++w)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            bm[w][h] = w < kC && h < kSub && st.ent[w < kC ? w : 0][h < kSub ? h : 0] >= 0
+                           ? Cursor::bitmap_of(p, st.ent[w < kC ? w : 0][h < kSub ? h : 0])
+                           : -2;
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(d), "r"(st.n0[0]), "r"(kSub > 1 ? st.n0[kSub - 1] : -1),
+                 "r"(st.sub[0]), "r"(kSub > 1 ? st.sub[kSub - 1] : 0)
+                 : "memory");
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(d + 16), "r"(bm[0][0]), "r"(bm[0][1]), "r"(bm[1][0]),
+                 "r"(bm[1][1])
+                 : "memory");
+    if constexpr (kSkip)
+        asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(d + 32), "r"(more ? 1 : 0), "r"(more_w) : "memory");
+    else
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(d + 32), "r"(more ? 1 : 0) : "memory");
+    if constexpr (kC == 3)
+        asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(d + 40), "r"(bm[2][0]), "r"(bm[2][1]) : "memory");
+}
+
+struct WsDesc {
+    int n0[2], sub[2], bm[2], more;  // bm: the reading consumer's
+    bool mine;                       // kSkip: the reading consumer has a tile in a further step (more_w)
+};
+
+// kSkip: `mine` is made warp-uniform by a shuffle from lane 0 (it is: every thread reads the same word), as ptxas
+// cannot tell, and the ring position it steers would otherwise leave the uniform registers (the MMA descriptors
+// then cost 40 more instructions per step).
+template <int kC, bool kSkip = false>
+__device__ __forceinline__ WsDesc ws_read_desc(uint32_t d, int w) {
+    WsDesc r;
+    int b00, b01, b10, b11;
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r.n0[0]), "=r"(r.n0[1]), "=r"(r.sub[0]), "=r"(r.sub[1])
+                 : "r"(d)
+                 : "memory");
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(b00), "=r"(b01), "=r"(b10), "=r"(b11)
+                 : "r"(d + 16)
+                 : "memory");
+    if constexpr (kSkip) {
+        int more_w;
+        asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(r.more), "=r"(more_w) : "r"(d + 32) : "memory");
+        r.mine = __shfl_sync(0xffffffffu, (more_w >> w) & 1, 0) != 0;
+    } else {
+        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(r.more) : "r"(d + 32) : "memory");
+        r.mine = r.more != 0;
+    }
+    r.bm[0] = w == 0 ? b00 : b10;  // selects: no dynamic register indexing
+    r.bm[1] = w == 0 ? b01 : b11;
+    if constexpr (kC == 3) {
+        int b20, b21;
+        asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(b20), "=r"(b21) : "r"(d + 40) : "memory");
+        r.bm[0] = w == 2 ? b20 : r.bm[0];
+        r.bm[1] = w == 2 ? b21 : r.bm[1];
+    }
+    return r;
+}
+
+}  // namespace stof
