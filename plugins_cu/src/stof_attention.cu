@@ -165,9 +165,8 @@ KernelParams kernel_params(const stof_attn_params_t& p) {
     k.key_lengths = p.key_lengths, k.key_padding_mask = p.key_padding_mask;
     // an order equal to the kernels' own (last first: causal) is not passed: the same schedule, one dependent
     // load less per work item; schedule_grid keeps or drops each per kernel
-    const bool orders = (p.options & STOF_OPT_NO_ROW_ORDER) == 0;
-    k.row_order = orders && !L.row_order_default ? L.d_row_order : nullptr;
-    k.pair_order = orders && !L.pair_order_default ? L.d_pair_order : nullptr;
+    k.row_order = (p.options & STOF_OPT_NO_ROW_ORDER) == 0 && !L.row_order_default ? L.d_row_order : nullptr;
+    k.pair_order = (p.options & STOF_OPT_NO_PAIR_ORDER) == 0 && !L.pair_order_default ? L.d_pair_order : nullptr;
     k.uniform_rows = false;  // schedule_grid sets it from sched_chunk
     k.sched_chunk = p.sched_chunk < 0 ? L.sched_chunk : p.sched_chunk;  // 0: schedule_grid picks it
     // lane_bitmaps are twice the bitmaps' bytes, addressed by 32-bit byte offsets like them (tactic_valid): beyond

@@ -3,8 +3,8 @@
  *
  * The ONNX Runtime plugin, the TensorRT plugin and the Python binding (stof_trt/kernels.py) all call these
  * functions.  Plain C types only; no C++ exception ever crosses this boundary; every entry point returns a
- * status code.  The mask is the tile layout of docs/format.md (format version 1); the kernels are described in
- * docs/kernels.md.
+ * status code.  The mask is the tile layout of docs/format.md, held by a layout handle; the kernels are described
+ * in docs/kernels.md.
  *
  *   O[b,h,q,:] = sum_k softmax_k(scale * Q[b,h,q,:].K[b,h,k,:] | allowed(b,h,q,k)) * V[b,h,k,:]
  *   allowed(b,h,q,k) = layout[h % L][q][k]  &&  k < key_lengths[b]  &&  key_padding_mask[b][k] != 0
@@ -114,8 +114,9 @@ STOF_API stof_status_t stof_layout_derived(stof_layout_t layout, int32_t which, 
 /* --- attention calls ------------------------------------------------------------------------------------------ */
 
 /* stof_attn_params_t.options: schedule switches for benchmarks and tests (same result, other timing). */
-#define STOF_OPT_NO_ROW_ORDER 1u      /* the kernels' default order (last rows first), not the layout's */
+#define STOF_OPT_NO_ROW_ORDER 1u      /* one-row work items in the kernels' order (last first), not the layout's */
 #define STOF_OPT_NO_LANE_BITMAPS 2u   /* the kernels pack the bitmaps themselves */
+#define STOF_OPT_NO_PAIR_ORDER 4u     /* two-row work items in the kernels' order (last first), not the layout's */
 
 typedef struct {
     /* problem */
