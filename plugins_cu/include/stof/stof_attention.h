@@ -264,7 +264,8 @@ typedef enum {
 /* The tactic for a problem: the cache's entry when valid here (tactic_cache: a path, read on first use like
  * stof_tactic_cache_load; NULL: none), else the pre-search's fastest tactic among stof_attn_list_tactics(), else
  * the first valid one.  device: the GPU the keys and the pre-search describe (NULL: the current CUDA device).
- * Results are memoised in the layout handle per (problem, device, cache).  Host only when device is given.
+ * Results are memoised in the layout handle per (problem, device, cache file and its read).  Host only when
+ * device is given.
  * The cache key: gpu = device->name, cc = device->cc, node = "StofSparseAttention|<float16|bfloat16>|H<H>|D<D>|
  * tile<tm>x<tn>|L<L>|seq<Sq>x<Sk>|kpm<0|1>" (the layout's sizes; kpm: key_padding_mask given), bucket =
  * stof_shape_bucket(), mask = the layout's signature. */

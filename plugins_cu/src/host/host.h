@@ -37,6 +37,9 @@ private:
     uint64_t total_ = 0;
 };
 
+// The generation of a cache file's read (reading it on first use): a later stof_tactic_cache_load gives a new one.
+stof_status_t cache_generation(const std::string& path, uint64_t* generation);
+
 // The tactic id a cache file holds for the key, 0 when none; INVALID_ARGUMENT when the file cannot be read.
 stof_status_t cache_lookup(const std::string& path, const std::string& gpu, const std::string& cc,
                            const std::string& node, const std::string& bucket, const std::string& mask, int32_t* tactic);

@@ -82,9 +82,15 @@ stof_status_t stof_attn_select(const stof_attn_params_t* p, const char* tactic_c
                   dtype_name(p->dtype), p->num_heads, p->head_dim, L.tile_m, L.tile_n, L.num_layouts, L.seq_q,
                   L.seq_k, kpm ? 1 : 0);
     const std::string bucket = stof::host::shape_bucket(p->batch, p->seq_q, p->seq_k);
+    uint64_t generation = 0;  // a re-read cache file gets new choices
+    if (!cache.empty()) {
+        s = stof::host::cache_generation(cache, &generation);
+        if (s != STOF_SUCCESS) return s;
+    }
     const std::string memo_key = std::string(node) + '\n' + std::to_string(p->batch) + '\n' +
                                  std::to_string(p->seq_q) + '\n' + std::to_string(p->seq_k) + '\n' + device->name +
-                                 '\n' + device->cc + '\n' + std::to_string(flags) + '\n' + cache;
+                                 '\n' + device->cc + '\n' + std::to_string(flags) + '\n' + cache + '\n' +
+                                 std::to_string(generation);
     {
         std::lock_guard<std::mutex> lock(L.memo_mutex);
         auto it = L.memo.find(memo_key);

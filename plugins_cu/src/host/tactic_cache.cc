@@ -216,14 +216,20 @@ std::shared_ptr<const Table> parse_file(const std::string& path) {
     return table;
 }
 
-// Files read so far, by path; never freed (handles may be in use on other threads).
+// Files read so far, by path, each with the generation of its read; never freed (handles may be in use on other
+// threads).
+struct Loaded {
+    std::shared_ptr<const Table> table;
+    uint64_t generation;
+};
 std::mutex gMutex;
-std::map<std::string, std::shared_ptr<const Table>>& files() {
-    static auto* m = new std::map<std::string, std::shared_ptr<const Table>>();
+uint64_t gGeneration = 0;
+std::map<std::string, Loaded>& files() {
+    static auto* m = new std::map<std::string, Loaded>();
     return *m;
 }
 
-stof_status_t load(const std::string& path, bool reload, std::shared_ptr<const Table>* out) {
+stof_status_t load(const std::string& path, bool reload, Loaded* out) {
     {
         std::lock_guard<std::mutex> lock(gMutex);
         auto it = files().find(path);
@@ -239,8 +245,8 @@ stof_status_t load(const std::string& path, bool reload, std::shared_ptr<const T
         return stof::host::fail(STOF_ERROR_INVALID_ARGUMENT, "%s", e.what());
     }
     std::lock_guard<std::mutex> lock(gMutex);
-    files()[path] = t;
-    *out = t;
+    *out = Loaded{t, ++gGeneration};
+    files()[path] = *out;
     return STOF_SUCCESS;
 }
 
@@ -255,14 +261,21 @@ int64_t round_pow2(int64_t v, int64_t lo) {
 namespace stof {
 namespace host {
 
+stof_status_t cache_generation(const std::string& path, uint64_t* generation) {
+    Loaded l;
+    const stof_status_t s = load(path, false, &l);
+    if (s == STOF_SUCCESS) *generation = l.generation;
+    return s;
+}
+
 stof_status_t cache_lookup(const std::string& path, const std::string& gpu, const std::string& cc,
                            const std::string& node, const std::string& bucket, const std::string& mask,
                            int32_t* tactic) {
-    std::shared_ptr<const Table> t;
-    const stof_status_t s = load(path, false, &t);
+    Loaded l;
+    const stof_status_t s = load(path, false, &l);
     if (s != STOF_SUCCESS) return s;
-    auto it = t->find(make_key(gpu, cc, node, bucket, mask));
-    *tactic = it == t->end() ? 0 : it->second;
+    auto it = l.table->find(make_key(gpu, cc, node, bucket, mask));
+    *tactic = it == l.table->end() ? 0 : it->second;
     return STOF_SUCCESS;
 }
 
@@ -278,10 +291,10 @@ extern "C" {
 
 stof_status_t stof_tactic_cache_load(const char* path, int32_t* entries) {
     if (path == nullptr || *path == '\0') return stof::host::fail(STOF_ERROR_INVALID_ARGUMENT, "tactic cache: no path");
-    std::shared_ptr<const Table> t;
-    const stof_status_t s = load(path, true, &t);
+    Loaded l;
+    const stof_status_t s = load(path, true, &l);
     if (s != STOF_SUCCESS) return s;
-    if (entries) *entries = static_cast<int32_t>(t->size());
+    if (entries) *entries = static_cast<int32_t>(l.table->size());
     stof::host::clear_error();
     return STOF_SUCCESS;
 }
