@@ -179,7 +179,6 @@ def load_library(path: str | os.PathLike | None = None) -> ctypes.CDLL:
         "stof_device_describe": ([i32, ctypes.POINTER(DeviceDesc)], c_int),
         "stof_tactic_cache_load": ([ctypes.c_char_p, _i32p], c_int),
         "stof_shape_bucket": ([i64, i64, i64, ctypes.c_char_p, ctypes.c_size_t], c_int),
-        "stof_presearch_h100_props": ([ctypes.POINTER(_GpuProps)], None),
     }
     for name, (args, res) in sigs.items():
         fn = getattr(lib, name)
