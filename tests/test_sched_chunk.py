@@ -154,7 +154,8 @@ def test_make_params_options(kernels):
     layout, dl, q = _cpu_problem(kernels, "longformer:window=128,global=16", S=1024)
     K = kernels
     assert K._make_params(q, q, q, q, dl, None, None, None, True).options == 0
-    assert K._make_params(q, q, q, q, dl, None, None, None, True, False).options == K.OPT_NO_ROW_ORDER | K.OPT_NO_PAIR_ORDER
+    no_orders = K.OPT_NO_ROW_ORDER | K.OPT_NO_PAIR_ORDER
+    assert K._make_params(q, q, q, q, dl, None, None, None, True, False).options == no_orders
     assert K._make_params(q, q, q, q, dl, None, None, None, True, True, None, False).options == K.OPT_NO_PAIR_ORDER
     plain = K.DeviceLayout(layout, device="cpu", lane_bitmaps=False)
     assert K._make_params(q, q, q, q, plain, None, None, None, True).options == K.OPT_NO_LANE_BITMAPS

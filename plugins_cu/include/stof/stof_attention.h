@@ -230,7 +230,8 @@ STOF_API stof_status_t stof_presearch_gpu_props(int32_t device, stof_gpu_props_t
  * (stof_attn_list_tactics) may be smaller (e.g. no sm_90a code): intersect with it.
  * The layout must already be valid (docs/format.md: row_ptr non-decreasing from 0 with num_layouts * Tq + 1
  * entries, col_idx / tile_bitmap_index of row_ptr[last] entries, bitmaps of the partial tiles): its arrays are read
- * as described, without lengths to check them against (stof_layout_create checks a layout; stof_attn_select calls this). */
+ * as described, without lengths to check them against (stof_layout_create checks a layout; stof_attn_select calls
+ * this with the handle's arrays). */
 STOF_API stof_status_t stof_presearch_rank(const stof_gpu_props_t* gpu, const stof_host_layout_t* layout,
                                            int32_t batch, int32_t heads, int32_t head_dim, int32_t seq_q,
                                            int32_t seq_k, int32_t* ids, double* seconds, int32_t cap, int32_t* n);

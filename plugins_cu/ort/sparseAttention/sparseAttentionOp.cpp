@@ -136,8 +136,8 @@ std::shared_ptr<SparseAttentionKernel::Layout const> SparseAttentionKernel::layo
     if (mLayoutConstant) {
         STOF_LIB_THROW(stof_layout_upload(made->handle, reinterpret_cast<stof_stream_t>(stream)));
     } else {
-        auto const* a = reinterpret_cast<int32_t const* const*>(made->ptrs);
-        STOF_LIB_THROW(stof_layout_use_device_arrays(made->handle, a[0], a[1], a[2], a[3]));
+        auto arr = [&](int i) { return static_cast<int32_t const*>(made->ptrs[i]); };
+        STOF_LIB_THROW(stof_layout_use_device_arrays(made->handle, arr(0), arr(1), arr(2), arr(3)));
     }
     mLayout = std::move(made);
     return mLayout;
@@ -287,7 +287,8 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
     g.seqQ = static_cast<int32_t>(Sq), g.seqK = static_cast<int32_t>(Sk), g.scale = mScale;
     g.q = in[kQUERY].data, g.k = kData, g.v = vData, g.o = o;
     for (int d = 0; d < 3; ++d) g.qStride[d] = qSt[d], g.kStride[d] = kSt[d], g.vStride[d] = vSt[d], g.oStride[d] = oSt[d];
-    g.rowPtr = static_cast<int32_t const*>(in[kROW_PTR].data), g.colIdx = static_cast<int32_t const*>(in[kCOL_IDX].data);
+    g.rowPtr = static_cast<int32_t const*>(in[kROW_PTR].data);
+    g.colIdx = static_cast<int32_t const*>(in[kCOL_IDX].data);
     g.tileBitmapIndex = static_cast<int32_t const*>(in[kTILE_BITMAP_INDEX].data);
     g.bitmaps = static_cast<int32_t const*>(in[kBITMAPS].data);
     g.tileM = static_cast<int32_t>(mTileM), g.tileN = static_cast<int32_t>(mTileN);

@@ -42,7 +42,8 @@ stof_status_t cache_generation(const std::string& path, uint64_t* generation);
 
 // The tactic id a cache file holds for the key, 0 when none; INVALID_ARGUMENT when the file cannot be read.
 stof_status_t cache_lookup(const std::string& path, const std::string& gpu, const std::string& cc,
-                           const std::string& node, const std::string& bucket, const std::string& mask, int32_t* tactic);
+                           const std::string& node, const std::string& bucket, const std::string& mask,
+                           int32_t* tactic);
 
 std::string shape_bucket(int64_t batch, int64_t seq_q, int64_t seq_k);
 

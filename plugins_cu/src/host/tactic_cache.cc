@@ -305,7 +305,8 @@ stof_status_t stof_shape_bucket(int64_t batch, int64_t seq_q, int64_t seq_k, cha
         seq_k > (int64_t(1) << 40))
         return stof::host::fail(STOF_ERROR_INVALID_ARGUMENT, "sizes must be in [1, 2^40]");
     const std::string b = stof::host::shape_bucket(batch, seq_q, seq_k);
-    if (b.size() + 1 > cap) return stof::host::fail(STOF_ERROR_INSUFFICIENT_BUFFER, "bucket needs %zu bytes", b.size() + 1);
+    if (b.size() + 1 > cap)
+        return stof::host::fail(STOF_ERROR_INSUFFICIENT_BUFFER, "bucket needs %zu bytes", b.size() + 1);
     std::snprintf(out, cap, "%s", b.c_str());
     stof::host::clear_error();
     return STOF_SUCCESS;
