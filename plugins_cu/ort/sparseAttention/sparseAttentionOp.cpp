@@ -75,13 +75,9 @@ SparseAttentionKernel::SparseAttentionKernel(OrtKernelInfo const* info, ONNXTens
     STOF_VALIDATE(mFormatVersion >= 1 && mFormatVersion <= STOF_FORMAT_VERSION, "format_version ", mFormatVersion,
                   " (this plugin reads 1 to ", STOF_FORMAT_VERSION, ")");
     STOF_VALIDATE(std::isfinite(mScale), "scale is not finite");
-    STOF_VALIDATE(mTileM >= 16 && mTileM <= 256 && mTileM % 16 == 0, "tile_m ", mTileM,
-                  " (must be a multiple of 16 in [16, 256])");
-    STOF_VALIDATE(mTileN >= 32 && mTileN <= 256 && mTileN % 32 == 0, "tile_n ", mTileN,
-                  " (must be a multiple of 32 in [32, 256])");
-    STOF_VALIDATE(mSeqQ >= 1 && mSeqQ <= kMAX_DIM && mSeqK >= 1 && mSeqK <= kMAX_DIM, "bad seq_q/seq_k ", mSeqQ,
-                  "/", mSeqK);
-    STOF_VALIDATE(mNumLayouts >= 1 && mNumLayouts <= 65535, "bad num_layouts ", mNumLayouts);
+    // the int32 range here; stof_layout_create checks the rest (tile shapes, sizes)
+    for (int64_t v : {mTileM, mTileN, mSeqQ, mSeqK, mNumLayouts})
+        STOF_VALIDATE(v >= 1 && v <= kMAX_DIM, "tile_m, tile_n, seq_q, seq_k, num_layouts: ", v, " outside [1, 2^31)");
     bool allConstant = true;
     for (size_t i = kROW_PTR; i <= kBITMAPS; ++i) {
         int isConstant = 0;

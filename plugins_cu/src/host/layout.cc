@@ -238,6 +238,8 @@ stof_status_t stof_layout_upload(stof_layout_t L, stof_stream_t stream) {
     if (L == nullptr) return fail(STOF_ERROR_INVALID_ARGUMENT, "layout is NULL");
     std::lock_guard<std::mutex> lock(L->upload_mutex);
     if (L->device_buffer != nullptr) return STOF_SUCCESS;
+    if (L->d_row_ptr != nullptr)
+        return fail(STOF_ERROR_INVALID_ARGUMENT, "layout: runs on the caller's device arrays (use one or the other)");
     const std::vector<int32_t>* parts[7] = {&L->row_ptr,   &L->col_idx,    &L->tile_bitmap_index, &L->bitmaps,
                                             &L->row_order, &L->pair_order, &L->lane_bitmaps};
     size_t offsets[7], total = 0;
