@@ -224,7 +224,7 @@ def test_nan_inputs_stay_in_their_rows(dtype, D):
     that attend to that key, and that row) are NaN in every tactic, and every other row is finite and within the
     tolerance.  A masked NaN key must not reach a row (masks select -inf, they do not add it), nor may a NaN reach
     the other row a thread holds (tactic 24's exp chain links a thread's two rows by an integer add of a packed P's
-    sign bit, session 26; a float multiply-add by 0 there would carry the NaN)."""
+    sign bit; a float multiply-add by 0 there would carry the NaN)."""
     mask = parse_mask("sliding:window=100|global:n=2")
     S, B, H = 333, 2, 2
     layout = compile_mask(mask, S, S)

@@ -296,8 +296,9 @@ def test_sparse_attention_packed_qkv(spec, S, B, H, D, dtype, padding):
 @needs_cuda
 def test_sparse_attention_long_sequence_picks_from_every_tactic(capfd, monkeypatch):
     """S = 2^18 under one layout (a band and 2 global tokens): one bitmap per tile of the whole grid would pass 2^32
-    bytes, the layout's few bitmaps do not.  The plugin passes their row count (C ABI 6), so on sm_90 its pre-search
-    pick may be, and is, a wgmma tactic (the library refused those there before); sampled rows against float64."""
+    bytes, the layout's few bitmaps do not.  The library bounds the wgmma tactics' 32-bit bitmap offsets by the
+    layout's bitmaps, so on sm_90 the pre-search pick may be, and is, a wgmma tactic; sampled rows against
+    float64."""
     import re
 
     from stof_trt import kernels
