@@ -353,9 +353,9 @@ def _make_params(q, k, v, o, dl: DeviceLayout, scale, key_lengths, key_padding_m
 
 
 def _attach_workspace(lib, p: _Params, tactic: int, device, given=None):
-    """Allocate the workspace the library asks for (the persistent tactics' work counter)
-    and point p at it, or use `given` (a CUDA tensor of at least that many bytes, 16-byte aligned; its contents
-    need no initialisation); returns the tensor (keep it alive while the call runs) or None."""
+    """Allocate the workspace the library asks for (the persistent tactics' work counter) and point p at it, or
+    use `given` (a CUDA tensor of at least that many bytes, 16-byte aligned; its contents need no initialisation);
+    returns the tensor (keep it alive while the call runs) or None."""
     import torch
 
     n = ctypes.c_size_t()
