@@ -204,3 +204,28 @@ def test_run_needs_device_data(kernels):
     assert lib.stof_attn_validate(ctypes.byref(p)) == 1
     assert b"layout is NULL" in lib.stof_last_error_message()
     del torch
+
+
+def test_select_from_threads(kernels, tmp_path):
+    """One layout handle, selections from several threads (ctypes releases the GIL): the same choices as one
+    thread makes, memo and cache table shared."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    layout, dl, q, _ = _problem(kernels)
+    dev = kernels.device_desc(name=GPU[0], cc=GPU[1])
+    cache = tc.TacticCache()
+    cache.put(_key(layout, B=2, H=4, D=64, S=1024), kernels.list_tactics(q, q, q, dl)[-1])
+    path = cache.save(tmp_path / "cache.json")
+    shapes = [(b, s) for b in (1, 2, 3, 4) for s in (256, 512, 1000, 1024)]
+    qs = {(b, s): q.new_zeros(b, 4, s, 64) for b, s in shapes}
+    fresh = kernels.DeviceLayout(layout, device="cpu")                       # a handle with an empty memo
+
+    def pick(handle, shape):
+        t = qs[shape]
+        return kernels.select_tactic(t, t, t, handle, device=dev, tactic_cache=path)
+
+    want = {sh: pick(dl, sh) for sh in shapes}
+    assert want[(2, 1024)][1] == "cache" and {w[1] for w in want.values()} == {"cache", "presearch"}
+    with ThreadPoolExecutor(8) as ex:
+        got = list(ex.map(lambda i: (shapes[i % len(shapes)], pick(fresh, shapes[i % len(shapes)])), range(400)))
+    assert all(want[sh] == r for sh, r in got)
