@@ -7,27 +7,21 @@ and ``dtype`` like a torch tensor works, and cupy arrays are accepted through ``
 Typical use::
 
     from stof_trt.format import compile_mask
-    from stof_trt.kernels import DeviceLayout, sparse_attention, list_tactics
+    from stof_trt.kernels import DeviceLayout, sparse_attention, list_tactics, select_tactic
     layout = compile_mask("sliding:window=128", 4096, 4096)
-    dl = DeviceLayout(layout, device="cuda")
+    dl = DeviceLayout(layout, device="cuda")          # checked, derived and uploaded by the library
     o = sparse_attention(q, k, v, dl)                  # q,k,v: [B,H,S,D] fp16/bf16 CUDA tensors
     for t in list_tactics(q, k, v, dl):
         o = sparse_attention(q, k, v, dl, tactic=t)
-    o = sparse_attention(q, k, v, dl, row_order=False)   # without the longest-rows-first schedule
+    t, source = select_tactic(q, k, v, dl, tactic_cache="h100.json")   # cache, else pre-search, else default
+    o = sparse_attention(q, k, v, dl, row_order=False)   # the kernels' default order, not the layout's
     o = sparse_attention(q, k, v, dl, sched_chunk=1)     # one (batch, head) pair at a time
 
-``DeviceLayout`` also uploads ``layout.row_order()`` (C ABI version 2: tile rows longest first) and
-``layout.pair_order()`` (version 4: pairs of tile rows longest first, for the kernels whose work item covers two
-tile rows); every run passes both unless called with ``row_order=False`` (then the kernels use their default
-order, last rows first) or an order is that default already (causal layouts: passing it would only cost the
-kernels a load per work item).  It also keeps
-``layout.sched_chunk()`` (C ABI version 2 ``sched_chunk``: 1 for layouts of near-equal row lengths, else 0 = the
-library's default); every run passes it unless called with an explicit ``sched_chunk=N`` (N >= 0; benchmarks).
-The two are independent: ``row_order=False`` still passes the layout's ``sched_chunk``.  And it uploads
-``layout.lane_bitmaps()`` (C ABI version 5: the bitmaps in the kernels' thread order; ``DeviceLayout(layout,
-lane_bitmaps=False)`` leaves them out, the same result), which every run passes, as it does the bitmaps' row
-count (C ABI version 6 ``num_bitmaps``: the wgmma tactics' 32-bit bitmap offsets are then bounded by the bitmaps
-themselves, not by the whole tile grid, which refused them on long sequences).
+``DeviceLayout`` owns a layout handle of the library: the library checks the arrays (a bad layout raises
+``StofKernelError`` with the first fault), derives the schedules (tile rows and pairs of tile rows longest first,
+the bitmaps in the kernels' thread order, the (batch, head) interleaving) and uploads everything once.  Runs pass
+the handle; the schedule switches (``row_order``, ``pair_order``, ``lane_bitmaps``, ``sched_chunk``) change the
+timing, never the result.
 
 The library is found at ``$STOF_KERNELS_LIB``, else ``build/plugins_cu/libstof_kernels.so`` under the
 repository root (``cmake -S . -B build && cmake --build build -j``).
@@ -43,16 +37,20 @@ from pathlib import Path
 
 __all__ = [
     "StofKernelError", "load_library", "library_available", "DeviceLayout", "Tactic", "all_tactics",
-    "tactic_info", "list_tactics", "sparse_attention", "Runner", "STATUS", "ABI_VERSION", "native_row_order",
-    "native_sched_chunk", "native_pair_order", "native_lane_bitmaps",
+    "tactic_info", "list_tactics", "sparse_attention", "Runner", "STATUS", "ABI_VERSION", "select_tactic",
+    "DeviceDesc", "device_desc", "shape_bucket", "load_tactic_cache",
 ]
 
-ABI_VERSION = 6  # STOF_ABI_VERSION of the header this module mirrors
+ABI_VERSION = 7  # STOF_ABI_VERSION of the header this module mirrors
 
 STATUS = {0: "SUCCESS", 1: "INVALID_ARGUMENT", 2: "UNSUPPORTED", 3: "INVALID_TACTIC", 4: "CUDA",
           5: "INSUFFICIENT_BUFFER"}
 DTYPE_FP16, DTYPE_BF16 = 0, 1
 FAMILY_BLOCK, FAMILY_ROW, FAMILY_HOPPER = 1, 2, 3
+OPT_NO_ROW_ORDER, OPT_NO_LANE_BITMAPS, OPT_NO_PAIR_ORDER = 1, 2, 4
+SOURCES = {1: "cache", 2: "presearch", 3: "default"}
+_DERIVED = {"row_order": 0, "pair_order": 1, "lane_bitmaps": 2}
+SELECT_NO_PRESEARCH = 1
 
 
 class StofKernelError(RuntimeError):
@@ -61,6 +59,9 @@ class StofKernelError(RuntimeError):
     def __init__(self, status: int, message: str):
         super().__init__(f"stof kernels: {STATUS.get(status, status)}: {message}")
         self.status = status
+
+
+_i32p = ctypes.POINTER(ctypes.c_int32)
 
 
 class _Params(ctypes.Structure):
@@ -75,18 +76,52 @@ class _Params(ctypes.Structure):
         ("k_stride_b", ctypes.c_int64), ("k_stride_h", ctypes.c_int64), ("k_stride_s", ctypes.c_int64),
         ("v_stride_b", ctypes.c_int64), ("v_stride_h", ctypes.c_int64), ("v_stride_s", ctypes.c_int64),
         ("o_stride_b", ctypes.c_int64), ("o_stride_h", ctypes.c_int64), ("o_stride_s", ctypes.c_int64),
-        ("row_ptr", ctypes.c_void_p), ("col_idx", ctypes.c_void_p), ("tile_bitmap_index", ctypes.c_void_p),
-        ("bitmaps", ctypes.c_void_p),
-        ("tile_m", ctypes.c_int32), ("tile_n", ctypes.c_int32), ("num_layouts", ctypes.c_int32),
-        ("layout_seq_q", ctypes.c_int32), ("layout_seq_k", ctypes.c_int32),
+        ("layout", ctypes.c_void_p),
         ("key_lengths", ctypes.c_void_p), ("key_padding_mask", ctypes.c_void_p),
-        ("row_order", ctypes.c_void_p),  # ABI version 2
-        ("sched_chunk", ctypes.c_int32),  # ABI version 2 (then 4 bytes of padding, as in C)
-        ("workspace", ctypes.c_void_p), ("workspace_bytes", ctypes.c_int64),  # ABI version 3
-        ("pair_order", ctypes.c_void_p),  # ABI version 4
-        ("lane_bitmaps", ctypes.c_void_p),  # ABI version 5
-        ("num_bitmaps", ctypes.c_int32),  # ABI version 6
+        ("workspace", ctypes.c_void_p), ("workspace_bytes", ctypes.c_int64),
+        ("sched_chunk", ctypes.c_int32), ("options", ctypes.c_uint32),
     ]
+
+
+class _LayoutDesc(ctypes.Structure):
+    """Mirror of stof_layout_desc_t."""
+
+    _fields_ = [
+        ("row_ptr", _i32p), ("row_ptr_len", ctypes.c_int64),
+        ("col_idx", _i32p), ("col_idx_len", ctypes.c_int64),
+        ("tile_bitmap_index", _i32p), ("tile_bitmap_index_len", ctypes.c_int64),
+        ("bitmaps", _i32p), ("bitmaps_len", ctypes.c_int64),
+        ("tile_m", ctypes.c_int32), ("tile_n", ctypes.c_int32), ("num_layouts", ctypes.c_int32),
+        ("seq_q", ctypes.c_int32), ("seq_k", ctypes.c_int32), ("format_version", ctypes.c_int32),
+    ]
+
+
+class _LayoutInfo(ctypes.Structure):
+    """Mirror of stof_layout_info_t."""
+
+    _fields_ = [
+        ("tile_m", ctypes.c_int32), ("tile_n", ctypes.c_int32), ("num_layouts", ctypes.c_int32),
+        ("seq_q", ctypes.c_int32), ("seq_k", ctypes.c_int32), ("tiles_q", ctypes.c_int32),
+        ("tiles_k", ctypes.c_int32), ("nnz", ctypes.c_int64), ("num_bitmaps", ctypes.c_int32),
+        ("sched_chunk", ctypes.c_int32), ("row_order_is_default", ctypes.c_int32),
+        ("pair_order_is_default", ctypes.c_int32), ("has_lane_bitmaps", ctypes.c_int32),
+        ("device", ctypes.c_int32), ("signature", ctypes.c_char * 41),
+    ]
+
+
+class _GpuProps(ctypes.Structure):
+    """Mirror of stof_gpu_props_t."""
+
+    _fields_ = [(n, ctypes.c_int32) for n in ("sm_count", "smem_per_sm", "regs_per_sm", "max_threads_per_sm",
+                                               "max_ctas_per_sm", "sm")] + [
+        (n, ctypes.c_double) for n in ("clock_hz", "mma_tflops", "dram_bw", "l2_bw", "wgmma_tflops")]
+
+
+class DeviceDesc(ctypes.Structure):
+    """Mirror of stof_device_desc_t: a GPU's identity (the tactic cache's "gpu" and "cc") and pre-search
+    properties."""
+
+    _fields_ = [("name", ctypes.c_char * 256), ("cc", ctypes.c_char * 16), ("props", _GpuProps)]
 
 
 _LIB: ctypes.CDLL | None = None
@@ -117,36 +152,37 @@ def load_library(path: str | os.PathLike | None = None) -> ctypes.CDLL:
         raise FileNotFoundError(
             "libstof_kernels.so not found (tried " + ", ".join(map(str, candidates)) + "); build it with "
             "`cmake -S . -B build && cmake --build build -j` or set STOF_KERNELS_LIB")
-    P = ctypes.POINTER(_Params)
-    i32p = ctypes.POINTER(ctypes.c_int32)
-    lib.stof_attn_params_init.argtypes, lib.stof_attn_params_init.restype = [P], None
-    lib.stof_attn_validate.argtypes, lib.stof_attn_validate.restype = [P], ctypes.c_int
-    lib.stof_attn_list_tactics.argtypes = [P, i32p, ctypes.c_int32, i32p]
-    lib.stof_attn_list_tactics.restype = ctypes.c_int
-    lib.stof_attn_all_tactics.argtypes, lib.stof_attn_all_tactics.restype = [i32p, ctypes.c_int32, i32p], ctypes.c_int
-    lib.stof_attn_tactic_info.argtypes = [ctypes.c_int32] + [i32p] * 5
-    lib.stof_attn_tactic_info.restype = ctypes.c_int
-    lib.stof_attn_tactic_name.argtypes, lib.stof_attn_tactic_name.restype = [ctypes.c_int32], ctypes.c_char_p
-    lib.stof_attn_workspace_size.argtypes = [P, ctypes.c_int32, ctypes.POINTER(ctypes.c_size_t)]
-    lib.stof_attn_workspace_size.restype = ctypes.c_int
-    lib.stof_attn_run.argtypes, lib.stof_attn_run.restype = [P, ctypes.c_int32, ctypes.c_void_p], ctypes.c_int
-    lib.stof_status_string.argtypes, lib.stof_status_string.restype = [ctypes.c_int], ctypes.c_char_p
-    lib.stof_last_error_message.argtypes, lib.stof_last_error_message.restype = [], ctypes.c_char_p
     lib.stof_abi_version.argtypes, lib.stof_abi_version.restype = [], ctypes.c_int32
     if lib.stof_abi_version() != ABI_VERSION:
         raise RuntimeError(f"libstof_kernels ABI version {lib.stof_abi_version()}, expected {ABI_VERSION} "
                            f"(rebuild the library, or point STOF_KERNELS_LIB at a current build)")
-    lib.stof_layout_row_order.argtypes = [i32p, ctypes.c_int32, ctypes.c_int32, i32p]
-    lib.stof_layout_row_order.restype = ctypes.c_int
-    if not hasattr(lib, "stof_layout_sched_chunk"):  # an unreleased ABI-2 build from before sched_chunk
-        raise RuntimeError("libstof_kernels lacks stof_layout_sched_chunk (a stale ABI-2 build: rebuild the library, "
-                           "or point STOF_KERNELS_LIB at a current build)")
-    lib.stof_layout_sched_chunk.argtypes = [i32p, ctypes.c_int32, ctypes.c_int32, i32p]
-    lib.stof_layout_sched_chunk.restype = ctypes.c_int
-    lib.stof_layout_pair_order.argtypes = [i32p, ctypes.c_int32, ctypes.c_int32, i32p]
-    lib.stof_layout_pair_order.restype = ctypes.c_int
-    lib.stof_layout_lane_bitmaps.argtypes = [i32p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, i32p]
-    lib.stof_layout_lane_bitmaps.restype = ctypes.c_int
+    P = ctypes.POINTER(_Params)
+    vp, i32, i64, c_int = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_int
+    sigs = {
+        "stof_attn_params_init": ([P], None),
+        "stof_attn_validate": ([P], c_int),
+        "stof_attn_list_tactics": ([P, _i32p, i32, _i32p], c_int),
+        "stof_attn_all_tactics": ([_i32p, i32, _i32p], c_int),
+        "stof_attn_tactic_info": ([i32] + [_i32p] * 5, c_int),
+        "stof_attn_tactic_name": ([i32], ctypes.c_char_p),
+        "stof_attn_workspace_size": ([P, i32, ctypes.POINTER(ctypes.c_size_t)], c_int),
+        "stof_attn_run": ([P, i32, vp], c_int),
+        "stof_attn_select": ([P, ctypes.c_char_p, ctypes.POINTER(DeviceDesc), ctypes.c_uint32, _i32p, _i32p], c_int),
+        "stof_status_string": ([c_int], ctypes.c_char_p),
+        "stof_last_error_message": ([], ctypes.c_char_p),
+        "stof_layout_create": ([ctypes.POINTER(_LayoutDesc), ctypes.POINTER(vp)], c_int),
+        "stof_layout_upload": ([vp, vp], c_int),
+        "stof_layout_use_device_arrays": ([vp, vp, vp, vp, vp], c_int),
+        "stof_layout_destroy": ([vp], None),
+        "stof_layout_info": ([vp, ctypes.POINTER(_LayoutInfo)], c_int),
+        "stof_layout_derived": ([vp, i32, _i32p, i64, ctypes.POINTER(i64)], c_int),
+        "stof_device_describe": ([i32, ctypes.POINTER(DeviceDesc)], c_int),
+        "stof_tactic_cache_load": ([ctypes.c_char_p, _i32p], c_int),
+        "stof_shape_bucket": ([i64, i64, i64, ctypes.c_char_p, ctypes.c_size_t], c_int),
+    }
+    for name, (args, res) in sigs.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
     _LIB = lib
     return lib
 
@@ -157,79 +193,6 @@ def library_available() -> bool:
         return True
     except (FileNotFoundError, OSError):
         return False
-
-
-def _host_row_ptr(row_ptr, num_layouts, tiles_q):
-    """row_ptr as contiguous int32 numpy, checked to hold num_layouts*tiles_q + 1 entries (the C helpers read that
-    many and cannot check the length themselves); sizes < 1 are left for the library to report."""
-    import numpy as np
-
-    rp = np.ascontiguousarray(row_ptr, dtype=np.int32)
-    num_layouts, tiles_q = int(num_layouts), int(tiles_q)
-    n = num_layouts * tiles_q
-    if n >= 1 and rp.shape != (n + 1,):
-        raise ValueError(f"row_ptr must have num_layouts*tiles_q + 1 = {n + 1} entries, has shape {rp.shape}")
-    return rp, num_layouts, tiles_q, n
-
-
-def native_row_order(row_ptr, num_layouts: int, tiles_q: int):
-    """The C helper ``stof_layout_row_order`` on a host ``row_ptr`` (``num_layouts*tiles_q + 1`` entries): int32
-    numpy ``[num_layouts*tiles_q]``, per layout its tile rows longest first (= ``TileLayout.row_order()``)."""
-    import numpy as np
-
-    lib = load_library()
-    rp, num_layouts, tiles_q, n = _host_row_ptr(row_ptr, num_layouts, tiles_q)
-    out = np.empty(max(n, 1), np.int32)   # sizes < 1: the library reports them (INVALID_ARGUMENT)
-    i32p = ctypes.POINTER(ctypes.c_int32)
-    _check(lib.stof_layout_row_order(rp.ctypes.data_as(i32p), num_layouts, tiles_q, out.ctypes.data_as(i32p)))
-    return out
-
-
-def native_pair_order(row_ptr, num_layouts: int, tiles_q: int):
-    """The C helper ``stof_layout_pair_order`` on a host ``row_ptr`` (``num_layouts*tiles_q + 1`` entries): int32
-    numpy ``[num_layouts*ceil(tiles_q/2)]``, per layout its pairs of tile rows longest first
-    (= ``TileLayout.pair_order()``)."""
-    import numpy as np
-
-    lib = load_library()
-    rp, num_layouts, tiles_q, n = _host_row_ptr(row_ptr, num_layouts, tiles_q)
-    out = np.empty(max(num_layouts * ((tiles_q + 1) // 2), 1), np.int32)  # sizes < 1: INVALID_ARGUMENT
-    i32p = ctypes.POINTER(ctypes.c_int32)
-    _check(lib.stof_layout_pair_order(rp.ctypes.data_as(i32p), num_layouts, tiles_q, out.ctypes.data_as(i32p)))
-    return out
-
-
-def native_lane_bitmaps(bitmaps, tile_m: int, tile_n: int):
-    """The C helper ``stof_layout_lane_bitmaps`` on host ``bitmaps`` (``[P, tile_m*tile_n/32]`` int32, P >= 1):
-    int32 numpy ``[P * tile_m*tile_n/16]`` (= ``TileLayout.lane_bitmaps()``)."""
-    import numpy as np
-
-    lib = load_library()
-    tile_m, tile_n = int(tile_m), int(tile_n)
-    bm = np.ascontiguousarray(bitmaps, dtype=np.int32)
-    per = tile_m * tile_n // 32
-    if per < 1 or bm.size % per != 0:
-        raise ValueError(f"bitmaps of {bm.size} int32 are not whole {tile_m}x{tile_n} bitmaps")
-    n = bm.size // per
-    out = np.empty(max(n * per * 2, 1), np.int32)
-    i32p = ctypes.POINTER(ctypes.c_int32)
-    _check(lib.stof_layout_lane_bitmaps(bm.ctypes.data_as(i32p), n, tile_m, tile_n, out.ctypes.data_as(i32p)))
-    return out
-
-
-def native_sched_chunk(row_ptr, num_layouts: int, tiles_q: int) -> int:
-    """The C helper ``stof_layout_sched_chunk`` on a host ``row_ptr`` (``num_layouts*tiles_q + 1`` entries): 1 when
-    in every layout the longest tile row holds at most 5/4 of the mean, else 0 (= ``TileLayout.sched_chunk()``)."""
-    import numpy as np
-
-    lib = load_library()
-    rp, num_layouts, tiles_q, n = _host_row_ptr(row_ptr, num_layouts, tiles_q)
-    if rp.size == 0:
-        rp = np.zeros(1, np.int32)        # sizes < 1: the library reports them (INVALID_ARGUMENT), reads nothing
-    chunk = ctypes.c_int32(-1)
-    i32p = ctypes.POINTER(ctypes.c_int32)
-    _check(lib.stof_layout_sched_chunk(rp.ctypes.data_as(i32p), num_layouts, tiles_q, ctypes.byref(chunk)))
-    return chunk.value
 
 
 def _check(status: int) -> None:
@@ -258,61 +221,81 @@ def tactic_info(tactic: int) -> Tactic:
 def all_tactics() -> list[Tactic]:
     """Every tactic of the loaded library (regardless of problem)."""
     lib = load_library()
-    ids = (ctypes.c_int32 * 64)()
+    ids = (ctypes.c_int32 * 128)()
     n = ctypes.c_int32()
-    _check(lib.stof_attn_all_tactics(ids, 64, ctypes.byref(n)))
+    _check(lib.stof_attn_all_tactics(ids, 128, ctypes.byref(n)))
     return [tactic_info(ids[i]) for i in range(n.value)]
 
 
 class DeviceLayout:
-    """A TileLayout's four int32 arrays on the GPU (torch tensors), its derived ``row_order`` (``[L*Tq]``, tile rows
-    longest first) and ``pair_order`` (``[L*ceil(Tq/2)]``, pairs of tile rows longest first; set it to None to run
-    two-row kernels in their default order), both passed to the kernels unless a run says ``row_order=False``, its
-    derived ``sched_chunk`` (an int, ``layout.sched_chunk()``; passed unless a run gives ``sched_chunk=N``), its
-    derived ``lane_bitmaps`` (``layout.lane_bitmaps()``, C ABI 5; None with ``lane_bitmaps=False`` or a tile shape
-    without them; always passed when present), its bitmaps' row count ``num_bitmaps`` (C ABI 6; always passed) plus
-    its metadata."""
+    """A TileLayout as a layout handle of the library, checked and with its derived schedules, uploaded to
+    ``device`` (``"cpu"``: host only, for host-side calls such as ``list_tactics`` and ``select_tactic``).
+
+    Attributes: the layout's sizes (``tile_m``, ``tile_n``, ``seq_q``, ``seq_k``, ``num_layouts``,
+    ``num_bitmaps``), its derived ``sched_chunk``, ``row_order_is_default`` / ``pair_order_is_default`` (an order
+    equal to the kernels' own, which the library then does not pass), ``signature`` (``TileLayout.signature()``)
+    and ``lane_bitmaps`` (False: runs leave the lane bitmaps out, the same result).  ``derived(name)`` returns
+    the library's ``row_order``, ``pair_order`` or ``lane_bitmaps`` as int32 numpy."""
 
     def __init__(self, layout, device="cuda", lane_bitmaps: bool = True):
-        import torch
+        import numpy as np
 
+        self._lib = lib = load_library()
+        self._handle = None
         self.layout = layout
-        self.tile_m, self.tile_n = int(layout.tile_m), int(layout.tile_n)
-        self.seq_q, self.seq_k = int(layout.seq_q), int(layout.seq_k)
-        self.num_layouts = int(layout.num_layouts)
-        # torch.tensor copies: the layout's arrays may be read-only (as_tensor would warn and share them)
-        def upload(a):
-            return torch.tensor(a, dtype=torch.int32).contiguous().to(device)
+        arrays = [np.ascontiguousarray(a, np.int32).ravel() for a in
+                  (layout.row_ptr, layout.col_idx, layout.tile_bitmap_index, layout.bitmaps)]
+        d = _LayoutDesc()
+        for name, a in zip(("row_ptr", "col_idx", "tile_bitmap_index", "bitmaps"), arrays):
+            setattr(d, name, a.ctypes.data_as(_i32p))
+            setattr(d, name + "_len", a.size)
+        d.tile_m, d.tile_n, d.num_layouts = int(layout.tile_m), int(layout.tile_n), int(layout.num_layouts)
+        d.seq_q, d.seq_k = int(layout.seq_q), int(layout.seq_k)
+        h = ctypes.c_void_p()
+        _check(lib.stof_layout_create(ctypes.byref(d), ctypes.byref(h)))
+        self._handle = h
+        info = _LayoutInfo()
+        _check(lib.stof_layout_info(h, ctypes.byref(info)))
+        self.tile_m, self.tile_n, self.num_layouts = info.tile_m, info.tile_n, info.num_layouts
+        self.seq_q, self.seq_k, self.num_bitmaps = info.seq_q, info.seq_k, info.num_bitmaps
+        self.sched_chunk = info.sched_chunk
+        self.row_order_is_default = bool(info.row_order_is_default)
+        self.pair_order_is_default = bool(info.pair_order_is_default)
+        self.has_lane_bitmaps = bool(info.has_lane_bitmaps)
+        self.signature = info.signature.decode()
+        self.lane_bitmaps = bool(lane_bitmaps)
+        self.device = None
+        if not str(device).startswith("cpu"):
+            import torch
 
-        self.row_ptr = upload(layout.row_ptr)
-        self.col_idx = upload(layout.col_idx)
-        self.tile_bitmap_index = upload(layout.tile_bitmap_index)
-        self.bitmaps = upload(layout.bitmaps)
-        ro, po = layout.row_order(), layout.pair_order()
-        self.row_order = upload(ro)
-        self.pair_order = upload(po)
-        # An order that is the kernels' own (last rows first: causal) is not passed: the same schedule, without one
-        # dependent load before each work item (session 15: causal S=1024, tactic 24 +0.6 us with the pair order)
-        self.row_order_is_default = _last_first(ro, self.num_layouts, int(layout.Tq))
-        self.pair_order_is_default = _last_first(po, self.num_layouts, (int(layout.Tq) + 1) // 2)
-        self.sched_chunk = int(layout.sched_chunk())
-        # (C ABI 5) None for tile shapes without them, or when not asked for (the kernels then pack the bitmaps'
-        # words themselves: the same result, slower)
-        lb = layout.lane_bitmaps() if lane_bitmaps else None
-        self.lane_bitmaps = None if lb is None else upload(lb)
-        # (C ABI 6) the bitmaps' row count, passed with every run; 0 = not given (the library then bounds it by the
-        # whole tile grid)
-        self.num_bitmaps = int(self.bitmaps.shape[0])
+            dev = torch.device(device)
+            if dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+            with torch.cuda.device(dev):
+                _check(lib.stof_layout_upload(h, torch.cuda.current_stream(dev).cuda_stream))
+            self.device = dev
+
+    def derived(self, name: str):
+        """The library's derived host array ``row_order``, ``pair_order`` or ``lane_bitmaps`` (int32 numpy; the
+        last is empty for tile shapes without lane bitmaps)."""
+        import numpy as np
+
+        n = ctypes.c_int64()
+        st = self._lib.stof_layout_derived(self._handle, _DERIVED[name], None, 0, ctypes.byref(n))
+        if st not in (0, 5):
+            _check(st)
+        out = np.empty(max(n.value, 1), np.int32)
+        _check(self._lib.stof_layout_derived(self._handle, _DERIVED[name], out.ctypes.data_as(_i32p), out.size,
+                                             ctypes.byref(n)))
+        return out[:n.value]
+
+    def __del__(self):
+        if getattr(self, "_handle", None) is not None:
+            self._lib.stof_layout_destroy(self._handle)
+            self._handle = None
 
     def __repr__(self) -> str:
         return f"DeviceLayout({self.layout!r})"
-
-
-def _last_first(order, num_layouts: int, n: int) -> bool:
-    """order ([num_layouts*n]) lists each layout's n entries last first: the kernels' order without one."""
-    import numpy as np
-
-    return bool(np.array_equal(order, np.tile(np.arange(n - 1, -1, -1, dtype=np.int32), num_layouts)))
 
 
 def _as_torch(x):
@@ -324,7 +307,7 @@ def _as_torch(x):
 
 
 def _make_params(q, k, v, o, dl: DeviceLayout, scale, key_lengths, key_padding_mask, bhsd: bool,
-                 row_order: bool = True, sched_chunk: int | None = None) -> _Params:
+                 row_order: bool = True, sched_chunk: int | None = None, pair_order: bool = True) -> _Params:
     import torch
 
     if q.dtype not in (torch.float16, torch.bfloat16):
@@ -343,6 +326,7 @@ def _make_params(q, k, v, o, dl: DeviceLayout, scale, key_lengths, key_padding_m
     B, H, Sq, D = q.shape[ax[0]], q.shape[ax[1]], q.shape[ax[2]], q.shape[3]
     Sk = k.shape[ax[2]]
     p = _Params()
+    _LIB.stof_attn_params_init(ctypes.byref(p))
     p.dtype, p.batch, p.num_heads, p.seq_q, p.seq_k, p.head_dim = dt, B, H, Sq, Sk, D
     p.scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     p.q, p.k, p.v, p.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr()
@@ -351,21 +335,11 @@ def _make_params(q, k, v, o, dl: DeviceLayout, scale, key_lengths, key_padding_m
         setattr(p, f"{prefix}_stride_b", st[ax[0]])
         setattr(p, f"{prefix}_stride_h", st[ax[1]])
         setattr(p, f"{prefix}_stride_s", st[ax[2]])
-    p.row_ptr, p.col_idx = dl.row_ptr.data_ptr(), dl.col_idx.data_ptr()
-    p.tile_bitmap_index, p.bitmaps = dl.tile_bitmap_index.data_ptr(), dl.bitmaps.data_ptr()
-    p.tile_m, p.tile_n, p.num_layouts = dl.tile_m, dl.tile_n, dl.num_layouts
-    p.layout_seq_q, p.layout_seq_k = dl.seq_q, dl.seq_k
-    if row_order:  # both schedules (the library uses the one that fits the kernel), unless the kernels' own
-        if not dl.row_order_is_default:
-            p.row_order = dl.row_order.data_ptr()
-        if dl.pair_order is not None and not dl.pair_order_is_default:
-            p.pair_order = dl.pair_order.data_ptr()
-    # independent of row_order; None = the layout's value; an explicit value goes to the library as given
-    # (a negative one is its INVALID_ARGUMENT)
-    p.sched_chunk = dl.sched_chunk if sched_chunk is None else int(sched_chunk)
-    if dl.lane_bitmaps is not None:
-        p.lane_bitmaps = dl.lane_bitmaps.data_ptr()
-    p.num_bitmaps = dl.num_bitmaps
+    p.layout = dl._handle
+    # None = the layout's choice (-1); an explicit value goes to the library as given (< -1 is INVALID_ARGUMENT)
+    p.sched_chunk = -1 if sched_chunk is None else int(sched_chunk)
+    p.options = ((0 if row_order else OPT_NO_ROW_ORDER | OPT_NO_PAIR_ORDER) | (0 if pair_order else OPT_NO_PAIR_ORDER)
+                 | (0 if dl.lane_bitmaps else OPT_NO_LANE_BITMAPS))
     if key_lengths is not None:
         if key_lengths.dtype != torch.int32 or not key_lengths.is_contiguous() or key_lengths.numel() != B:
             raise ValueError("key_lengths must be a contiguous int32 [B] tensor")
@@ -379,9 +353,9 @@ def _make_params(q, k, v, o, dl: DeviceLayout, scale, key_lengths, key_padding_m
 
 
 def _attach_workspace(lib, p: _Params, tactic: int, device, given=None):
-    """Allocate the workspace the library asks for (C ABI v3; the warp-specialised tactics then run persistent)
-    and point p at it, or use `given` (a CUDA tensor of at least that many bytes, 16-byte aligned; its contents
-    need no initialisation); returns the tensor (keep it alive while the call runs) or None."""
+    """Allocate the workspace the library asks for (the persistent tactics' work counter) and point p at it, or
+    use `given` (a CUDA tensor of at least that many bytes, 16-byte aligned; its contents need no initialisation);
+    returns the tensor (keep it alive while the call runs) or None."""
     import torch
 
     n = ctypes.c_size_t()
@@ -416,24 +390,77 @@ def list_tactics(q, k, v, dl: DeviceLayout, *, bhsd: bool = True, row_order: boo
     """Tactic ids valid for this problem (library's static order)."""
     lib = load_library()
     p = _make_params(q, k, v, q, dl, None, None, None, bhsd, row_order, sched_chunk)
-    ids = (ctypes.c_int32 * 64)()
+    ids = (ctypes.c_int32 * 128)()
     n = ctypes.c_int32()
-    _check(lib.stof_attn_list_tactics(ctypes.byref(p), ids, 64, ctypes.byref(n)))
+    _check(lib.stof_attn_list_tactics(ctypes.byref(p), ids, 128, ctypes.byref(n)))
     return [ids[i] for i in range(n.value)]
+
+
+def device_desc(device: int | None = None, *, name: str | None = None, cc: str | None = None) -> DeviceDesc:
+    """A GPU as ``select_tactic`` sees it: CUDA device ``device`` (None: the current one), or, given ``name`` and
+    ``cc``, that identity with the H100 SXM's pre-search properties (host only: no GPU needed)."""
+    lib = load_library()
+    d = DeviceDesc()
+    if name is not None or cc is not None:
+        if name is None or cc is None:
+            raise ValueError("give both name and cc, or neither")
+        d.name, d.cc = name.encode(), cc.encode()
+        lib.stof_presearch_h100_props(ctypes.byref(d.props))
+        return d
+    if device is None:
+        import torch
+
+        device = torch.cuda.current_device()
+    _check(lib.stof_device_describe(int(device), ctypes.byref(d)))
+    return d
+
+
+def select_tactic(q, k, v, dl: DeviceLayout, *, key_padding_mask=None, bhsd: bool = True,
+                  tactic_cache: str | os.PathLike | None = None, device: DeviceDesc | None = None,
+                  presearch: bool = True) -> tuple[int, str]:
+    """The library's tactic for this problem and where it came from: ``"cache"`` (the tactic cache's entry, when
+    valid here), ``"presearch"`` (the pre-search's fastest valid tactic) or ``"default"`` (the library's first
+    valid one; ``presearch=False`` skips the pre-search).  ``device``: a ``device_desc()`` (None: the current
+    CUDA device).  Memoised per layout handle."""
+    lib = load_library()
+    p = _make_params(q, k, v, q, dl, None, None, key_padding_mask, bhsd)
+    t, src = ctypes.c_int32(), ctypes.c_int32()
+    path = None if tactic_cache is None else os.fsencode(tactic_cache)
+    _check(lib.stof_attn_select(ctypes.byref(p), path, None if device is None else ctypes.byref(device),
+                                0 if presearch else SELECT_NO_PRESEARCH, ctypes.byref(t), ctypes.byref(src)))
+    return t.value, SOURCES[src.value]
+
+
+def load_tactic_cache(path: str | os.PathLike) -> int:
+    """(Re)read a tactic cache file into the library's table (``select_tactic`` reads a path on first use);
+    returns its entry count.  A missing or malformed file raises ``StofKernelError``."""
+    lib = load_library()
+    n = ctypes.c_int32()
+    _check(lib.stof_tactic_cache_load(os.fsencode(path), ctypes.byref(n)))
+    return n.value
+
+
+def shape_bucket(batch: int, seq_q: int, seq_k: int) -> str:
+    """The library's shape bucket of the tactic-cache key (= stof_trt.tactic_cache.shape_bucket)."""
+    lib = load_library()
+    buf = ctypes.create_string_buffer(96)
+    _check(lib.stof_shape_bucket(int(batch), int(seq_q), int(seq_k), buf, len(buf)))
+    return buf.value.decode()
 
 
 def sparse_attention(q, k, v, dl: DeviceLayout, *, scale: float | None = None, tactic: int = 0,
                      key_lengths=None, key_padding_mask=None, out=None, bhsd: bool = True, stream=None,
-                     row_order: bool = True, sched_chunk: int | None = None, workspace=True):
+                     row_order: bool = True, sched_chunk: int | None = None, workspace=True,
+                     pair_order: bool = True):
     """O = softmax(scale * Q K^T, masked by the layout and padding) V on the current (or given) CUDA stream.
 
     q: [B,H,Sq,D] (or [B,Sq,H,D] with bhsd=False), k/v: [B,H,Sk,D]; fp16 or bf16; D in {64, 128}.
-    scale defaults to 1/sqrt(D); tactic 0 lets the library choose.  row_order=False runs without the layout's
-    longest-rows-first schedule (the kernels' default order; same result).  sched_chunk: (batch, head) pairs whose
-    CTAs are interleaved (C ABI v2; 0 = the library's L2-sized default, 1 = one pair at a time; same result);
-    None = the layout's ``DeviceLayout.sched_chunk``.  workspace=False passes no workspace (C ABI v3: the
-    warp-specialised tactics then run one CTA per work item instead of persistent; same result); a CUDA tensor
-    is used as the workspace (any contents).  Returns `out` (allocated if None).
+    scale defaults to 1/sqrt(D); tactic 0 runs the library's first valid tactic.  row_order=False runs without
+    the layout's longest-first schedules (the kernels' default order; same result), pair_order=False without the
+    one for two-row work items only.  sched_chunk: (batch, head) pairs whose CTAs are interleaved (0 = the
+    library's L2-sized default, 1 = one pair at a time; same result); None = the layout's choice.
+    workspace=False passes no workspace (the persistent tactics then run one CTA per work item; same result); a
+    CUDA tensor is used as the workspace (any contents).  Returns `out` (allocated if None).
     """
     import torch
 
@@ -441,7 +468,8 @@ def sparse_attention(q, k, v, dl: DeviceLayout, *, scale: float | None = None, t
     q, k, v = _as_torch(q), _as_torch(k), _as_torch(v)
     if out is None:
         out = torch.empty_like(q)
-    p = _make_params(q, k, v, out, dl, scale, key_lengths, key_padding_mask, bhsd, row_order, sched_chunk)
+    p = _make_params(q, k, v, out, dl, scale, key_lengths, key_padding_mask, bhsd, row_order, sched_chunk,
+                     pair_order)
     if workspace is None or isinstance(workspace, (bool, int)):
         ws = _attach_workspace(lib, p, tactic, q.device) if workspace else None
     else:
@@ -461,14 +489,14 @@ class Runner:
 
     def __init__(self, q, k, v, dl: DeviceLayout, *, out=None, tactic: int = 0, scale=None, key_lengths=None,
                  key_padding_mask=None, bhsd: bool = True, stream=None, row_order: bool = True,
-                 sched_chunk: int | None = None, workspace: bool = True):
+                 sched_chunk: int | None = None, workspace: bool = True, pair_order: bool = True):
         import torch
 
         self._lib = load_library()
         self.out = torch.empty_like(q) if out is None else out
         self._keep = (q, k, v, dl, key_lengths, key_padding_mask)  # keep the memory alive
         self._p = _make_params(q, k, v, self.out, dl, scale, key_lengths, key_padding_mask, bhsd, row_order,
-                               sched_chunk)
+                               sched_chunk, pair_order)
         self._pref = ctypes.byref(self._p)
         self.tactic = int(tactic)
         self._ws = _attach_workspace(self._lib, self._p, self.tactic, q.device) if workspace else None

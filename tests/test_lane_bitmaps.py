@@ -1,8 +1,10 @@
-"""TileLayout.lane_bitmaps() (the derived array of docs/format.md, C ABI 5) against its definition, bit by bit, and
-against the C helper stof_layout_lane_bitmaps (wherever libstof_kernels.so is built; CI builds it, no GPU needed)."""
+"""TileLayout.lane_bitmaps() (the derived array of docs/format.md) against its definition, bit by bit, and against
+what the library's layout handle derives (wherever libstof_kernels.so is built; CI builds it, no GPU needed)."""
 from __future__ import annotations
 
 import ctypes
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -55,33 +57,31 @@ def test_layout_method_and_shapes_without():
     assert lane_bitmaps(np.zeros((1, 8 * 64 // 32), np.int32), 8, 64) is None
 
 
+def _bitmap_layout(bm: np.ndarray, tile_m: int, tile_n: int):
+    """A one-tile-row layout whose tiles use each of the P bitmaps once (the attributes DeviceLayout reads)."""
+    P = bm.shape[0]
+    return SimpleNamespace(row_ptr=np.array([0, P], np.int32), col_idx=np.arange(P, dtype=np.int32),
+                           tile_bitmap_index=np.arange(P, dtype=np.int32), bitmaps=bm, tile_m=tile_m, tile_n=tile_n,
+                           num_layouts=1, seq_q=tile_m, seq_k=P * tile_n)
+
+
 @pytest.mark.parametrize("tile_m,tile_n", SHAPES)
 def test_native_matches_numpy(kernels, tile_m, tile_n):
     rng = np.random.default_rng(7 * tile_m + tile_n)
     for P in (1, 3):
         bm = rng.integers(-2**31, 2**31, size=(P, tile_m * tile_n // 32), dtype=np.int64).astype(np.int32)
-        assert np.array_equal(kernels.native_lane_bitmaps(bm, tile_m, tile_n), lane_bitmaps(bm, tile_m, tile_n))
+        dl = kernels.DeviceLayout(_bitmap_layout(bm, tile_m, tile_n), device="cpu")
+        assert dl.has_lane_bitmaps and dl.num_bitmaps == P
+        assert np.array_equal(dl.derived("lane_bitmaps"), lane_bitmaps(bm, tile_m, tile_n))
     dense = rng.random((2, 300, 333)) < 0.3
     lay = TileLayout.from_dense(dense, tile_m, tile_n)
-    assert np.array_equal(kernels.native_lane_bitmaps(lay.bitmaps, tile_m, tile_n), lay.lane_bitmaps())
+    assert np.array_equal(kernels.DeviceLayout(lay, device="cpu").derived("lane_bitmaps"), lay.lane_bitmaps())
 
 
-def test_native_errors(kernels):
-    lib = kernels.load_library()
-    i32p = ctypes.POINTER(ctypes.c_int32)
+def test_native_every_bit_and_shapes_without(kernels):
     bm = np.full((1, 128), -1, np.int32)                             # every bit set
-    out = np.zeros(256, np.int32)
-    bp, op = bm.ctypes.data_as(i32p), out.ctypes.data_as(i32p)
-    fn = lib.stof_layout_lane_bitmaps
-    assert fn(None, 1, 64, 64, op) == 1                                # INVALID_ARGUMENT
-    assert b"NULL" in lib.stof_last_error_message()
-    assert fn(bp, 1, 64, 64, None) == 1
-    assert fn(bp, 0, 64, 64, op) == 1                                  # no bitmap
-    assert fn(bp, 1, 8, 64, op) == 1                                   # tile_m not a multiple of 16
-    assert fn(bp, 1, 64, 32, op) == 1                                  # tile_n not a multiple of 64
-    assert b"multiple" in lib.stof_last_error_message()
-    assert fn(bp, 1, 64, 64, op) == 0                                  # a good call clears the message
-    assert lib.stof_last_error_message() == b""
+    out = kernels.DeviceLayout(_bitmap_layout(bm, 64, 64), device="cpu").derived("lane_bitmaps")
     assert out.view(np.uint32)[0::2].tolist() == [0xffffffff] * 128 and out[1::2].tolist() == [0xf] * 128
-    with pytest.raises(ValueError):
-        kernels.native_lane_bitmaps(np.ones(100, np.int32), 64, 64)    # not whole bitmaps
+    for tm, tn in ((64, 32), (16, 96)):                              # tile_n not a multiple of 64: none
+        dl = kernels.DeviceLayout(compile_mask("causal", 100, 100, tile_m=tm, tile_n=tn), device="cpu")
+        assert not dl.has_lane_bitmaps and dl.derived("lane_bitmaps").size == 0

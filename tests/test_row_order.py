@@ -1,12 +1,14 @@
-"""TileLayout.row_order() (the derived schedule array of docs/format.md) equals the C helper stof_layout_row_order
-on random layouts.  The numpy side always runs; the native comparison runs wherever libstof_kernels.so is built
-(CI builds it with nvcc; no GPU needed) and skips otherwise, like tests/test_presearch_native.py."""
+"""TileLayout.row_order() and pair_order() (derived schedule arrays of docs/format.md) equal what the library's
+layout handle derives, on random layouts.  The numpy side always runs; the native comparison runs wherever
+libstof_kernels.so is built (CI builds it with nvcc; no GPU needed) and skips otherwise."""
 from __future__ import annotations
 
 import ctypes
 
 import numpy as np
 import pytest
+
+from types import SimpleNamespace
 
 from stof_trt.format import TileLayout, compile_mask
 
@@ -91,14 +93,27 @@ def test_row_order_not_stored():
     assert layout.signature() == sig
 
 
-@pytest.mark.parametrize("helper,derived,seed", [("native_row_order", "row_order", 7),
-                                                  ("native_pair_order", "pair_order", 13)])
-def test_native_matches_numpy(kernels, helper, derived, seed):
-    """The C helpers (row order, ABI 2; pair order, ABI 4) equal TileLayout's on random layouts."""
+def _raw_layout(row_ptr: np.ndarray, L: int, tq: int, tile: int = 64):
+    """A layout object (the attributes DeviceLayout reads) whose row r stores FULL tiles at columns 0..len-1."""
+    counts = np.diff(row_ptr.astype(np.int64))
+    tk = max(1, int(counts.max()))
+    col = np.concatenate([np.arange(c) for c in counts]).astype(np.int32) if counts.sum() else np.zeros(1, np.int32)
+    return SimpleNamespace(row_ptr=row_ptr, col_idx=col, tile_bitmap_index=np.full(col.size, -1, np.int32),
+                           bitmaps=np.zeros((1, tile * tile // 32), np.int32), tile_m=tile, tile_n=tile,
+                           num_layouts=L, seq_q=tq * tile, seq_k=tk * tile)
+
+
+@pytest.mark.parametrize("derived,seed", [("row_order", 7), ("pair_order", 13)])
+def test_native_matches_numpy(kernels, derived, seed):
+    """The layout handle's row order and pair order equal TileLayout's on random layouts."""
     n = 0
     for layout in _random_layouts(150, seed=seed):
-        native = getattr(kernels, helper)(layout.row_ptr, layout.num_layouts, layout.Tq)
-        assert np.array_equal(native, getattr(layout, derived)()), repr(layout)
+        dl = kernels.DeviceLayout(layout, device="cpu")
+        assert np.array_equal(dl.derived(derived), getattr(layout, derived)()), repr(layout)
+        last_first = np.tile(np.arange(len(getattr(layout, derived)()) // layout.num_layouts)[::-1],
+                             layout.num_layouts)
+        flag = dl.row_order_is_default if derived == "row_order" else dl.pair_order_is_default
+        assert flag == np.array_equal(getattr(layout, derived)(), last_first)
         n += 1
     assert n == 150
 
@@ -109,67 +124,25 @@ def test_native_large_ties(kernels):
     L, tq = 12, 300
     counts = rng.integers(0, 4, L * tq)
     row_ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-    native = kernels.native_row_order(row_ptr, L, tq)
-    assert np.array_equal(native, _reference(row_ptr, L, tq))
-
-
-def _check_helper_errors(kernels, name, row_ptr, tiles_q, want):
-    """A layout-order C helper: NULL pointers and sizes < 1 are INVALID_ARGUMENT with a message; a good call writes
-    `want` and clears the message."""
-    lib = kernels.load_library()
-    fn = getattr(lib, name)
-    i32p = ctypes.POINTER(ctypes.c_int32)
-    out = np.zeros(len(want), np.int32)
-    rp_p, out_p = row_ptr.ctypes.data_as(i32p), out.ctypes.data_as(i32p)
-    assert fn(None, 1, tiles_q, out_p) == 1                            # INVALID_ARGUMENT
-    assert b"NULL" in lib.stof_last_error_message()
-    assert fn(rp_p, 1, tiles_q, None) == 1
-    assert fn(rp_p, 0, tiles_q, out_p) == 1
-    assert lib.stof_last_error_message() != b""
-    assert fn(rp_p, 1, 0, out_p) == 1
-    assert fn(rp_p, -3, tiles_q, out_p) == 1
-    assert fn(rp_p, 1, -1, out_p) == 1
-    assert fn(rp_p, 1, tiles_q, out_p) == 0                            # and a good call clears the message
-    assert out.tolist() == want
-    assert lib.stof_last_error_message() == b""
-
-
-def test_native_errors(kernels):
-    rp = np.array([0, 1, 3], np.int32)
-    _check_helper_errors(kernels, "stof_layout_row_order", rp, 2, [1, 0])
-    with pytest.raises(kernels.StofKernelError) as ei:
-        kernels.native_row_order(rp, 0, 2)
-    assert ei.value.status == 1
-    with pytest.raises(ValueError):
-        kernels.native_row_order(rp, 2, 2)                               # row_ptr too short for 2 layouts
+    dl = kernels.DeviceLayout(_raw_layout(row_ptr, L, tq), device="cpu")
+    assert np.array_equal(dl.derived("row_order"), _reference(row_ptr, L, tq))
 
 
 def test_abi_version(kernels):
     lib = kernels.load_library()
-    assert lib.stof_abi_version() == kernels.ABI_VERSION == 6
+    assert lib.stof_abi_version() == kernels.ABI_VERSION == 7
     names = [f[0] for f in kernels._Params._fields_]
-    assert names[-7:] == ["row_order", "sched_chunk", "workspace", "workspace_bytes", "pair_order", "lane_bitmaps",
-                          "num_bitmaps"]
+    assert names[-7:] == ["layout", "key_lengths", "key_padding_mask", "workspace", "workspace_bytes", "sched_chunk",
+                          "options"]
     p = kernels._Params()
     lib.stof_attn_params_init(ctypes.byref(p))
-    assert p.row_order is None                                           # init leaves it NULL
-    assert p.sched_chunk == 0                                            # and sched_chunk 0 (library default)
-    assert p.workspace is None and p.workspace_bytes == 0                # and no workspace (ABI 3)
-    assert p.pair_order is None                                          # and no pair order (ABI 4)
-    assert p.lane_bitmaps is None                                        # and no lane bitmaps (ABI 5)
-    assert p.num_bitmaps == 0                                            # and no bitmap count (ABI 6)
+    assert p.layout is None and p.key_lengths is None and p.key_padding_mask is None
+    assert p.sched_chunk == -1                                           # the layout's choice
+    assert p.workspace is None and p.workspace_bytes == 0 and p.options == 0
+    assert lib.stof_attn_validate(ctypes.byref(p)) != 0                 # no sizes, no layout
 
 
-def test_num_bitmaps_checked(kernels):
-    """ABI 6: num_bitmaps >= 0 (0: not given); a negative count is INVALID_ARGUMENT with a message that names it."""
-    lib = kernels.load_library()
-    p = _valid_params(kernels)
-    for n in (0, 1, 2**31 - 1):
-        p.num_bitmaps = n
-        assert lib.stof_attn_validate(ctypes.byref(p)) in (0, 2), lib.stof_last_error_message()
-    p.num_bitmaps = -1
-    assert lib.stof_attn_validate(ctypes.byref(p)) == 1
-    assert b"num_bitmaps" in lib.stof_last_error_message()
+_KEEP = []
 
 
 def _valid_params(kernels):
@@ -178,16 +151,18 @@ def _valid_params(kernels):
     kernels.load_library().stof_attn_params_init(ctypes.byref(p))
     p.batch, p.num_heads, p.seq_q, p.seq_k, p.head_dim = 1, 1, 128, 128, 64
     fake = 1 << 20  # 16-byte aligned, never dereferenced by validate / workspace_size
-    p.q = p.k = p.v = p.o = p.row_ptr = p.col_idx = p.tile_bitmap_index = p.bitmaps = fake
+    p.q = p.k = p.v = p.o = fake
     p.q_stride_s = p.k_stride_s = p.v_stride_s = p.o_stride_s = 64
     p.q_stride_h = p.k_stride_h = p.v_stride_h = p.o_stride_h = 128 * 64
     p.q_stride_b = p.k_stride_b = p.v_stride_b = p.o_stride_b = 128 * 64
-    p.layout_seq_q = p.layout_seq_k = 128
+    dl = kernels.DeviceLayout(compile_mask("causal", 128, 128), device="cpu")
+    _KEEP.append(dl)  # the handle outlives the params
+    p.layout = dl._handle
     return p
 
 
 def test_workspace_size_and_checks(kernels):
-    """ABI 3: the warp-specialised tactics ask for a 16-byte work counter, the others for nothing; tactic 0 gets
+    """The warp-specialised tactics ask for a 16-byte work counter, the others for nothing; tactic 0 gets
     the most any tactic uses; a misaligned workspace or a negative size is INVALID_ARGUMENT."""
     lib = kernels.load_library()
     p = _valid_params(kernels)
@@ -204,7 +179,7 @@ def test_workspace_size_and_checks(kernels):
     assert lib.stof_attn_workspace_size(ctypes.byref(p), 23, ctypes.byref(n)) == 1    # negative size
 
 
-# --- the pair order (C ABI 4): pairs of tile rows (2p, 2p+1) for kernels whose work item covers two tile rows ---
+# --- the pair order: pairs of tile rows (2p, 2p+1) for kernels whose work item covers two tile rows ---
 
 def _pair_reference(row_ptr: np.ndarray, L: int, tq: int) -> np.ndarray:
     """The definition, spelled out: pairs listed last..0, stable-sorted by the stored tiles of their longer row."""
@@ -247,11 +222,5 @@ def test_native_pair_order_large_ties(kernels):
     rng = np.random.default_rng(5)                             # many ties, a long odd stack
     L, tq = 12, 301
     row_ptr = np.concatenate([[0], np.cumsum(rng.integers(0, 4, L * tq))]).astype(np.int32)
-    assert np.array_equal(kernels.native_pair_order(row_ptr, L, tq), _pair_reference(row_ptr, L, tq))
-
-
-def test_native_pair_order_errors(kernels):
-    rp = np.array([0, 1, 3, 3], np.int32)                      # 3 tile rows: pairs (0, 1) and (2)
-    _check_helper_errors(kernels, "stof_layout_pair_order", rp, 3, [0, 1])  # pair 0's longer row: 2 tiles
-    with pytest.raises(ValueError):
-        kernels.native_pair_order(rp, 2, 3)                     # row_ptr too short for 2 layouts
+    dl = kernels.DeviceLayout(_raw_layout(row_ptr, L, tq), device="cpu")
+    assert np.array_equal(dl.derived("pair_order"), _pair_reference(row_ptr, L, tq))

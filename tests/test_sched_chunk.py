@@ -1,8 +1,8 @@
-"""TileLayout.sched_chunk() (the derived schedule integer of docs/format.md) equals the C helper
-stof_layout_sched_chunk on random and hand-made layouts; the Python binding passes it (or an explicit override) in
-stof_attn_params_t.sched_chunk, independently of row_order; stof_attn_validate rejects a negative one.  The numpy
-side always runs; the native parts run wherever libstof_kernels.so is built (no GPU needed: validate, list_tactics'
-argument checks and the host helpers launch nothing) and skip otherwise."""
+"""TileLayout.sched_chunk() (the derived schedule integer of docs/format.md) equals the layout handle's on random
+and hand-made layouts; the Python binding passes -1 (the layout's choice) or an explicit override in
+stof_attn_params_t.sched_chunk, independently of row_order; stof_attn_validate rejects one below -1.  The numpy side
+always runs; the native parts run wherever libstof_kernels.so is built (no GPU needed: validate, list_tactics and
+layout handles that are not uploaded launch nothing) and skip otherwise."""
 from __future__ import annotations
 
 import ctypes
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from stof_trt.format import TileLayout, compile_mask
-from test_row_order import SPECS, _random_layouts
+from test_row_order import SPECS, _random_layouts, _raw_layout
 
 
 def _reference(row_ptr, L: int, tq: int) -> int:
@@ -76,21 +76,24 @@ def test_sched_chunk_not_stored():
     assert set(layout.arrays()) == {"row_ptr", "col_idx", "tile_bitmap_index", "bitmaps"}
 
 
+def _native(kernels, layout) -> int:
+    return kernels.DeviceLayout(layout, device="cpu").sched_chunk
+
+
 def test_native_matches_numpy(kernels):
     n = 0
     for layout in _random_layouts(150, seed=13):
-        native = kernels.native_sched_chunk(layout.row_ptr, layout.num_layouts, layout.Tq)
-        assert native == layout.sched_chunk(), repr(layout)
+        assert _native(kernels, layout) == layout.sched_chunk(), repr(layout)
         n += 1
     for spec in SPECS:
         for S in (512, 1000, 4096):
             layout = compile_mask(spec, S, S, num_heads=4)
-            assert kernels.native_sched_chunk(layout.row_ptr, layout.num_layouts, layout.Tq) == layout.sched_chunk()
+            assert _native(kernels, layout) == layout.sched_chunk()
     assert n == 150
 
 
 def test_native_random_counts(kernels):
-    """Raw row_ptr arrays near the 5/4 boundary, long layout stacks (no TileLayout needed)."""
+    """Raw row_ptr arrays near the 5/4 boundary, long layout stacks."""
     rng = np.random.default_rng(5)
     seen = set()
     for _ in range(400):
@@ -98,7 +101,7 @@ def test_native_random_counts(kernels):
         base = rng.integers(0, 20)
         counts = base + rng.integers(0, int(rng.integers(1, 8)), L * tq)
         row_ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-        got = kernels.native_sched_chunk(row_ptr, L, tq)
+        got = _native(kernels, _raw_layout(row_ptr, L, tq))
         assert got == _reference(row_ptr, L, tq)
         seen.add(got)
     assert seen == {0, 1}
@@ -109,54 +112,26 @@ def test_native_known_cases(kernels):
                          ([[2, 2, 2, 2], [2, 2, 2, 2], [1, 1, 1, 6]], 0), ([[5, 4, 4, 3]], 1), ([[7, 5, 4, 4]], 0)]:
         c = np.asarray(counts, np.int64)
         row_ptr = np.concatenate([[0], np.cumsum(c.ravel())]).astype(np.int32)
-        assert kernels.native_sched_chunk(row_ptr, c.shape[0], c.shape[1]) == want, counts
+        assert _native(kernels, _raw_layout(row_ptr, c.shape[0], c.shape[1])) == want, counts
         assert _layout_from_counts(counts).sched_chunk() == want, counts
-
-
-def test_native_errors(kernels):
-    lib = kernels.load_library()
-    i32p = ctypes.POINTER(ctypes.c_int32)
-    rp = np.array([0, 1, 3], np.int32)
-    rp_p = rp.ctypes.data_as(i32p)
-    chunk = ctypes.c_int32(-7)
-    assert lib.stof_layout_sched_chunk(None, 1, 2, ctypes.byref(chunk)) == 1   # INVALID_ARGUMENT
-    assert b"NULL" in lib.stof_last_error_message()
-    assert lib.stof_layout_sched_chunk(rp_p, 1, 2, None) == 1
-    assert lib.stof_layout_sched_chunk(rp_p, 0, 2, ctypes.byref(chunk)) == 1
-    assert lib.stof_last_error_message() != b""
-    assert lib.stof_layout_sched_chunk(rp_p, 1, 0, ctypes.byref(chunk)) == 1
-    assert lib.stof_layout_sched_chunk(rp_p, -3, 2, ctypes.byref(chunk)) == 1
-    assert lib.stof_layout_sched_chunk(rp_p, 1, -1, ctypes.byref(chunk)) == 1
-    assert chunk.value == -7                                                   # untouched by failed calls
-    assert lib.stof_layout_sched_chunk(rp_p, 1, 2, ctypes.byref(chunk)) == 0   # and a good call clears the message
-    assert chunk.value == 0                                                    # rows [1, 2]: 4*2*2 = 16 > 5*3 = 15
-    assert lib.stof_last_error_message() == b""
-    with pytest.raises(kernels.StofKernelError) as ei:
-        kernels.native_sched_chunk(rp, 0, 2)
-    assert ei.value.status == 1
-    with pytest.raises(kernels.StofKernelError):
-        kernels.native_sched_chunk(np.zeros(0, np.int32), 0, 0)
-    with pytest.raises(ValueError):
-        kernels.native_sched_chunk(rp, 2, 2)                                   # row_ptr too short for 2 layouts
 
 
 def test_params_struct_size(kernels):
     """ctypes' _Params has the C struct's size: stof_attn_params_init memsets sizeof(stof_attn_params_t) bytes of
-    a buffer prefilled with 0xFF (and longer than _Params): the last byte it touched ends the C struct."""
+    a buffer prefilled with 0xFF (and longer than _Params) and then sets its defaults: the last byte it touched
+    ends the C struct."""
     lib = kernels.load_library()
     n = ctypes.sizeof(kernels._Params)
     buf = (ctypes.c_uint8 * (n + 64))(*([0xFF] * (n + 64)))
     lib.stof_attn_params_init(ctypes.cast(buf, ctypes.POINTER(kernels._Params)))
     touched = [i for i in range(n + 64) if buf[i] != 0xFF]
     assert touched[-1] + 1 == n, f"C struct {touched[-1] + 1} bytes, ctypes _Params {n}"
-    offs = {name: getattr(kernels._Params, name).offset for name, _ in kernels._Params._fields_}
-    assert offs["sched_chunk"] == offs["row_order"] + ctypes.sizeof(ctypes.c_void_p)
 
 
 def _cpu_problem(kernels, spec="sliding:window=128", S=256, H=2):
     torch = pytest.importorskip("torch")
     layout = compile_mask(spec, S, S, num_heads=H)
-    dl = kernels.DeviceLayout(layout, device="cpu")     # host tensors: validate only reads the pointers' values
+    dl = kernels.DeviceLayout(layout, device="cpu")     # host only: validate only reads the pointers' values
     q = torch.zeros(1, H, S, 64, dtype=torch.float16)
     return layout, dl, q
 
@@ -167,34 +142,32 @@ def test_make_params_passes_sched_chunk(kernels):
         assert dl.sched_chunk == layout.sched_chunk() == want
         for ro in (True, False):                                              # independent of row_order
             p = kernels._make_params(q, q, q, q, dl, None, None, None, True, ro)
-            assert p.sched_chunk == want and (p.row_order is not None) == ro
+            assert p.sched_chunk == -1 and (p.options & kernels.OPT_NO_ROW_ORDER == 0) == ro
             for explicit in (0, 1, 3):
                 p = kernels._make_params(q, q, q, q, dl, None, None, None, True, ro, explicit)
-                assert p.sched_chunk == explicit and (p.row_order is not None) == ro
+                assert p.sched_chunk == explicit and (p.options & kernels.OPT_NO_ROW_ORDER == 0) == ro
 
 
-def test_make_params_passes_orders_unless_default(kernels):
-    """Both orders go to the library (C ABI 2 and 4) unless row_order=False, and an order that is the kernels' own
-    (every layout last first: causal) stays NULL: the same schedule, one load less per work item."""
-    for spec, want_rows, want_pairs in [("causal", False, False), ("longformer:window=128,global=16", True, True),
-                                        ("sliding:window=128", True, True)]:
-        layout, dl, q = _cpu_problem(kernels, spec, S=1024)
-        tq = layout.Tq
-        last_first = list(range(tq - 1, -1, -1)) * layout.num_layouts
-        assert dl.row_order_is_default == (layout.row_order().tolist() == last_first)
-        p = kernels._make_params(q, q, q, q, dl, None, None, None, True, True)
-        assert (p.row_order is not None) == want_rows and (p.pair_order is not None) == want_pairs, spec
-        p = kernels._make_params(q, q, q, q, dl, None, None, None, True, False)
-        assert p.row_order is None and p.pair_order is None
+def test_make_params_options(kernels):
+    """row_order=False drops both orders, pair_order=False the pair order only, lane_bitmaps=False the lane
+    bitmaps; by default every schedule the layout has goes to the library."""
+    layout, dl, q = _cpu_problem(kernels, "longformer:window=128,global=16", S=1024)
+    K = kernels
+    assert K._make_params(q, q, q, q, dl, None, None, None, True).options == 0
+    no_orders = K.OPT_NO_ROW_ORDER | K.OPT_NO_PAIR_ORDER
+    assert K._make_params(q, q, q, q, dl, None, None, None, True, False).options == no_orders
+    assert K._make_params(q, q, q, q, dl, None, None, None, True, True, None, False).options == K.OPT_NO_PAIR_ORDER
+    plain = K.DeviceLayout(layout, device="cpu", lane_bitmaps=False)
+    assert K._make_params(q, q, q, q, plain, None, None, None, True).options == K.OPT_NO_LANE_BITMAPS
 
 
-def test_validate_rejects_negative_sched_chunk(kernels):
+def test_validate_rejects_sched_chunk_below_minus_one(kernels):
     lib = kernels.load_library()
     _, dl, q = _cpu_problem(kernels)
-    for chunk in (0, 1, 3, None):
+    for chunk in (-1, 0, 1, 3, None):
         p = kernels._make_params(q, q, q, q, dl, None, None, None, True, True, chunk)
         assert lib.stof_attn_validate(ctypes.byref(p)) != 1, lib.stof_last_error_message()  # not INVALID_ARGUMENT
-    for chunk in (-1, -1000):
+    for chunk in (-2, -1000):
         p = kernels._make_params(q, q, q, q, dl, None, None, None, True, True, chunk)
         assert lib.stof_attn_validate(ctypes.byref(p)) == 1                   # INVALID_ARGUMENT
         assert b"sched_chunk" in lib.stof_last_error_message()

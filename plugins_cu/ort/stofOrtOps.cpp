@@ -13,7 +13,6 @@
 
 #include "addLayerNorm/addLayerNormOp.h"
 #include "common/ortCommon.h"
-#include "common/tacticCache.h"
 #include "gemmEpilogue/gemmEpilogueOp.h"
 #include "sparseAttention/sparseAttentionOp.h"
 
@@ -68,16 +67,18 @@ RegisterCustomOps(OrtSessionOptions* options, OrtApiBase const* apiBase) {
         std::string const verbose = configEntry(*api, options, kCONFIG_VERBOSE, kENV_VERBOSE);
         setVerbose(!verbose.empty() && verbose != "0");
         std::string const cachePath = configEntry(*api, options, kCONFIG_TACTIC_CACHE, kENV_TACTIC_CACHE);
-        std::shared_ptr<TacticCache const> cache;
-        if (!cachePath.empty()) cache = TacticCache::load(cachePath);
-        if (verboseEnabled() && cache)
-            std::fprintf(stderr, "[stof] tactic cache %s: %zu entries\n", cache->path().c_str(), cache->size());
+        if (!cachePath.empty()) {  // read now, so that a bad file fails the registration, not a later run
+            int32_t entries = 0;
+            STOF_VALIDATE(stof_tactic_cache_load(cachePath.c_str(), &entries) == STOF_SUCCESS,
+                          stof_last_error_message(), " (set by ", kCONFIG_TACTIC_CACHE, " or ", kENV_TACTIC_CACHE, ")");
+            if (verboseEnabled()) std::fprintf(stderr, "[stof] tactic cache %s: %d entries\n", cachePath.c_str(), entries);
+        }
 
         Registry& reg = registry();
         std::lock_guard<std::mutex> lock(reg.mutex);
         Ort::CustomOpDomain domain(kDOMAIN);
         for (auto t : kTYPES) {
-            reg.attention.push_back(std::make_unique<SparseAttentionOp>(t, cache));
+            reg.attention.push_back(std::make_unique<SparseAttentionOp>(t, cachePath));
             domain.Add(reg.attention.back().get());
             if (stof_gemm_available()) {  // else the GEMM nodes run as their ONNX function
                 reg.gemm.push_back(std::make_unique<GemmEpilogueOp>(t));

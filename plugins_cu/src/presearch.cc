@@ -18,6 +18,8 @@
 #include <queue>
 #include <vector>
 
+#include "host/host.h"
+
 #include "stof/stof_attention.h"
 
 

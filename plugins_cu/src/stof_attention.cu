@@ -7,6 +7,7 @@
 #include <cstring>
 #include <vector>
 
+#include "host/host.h"
 #include "stof/stof_attention.h"
 #include "tactics.h"
 
@@ -14,16 +15,7 @@ namespace {
 
 using stof::KernelParams;
 using stof::LaunchFn;
-
-thread_local char tLastError[512] = "";
-
-stof_status_t fail(stof_status_t s, const char* fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    std::vsnprintf(tLastError, sizeof(tLastError), fmt, ap);
-    va_end(ap);
-    return s;
-}
+using stof::host::fail;
 
 struct TacticDesc {
     int id, family, block_m, block_n, warps, stages;
@@ -121,49 +113,35 @@ stof_status_t validate(const stof_attn_params_t* p) {
     if (p->q_stride_s < p->head_dim || p->o_stride_s < p->head_dim || p->k_stride_s < p->head_dim ||
         p->v_stride_s < p->head_dim)
         return fail(STOF_ERROR_INVALID_ARGUMENT, "sequence strides must be >= head_dim");
-    if (!p->row_ptr || !p->col_idx || !p->tile_bitmap_index || !p->bitmaps)
-        return fail(STOF_ERROR_INVALID_ARGUMENT, "layout array pointer is NULL");
-    if (p->tile_m < 16 || p->tile_m > 256 || p->tile_m % 16 != 0)
-        return fail(STOF_ERROR_INVALID_ARGUMENT, "tile_m %d must be a multiple of 16 in [16, 256]", p->tile_m);
-    if (p->tile_n < 32 || p->tile_n > 256 || p->tile_n % 32 != 0)
-        return fail(STOF_ERROR_INVALID_ARGUMENT, "tile_n %d must be a multiple of 32 in [32, 256]", p->tile_n);
-    if (p->num_layouts != 1 && p->num_layouts != p->num_heads)
-        return fail(STOF_ERROR_INVALID_ARGUMENT, "num_layouts %d must be 1 or num_heads (%d)", p->num_layouts,
-                    p->num_heads);
-    if (p->sched_chunk < 0) return fail(STOF_ERROR_INVALID_ARGUMENT, "sched_chunk %d must be >= 0", p->sched_chunk);
+    if (p->layout == nullptr) return fail(STOF_ERROR_INVALID_ARGUMENT, "layout is NULL (stof_layout_create)");
+    const stof_layout_st& L = *p->layout;
+    if (L.num_layouts != 1 && L.num_layouts != p->num_heads)
+        return fail(STOF_ERROR_INVALID_ARGUMENT, "the layout's num_layouts %d must be 1 or num_heads (%d)",
+                    L.num_layouts, p->num_heads);
+    if (p->sched_chunk < -1)
+        return fail(STOF_ERROR_INVALID_ARGUMENT, "sched_chunk %d must be >= -1 (-1: the layout's)", p->sched_chunk);
     if (p->workspace != nullptr && (p->workspace_bytes < 0 || reinterpret_cast<uintptr_t>(p->workspace) % 16 != 0))
         return fail(STOF_ERROR_INVALID_ARGUMENT, "workspace must be 16-byte aligned with workspace_bytes >= 0");
-    if (p->layout_seq_q < 1 || p->layout_seq_k < 1)
-        return fail(STOF_ERROR_INVALID_ARGUMENT, "compiled layout sizes must be >= 1");
-    if (p->num_bitmaps < 0)
-        return fail(STOF_ERROR_INVALID_ARGUMENT, "num_bitmaps must be >= 0 (0: not given), got %d", p->num_bitmaps);
-    if (p->seq_q > p->layout_seq_q || p->seq_k > p->layout_seq_k)
+    if (p->seq_q > L.seq_q || p->seq_k > L.seq_k)
         return fail(STOF_ERROR_INVALID_ARGUMENT, "run-time Sq=%d Sk=%d exceed the compiled layout (%d x %d)",
-                    p->seq_q, p->seq_k, p->layout_seq_q, p->layout_seq_k);
+                    p->seq_q, p->seq_k, L.seq_q, L.seq_k);
     return STOF_SUCCESS;
 }
 
-// A bound on any bitmap byte offset: the bitmaps' bytes when the caller gives their row count (ABI 6), else one
-// bitmap per tile of the layouts (every layout's tiles, stored or not), since a bitmap index is below the number
-// of stored tiles.
-uint64_t layout_bitmap_bytes(const stof_attn_params_t& p) {
-    const uint64_t rows = p.num_bitmaps > 0
-                              ? static_cast<uint64_t>(p.num_bitmaps)
-                              : static_cast<uint64_t>(p.num_layouts > 0 ? p.num_layouts : 1) *
-                                    static_cast<uint64_t>((p.layout_seq_q + p.tile_m - 1) / p.tile_m) *
-                                    static_cast<uint64_t>((p.layout_seq_k + p.tile_n - 1) / p.tile_n);
-    return rows * static_cast<uint64_t>(p.tile_m) * static_cast<uint64_t>(p.tile_n) / 8;
+// A bound on any bitmap byte offset: the bitmaps' bytes.
+uint64_t layout_bitmap_bytes(const stof_layout_st& L) {
+    return static_cast<uint64_t>(L.num_bitmaps) * static_cast<uint64_t>(L.tile_m) * static_cast<uint64_t>(L.tile_n) / 8;
 }
 
 bool tactic_valid(const TacticDesc& t, const stof_attn_params_t& p) {
-    if (t.family == 1 && (p.tile_m % t.block_m != 0 || p.tile_n % t.block_n != 0)) return false;
+    const stof_layout_st& L = *p.layout;
+    if (t.family == 1 && (L.tile_m % t.block_m != 0 || L.tile_n % t.block_n != 0)) return false;
     // wgmma CTAs: 64 rows per warpgroup, each inside one tile row; a CTA may span several tile rows
-    if (t.family == 3 && (p.tile_m % 64 != 0 || p.tile_n % t.block_n != 0)) return false;
+    if (t.family == 3 && (L.tile_m % 64 != 0 || L.tile_n % t.block_n != 0)) return false;
     if (t.family == 3 && (!stof::kHopperCompiled || current_sm() != 90)) return false;
     // The wgmma kernels address bitmap words by 32-bit byte offsets (row_bits_pair): a bitmap index is below the
-    // bitmaps' row count (or the layouts' tile count), so every offset stays below 2^32 when that times the tile's
-    // bytes does.
-    if (t.family == 3 && layout_bitmap_bytes(p) > 0xffffffffull) return false;
+    // bitmaps' row count, so every offset stays below 2^32 when that times the tile's bytes does.
+    if (t.family == 3 && layout_bitmap_bytes(L) > 0xffffffffull) return false;
     return launcher_for(t, p) != nullptr;
 }
 
@@ -179,19 +157,22 @@ KernelParams kernel_params(const stof_attn_params_t& p) {
     k.o_sb = p.o_stride_b, k.o_sh = p.o_stride_h, k.o_ss = p.o_stride_s;
     k.batch = p.batch, k.heads = p.num_heads, k.seq_q = p.seq_q, k.seq_k = p.seq_k;
     k.scale_log2 = p.scale * 1.4426950408889634f;
-    k.row_ptr = p.row_ptr, k.col_idx = p.col_idx, k.tile_bitmap_index = p.tile_bitmap_index;
-    k.bitmaps = p.bitmaps;
-    k.tile_m = p.tile_m, k.tile_n = p.tile_n, k.num_layouts = p.num_layouts;
-    k.tq = (p.layout_seq_q + p.tile_m - 1) / p.tile_m;
+    const stof_layout_st& L = *p.layout;
+    k.row_ptr = L.d_row_ptr, k.col_idx = L.d_col_idx, k.tile_bitmap_index = L.d_tile_bitmap_index;
+    k.bitmaps = L.d_bitmaps;
+    k.tile_m = L.tile_m, k.tile_n = L.tile_n, k.num_layouts = L.num_layouts;
+    k.tq = L.tiles_q;
     k.key_lengths = p.key_lengths, k.key_padding_mask = p.key_padding_mask;
-    k.row_order = p.row_order;    // schedule_grid keeps it or drops it per kernel
-    k.pair_order = p.pair_order;  // likewise
-    k.uniform_rows = false;       // schedule_grid sets it from sched_chunk
-    k.sched_chunk = p.sched_chunk;  // 0: schedule_grid picks it
+    // an order equal to the kernels' own (last first: causal) is not passed: the same schedule, one dependent
+    // load less per work item; schedule_grid keeps or drops each per kernel
+    k.row_order = (p.options & STOF_OPT_NO_ROW_ORDER) == 0 && !L.row_order_default ? L.d_row_order : nullptr;
+    k.pair_order = (p.options & STOF_OPT_NO_PAIR_ORDER) == 0 && !L.pair_order_default ? L.d_pair_order : nullptr;
+    k.uniform_rows = false;  // schedule_grid sets it from sched_chunk
+    k.sched_chunk = p.sched_chunk < 0 ? L.sched_chunk : p.sched_chunk;  // 0: schedule_grid picks it
     // lane_bitmaps are twice the bitmaps' bytes, addressed by 32-bit byte offsets like them (tactic_valid): beyond
     // that the kernels pack the bitmaps' words as without them (same result)
-    const bool lane_ok = p.tile_m % 16 == 0 && p.tile_n % 64 == 0 && 2 * layout_bitmap_bytes(p) <= 0xffffffffull;
-    k.lane_bitmaps = lane_ok ? p.lane_bitmaps : nullptr;
+    const bool lane_ok = (p.options & STOF_OPT_NO_LANE_BITMAPS) == 0 && 2 * layout_bitmap_bytes(L) <= 0xffffffffull;
+    k.lane_bitmaps = lane_ok ? L.d_lane_bitmaps : nullptr;
     k.work_counter = p.workspace != nullptr && p.workspace_bytes >= kWorkspaceBytes ? static_cast<int*>(p.workspace)
                                                                                      : nullptr;
     return k;
@@ -206,28 +187,6 @@ stof_status_t write_ids(const int32_t* src, int32_t count, int32_t* ids, int32_t
     return STOF_SUCCESS;
 }
 
-// The row and pair orders (C ABI helpers) from a host row_ptr: per layout, n indices by decreasing len(rp, i) (rp:
-// the layout's row pointers), ties the higher index first, into out[l * n ..).
-template <class Len>
-stof_status_t write_longest_first(const int32_t* row_ptr, int32_t num_layouts, int32_t tiles_q, int32_t* out, int32_t n,
-                                  Len&& len) {
-    if (row_ptr == nullptr || out == nullptr) return fail(STOF_ERROR_INVALID_ARGUMENT, "row_ptr or out is NULL");
-    if (num_layouts < 1 || tiles_q < 1)
-        return fail(STOF_ERROR_INVALID_ARGUMENT, "num_layouts %d and tiles_q %d must be >= 1", num_layouts, tiles_q);
-    std::vector<int32_t> idx(n);
-    std::vector<int64_t> key(n);
-    for (int32_t l = 0; l < num_layouts; ++l) {
-        const int32_t* rp = row_ptr + static_cast<int64_t>(l) * tiles_q;
-        for (int32_t i = 0; i < n; ++i) {
-            idx[i] = n - 1 - i;  // ties: higher index first
-            key[i] = len(rp, i);
-        }
-        std::stable_sort(idx.begin(), idx.end(), [&](int32_t a, int32_t b) { return key[a] > key[b]; });
-        std::copy(idx.begin(), idx.end(), out + static_cast<int64_t>(l) * n);
-    }
-    tLastError[0] = '\0';
-    return STOF_SUCCESS;
-}
 }  // namespace
 
 extern "C" {
@@ -236,10 +195,8 @@ void stof_attn_params_init(stof_attn_params_t* p) {
     if (p == nullptr) return;
     std::memset(p, 0, sizeof(*p));
     p->dtype = STOF_DTYPE_FP16;
-    p->num_layouts = 1;
-    p->tile_m = 64;
-    p->tile_n = 64;
     p->scale = 1.f;
+    p->sched_chunk = -1;
 }
 
 stof_status_t stof_attn_validate(const stof_attn_params_t* p) {
@@ -247,7 +204,7 @@ stof_status_t stof_attn_validate(const stof_attn_params_t* p) {
     if (s != STOF_SUCCESS) return s;
     for (const auto& t : kTactics)
         if (tactic_valid(t, *p)) return STOF_SUCCESS;
-    return fail(STOF_ERROR_UNSUPPORTED, "no tactic supports tile %dx%d", p->tile_m, p->tile_n);
+    return fail(STOF_ERROR_UNSUPPORTED, "no tactic supports tile %dx%d", p->layout->tile_m, p->layout->tile_n);
 }
 
 stof_status_t stof_attn_list_tactics(const stof_attn_params_t* p, int32_t* ids, int32_t cap, int32_t* n) {
@@ -311,79 +268,21 @@ stof_status_t stof_attn_run(const stof_attn_params_t* p, int32_t tactic, stof_st
         if (!tactic_valid(*t, *p))
             return fail(STOF_ERROR_INVALID_TACTIC,
                         "tactic %d (%s) is not valid for tile %dx%d, head_dim %d (block_m must divide tile_m)",
-                        tactic, t->name, p->tile_m, p->tile_n, p->head_dim);
+                        tactic, t->name, p->layout->tile_m, p->layout->tile_n, p->head_dim);
+    }
+    if (p->layout->d_row_ptr == nullptr)
+        return fail(STOF_ERROR_INVALID_ARGUMENT, "the layout has no device data (stof_layout_upload)");
+    if (p->layout->device >= 0) {
+        int dev = -1;
+        if (cudaGetDevice(&dev) != cudaSuccess || dev != p->layout->device)
+            return fail(STOF_ERROR_INVALID_ARGUMENT, "the layout is uploaded to device %d, the current device is %d",
+                        p->layout->device, dev);
     }
     const LaunchFn fn = launcher_for(*t, *p);
     const cudaError_t err = fn(kernel_params(*p), reinterpret_cast<cudaStream_t>(stream));
     if (err != cudaSuccess)
         return fail(STOF_ERROR_CUDA, "tactic %s: %s", t->name, cudaGetErrorString(err));
-    tLastError[0] = '\0';
-    return STOF_SUCCESS;
-}
-
-stof_status_t stof_layout_row_order(const int32_t* row_ptr, int32_t num_layouts, int32_t tiles_q, int32_t* out) {
-    return write_longest_first(row_ptr, num_layouts, tiles_q, out, tiles_q,
-                               [](const int32_t* rp, int32_t i) -> int64_t { return rp[i + 1] - rp[i]; });
-}
-
-stof_status_t stof_layout_pair_order(const int32_t* row_ptr, int32_t num_layouts, int32_t tiles_q, int32_t* out) {
-    return write_longest_first(row_ptr, num_layouts, tiles_q, out, tiles_q / 2 + tiles_q % 2,
-                               [tiles_q](const int32_t* rp, int32_t i) -> int64_t {
-                                   const int64_t first = rp[2 * i + 1] - rp[2 * i];  // the pair's longer row
-                                   return 2 * i + 1 < tiles_q ? std::max<int64_t>(first, rp[2 * i + 2] - rp[2 * i + 1])
-                                                              : first;
-                               });
-}
-
-stof_status_t stof_layout_sched_chunk(const int32_t* row_ptr, int32_t num_layouts, int32_t tiles_q,
-                                      int32_t* chunk) {
-    if (row_ptr == nullptr || chunk == nullptr) return fail(STOF_ERROR_INVALID_ARGUMENT, "row_ptr or chunk is NULL");
-    if (num_layouts < 1 || tiles_q < 1)
-        return fail(STOF_ERROR_INVALID_ARGUMENT, "num_layouts %d and tiles_q %d must be >= 1", num_layouts, tiles_q);
-    bool uniform = true;
-    for (int32_t l = 0; l < num_layouts && uniform; ++l) {
-        const int32_t* rp = row_ptr + static_cast<int64_t>(l) * tiles_q;
-        int64_t longest = 0;
-        for (int32_t i = 0; i < tiles_q; ++i) longest = std::max<int64_t>(longest, rp[i + 1] - rp[i]);
-        // longest <= 5/4 mean  <=>  4 * tiles_q * longest <= 5 * total (integers: no rounding)
-        uniform = 4 * static_cast<int64_t>(tiles_q) * longest <= 5 * static_cast<int64_t>(rp[tiles_q] - rp[0]);
-    }
-    *chunk = uniform ? 1 : 0;
-    tLastError[0] = '\0';
-    return STOF_SUCCESS;
-}
-
-stof_status_t stof_layout_lane_bitmaps(const int32_t* bitmaps, int32_t num_bitmaps, int32_t tile_m, int32_t tile_n,
-                                       int32_t* out) {
-    if (bitmaps == nullptr || out == nullptr) return fail(STOF_ERROR_INVALID_ARGUMENT, "bitmaps or out is NULL");
-    if (num_bitmaps < 1 || tile_m < 16 || tile_m % 16 != 0 || tile_n < 64 || tile_n % 64 != 0)
-        return fail(STOF_ERROR_INVALID_ARGUMENT,
-                    "num_bitmaps %d must be >= 1, tile_m %d a multiple of 16, tile_n %d a multiple of 64", num_bitmaps,
-                    tile_m, tile_n);
-    // entry (bitmap p, row group r of 16 rows, sub-block j of 64 keys, lane l = 4 g + t): the pair (z, y) of
-    // pack_mask_bits (hopper.cuh) for rows 16 r + g (hh = 0) and 16 r + g + 8 (hh = 1)
-    const int64_t words_per_row = tile_n / 32;
-    int32_t* dst = out;
-    for (int64_t p = 0; p < num_bitmaps; ++p)
-        for (int32_t r = 0; r < tile_m / 16; ++r)
-            for (int32_t j = 0; j < tile_n / 64; ++j)
-                for (int32_t l = 0; l < 32; ++l, dst += 2) {
-                    const int32_t g = l / 4, t = l % 4;
-                    uint32_t z = 0;
-                    for (int hh = 0; hh < 2; ++hh) {
-                        const int64_t row = 16 * r + g + 8 * hh;
-                        for (int w = 0; w < 2; ++w) {
-                            const uint32_t word = static_cast<uint32_t>(
-                                bitmaps[(p * tile_m + row) * words_per_row + 2 * j + w]);
-                            z |= ((word >> (2 * t)) & 0x03030303u) << (2 * (2 * hh + w));
-                        }
-                    }
-                    uint32_t y = 0;
-                    for (int q = 0; q < 4; ++q) y |= ((z >> (8 * q + 7)) & 1u) << q;
-                    dst[0] = static_cast<int32_t>(z);
-                    dst[1] = static_cast<int32_t>(y);
-                }
-    tLastError[0] = '\0';
+    stof::host::clear_error();
     return STOF_SUCCESS;
 }
 
@@ -398,8 +297,6 @@ const char* stof_status_string(stof_status_t s) {
     }
     return "unknown status";
 }
-
-const char* stof_last_error_message(void) { return tLastError; }
 
 int32_t stof_abi_version(void) { return STOF_ABI_VERSION; }
 

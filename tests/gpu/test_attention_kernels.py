@@ -39,7 +39,7 @@ MASKS = [
 ]
 
 
-# the tactics that read the layout's lane_bitmaps (C ABI 5): each is also run without them
+# the tactics that read the layout's lane bitmaps: each is also run without them
 LANE_BITMAP_TACTICS = (21, 22, 23, 24)
 
 
@@ -102,9 +102,9 @@ def check_all_tactics(case: str, dense_np: np.ndarray, layout: TileLayout, *, B,
         assert finite, f"{case} tactic {tactic_info(t).name}: non-finite output (unwritten or NaN)"
         assert err <= tol, f"{case} tactic {tactic_info(t).name}: rel err {err:.3e} > {tol}"
         assert zero_rows_ok, f"{case} tactic {tactic_info(t).name}: rows with no allowed key are not 0"
-        if t in LANE_BITMAP_TACTICS and dl.lane_bitmaps is not None:
-            # the same run with the bitmaps' words packed by the kernel (no lane_bitmaps, C ABI 5): the same
-            # masks, so the same bits
+        if t in LANE_BITMAP_TACTICS and dl.has_lane_bitmaps:
+            # the same run with the bitmaps' words packed by the kernel (no lane bitmaps): the same masks, so the
+            # same bits
             if dl_plain is None:
                 dl_plain = DeviceLayout(layout, lane_bitmaps=False)
             out2 = torch.full_like(q, float("nan"))
@@ -224,7 +224,7 @@ def test_nan_inputs_stay_in_their_rows(dtype, D):
     that attend to that key, and that row) are NaN in every tactic, and every other row is finite and within the
     tolerance.  A masked NaN key must not reach a row (masks select -inf, they do not add it), nor may a NaN reach
     the other row a thread holds (tactic 24's exp chain links a thread's two rows by an integer add of a packed P's
-    sign bit, session 26; a float multiply-add by 0 there would carry the NaN)."""
+    sign bit; a float multiply-add by 0 there would carry the NaN)."""
     mask = parse_mask("sliding:window=100|global:n=2")
     S, B, H = 333, 2, 2
     layout = compile_mask(mask, S, S)
@@ -408,11 +408,10 @@ def test_tensors_past_2_31_elements(D):
 
 @pytest.mark.parametrize("D", HEAD_DIMS)
 def test_long_sequences_list_and_run_the_wgmma_tactics(D):
-    """Layouts whose tile grids would hold more than 2^32 bytes of one-bitmap-per-tile (the bound the library used
-    before C ABI 6, which refused the wgmma tactics there) but few bitmaps: S = 2^18 under one layout (a band with
-    3 global tokens: 4,096-tile global rows) and S = 2^16 under 16 per-head BigBird layouts.  The wgmma tactics are
-    listed (on sm_90) and every tactic matches float64 on sampled rows (check_sampled_rows); without the bitmap
-    count they are not listed."""
+    """Layouts whose tile grids would hold more than 2^32 bytes of one-bitmap-per-tile but few bitmaps: S = 2^18
+    under one layout (a band with 3 global tokens: 4,096-tile global rows) and S = 2^16 under 16 per-head BigBird
+    layouts.  The wgmma tactics (32-bit bitmap offsets, bounded by the layout's bitmaps) are listed on sm_90 and
+    every tactic matches float64 on sampled rows (check_sampled_rows)."""
     dtype = torch.bfloat16 if D == 128 else torch.float16
     for spec, S, H, bhsd in (("sliding:window=128|global:n=3", 1 << 18, 2, True),
                              ("bigbird:block=64,window=1,global=1,random=0.02,seed=4,per_head=1", 1 << 16, 16, False)):
@@ -428,34 +427,22 @@ def test_long_sequences_list_and_run_the_wgmma_tactics(D):
         if torch.cuda.get_device_capability() == (9, 0) and any(t.family == FAMILY_HOPPER for t in all_tactics()):
             assert [t for t in ids if tactic_info(t).family == FAMILY_HOPPER], ids
             assert D != 64 or 24 in ids, ids  # the fastest two-consumer tactic at head dim 64
-            dl.num_bitmaps = 0  # not given: the whole grid bounds it, and the wgmma tactics are refused
-            old = list_tactics(q, k, v, dl, bhsd=bhsd)
-            assert old and not [t for t in old if tactic_info(t).family == FAMILY_HOPPER], old
         del q, k, v
 
 
-def test_wgmma_tactics_need_32bit_bitmap_offsets():
-    """The wgmma kernels address bitmap words by 32-bit byte offsets.  With the bitmaps' row count given (C ABI 6,
-    what DeviceLayout passes) a layout compiled for 2^20 x 2^20 lists them as its real size does, since its few
-    bitmaps stay far below 2^32 bytes; a count whose bitmaps reach 2^32 bytes lists none of them (one bitmap fewer
-    lists them again); without a count (0) the library bounds it by the whole tile grid (2^28 64x64 tiles of 512
-    bytes): none either."""
-    layout = compile_mask(parse_mask("causal"), 128, 128)
-    dl = DeviceLayout(layout)
-    assert dl.num_bitmaps == layout.bitmaps.shape[0] >= 1
+def test_wgmma_tactics_bounded_by_the_bitmaps():
+    """The wgmma kernels address bitmap words by 32-bit byte offsets; the library bounds them by the layout's
+    bitmaps (its handle knows their count), not by its tile grid: a band compiled for 2^20 x 2^20 (2^28 64x64
+    tiles of 512 bytes in its grid, a few bitmaps stored) lists the same tactics as at 128 x 128."""
+    small = DeviceLayout(compile_mask(parse_mask("sliding:window=128"), 128, 128))
+    big_layout = compile_mask(parse_mask("sliding:window=128"), 1 << 20, 1 << 20)
+    big = DeviceLayout(big_layout)
+    assert big.num_bitmaps == big_layout.bitmaps.shape[0] < 64
     q, k, v = _problem()
-    ids = list_tactics(q, k, v, dl)
-    hopper = [t for t in ids if tactic_info(t).family == FAMILY_HOPPER]
-    if torch.cuda.get_device_capability() == (9, 0) and hopper:
-        dl.seq_q = dl.seq_k = 1 << 20
-        assert set(list_tactics(q, k, v, dl)) == set(ids)
-        for n in (0, 1 << 23):  # not given; 2^23 bitmaps of 512 bytes (2^32 bytes)
-            dl.num_bitmaps = n
-            big = list_tactics(q, k, v, dl)
-            assert big and not [t for t in big if tactic_info(t).family == FAMILY_HOPPER], (n, big)
-            assert set(big) == set(ids) - set(hopper)
-        dl.num_bitmaps = (1 << 23) - 1  # 2^32 - 512 bytes
-        assert set(list_tactics(q, k, v, dl)) == set(ids)
+    ids = list_tactics(q, k, v, small)
+    assert set(list_tactics(q, k, v, big)) == set(ids)
+    if torch.cuda.get_device_capability() == (9, 0) and any(t.family == FAMILY_HOPPER for t in all_tactics()):
+        assert [t for t in ids if tactic_info(t).family == FAMILY_HOPPER], ids
 
 
 def _problem(D=64, Sq=128, Sk=128, dtype=torch.float16):

@@ -296,8 +296,9 @@ def test_sparse_attention_packed_qkv(spec, S, B, H, D, dtype, padding):
 @needs_cuda
 def test_sparse_attention_long_sequence_picks_from_every_tactic(capfd, monkeypatch):
     """S = 2^18 under one layout (a band and 2 global tokens): one bitmap per tile of the whole grid would pass 2^32
-    bytes, the layout's few bitmaps do not.  The plugin passes their row count (C ABI 6), so on sm_90 its pre-search
-    pick may be, and is, a wgmma tactic (the library refused those there before); sampled rows against float64."""
+    bytes, the layout's few bitmaps do not.  The library bounds the wgmma tactics' 32-bit bitmap offsets by the
+    layout's bitmaps, so on sm_90 the pre-search pick may be, and is, a wgmma tactic; sampled rows against
+    float64."""
     import re
 
     from stof_trt import kernels
@@ -344,6 +345,33 @@ def test_sparse_attention_shorter_runtime_sequence():
     (got,), _ = _cuda_run(m, feeds)
     ref = attention_ref(feeds["q"], feeds["k"], feeds["v"], layout, 1 / 8, feeds["kpm"])
     np.testing.assert_allclose(got.astype(np.float64), ref, atol=2e-3, rtol=2e-3)
+
+
+@needs_lib
+@needs_cuda
+def test_sparse_attention_layout_fed_at_run_time():
+    """Layout arrays as graph inputs (not constant): each call checks the fed layout (a layout handle per call on
+    the input tensors), so one session runs two masks of the same sizes, and a malformed one is an error status."""
+    first = compile_mask("longformer:window=32,global=8", 256, 256)
+    m = attention_model(first, B=2, H=2, D=64)
+    names = ("row_ptr", "col_idx", "tile_bitmap_index", "bitmaps")
+    del m.graph.initializer[:]
+    for n in names:
+        m.graph.input.append(helper.make_tensor_value_info(n, TensorProto.INT32, ["rows", "cols"] if n == "bitmaps"
+                                                           else [n + "_len"]))
+    sess = sort.session(m)
+    rng = np.random.default_rng(4)
+    feeds = {n: rng.standard_normal((2, 2, 256, 64)).astype(np.float16) for n in "qkv"}
+    for spec in ("longformer:window=32,global=8", "causal", "bigbird:block=64,window=1,global=1,random=0.2,seed=1"):
+        layout = compile_mask(spec, 256, 256)
+        arrays = {n: np.ascontiguousarray(a, np.int32) for n, a in layout.arrays().items()}
+        got = sess.run(None, {**feeds, **arrays})[0]
+        ref = attention_ref(feeds["q"], feeds["k"], feeds["v"], layout, 1 / 8)
+        np.testing.assert_allclose(got.astype(np.float64), ref, atol=2e-3, rtol=2e-3, err_msg=spec)
+    bad = {n: np.ascontiguousarray(a, np.int32) for n, a in first.arrays().items()}
+    bad["col_idx"][0] = 99
+    with pytest.raises(Exception, match="col_idx"):
+        sess.run(None, {**feeds, **bad})
 
 
 @needs_lib

@@ -63,13 +63,13 @@ def test_abi_host_checks():
     p.batch = p.num_heads = 1
     p.seq_q = p.seq_k = 100
     p.head_dim = 96
+    dl = kernels.DeviceLayout(compile_mask(parse_mask("causal"), 128, 128), device="cpu")
+    p.layout = dl._handle
     assert lib.stof_attn_validate(ctypes.byref(p)) == 2  # UNSUPPORTED
     assert b"head_dim 96" in lib.stof_last_error_message()
     p.head_dim = 64
     p.q = p.k = p.v = p.o = 256
     p.q_stride_s = p.k_stride_s = p.v_stride_s = p.o_stride_s = 64
-    p.row_ptr = p.col_idx = p.tile_bitmap_index = p.bitmaps = 512
-    p.layout_seq_q = p.layout_seq_k = 128
     assert lib.stof_attn_validate(ctypes.byref(p)) == 0
     p.seq_q = 200
     assert lib.stof_attn_validate(ctypes.byref(p)) == 1  # INVALID_ARGUMENT: exceeds the compiled layout

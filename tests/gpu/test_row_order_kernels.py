@@ -1,8 +1,8 @@
-"""GPU: every valid tactic gives the same correct output with the layout's row order (C ABI v2 ``row_order``,
-tile rows longest first) and pair order (v4 ``pair_order``, pairs of tile rows longest first, for the two-row
-kernels), with the row order alone, and without either (NULL: the kernels' default order), against the float64
-reference; the same for the (batch, head) interleaving ``sched_chunk`` (0 = the library's default, 1 = one pair at
-a time, 3).
+"""GPU: every valid tactic gives the same correct output with the layout's row order (tile rows longest first)
+and pair order (pairs of tile rows longest first, for the two-row kernels), both derived by the layout handle,
+with the row order alone, and without either (the kernels' default order), against the float64 reference; the
+same for the (batch, head) interleaving ``sched_chunk`` (-1 = the layout's, 0 = the library's L2 rule, 1 = one
+pair at a time, 3).
 
 Same criteria as test_attention_kernels.py: fresh random q/k/v, the output poisoned with NaN before every run,
 relative error <= 2e-3 (fp16) / 1e-2 (bf16), rows with no allowed key exactly 0.  Skipped without a CUDA GPU.
@@ -21,7 +21,8 @@ if not torch.cuda.is_available():
 from _gpu_helpers import TOL, rand_qkv, reference, rel_err  # noqa: E402
 
 from stof_trt.format import compile_mask  # noqa: E402
-from stof_trt.kernels import DeviceLayout, Runner, list_tactics, sparse_attention, tactic_info  # noqa: E402
+from stof_trt.kernels import (OPT_NO_ROW_ORDER, DeviceLayout, Runner, list_tactics, sparse_attention,  # noqa: E402
+                              tactic_info)
 from stof_trt.masks import parse_mask  # noqa: E402
 
 LONGFORMER = "longformer:window=128,global=16"
@@ -56,7 +57,8 @@ def test_row_order_on_off(case, dtype, D):
     mask = parse_mask(spec)
     layout = compile_mask(mask, lq, lk, num_heads=H)
     dl = DeviceLayout(layout)
-    assert torch.equal(dl.row_order.cpu(), torch.from_numpy(layout.row_order()))
+    assert np.array_equal(dl.derived("row_order"), layout.row_order())
+    assert np.array_equal(dl.derived("pair_order"), layout.pair_order())
     dense_np = mask.dense(lq, lk, num_heads=H)
     dense_np = dense_np[None] if dense_np.ndim == 2 else dense_np
     dense = torch.from_numpy(np.ascontiguousarray(dense_np[:, :Sq, :Sk])).cuda()
@@ -68,15 +70,12 @@ def test_row_order_on_off(case, dtype, D):
     assert tactics, "no tactic listed"
     assert list_tactics(q, k, v, dl, row_order=False) == tactics
     tol = TOL[dtype]
-    pairs = dl.pair_order
     for t in tactics:
         outs = {}
         for ro in (True, "rows", False):  # "rows": the row order without the pair order
             what = f"{spec} {Sq}x{Sk} (layout {lq}x{lk}) tactic {tactic_info(t).name} row_order={ro}"
             out = torch.full_like(q, float("nan"))
-            dl.pair_order = None if ro == "rows" else pairs
-            sparse_attention(q, k, v, dl, scale=scale, tactic=t, out=out, row_order=bool(ro))
-            dl.pair_order = pairs
+            sparse_attention(q, k, v, dl, scale=scale, tactic=t, out=out, row_order=bool(ro), pair_order=ro is True)
             torch.cuda.synchronize()
             assert bool(torch.isfinite(out).all()), f"{what}: non-finite output (unwritten or NaN)"
             err = rel_err(out, ref)
@@ -87,34 +86,6 @@ def test_row_order_on_off(case, dtype, D):
         for other in ("rows", False):
             diff = float((outs[True].float() - outs[other].float()).abs().max())
             assert diff <= 8 * tol, f"{spec} tactic {tactic_info(t).name}: orders on / {other} differ by {diff:.3e}"
-
-
-@pytest.mark.parametrize("D", [64, 128])
-def test_pair_order_bad_entry_is_skipped(D):
-    """An entry outside [0, ceil(Tq/2)) (a caller's bad pair order) makes its work item exit: the pair it replaced
-    stays unwritten (the ABI requires a permutation), every other row is still right, and nothing reads out of
-    bounds (compute-sanitizer runs the same path in sanitize_case.py's order cases)."""
-    mask = parse_mask(LONGFORMER)
-    layout = compile_mask(mask, 1024, 1024)
-    dl = DeviceLayout(layout)
-    order = layout.pair_order().copy()
-    lost = int(order[3])
-    order[3] = 99
-    dl.pair_order = torch.from_numpy(order).cuda()
-    gen = torch.Generator(device="cuda").manual_seed(D)
-    q, k, v = rand_qkv(1, 2, 1024, 1024, D, torch.float16, gen)
-    ref, _ = reference(q, k, v, torch.from_numpy(mask.dense(1024, 1024)).cuda()[None], D**-0.5)
-    two_row = [t for t in list_tactics(q, k, v, dl) if tactic_info(t).block_m == 128]
-    assert two_row, "no two-row tactic listed"
-    rows = torch.zeros(1024, dtype=torch.bool)
-    rows[128 * lost: 128 * lost + 128] = True
-    for t in two_row:
-        out = torch.full_like(q, float("nan"))
-        sparse_attention(q, k, v, dl, tactic=t, out=out)
-        torch.cuda.synchronize()
-        name = tactic_info(t).name
-        assert bool(torch.isnan(out[:, :, rows]).all()), f"{name}: the skipped pair {lost} was written"
-        assert rel_err(out[:, :, ~rows], ref[:, :, ~rows]) <= TOL[torch.float16], name
 
 
 def test_runner_and_default_tactic_row_order():
@@ -128,7 +99,7 @@ def test_runner_and_default_tactic_row_order():
     for ro in (True, False):
         out = torch.full_like(q, float("nan"))
         r = Runner(q, k, v, dl, out=out, row_order=ro)
-        assert (r._p.row_order is not None) == ro
+        assert (r._p.options & OPT_NO_ROW_ORDER == 0) == ro
         r()
         torch.cuda.synchronize()
         assert rel_err(out, ref) <= TOL[torch.float16]
@@ -178,7 +149,7 @@ def test_sched_chunk_values(spec, dtype, D):
 
 
 def test_runner_sched_chunk():
-    """Runner and the default tactic pass the layout's sched_chunk, or an explicit one; negative is rejected."""
+    """Runner and the default tactic pass -1 (the layout's sched_chunk) or an explicit one; below -1 is rejected."""
     from stof_trt.kernels import StofKernelError
 
     mask = parse_mask("sliding:window=128")
@@ -187,7 +158,7 @@ def test_runner_sched_chunk():
     gen = torch.Generator(device="cuda").manual_seed(5)
     q, k, v = rand_qkv(2, 3, 1024, 1024, 64, torch.float16, gen)
     ref, _ = reference(q, k, v, torch.from_numpy(mask.dense(1024, 1024)).cuda()[None], 1 / 8)
-    for chunk, want in ((None, layout.sched_chunk()), (0, 0), (1, 1), (3, 3)):
+    for chunk, want in ((None, -1), (-1, -1), (0, 0), (1, 1), (3, 3)):
         out = torch.full_like(q, float("nan"))
         r = Runner(q, k, v, dl, out=out, sched_chunk=chunk)
         assert r._p.sched_chunk == want
@@ -195,10 +166,10 @@ def test_runner_sched_chunk():
         torch.cuda.synchronize()
         assert rel_err(out, ref) <= TOL[torch.float16]
     with pytest.raises(StofKernelError) as ei:
-        Runner(q, k, v, dl, sched_chunk=-1)
+        Runner(q, k, v, dl, sched_chunk=-2)
     assert ei.value.status == 1
     with pytest.raises(StofKernelError):
-        sparse_attention(q, k, v, dl, sched_chunk=-1)
+        sparse_attention(q, k, v, dl, sched_chunk=-2)
 
 
 def _check_all_tactics(q, k, v, dl, ref, has_key, scale, what, **kw):

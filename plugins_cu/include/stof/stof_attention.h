@@ -3,8 +3,8 @@
  *
  * The ONNX Runtime plugin, the TensorRT plugin and the Python binding (stof_trt/kernels.py) all call these
  * functions.  Plain C types only; no C++ exception ever crosses this boundary; every entry point returns a
- * status code.  The mask is the tile layout of docs/format.md (format version 1); the kernels are described in
- * docs/kernels.md.
+ * status code.  The mask is the tile layout of docs/format.md, held by a layout handle; the kernels are described
+ * in docs/kernels.md.
  *
  *   O[b,h,q,:] = sum_k softmax_k(scale * Q[b,h,q,:].K[b,h,k,:] | allowed(b,h,q,k)) * V[b,h,k,:]
  *   allowed(b,h,q,k) = layout[h % L][q][k]  &&  k < key_lengths[b]  &&  key_padding_mask[b][k] != 0
@@ -21,7 +21,7 @@ extern "C" {
 #endif
 
 #define STOF_FORMAT_VERSION 2  /* docs/format.md; layouts of version 1 are read as well */
-#define STOF_ABI_VERSION 6
+#define STOF_ABI_VERSION 7
 
 #if defined(_WIN32)
 #define STOF_API __declspec(dllexport)
@@ -43,17 +43,92 @@ typedef enum {
 
 typedef enum { STOF_DTYPE_FP16 = 0, STOF_DTYPE_BF16 = 1 } stof_dtype_t;
 
+/* --- tile layouts --------------------------------------------------------------------------------------------- */
+
+/* A tile layout the library has checked: its host arrays, the data derived from them (tile rows and pairs of tile
+ * rows longest first, the bitmaps in the kernels' thread order, the (batch, head) interleaving, the bitmaps' row
+ * count, the SHA-1 signature of docs/format.md) and, once uploaded, a device copy of all of it.  Immutable after
+ * creation apart from the upload; any thread may use it once created (and, for runs, uploaded). */
+typedef struct stof_layout_st* stof_layout_t;
+
+/* The arrays of docs/format.md in HOST memory, with their lengths in int32 elements (the library checks them). */
 typedef struct {
-    /* --- problem --------------------------------------------------------------------------------------- */
+    const int32_t* row_ptr;            int64_t row_ptr_len;            /* num_layouts * Tq + 1 */
+    const int32_t* col_idx;            int64_t col_idx_len;            /* >= max(nnz, 1) */
+    const int32_t* tile_bitmap_index;  int64_t tile_bitmap_index_len;  /* == col_idx_len */
+    const int32_t* bitmaps;            int64_t bitmaps_len;            /* num_bitmaps * tile_m*tile_n/32, >= 1 row */
+    int32_t tile_m, tile_n;            /* tile_m: multiple of 16 in [16, 256]; tile_n: of 32 in [32, 256] */
+    int32_t num_layouts;               /* L >= 1: head h uses layout h % L */
+    int32_t seq_q, seq_k;              /* compiled sizes */
+    int32_t format_version;            /* 1 or 2 (docs/format.md); 0 = STOF_FORMAT_VERSION */
+} stof_layout_desc_t;
+
+/* Copy, check and derive.  A layout that breaks docs/format.md (row_ptr not starting at 0 or decreasing, col_idx
+ * outside [0, Tk) or not ascending in a row, a bitmap index outside [-1, P), wrong lengths) is INVALID_ARGUMENT with
+ * the first fault in stof_last_error_message().  Host only: no GPU needed. */
+STOF_API stof_status_t stof_layout_create(const stof_layout_desc_t* desc, stof_layout_t* out);
+
+/* Copy the arrays and the derived data to the current CUDA device (one allocation, owned by the handle), ordered
+ * on the stream, then wait for it, so that any stream may run with the layout afterwards.  Once per handle; a
+ * second call is a no-op.  Runs need an uploaded layout (or stof_layout_use_device_arrays). */
+STOF_API stof_status_t stof_layout_upload(stof_layout_t layout, stof_stream_t stream);
+
+/* Instead of an upload: run on the caller's device copies of the four arrays (same contents as the host arrays;
+ * they must outlive the runs).  The derived schedules then stay on the host: the kernels use their default order
+ * and pack the bitmaps themselves (same result, other timing).  For layouts fed at run time, where an upload per
+ * call would cost more than it saves. */
+STOF_API stof_status_t stof_layout_use_device_arrays(stof_layout_t layout, const int32_t* row_ptr,
+                                                     const int32_t* col_idx, const int32_t* tile_bitmap_index,
+                                                     const int32_t* bitmaps);
+
+/* Free the handle and its device copy (cudaFree: waits for work that may still read it).  NULL is a no-op. */
+STOF_API void stof_layout_destroy(stof_layout_t layout);
+
+typedef struct {
+    int32_t tile_m, tile_n, num_layouts, seq_q, seq_k;
+    int32_t tiles_q, tiles_k;          /* ceil(seq_q / tile_m), ceil(seq_k / tile_n) */
+    int64_t nnz;                       /* stored tiles: row_ptr[L*Tq] */
+    int32_t num_bitmaps;               /* P, the bitmaps' rows */
+    int32_t sched_chunk;               /* 1: rows of near-equal length (at most 5/4 of the mean), else 0 */
+    int32_t row_order_is_default;      /* 1: every layout's row order is the kernels' own (last row first) */
+    int32_t pair_order_is_default;     /* likewise for the pair order */
+    int32_t has_lane_bitmaps;          /* 1: tile_m % 16 == 0 and tile_n % 64 == 0 */
+    int32_t device;                    /* the CUDA device of the upload; -1: none (host only or caller's arrays) */
+    char signature[41];                /* TileLayout.signature(): SHA-1, hex */
+} stof_layout_info_t;
+
+STOF_API stof_status_t stof_layout_info(stof_layout_t layout, stof_layout_info_t* out);
+
+/* A derived host array (docs/format.md "Derived"), as the kernels receive it. */
+typedef enum {
+    STOF_LAYOUT_ROW_ORDER = 0,    /* [L*Tq]: per layout, tile rows by decreasing stored tiles, ties higher first */
+    STOF_LAYOUT_PAIR_ORDER = 1,   /* [L*ceil(Tq/2)]: pairs (2i, 2i+1) by their longer row, ties higher first */
+    STOF_LAYOUT_LANE_BITMAPS = 2  /* [P * tile_m*tile_n/16]: empty where has_lane_bitmaps is 0 */
+} stof_layout_array_t;
+
+/* Copies min(cap, *n) entries into out (NULL when cap is 0); *n = the array's length; INSUFFICIENT_BUFFER when it
+ * exceeds cap. */
+STOF_API stof_status_t stof_layout_derived(stof_layout_t layout, int32_t which, int32_t* out, int64_t cap,
+                                           int64_t* n);
+
+/* --- attention calls ------------------------------------------------------------------------------------------ */
+
+/* stof_attn_params_t.options: schedule switches for benchmarks and tests (same result, other timing). */
+#define STOF_OPT_NO_ROW_ORDER 1u      /* one-row work items in the kernels' order (last first), not the layout's */
+#define STOF_OPT_NO_LANE_BITMAPS 2u   /* the kernels pack the bitmaps themselves */
+#define STOF_OPT_NO_PAIR_ORDER 4u     /* two-row work items in the kernels' order (last first), not the layout's */
+
+typedef struct {
+    /* problem */
     int32_t dtype;        /* stof_dtype_t: q, k, v and o share it */
     int32_t batch;        /* B >= 1 */
-    int32_t num_heads;    /* H >= 1 */
-    int32_t seq_q;        /* run-time Sq >= 1, <= layout_seq_q */
-    int32_t seq_k;        /* run-time Sk >= 1, <= layout_seq_k */
+    int32_t num_heads;    /* H >= 1; the layout's num_layouts is 1 or H */
+    int32_t seq_q;        /* run-time Sq >= 1, <= the layout's seq_q */
+    int32_t seq_k;        /* run-time Sk >= 1, <= the layout's seq_k */
     int32_t head_dim;     /* D: 64 or 128 */
     float scale;          /* multiplies Q.K^T (usually 1/sqrt(D)) */
 
-    /* --- tensors (device pointers; element strides; the last dim (D) contiguous, 16-byte aligned rows) --- */
+    /* tensors: device pointers, element strides, the last dim (D) contiguous, 16-byte aligned rows */
     const void* q;        /* [B,H,Sq,D] or any layout expressible with the strides below */
     const void* k;
     const void* v;
@@ -63,76 +138,34 @@ typedef struct {
     int64_t v_stride_b, v_stride_h, v_stride_s;
     int64_t o_stride_b, o_stride_h, o_stride_s;
 
-    /* --- tile layout (docs/format.md; device pointers to int32 arrays) ---------------------------------- */
-    const int32_t* row_ptr;            /* [L*Tq + 1] */
-    const int32_t* col_idx;            /* [max(nnz,1)] */
-    const int32_t* tile_bitmap_index;  /* [max(nnz,1)]: -1 (FULL) or a row of bitmaps; tiles may share a row */
-    const int32_t* bitmaps;            /* [max(P,1), tile_m*tile_n/32] */
-    int32_t tile_m, tile_n;
-    int32_t num_layouts;               /* L: 1 or H; head h uses layout h % L */
-    int32_t layout_seq_q, layout_seq_k;/* compiled sizes */
+    /* the mask: a layout handle (stof_layout_create; uploaded for runs) */
+    stof_layout_t layout;
 
-    /* --- run-time key padding (both optional, may be combined) ----------------------------------------- */
-    const int32_t* key_lengths;        /* [B] or NULL: keys >= key_lengths[b] dropped */
-    const int32_t* key_padding_mask;   /* [B, seq_k] row-major or NULL: 0 = key dropped */
+    /* run-time key padding (both optional, may be combined) */
+    const int32_t* key_lengths;        /* [B] device int32 or NULL: keys >= key_lengths[b] dropped */
+    const int32_t* key_padding_mask;   /* [B, seq_k] row-major device int32 or NULL: 0 = key dropped */
 
-    /* --- schedule (optional; ABI version 2) ------------------------------------------------------------- */
-    /* [L*Tq] device int32 or NULL: per layout, its tile rows longest first, exactly as stof_layout_row_order()
-     * writes them (a permutation of 0..Tq-1 within each layout; anything else leaves rows unwritten -- entries
-     * outside [0, Tq) are skipped, never dereferenced).  Kernels
-     * whose CTA covers at most one tile row start the longest rows first, so short rows fill the tail of the
-     * grid (Longformer/BigBird global rows otherwise start last).  NULL: the last tile rows first (causal). */
-    const int32_t* row_order;
-    /* (batch, head) pairs whose CTAs are interleaved (docs/kernels.md "Schedule"); 0 = the library's default
-     * (as many pairs as fit a share of L2), 1 = one pair at a time.  stof_layout_sched_chunk() gives the value for
-     * a layout: 1 when its rows are of near-equal length (interleaving measured 4-5 % slower there), else 0.  With 1
-     * the persistent tactics 21-24 also hand out all but their last wave of work items statically (no atomic
-     * between items; unequal items then balance worse: same result, other timing). */
-    int32_t sched_chunk;
-
-    /* --- workspace (optional; ABI version 3) ------------------------------------------------------------ */
     /* Device memory of at least stof_attn_workspace_size() bytes, 16-byte aligned, for this call only (the next
-     * call may reuse it once this one's stream work is ordered before it), or NULL.  The warp-specialised tactics
-     * (21-24, 28, 29) use it for a work counter and then run persistent (one CTA per SM taking work items in the
-     * schedule's order) unless key_lengths is given; with NULL they run one CTA per work item.  Same result
-     * either way.  Its contents need no initialisation: the kernel resets its counter itself. */
+     * call may reuse it once this one's stream work is ordered before it), or NULL.  The persistent tactics use it
+     * for a work counter (one CTA per SM taking work items in the schedule's order) unless key_lengths is given;
+     * with NULL they run one CTA per work item.  Same result either way; no initialisation needed. */
     void* workspace;
     int64_t workspace_bytes;
 
-    /* --- schedule of two-row work items (optional; ABI version 4) ------------------------------------------ */
-    /* [L*ceil(Tq/2)] device int32 or NULL: per layout, its pairs of tile rows (pair i = rows 2i and 2i+1; the last
-     * pair of an odd Tq has one row) longest first, exactly as stof_layout_pair_order() writes them (a permutation
-     * of 0..ceil(Tq/2)-1 within each layout; entries outside that range are skipped, never dereferenced).  Kernels
-     * whose CTA or work item covers two tile rows (the two-warpgroup tactics at tile_m 64) start the longest pairs
-     * first, as row_order does for one-row kernels; NULL: the last pairs first.  Independent of row_order, under
-     * the same rule (used when the run-time rows are >= 3/4 of the layout's).  For either order, a caller may pass
-     * NULL where the helper's order is that default (every layout last first, e.g. causal): the same schedule, and
-     * the kernels skip one dependent load before each work item. */
-    const int32_t* pair_order;
-
-    /* --- the bitmaps in the kernels' thread order (optional; ABI version 5) -------------------------------- */
-    /* [max(P,1) * tile_m*tile_n/16] device int32, exactly as stof_layout_lane_bitmaps() writes them from this
-     * layout's bitmaps, or NULL.  Derived, never stored (docs/format.md "Derived: the lane bitmaps").  The
-     * two-consumer warp-specialised tactics (21-24) then read a PARTIAL 64-key sub-block's mask with one 8-byte load
-     * per thread instead of two loads and a packing step; the others ignore it.  Same result either way. */
-    const int32_t* lane_bitmaps;
-
-    /* --- the bitmaps' row count (optional; ABI version 6) ------------------------------------------------- */
-    /* P, the rows of `bitmaps` (a layout without PARTIAL tiles has its one padding row), or 0: not given.  The
-     * wgmma tactics address bitmap words (and lane_bitmaps) by 32-bit byte offsets, so they are valid while
-     * P * tile_m*tile_n/8 bytes stay below 2^32.  Without P the library bounds it by the layouts' whole tile grid
-     * (L * Tq * Tk tiles): on 64x64 tiles that refuses them from S of about 185k with one layout (54k with 12
-     * per-head layouts), however few tiles are stored.  Same result either way; < 0 is INVALID_ARGUMENT. */
-    int32_t num_bitmaps;
+    /* (batch, head) pairs whose CTAs are interleaved (docs/kernels.md "Schedule"): -1 = the layout's choice
+     * (stof_attn_params_init's default), 0 = as many as fit a share of L2, N >= 1 = N.  Same result. */
+    int32_t sched_chunk;
+    uint32_t options;                  /* STOF_OPT_* bits; 0 = every schedule the layout has */
 } stof_attn_params_t;
 
-/* Zero the struct and fill the defaults (dtype fp16, num_layouts 1, tile 64x64). */
+/* Zero the struct and fill the defaults (dtype fp16, scale 1, sched_chunk -1). */
 STOF_API void stof_attn_params_init(stof_attn_params_t* p);
 
-/* Check the parameters without launching anything (STOF_SUCCESS when some tactic can run them). */
+/* Check the parameters without launching anything (STOF_SUCCESS when some tactic can run them).  Host only: the
+ * layout need not be uploaded. */
 STOF_API stof_status_t stof_attn_validate(const stof_attn_params_t* p);
 
-/* Tactic ids valid for this problem, best-first by a fixed static order (the pre-search ranks them better).
+/* Tactic ids valid for this problem, best-first by a fixed static order (stof_attn_select ranks them better).
  * Ids are >= 1 (0 is TensorRT's "default").  On return *n is the number of valid tactics; when it exceeds cap,
  * the first cap are written and STOF_ERROR_INSUFFICIENT_BUFFER is returned.  ids may be NULL when cap is 0. */
 STOF_API stof_status_t stof_attn_list_tactics(const stof_attn_params_t* p, int32_t* ids, int32_t cap,
@@ -149,44 +182,12 @@ STOF_API stof_status_t stof_attn_tactic_info(int32_t tactic, int32_t* family, in
 /* "block_m64_n64_w4_s2" etc.; "invalid" for an unknown id.  Static storage. */
 STOF_API const char* stof_attn_tactic_name(int32_t tactic);
 
-/* Workspace bytes the tactic can use (16 for the warp-specialised tactics, else 0; tactic 0: the most any tactic
- * uses), see stof_attn_params_t.workspace. */
+/* Workspace bytes the tactic can use (16 for the persistent tactics, else 0; tactic 0: the most any tactic uses),
+ * see stof_attn_params_t.workspace. */
 STOF_API stof_status_t stof_attn_workspace_size(const stof_attn_params_t* p, int32_t tactic, size_t* bytes);
 
-/* Run the forward pass on the stream.  tactic 0 (or < 0) = the library's default choice for the problem. */
+/* Run the forward pass on the stream.  tactic 0 (or < 0) = the library's first valid tactic. */
 STOF_API stof_status_t stof_attn_run(const stof_attn_params_t* p, int32_t tactic, stof_stream_t stream);
-
-/* Human-readable status; static storage. */
-STOF_API const char* stof_status_string(stof_status_t s);
-
-/* Detail of the last error on the calling thread ("" when none). */
-STOF_API const char* stof_last_error_message(void);
-
-STOF_API int32_t stof_abi_version(void);
-
-/* Host helper: the row_order of stof_attn_params_t for a layout (host row_ptr of num_layouts*tiles_q + 1
- * entries).  Within each layout l, out[l*tiles_q + i] is the tile row with the i-th most stored tiles; ties go to
- * the higher row first.  Same result as stof_trt.format.TileLayout.row_order(). */
-STOF_API stof_status_t stof_layout_row_order(const int32_t* row_ptr, int32_t num_layouts, int32_t tiles_q,
-                                             int32_t* out);
-
-/* Host helper: the pair_order of stof_attn_params_t for a layout (host row_ptr of num_layouts*tiles_q + 1
- * entries).  Within each layout l, out[l*ceil(tiles_q/2) + i] is the pair of tile rows whose longer row has the
- * i-th most stored tiles; ties go to the higher pair first.  Same result as stof_trt.format.TileLayout.pair_order(). */
-STOF_API stof_status_t stof_layout_pair_order(const int32_t* row_ptr, int32_t num_layouts, int32_t tiles_q,
-                                              int32_t* out);
-
-/* Host helper: the sched_chunk of stof_attn_params_t for a layout: 1 when, in every layout, the longest tile row
- * holds at most 5/4 of the mean number of stored tiles per row (uniform rows: sliding, dilated), else 0.
- * Same result as stof_trt.format.TileLayout.sched_chunk(). */
-STOF_API stof_status_t stof_layout_sched_chunk(const int32_t* row_ptr, int32_t num_layouts, int32_t tiles_q,
-                                               int32_t* chunk);
-
-/* Host helper: the lane_bitmaps of stof_attn_params_t (ABI version 5) from num_bitmaps host bitmaps of a layout
- * (tile_m % 16 == 0, tile_n % 64 == 0; num_bitmaps >= 1, the padding row of a layout without one counts) into out,
- * num_bitmaps * tile_m*tile_n/16 int32.  Same result as stof_trt.format.TileLayout.lane_bitmaps(). */
-STOF_API stof_status_t stof_layout_lane_bitmaps(const int32_t* bitmaps, int32_t num_bitmaps, int32_t tile_m,
-                                                int32_t tile_n, int32_t* out);
 
 /* --- analytical pre-search (host only; plugins_cu/src/presearch.cc, the C++ port of stof_trt/presearch.py) --- */
 
@@ -229,10 +230,63 @@ STOF_API stof_status_t stof_presearch_gpu_props(int32_t device, stof_gpu_props_t
  * (stof_attn_list_tactics) may be smaller (e.g. no sm_90a code): intersect with it.
  * The layout must already be valid (docs/format.md: row_ptr non-decreasing from 0 with num_layouts * Tq + 1
  * entries, col_idx / tile_bitmap_index of row_ptr[last] entries, bitmaps of the partial tiles): its arrays are read
- * as described, without lengths to check them against (libstof_ort validates a layout before it calls this). */
+ * as described, without lengths to check them against (stof_layout_create checks a layout; stof_attn_select calls
+ * this with the handle's arrays). */
 STOF_API stof_status_t stof_presearch_rank(const stof_gpu_props_t* gpu, const stof_host_layout_t* layout,
                                            int32_t batch, int32_t heads, int32_t head_dim, int32_t seq_q,
                                            int32_t seq_k, int32_t* ids, double* seconds, int32_t cap, int32_t* n);
+
+/* --- tactic selection ----------------------------------------------------------------------------------------- */
+
+/* What the selection knows of a GPU: its identity (the tactic cache's "gpu" and "cc" keys) and the pre-search's
+ * properties. */
+typedef struct {
+    char name[256];                    /* cudaDeviceProp.name */
+    char cc[16];                       /* "major.minor" */
+    stof_gpu_props_t props;
+} stof_device_desc_t;
+
+/* The description of a CUDA device (cached per device). */
+STOF_API stof_status_t stof_device_describe(int32_t device, stof_device_desc_t* out);
+
+/* Read a tactic cache (the JSON that stof_trt/tactic_cache.py writes, docs/ort.md) into the process's table of
+ * caches, replacing an earlier read of the same path; *entries (may be NULL) = its entry count.  A missing or
+ * malformed file is INVALID_ARGUMENT. */
+STOF_API stof_status_t stof_tactic_cache_load(const char* path, int32_t* entries);
+
+typedef enum {
+    STOF_TACTIC_FROM_CACHE = 1,        /* the tactic cache's entry for this problem */
+    STOF_TACTIC_FROM_PRESEARCH = 2,    /* the pre-search's fastest valid tactic */
+    STOF_TACTIC_DEFAULT = 3            /* the library's first valid tactic */
+} stof_tactic_source_t;
+
+#define STOF_SELECT_NO_PRESEARCH 1u    /* stof_attn_select: without a cache hit, the library default */
+
+/* The tactic for a problem: the cache's entry when valid here (tactic_cache: a path, read on first use like
+ * stof_tactic_cache_load; NULL: none), else the pre-search's fastest tactic among stof_attn_list_tactics(), else
+ * the first valid one.  device: the GPU the keys and the pre-search describe (NULL: the current CUDA device).
+ * Results are memoised in the layout handle per (problem, device, cache file and its read).  Host only when
+ * device is given.
+ * The cache key: gpu = device->name, cc = device->cc, node = "StofSparseAttention|<float16|bfloat16>|H<H>|D<D>|
+ * tile<tm>x<tn>|L<L>|seq<Sq>x<Sk>|kpm<0|1>" (the layout's sizes; kpm: key_padding_mask given), bucket =
+ * stof_shape_bucket(), mask = the layout's signature. */
+STOF_API stof_status_t stof_attn_select(const stof_attn_params_t* p, const char* tactic_cache,
+                                        const stof_device_desc_t* device, uint32_t flags, int32_t* tactic,
+                                        int32_t* source);
+
+/* The tactic cache's shape bucket: B, Sq and Sk rounded up to powers of two (Sq, Sk at least 64),
+ * "B8|Sq4096|Sk4096"; writes at most cap bytes with the NUL. */
+STOF_API stof_status_t stof_shape_bucket(int64_t batch, int64_t seq_q, int64_t seq_k, char* out, size_t cap);
+
+/* --- status --------------------------------------------------------------------------------------------------- */
+
+/* Human-readable status; static storage. */
+STOF_API const char* stof_status_string(stof_status_t s);
+
+/* Detail of the last error on the calling thread ("" when none). */
+STOF_API const char* stof_last_error_message(void);
+
+STOF_API int32_t stof_abi_version(void);
 
 #ifdef __cplusplus
 } /* extern "C" */
