@@ -130,6 +130,9 @@ def load(path: Path = CATALOGUE) -> dict:
     if sorted(fitted) != sorted(keys):
         raise CatalogueError(f"each coef entry needs exactly one [[fit]]: unfitted {sorted(keys - set(fitted))}, "
                              f"fits without an entry or twice {sorted(k for k in fitted if k not in keys or fitted.count(k) > 1)}")
+    for f in raw.get("fit", []):
+        if not isinstance(f.get("reproduced"), bool) or "fit" not in f or not isinstance(f.get("runs"), list):
+            raise CatalogueError(f"[[fit]] {f.get('keys')}: needs runs, fit and reproduced = true / false")
     ps = raw.get("presearch", {})
     for k in ("gpu", "uniform_item_scale", "sched_l2_bytes_one_item_per_sm", "sched_l2_bytes_many_ctas"):
         if k not in ps:
@@ -241,13 +244,12 @@ def render_python(cat: dict) -> str:
                                          for d, r in sorted(t["ptxas_regs"].items())) + "}",
             "# the pre-search's per-CTA constants (a, b, c, d) in µs, {(id, head dim): constants}", "COEF = {"]
     out += [f"    ({t['id']}, {d}): {c!r}," for t in cat["tactics"] for d, c in sorted(t["coef"].items())]
-    out += ["}", "# where each COEF entry comes from: {(id, head dim): (runs in tests/data, calibrate call)}",
-            "COEF_FIT = {"]
+    out += ["}", "# where the COEF entries come from: (keys, runs in tests/data, calibrate call, reproduced today)",
+            "COEF_FITS = ("]
     for f in cat["fits"]:
-        for k in f["keys"]:
-            tid, d = (int(x) for x in k.split(":"))
-            out.append(f"    ({tid}, {d}): ({tuple(f['runs'])!r}, {f['fit']!r}),")
-    out += ["}", f"COEF_GPU = {ps['gpu']!r}",
+        keys = tuple(tuple(int(x) for x in k.split(":")) for k in f["keys"])
+        out.append(f"    ({keys!r}, {tuple(f['runs'])!r}, {f['fit']!r}, {bool(f['reproduced'])!r}),")
+    out += [")", f"COEF_GPU = {ps['gpu']!r}",
             f"UNIFORM_ITEM_SCALE = {float(ps['uniform_item_scale'])!r}",
             f"SCHED_L2_BYTES_ONE_ITEM_PER_SM = {int(ps['sched_l2_bytes_one_item_per_sm'])}",
             f"SCHED_L2_BYTES_MANY_CTAS = {int(ps['sched_l2_bytes_many_ctas'])}", ""]

@@ -87,50 +87,14 @@ COEF = {
     (28, 64): (0.91656, 0.73196, 8.85742, 0.85323),
     (29, 64): (0.84553, 0.69191, 6.36996, 4.63677),
 }
-# where each COEF entry comes from: {(id, head dim): (runs in tests/data, calibrate call)}
-COEF_FIT = {
-    (15, 64): (('h100_d64_e47c94c.json', 'h100_d64_f5301ee.json', 'h100_shortkeys_a.json', 'h100_shortkeys_b.json'), 'calibrate(runs, keys, relative=True)'),
-    (16, 64): (('h100_d64_e47c94c.json', 'h100_d64_f5301ee.json', 'h100_shortkeys_a.json', 'h100_shortkeys_b.json'), 'calibrate(runs, keys, relative=True)'),
-    (22, 64): (('h100_d64_71ae7b3.json',), 'calibrate(runs, keys)'),
-    (24, 64): (('h100_d64_8409f2d.json',), 'calibrate(runs, keys)'),
-    (29, 64): (('h100_d64_a7eb448.json',), 'calibrate(runs, keys)'),
-    (1, 64): (('h100_d64_d128_c9f344e.json',), 'calibrate(runs, keys)'),
-    (2, 64): (('h100_d64_d128_c9f344e.json',), 'calibrate(runs, keys)'),
-    (3, 64): (('h100_d64_d128_c9f344e.json',), 'calibrate(runs, keys)'),
-    (4, 64): (('h100_d64_d128_c9f344e.json',), 'calibrate(runs, keys)'),
-    (7, 64): (('h100_d64_d128_c9f344e.json',), 'calibrate(runs, keys)'),
-    (8, 64): (('h100_d64_d128_c9f344e.json',), 'calibrate(runs, keys)'),
-    (10, 64): (('h100_d64_d128_c9f344e.json',), 'calibrate(runs, keys)'),
-    (13, 64): (('h100_d64_d128_c9f344e.json',), 'calibrate(runs, keys)'),
-    (14, 64): (('h100_d64_d128_c9f344e.json',), 'calibrate(runs, keys)'),
-    (17, 64): (('h100_d64_d128_c9f344e.json',), 'calibrate(runs, keys)'),
-    (18, 64): (('h100_d64_d128_c9f344e.json',), 'calibrate(runs, keys)'),
-    (19, 64): (('h100_d64_d128_c9f344e.json',), 'calibrate(runs, keys)'),
-    (20, 64): (('h100_d64_d128_c9f344e.json',), 'calibrate(runs, keys)'),
-    (21, 64): (('h100_d64_d128_c9f344e.json',), 'calibrate(runs, keys)'),
-    (23, 64): (('h100_d64_d128_c9f344e.json',), 'calibrate(runs, keys)'),
-    (25, 64): (('h100_d64_d128_c9f344e.json',), 'calibrate(runs, keys)'),
-    (26, 64): (('h100_d64_d128_c9f344e.json',), 'calibrate(runs, keys)'),
-    (27, 64): (('h100_d64_d128_c9f344e.json',), 'calibrate(runs, keys)'),
-    (28, 64): (('h100_d64_d128_c9f344e.json',), 'calibrate(runs, keys)'),
-    (1, 128): ((), "calibrate(runs, keys) on H100 runs at S in {1024, 4096} of kernels older than tests/data's"),
-    (2, 128): ((), "calibrate(runs, keys) on H100 runs at S in {1024, 4096} of kernels older than tests/data's"),
-    (3, 128): ((), "calibrate(runs, keys) on H100 runs at S in {1024, 4096} of kernels older than tests/data's"),
-    (7, 128): ((), "calibrate(runs, keys) on H100 runs at S in {1024, 4096} of kernels older than tests/data's"),
-    (8, 128): ((), "calibrate(runs, keys) on H100 runs at S in {1024, 4096} of kernels older than tests/data's"),
-    (10, 128): ((), "calibrate(runs, keys) on H100 runs at S in {1024, 4096} of kernels older than tests/data's"),
-    (13, 128): ((), "calibrate(runs, keys) on H100 runs at S in {1024, 4096} of kernels older than tests/data's"),
-    (14, 128): ((), "calibrate(runs, keys) on H100 runs at S in {1024, 4096} of kernels older than tests/data's"),
-    (15, 128): ((), "calibrate(runs, keys) on H100 runs at S in {1024, 4096} of kernels older than tests/data's"),
-    (16, 128): ((), "calibrate(runs, keys) on H100 runs at S in {1024, 4096} of kernels older than tests/data's"),
-    (17, 128): ((), "calibrate(runs, keys) on H100 runs at S in {1024, 4096} of kernels older than tests/data's"),
-    (19, 128): ((), "calibrate(runs, keys) on H100 runs at S in {1024, 4096} of kernels older than tests/data's"),
-    (20, 128): ((), "calibrate(runs, keys) on H100 runs at S in {1024, 4096} of kernels older than tests/data's"),
-    (21, 128): ((), "calibrate(runs, keys) on H100 runs at S in {1024, 4096} of kernels older than tests/data's"),
-    (22, 128): ((), "calibrate(runs, keys) on H100 runs at S in {1024, 4096} of kernels older than tests/data's"),
-    (25, 128): ((), "calibrate(runs, keys) on H100 runs at S in {1024, 4096} of kernels older than tests/data's"),
-    (26, 128): ((), "calibrate(runs, keys) on H100 runs at S in {1024, 4096} of kernels older than tests/data's"),
-}
+# where the COEF entries come from: (keys, runs in tests/data, calibrate call, reproduced today)
+COEF_FITS = (
+    (((15, 64), (16, 64)), ('h100_d64_e47c94c.json', 'h100_d64_f5301ee.json', 'h100_shortkeys_a.json', 'h100_shortkeys_b.json'), 'calibrate(runs, keys, relative=True)', True),
+    (((22, 64),), ('h100_d64_71ae7b3.json',), 'calibrate(runs, keys)', True),
+    (((24, 64), (29, 64)), ('h100_d64_8409f2d.json',), 'calibrate(runs, keys)', True),
+    (((1, 64), (2, 64), (3, 64), (4, 64), (7, 64), (8, 64), (10, 64), (13, 64), (14, 64), (17, 64), (18, 64), (19, 64), (20, 64), (21, 64), (23, 64), (25, 64), (26, 64), (27, 64), (28, 64)), ('h100_d64_d128_c9f344e.json',), 'calibrate(runs, keys) over its S in {1024, 4096} cells, launch order reversed rows per head', False),
+    (((1, 128), (2, 128), (3, 128), (7, 128), (8, 128), (10, 128), (13, 128), (14, 128), (15, 128), (16, 128), (17, 128), (19, 128), (20, 128), (21, 128), (22, 128), (25, 128), (26, 128)), (), "calibrate(runs, keys) on H100 runs at S in {1024, 4096} of kernels older than tests/data's", False),
+)
 COEF_GPU = 'H100 80GB HBM3 (SXM)'
 UNIFORM_ITEM_SCALE = 0.7
 SCHED_L2_BYTES_ONE_ITEM_PER_SM = 16777216
