@@ -7,6 +7,7 @@
 #include <cstring>
 #include <vector>
 
+#include "schedule_order.h"
 #include "stof/stof_attention.h"
 #include "tactics.h"
 
@@ -194,25 +195,11 @@ stof_status_t write_ids(const int32_t* src, int32_t count, int32_t* ids, int32_t
     return STOF_SUCCESS;
 }
 
-// The row and pair orders (C ABI helpers) from a host row_ptr: per layout, n indices by decreasing len(rp, i) (rp:
-// the layout's row pointers), ties the higher index first, into out[l * n ..).
-template <class Len>
-stof_status_t write_longest_first(const int32_t* row_ptr, int32_t num_layouts, int32_t tiles_q, int32_t* out, int32_t n,
-                                  Len&& len) {
+// The row and pair orders (C ABI helpers) from a host row_ptr: schedule_order.h, shared with the pre-search.
+stof_status_t check_orders_args(const int32_t* row_ptr, int32_t num_layouts, int32_t tiles_q, const void* out) {
     if (row_ptr == nullptr || out == nullptr) return fail(STOF_ERROR_INVALID_ARGUMENT, "row_ptr or out is NULL");
     if (num_layouts < 1 || tiles_q < 1)
         return fail(STOF_ERROR_INVALID_ARGUMENT, "num_layouts %d and tiles_q %d must be >= 1", num_layouts, tiles_q);
-    std::vector<int32_t> idx(n);
-    std::vector<int64_t> key(n);
-    for (int32_t l = 0; l < num_layouts; ++l) {
-        const int32_t* rp = row_ptr + static_cast<int64_t>(l) * tiles_q;
-        for (int32_t i = 0; i < n; ++i) {
-            idx[i] = n - 1 - i;  // ties: higher index first
-            key[i] = len(rp, i);
-        }
-        std::stable_sort(idx.begin(), idx.end(), [&](int32_t a, int32_t b) { return key[a] > key[b]; });
-        std::copy(idx.begin(), idx.end(), out + static_cast<int64_t>(l) * n);
-    }
     tLastError[0] = '\0';
     return STOF_SUCCESS;
 }
@@ -310,17 +297,15 @@ stof_status_t stof_attn_run(const stof_attn_params_t* p, int32_t tactic, stof_st
 }
 
 stof_status_t stof_layout_row_order(const int32_t* row_ptr, int32_t num_layouts, int32_t tiles_q, int32_t* out) {
-    return write_longest_first(row_ptr, num_layouts, tiles_q, out, tiles_q,
-                               [](const int32_t* rp, int32_t i) -> int64_t { return rp[i + 1] - rp[i]; });
+    const stof_status_t s = check_orders_args(row_ptr, num_layouts, tiles_q, out);
+    if (s == STOF_SUCCESS) stof::row_order(row_ptr, num_layouts, tiles_q, out);
+    return s;
 }
 
 stof_status_t stof_layout_pair_order(const int32_t* row_ptr, int32_t num_layouts, int32_t tiles_q, int32_t* out) {
-    return write_longest_first(row_ptr, num_layouts, tiles_q, out, tiles_q / 2 + tiles_q % 2,
-                               [tiles_q](const int32_t* rp, int32_t i) -> int64_t {
-                                   const int64_t first = rp[2 * i + 1] - rp[2 * i];  // the pair's longer row
-                                   return 2 * i + 1 < tiles_q ? std::max<int64_t>(first, rp[2 * i + 2] - rp[2 * i + 1])
-                                                              : first;
-                               });
+    const stof_status_t s = check_orders_args(row_ptr, num_layouts, tiles_q, out);
+    if (s == STOF_SUCCESS) stof::pair_order(row_ptr, num_layouts, tiles_q, out);
+    return s;
 }
 
 stof_status_t stof_layout_sched_chunk(const int32_t* row_ptr, int32_t num_layouts, int32_t tiles_q,
@@ -328,15 +313,7 @@ stof_status_t stof_layout_sched_chunk(const int32_t* row_ptr, int32_t num_layout
     if (row_ptr == nullptr || chunk == nullptr) return fail(STOF_ERROR_INVALID_ARGUMENT, "row_ptr or chunk is NULL");
     if (num_layouts < 1 || tiles_q < 1)
         return fail(STOF_ERROR_INVALID_ARGUMENT, "num_layouts %d and tiles_q %d must be >= 1", num_layouts, tiles_q);
-    bool uniform = true;
-    for (int32_t l = 0; l < num_layouts && uniform; ++l) {
-        const int32_t* rp = row_ptr + static_cast<int64_t>(l) * tiles_q;
-        int64_t longest = 0;
-        for (int32_t i = 0; i < tiles_q; ++i) longest = std::max<int64_t>(longest, rp[i + 1] - rp[i]);
-        // longest <= 5/4 mean  <=>  4 * tiles_q * longest <= 5 * total (integers: no rounding)
-        uniform = 4 * static_cast<int64_t>(tiles_q) * longest <= 5 * static_cast<int64_t>(rp[tiles_q] - rp[0]);
-    }
-    *chunk = uniform ? 1 : 0;
+    *chunk = stof::sched_chunk(row_ptr, num_layouts, tiles_q);
     tLastError[0] = '\0';
     return STOF_SUCCESS;
 }
