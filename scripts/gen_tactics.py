@@ -104,7 +104,7 @@ def _tactic(row: dict) -> dict:
 
 
 def load(path: Path = CATALOGUE) -> dict:
-    """The catalogue, checked: ids unique and consecutive inside each family, every coef entry with one fit."""
+    """The catalogue, checked: ids unique, every coef entry with one fit."""
     try:
         raw = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as e:
@@ -119,9 +119,9 @@ def load(path: Path = CATALOGUE) -> dict:
     fams = {}
     for f in order:
         fids = sorted(t["id"] for t in tactics if t["family"] == f)
-        if not fids or fids != list(range(fids[0], fids[0] + len(fids))):
-            raise CatalogueError(f"family {f}: ids {fids} must be non-empty and consecutive")
-        fams[f] = fids
+        if not fids:
+            raise CatalogueError(f"family {f} has no tactic")
+        fams[f] = fids  # a tactic's position here indexes its family's launcher tables
     names = [t["name"] for t in tactics]
     if len(set(names)) != len(names):
         raise CatalogueError("two tactics have the same traits (same name)")
@@ -169,23 +169,21 @@ def render_tactics_h(cat: dict) -> str:
     out += _docs(by["hopper"])
     out += _macro("STOF_HOPPER_TACTICS", [f"X({t['id']}, {t['warpgroups']}, {t['stages']}, {t['variant_code']})"
                                           for t in by["hopper"]])
-    out += ["", "// X(id, family (1 block, 2 row, 3 wgmma), block_m, block_n, warps, stages, name, persistent), in the",
-            "// order the library lists (and tactic 0 tries) them; persistent: runs persistent when given a workspace."]
+    out += ["", "// X(id, family (1 block, 2 row, 3 wgmma), index (in the family's macro and launcher tables), block_m,",
+            "//   block_n, warps, stages, name, persistent), in the order the library lists (and tactic 0 tries) them;",
+            "//   persistent: runs persistent when given a workspace."]
     rows = []
     for f in cat["order"]:
-        for t in by[f]:
-            rows.append(f"X({t['id']}, {t['family_id']}, {t['block_m']}, {t['block_n']}, {t['warps']}, {t['stages']}, "
-                        f"\"{t['name']}\", {'true' if t['persistent'] else 'false'})")
+        for i, t in enumerate(by[f]):
+            rows.append(f"X({t['id']}, {t['family_id']}, {i}, {t['block_m']}, {t['block_n']}, {t['warps']}, "
+                        f"{t['stages']}, \"{t['name']}\", {'true' if t['persistent'] else 'false'})")
     out += _macro("STOF_TACTIC_TABLE", rows)
-    first = {f: cat["families"][f][0] for f in FAMILY_IDS}
     out += ["", "namespace stof {", "",
             f"constexpr int kNumBlockTactics = {len(by['block'])};",
             "constexpr bool kQFrags_reg = false, kQFrags_smem = true;",
             f"constexpr int kNumRowTactics = {len(by['row'])};",
             f"constexpr int kNumHopperTactics = {len(by['hopper'])};",
-            "// first id of each family (ids are consecutive inside a family; the offset indexes the launcher tables)",
-            f"constexpr int kFirstBlockId = {first['block']}, kFirstRowId = {first['row']}, "
-            f"kFirstHopperId = {first['hopper']};", "",
+            "",
             "extern const LaunchFn kBlockLaunchersF16D64[kNumBlockTactics];",
             "extern const LaunchFn kBlockLaunchersF16D128[kNumBlockTactics];",
             "extern const LaunchFn kBlockLaunchersBF16D64[kNumBlockTactics];",

@@ -48,7 +48,7 @@ def test_check_names_every_stale_file(tmp_path, capsys):
 
 @pytest.mark.parametrize("edit, msg", [
     (("id = 2\n", "id = 1\n"), "duplicate tactic ids"),
-    (("id = 12\n", "id = 30\n"), "consecutive"),
+    (("id = 12\n", "id = 0\n"), "id must be an integer >= 1"),
     (('q_frags = "reg"', 'q_frags = "regs"'), "q_frags"),
     (("min_ctas = 1\n", "min_ctax = 1\n"), "unknown fields ['min_ctax'], missing ['min_ctas']"),
     (('keys = ["22:64"]', 'keys = []'), "unfitted ['22:64']"),
@@ -69,13 +69,16 @@ def test_tables_agree():
 
     cat = gen.load()
     h = (ROOT / "plugins_cu" / "src" / "tactics.h").read_text()
-    table = re.findall(r'X\((\d+), (\d), (\d+), (\d+), (\d+), (\d+), "(\w+)", (true|false)\)', h)
+    table = re.findall(r'X\((\d+), (\d), (\d+), (\d+), (\d+), (\d+), (\d+), "(\w+)", (true|false)\)', h)
     assert [int(r[0]) for r in table] == list(_tactics.LIBRARY_ORDER)
-    assert {int(r[0]): (int(r[1]), int(r[2]), int(r[3]), int(r[4]), int(r[5]), r[6]) for r in table} == {
+    assert {int(r[0]): (int(r[1]), int(r[3]), int(r[4]), int(r[5]), int(r[6]), r[7]) for r in table} == {
         t["id"]: (t["family"], t["block_m"], t["block_n"], t["warps"], t["stages"], t["name"]) for t in _tactics.TACTICS}
     for fam, macro in (("block", "STOF_BLOCK_TACTICS"), ("row", "STOF_ROW_TACTICS"), ("hopper", "STOF_HOPPER_TACTICS")):
         body = h[h.index(f"#define {macro}(X)"):].split("\n\n")[0]
-        assert [int(i) for i in re.findall(r"X\((\d+),", body)] == cat["families"][fam]
+        ids = [int(i) for i in re.findall(r"X\((\d+),", body)]
+        assert ids == cat["families"][fam]
+        # a tactic's index in the name table is its position in the family's macro (its launcher table slot)
+        assert {int(r[0]): int(r[2]) for r in table if int(r[0]) in ids} == {t: i for i, t in enumerate(ids)}
     assert len({t["name"] for t in _tactics.TACTICS}) == len(_tactics.TACTICS)
     # every constant of the pre-search table is the Python catalogue's
     inc = (ROOT / "plugins_cu" / "src" / "presearch_table.inc").read_text()

@@ -25,7 +25,7 @@ constexpr int kFamilyBlock = 1, kFamilyRow = 2, kFamilyHopper = 3;
 
 struct TacticRow {
     int id, family, blockM, blockN, warps, stages, minCtas, qInSmem, pipelined, deferPv, warpSpecialized, keyStep;
-    int headDims, tileMMultiple, tileNMultiple, sm90a;  // requirements: head dims (bit 0: 64, bit 1: 128), ...
+    int headDims, tileMMultiple, tileNMultiple, sm90a;  // requirements; headDims: bit 0 = 64, bit 1 = 128
     int regs[2];  // head dim 64, 128 (-1: no ptxas entry)
     int hasCoef[2];
     double coef[2][4];
@@ -47,15 +47,15 @@ constexpr int kNumRows = static_cast<int>(sizeof(kRows) / sizeof(kRows[0]));
 
 int dIndex(int headDim) { return headDim == 128 ? 1 : 0; }
 
-// -- tile statistics -------------------------------------------------------------------------
+// -- tile statistics ----------------------------------------------------------------------------------------------
 struct Stats {
     int tileM, tileN, seqQ, seqK, L, Tq;
     std::vector<int64_t> rowNnz, rowPartial;     // [L*Tq]
     std::vector<std::vector<int32_t>> cols;      // [L*Tq] ascending tile columns
     std::vector<std::vector<int32_t>> pcols;     // [L*Tq] the partial ones
     double words{0}, allowed{0};
-    int32_t schedChunk{0};                       // stof_layout_sched_chunk: 1 for near-equal rows
-    std::vector<int32_t> rowOrder, pairOrder;    // stof_layout_row_order / _pair_order: the kernels' schedules
+    int32_t schedChunk{0};                       // schedule_order.h: 1 for near-equal rows
+    std::vector<int32_t> rowOrder, pairOrder;    // schedule_order.h: the kernels' start orders
 };
 
 int popcount32(uint32_t v) {
@@ -88,8 +88,7 @@ Stats tileStats(stof_host_layout_t const& lay) {
         s.rowNnz[r] = static_cast<int64_t>(s.cols[r].size());
         s.rowPartial[r] = static_cast<int64_t>(s.pcols[r].size());
     }
-    // words / allowed per PARTIAL tile, from its bitmap (tiles may share one: format version 2), as the Python
-    // model counts them
+    // words / allowed per PARTIAL tile, from its bitmap (tiles may share one: format version 2)
     int64_t const wordsPerTile = static_cast<int64_t>(lay.tile_m) * lay.tile_n / 32;
     std::vector<int64_t> bmWords(static_cast<size_t>(std::max(lay.num_bitmaps, 0))),
         bmBits(static_cast<size_t>(std::max(lay.num_bitmaps, 0)));

@@ -30,13 +30,15 @@ struct TacticDesc {
     int id, family, block_m, block_n, warps, stages;
     const char* name;
     bool persistent;  // runs persistent when given a workspace (its work counter)
+    int index;        // position in its family's launcher tables
 };
 
 constexpr int64_t kWorkspaceBytes = 16;
 
 // Listed (and tried by tactic 0) in the catalogue's order: Hopper first where it can run, then mma.sync, then
 // row-wise (tactics.h, generated from plugins_cu/tactics.toml).
-#define STOF_TACTIC_DESC(id, family, bm, bn, w, s, name, persistent) {id, family, bm, bn, w, s, name, persistent},
+#define STOF_TACTIC_DESC(id, family, index, bm, bn, w, s, name, persistent) \
+    {id, family, bm, bn, w, s, name, persistent, index},
 const TacticDesc kTactics[] = {STOF_TACTIC_TABLE(STOF_TACTIC_DESC)};
 #undef STOF_TACTIC_DESC
 constexpr int kNumTactics = sizeof(kTactics) / sizeof(kTactics[0]);
@@ -48,10 +50,7 @@ const TacticDesc* find_tactic(int id) {
     return nullptr;
 }
 
-// Ids are consecutive inside a family: the offset from the family's first id indexes its launcher table.
-int family_index(const TacticDesc& t) {
-    return t.id - (t.family == 1 ? stof::kFirstBlockId : t.family == 2 ? stof::kFirstRowId : stof::kFirstHopperId);
-}
+int family_index(const TacticDesc& t) { return t.index; }
 
 // Compute capability of the current device (cached per device; -1 when unknown).
 int current_sm() {

@@ -80,38 +80,39 @@
     X(28, 3, 2, 4)             \
     X(29, 3, 4, 4)
 
-// X(id, family (1 block, 2 row, 3 wgmma), block_m, block_n, warps, stages, name, persistent), in the
-// order the library lists (and tactic 0 tries) them; persistent: runs persistent when given a workspace.
-#define STOF_TACTIC_TABLE(X)                                         \
-    X(13, 3, 64, 64, 4, 2, "wgmma_m1x64_n64_s2", false)              \
-    X(14, 3, 64, 64, 4, 3, "wgmma_m1x64_n64_s3", false)              \
-    X(15, 3, 128, 64, 8, 2, "wgmma_m2x64_n64_s2", false)             \
-    X(16, 3, 128, 64, 8, 3, "wgmma_m2x64_n64_s3", false)             \
-    X(17, 3, 64, 64, 4, 3, "wgmma_m1x64_n64_s3_pipe", false)         \
-    X(18, 3, 64, 64, 4, 4, "wgmma_m1x64_n64_s4_pipe", false)         \
-    X(19, 3, 64, 64, 4, 2, "wgmma_m1x64_n64_s2_defer", false)        \
-    X(20, 3, 64, 64, 4, 3, "wgmma_m1x64_n64_s3_defer", false)        \
-    X(21, 3, 128, 64, 12, 2, "wgmma_ws_m2x64_n64_s2", true)          \
-    X(22, 3, 128, 64, 12, 4, "wgmma_ws_m2x64_n64_s4", true)          \
-    X(23, 3, 128, 64, 12, 2, "wgmma_ws_m2x64_n128_s2", true)         \
-    X(24, 3, 128, 64, 12, 4, "wgmma_ws_m2x64_n128_s4", true)         \
-    X(25, 3, 64, 64, 4, 2, "wgmma_m1x64_n64_s2_tma", false)          \
-    X(26, 3, 64, 64, 4, 3, "wgmma_m1x64_n64_s3_tma", false)          \
-    X(27, 3, 64, 64, 4, 2, "wgmma_m1x64_n128_s2_tma", false)         \
-    X(28, 3, 192, 64, 16, 2, "wgmma_ws_m3x64_n128_s2", true)         \
-    X(29, 3, 192, 64, 16, 4, "wgmma_ws_m3x64_n128_s4", true)         \
-    X(1, 1, 64, 64, 4, 2, "block_m64_n64_w4_s2_occ1_qreg", false)    \
-    X(2, 1, 64, 64, 4, 3, "block_m64_n64_w4_s3_occ1_qreg", false)    \
-    X(3, 1, 32, 64, 2, 2, "block_m32_n64_w2_s2_occ1_qreg", false)    \
-    X(4, 1, 64, 64, 2, 2, "block_m64_n64_w2_s2_occ1_qreg", false)    \
-    X(5, 1, 128, 64, 8, 2, "block_m128_n64_w8_s2_occ1_qreg", false)  \
-    X(6, 1, 128, 64, 4, 2, "block_m128_n64_w4_s2_occ1_qreg", false)  \
-    X(7, 1, 64, 64, 4, 2, "block_m64_n64_w4_s2_occ4_qsmem", false)   \
-    X(8, 1, 64, 64, 4, 3, "block_m64_n64_w4_s3_occ4_qsmem", false)   \
-    X(9, 1, 128, 64, 8, 2, "block_m128_n64_w8_s2_occ2_qsmem", false) \
-    X(10, 1, 32, 64, 2, 2, "block_m32_n64_w2_s2_occ8_qsmem", false)  \
-    X(11, 2, 1, 32, 4, 1, "row_w4", false)                           \
-    X(12, 2, 1, 32, 8, 1, "row_w8", false)
+// X(id, family (1 block, 2 row, 3 wgmma), index (in the family's macro and launcher tables), block_m,
+//   block_n, warps, stages, name, persistent), in the order the library lists (and tactic 0 tries) them;
+//   persistent: runs persistent when given a workspace.
+#define STOF_TACTIC_TABLE(X)                                            \
+    X(13, 3, 0, 64, 64, 4, 2, "wgmma_m1x64_n64_s2", false)              \
+    X(14, 3, 1, 64, 64, 4, 3, "wgmma_m1x64_n64_s3", false)              \
+    X(15, 3, 2, 128, 64, 8, 2, "wgmma_m2x64_n64_s2", false)             \
+    X(16, 3, 3, 128, 64, 8, 3, "wgmma_m2x64_n64_s3", false)             \
+    X(17, 3, 4, 64, 64, 4, 3, "wgmma_m1x64_n64_s3_pipe", false)         \
+    X(18, 3, 5, 64, 64, 4, 4, "wgmma_m1x64_n64_s4_pipe", false)         \
+    X(19, 3, 6, 64, 64, 4, 2, "wgmma_m1x64_n64_s2_defer", false)        \
+    X(20, 3, 7, 64, 64, 4, 3, "wgmma_m1x64_n64_s3_defer", false)        \
+    X(21, 3, 8, 128, 64, 12, 2, "wgmma_ws_m2x64_n64_s2", true)          \
+    X(22, 3, 9, 128, 64, 12, 4, "wgmma_ws_m2x64_n64_s4", true)          \
+    X(23, 3, 10, 128, 64, 12, 2, "wgmma_ws_m2x64_n128_s2", true)        \
+    X(24, 3, 11, 128, 64, 12, 4, "wgmma_ws_m2x64_n128_s4", true)        \
+    X(25, 3, 12, 64, 64, 4, 2, "wgmma_m1x64_n64_s2_tma", false)         \
+    X(26, 3, 13, 64, 64, 4, 3, "wgmma_m1x64_n64_s3_tma", false)         \
+    X(27, 3, 14, 64, 64, 4, 2, "wgmma_m1x64_n128_s2_tma", false)        \
+    X(28, 3, 15, 192, 64, 16, 2, "wgmma_ws_m3x64_n128_s2", true)        \
+    X(29, 3, 16, 192, 64, 16, 4, "wgmma_ws_m3x64_n128_s4", true)        \
+    X(1, 1, 0, 64, 64, 4, 2, "block_m64_n64_w4_s2_occ1_qreg", false)    \
+    X(2, 1, 1, 64, 64, 4, 3, "block_m64_n64_w4_s3_occ1_qreg", false)    \
+    X(3, 1, 2, 32, 64, 2, 2, "block_m32_n64_w2_s2_occ1_qreg", false)    \
+    X(4, 1, 3, 64, 64, 2, 2, "block_m64_n64_w2_s2_occ1_qreg", false)    \
+    X(5, 1, 4, 128, 64, 8, 2, "block_m128_n64_w8_s2_occ1_qreg", false)  \
+    X(6, 1, 5, 128, 64, 4, 2, "block_m128_n64_w4_s2_occ1_qreg", false)  \
+    X(7, 1, 6, 64, 64, 4, 2, "block_m64_n64_w4_s2_occ4_qsmem", false)   \
+    X(8, 1, 7, 64, 64, 4, 3, "block_m64_n64_w4_s3_occ4_qsmem", false)   \
+    X(9, 1, 8, 128, 64, 8, 2, "block_m128_n64_w8_s2_occ2_qsmem", false) \
+    X(10, 1, 9, 32, 64, 2, 2, "block_m32_n64_w2_s2_occ8_qsmem", false)  \
+    X(11, 2, 0, 1, 32, 4, 1, "row_w4", false)                           \
+    X(12, 2, 1, 1, 32, 8, 1, "row_w8", false)
 
 namespace stof {
 
@@ -119,8 +120,6 @@ constexpr int kNumBlockTactics = 10;
 constexpr bool kQFrags_reg = false, kQFrags_smem = true;
 constexpr int kNumRowTactics = 2;
 constexpr int kNumHopperTactics = 17;
-// first id of each family (ids are consecutive inside a family; the offset indexes the launcher tables)
-constexpr int kFirstBlockId = 1, kFirstRowId = 11, kFirstHopperId = 13;
 
 extern const LaunchFn kBlockLaunchersF16D64[kNumBlockTactics];
 extern const LaunchFn kBlockLaunchersF16D128[kNumBlockTactics];
