@@ -234,19 +234,25 @@ def render_python(cat: dict) -> str:
             "tile_n_multiple", "sm90a"]
     for t in cat["tactics"]:
         d = {("family" if k == "family_id" else k): (tuple(t[k]) if k == "head_dims" else t[k]) for k in keys}
-        out.append(f"    {d!r},")
+        items = ", ".join(f"{k!r}: {v!r}" for k, v in d.items())
+        out += textwrap.wrap("{" + items + "},", 116, initial_indent="    ", subsequent_indent="     ",
+                             break_long_words=False, break_on_hyphens=False)
     out += [")", "# the order the library lists the tactics in (tactic 0 tries them in this order)",
             f"LIBRARY_ORDER = {tuple(tid for f in cat['order'] for tid in cat['families'][f])!r}",
             "# ptxas registers per thread, {(id, head dim): registers}",
-            "PTXAS_REGS = {" + ", ".join(f"({t['id']}, {d}): {r}" for t in cat["tactics"]
-                                         for d, r in sorted(t["ptxas_regs"].items())) + "}",
+            *textwrap.wrap("PTXAS_REGS = {" + ", ".join(f"({t['id']}, {d}): {r}" for t in cat["tactics"]
+                                                        for d, r in sorted(t["ptxas_regs"].items())) + "}",
+                           116, subsequent_indent="    "),
             "# the pre-search's per-CTA constants (a, b, c, d) in µs, {(id, head dim): constants}", "COEF = {"]
     out += [f"    ({t['id']}, {d}): {c!r}," for t in cat["tactics"] for d, c in sorted(t["coef"].items())]
     out += ["}", "# where the COEF entries come from: (keys, runs in tests/data, calibrate call, reproduced today)",
             "COEF_FITS = ("]
     for f in cat["fits"]:
         keys = tuple(tuple(int(x) for x in k.split(":")) for k in f["keys"])
-        out.append(f"    ({keys!r}, {tuple(f['runs'])!r}, {f['fit']!r}, {bool(f['reproduced'])!r}),")
+        # wrapped only between numbers and file names (no spaces inside them); the call on its own line
+        out += textwrap.wrap(f"({keys!r},", 116, initial_indent="    ", subsequent_indent="      ")
+        out += textwrap.wrap(f"{tuple(f['runs'])!r},", 116, initial_indent="     ", subsequent_indent="      ")
+        out += [f"     {f['fit']!r},", f"     {bool(f['reproduced'])!r}),"]
     out += [")", f"COEF_GPU = {ps['gpu']!r}",
             f"UNIFORM_ITEM_SCALE = {float(ps['uniform_item_scale'])!r}",
             f"SCHED_L2_BYTES_ONE_ITEM_PER_SM = {int(ps['sched_l2_bytes_one_item_per_sm'])}",
