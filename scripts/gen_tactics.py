@@ -128,8 +128,9 @@ def load(path: Path = CATALOGUE) -> dict:
     keys = {f"{t['id']}:{d}" for t in tactics for d in t["coef"]}
     fitted = [k for f in raw.get("fit", []) for k in f.get("keys", [])]
     if sorted(fitted) != sorted(keys):
+        extra = sorted(k for k in fitted if k not in keys or fitted.count(k) > 1)
         raise CatalogueError(f"each coef entry needs exactly one [[fit]]: unfitted {sorted(keys - set(fitted))}, "
-                             f"fits without an entry or twice {sorted(k for k in fitted if k not in keys or fitted.count(k) > 1)}")
+                             f"fits without an entry or twice {extra}")
     for f in raw.get("fit", []):
         if not isinstance(f.get("reproduced"), bool) or "fit" not in f or not isinstance(f.get("runs"), list):
             raise CatalogueError(f"[[fit]] {f.get('keys')}: needs runs, fit and reproduced = true / false")
@@ -154,8 +155,8 @@ def _macro(name: str, rows: list[str]) -> list[str]:
 
 def render_tactics_h(cat: dict) -> str:
     by = {f: [t for t in cat["tactics"] if t["family"] == f] for f in FAMILY_IDS}
-    out = [f"// {BANNER}", "// The tactic catalogue: one X-macro row per tactic, ids >= 1 (TensorRT reserves 0).", "#pragma once",
-           "", '#include "common.cuh"', ""]
+    out = [f"// {BANNER}", "// The tactic catalogue: one X-macro row per tactic, ids >= 1 (TensorRT reserves 0).",
+           "#pragma once", "", '#include "common.cuh"', ""]
     out.append("// X(id, block_m, block_n, warps, stages, min_ctas_per_sm, q_frags)  -- block-wise family (mma.sync)")
     out += _docs(by["block"])
     out += _macro("STOF_BLOCK_TACTICS", [f"X({t['id']}, {t['block_m']}, {t['block_n']}, {t['warps']}, {t['stages']}, "
@@ -169,7 +170,8 @@ def render_tactics_h(cat: dict) -> str:
     out += _docs(by["hopper"])
     out += _macro("STOF_HOPPER_TACTICS", [f"X({t['id']}, {t['warpgroups']}, {t['stages']}, {t['variant_code']})"
                                           for t in by["hopper"]])
-    out += ["", "// X(id, family (1 block, 2 row, 3 wgmma), index (in the family's macro and launcher tables), block_m,",
+    out += ["",
+            "// X(id, family (1 block, 2 row, 3 wgmma), index (in the family's macro and launcher tables), block_m,",
             "//   block_n, warps, stages, name, persistent), in the order the library lists (and tactic 0 tries) them;",
             "//   persistent: runs persistent when given a workspace."]
     rows = []
@@ -202,9 +204,9 @@ def render_tactics_h(cat: dict) -> str:
 def render_presearch_inc(cat: dict) -> str:
     ps = cat["presearch"]
     out = [f"// {BANNER}",
-           "// STOF_PRESEARCH_ROW(id, family, block_m, block_n, warps, stages, min_ctas, q_in_smem, pipelined, defer_pv,",
-           "//                    warp_specialized, key_step, head_dims (bit 0: 64, bit 1: 128), tile_m_multiple,",
-           "//                    tile_n_multiple, sm90a, regs_d64, regs_d128 (-1: none),",
+           "// STOF_PRESEARCH_ROW(id, family, block_m, block_n, warps, stages, min_ctas, q_in_smem, pipelined,",
+           "//                    defer_pv, warp_specialized, key_step, head_dims (bit 0: 64, bit 1: 128),",
+           "//                    tile_m_multiple, tile_n_multiple, sm90a, regs_d64, regs_d128 (-1: none),",
            "//                    coef_d64 (has, a, b, c, d), coef_d128 (has, a, b, c, d))",
            f"#define STOF_PRESEARCH_UNIFORM_ITEM_SCALE {float(ps['uniform_item_scale'])!r}",
            f"#define STOF_PRESEARCH_SCHED_L2_BYTES_ONE_ITEM_PER_SM {int(ps['sched_l2_bytes_one_item_per_sm'])}LL",

@@ -197,8 +197,8 @@ def native_library() -> ctypes.CDLL:
         P, L, i32p = ctypes.POINTER(_GpuProps), ctypes.POINTER(_HostLayout), ctypes.POINTER(ctypes.c_int32)
         dp = ctypes.POINTER(ctypes.c_double)
         lib.stof_presearch_h100_props.argtypes, lib.stof_presearch_h100_props.restype = [P], None
-        lib.stof_presearch_rank_coef.argtypes = ([P, L] + [ctypes.c_int32] * 5 +
-                                                 [ctypes.POINTER(_Coef), ctypes.c_int32, i32p, dp, ctypes.c_int32, i32p])
+        lib.stof_presearch_rank_coef.argtypes = [P, L] + [ctypes.c_int32] * 5 + [
+            ctypes.POINTER(_Coef), ctypes.c_int32, i32p, dp, ctypes.c_int32, i32p]
         lib.stof_presearch_rank_coef.restype = ctypes.c_int
         lib.stof_presearch_terms.argtypes = [P, L] + [ctypes.c_int32] * 5 + [dp]
         lib.stof_presearch_terms.restype = ctypes.c_int

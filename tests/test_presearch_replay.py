@@ -70,7 +70,8 @@ def test_calibrate_recovers_the_model_constants(tmp_path, relative):
     assert coef[(15, 64)] == pytest.approx(true, rel=1e-3)
 
 
-@pytest.mark.parametrize("fit", [f for f in _tactics.COEF_FITS if f[3]], ids=lambda f: ",".join(f"{t}:{d}" for t, d in f[0]))
+@pytest.mark.parametrize("fit", [f for f in _tactics.COEF_FITS if f[3]],
+                         ids=lambda f: ",".join(f"{t}:{d}" for t, d in f[0]))
 def test_constants_come_from_their_runs(fit):
     """Every [[fit]] of the catalogue marked reproduced: its calibrate call on its runs gives the constants."""
     keys, runs, call, _ = fit

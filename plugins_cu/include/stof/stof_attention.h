@@ -219,8 +219,8 @@ typedef struct {
 /* The H100 SXM constants of stof_trt.presearch.H100_SXM. */
 STOF_API void stof_presearch_h100_props(stof_gpu_props_t* out);
 
-/* Properties of a CUDA device (libstof_kernels only: cudaGetDeviceProperties; rates scaled from the H100's by SM count, as
- * stof_trt.presearch.gpu_props()). */
+/* Properties of a CUDA device (libstof_kernels only: cudaGetDeviceProperties; rates scaled from the H100's by SM
+ * count, as stof_trt.presearch.gpu_props()). */
 STOF_API stof_status_t stof_presearch_gpu_props(int32_t device, stof_gpu_props_t* out);
 
 /* Rank the tactics the pre-search considers valid for (layout, tile shape, head_dim, GPU) by predicted time,
@@ -235,8 +235,8 @@ STOF_API stof_status_t stof_presearch_rank(const stof_gpu_props_t* gpu, const st
                                            int32_t batch, int32_t heads, int32_t head_dim, int32_t seq_q,
                                            int32_t seq_k, int32_t* ids, double* seconds, int32_t cap, int32_t* n);
 
-/* One (tactic, head dim) entry of the pre-search's per-CTA constants, in µs: a per FULL 64-key sub-block, b per
- * PARTIAL one, c per CTA, d per launch (plugins_cu/tactics.toml's coef). */
+/* One (tactic, head dim) entry of the pre-search's per-CTA constants, in microseconds: a per FULL 64-key
+ * sub-block, b per PARTIAL one, c per CTA, d per launch (plugins_cu/tactics.toml's coef). */
 typedef struct {
     int32_t tactic;
     int32_t head_dim;
