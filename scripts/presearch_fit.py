@@ -6,11 +6,12 @@
 
 A run is a scripts/bench_attention.py JSON (tests/data/ holds the recorded ones): per
 cell, every tactic the benchmark timed.  The replay ranks each cell's tactics with stof_trt.presearch (the H100
-properties) and counts the cells where the first choice's measured time is within 10 % of the best measured one
-(the issue's measure); a first choice the run did not time counts as a miss and is named.  With --fit, the listed
-(tactic, head dim) entries of COEF are refitted by presearch.calibrate on --fit-runs (default: --runs) and every
-run is replayed with the refitted entries beside the current ones; paste the printed entries into COEF and re-run
-scripts/gen_presearch_table.py.  --json writes both replays.
+properties) and counts the cells where the first choice's measured time is within 10 % of the best measured one;
+a first choice the run did not time counts as a miss and is named.  With --fit, the listed (tactic, head dim)
+constants are refitted by presearch.calibrate on --fit-runs (default: --runs) and every run is replayed with the
+refitted entries beside the catalogue's; to keep them, paste the printed entries into the tactics' coef in
+plugins_cu/tactics.toml (with a [[fit]] naming the runs) and re-run scripts/gen_tactics.py.  --json writes both
+replays.
 """
 
 from __future__ import annotations
@@ -20,9 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from stof_trt import presearch  # noqa: E402
+from stof_trt import presearch
 
 
 def load_run(path: str) -> dict:
@@ -41,15 +40,15 @@ def load_run(path: str) -> dict:
     return res
 
 
-def replay(run_path: str, within: float = 1.10) -> list[dict]:
+def replay(run_path: str, within: float = 1.10, coef: dict | None = None) -> list[dict]:
     """Per cell of the run: the model's first choice, its measured time over the best (None where the run did not
-    time it), hit or not."""
+    time it), hit or not.  coef: constants in place of the catalogue's ({(id, head dim): (a, b, c, d)})."""
     res = load_run(run_path)
     B, H = res["summary"]["batch"], res["summary"]["heads"]
     out = []
     for cell in res["cells"]:
-        stats = presearch.tile_stats(presearch.cell_layout(cell))
-        ranked = presearch.rank(stats, batch=B, heads=H, head_dim=cell["D"], gpu=presearch.H100_SXM)
+        ranked = presearch.rank(presearch.cell_layout(cell), batch=B, heads=H, head_dim=cell["D"],
+                                gpu=presearch.H100_SXM, coef=coef)
         meas = cell["measured_ms"]
         best = min(meas, key=meas.get)
         pick = presearch._BY_ID[ranked[0][0]].name if ranked else None
@@ -72,7 +71,7 @@ def main():
     ap.add_argument("--fit", default="", help="comma-separated TACTIC:HEAD_DIM entries of COEF to refit")
     ap.add_argument("--fit-runs", default="", help="comma-separated JSONs to fit on (default: --runs)")
     ap.add_argument("--relative", action="store_true",
-                    help="fit relative errors (each cell weighed by 1 / its time), as session 31's refit did")
+                    help="fit relative errors (each cell weighed by 1 / its time)")
     ap.add_argument("--json", default="", help="write the replays here")
     args = ap.parse_args()
     runs = [r for r in args.runs.split(",") if r]
@@ -87,8 +86,8 @@ def main():
     fittable = {t.id for t in presearch.TACTICS if t.family != presearch.FAMILY_ROW}
     bad = [k for k in keys if len(k) != 2 or k[0] not in fittable or k[1] not in (64, 128)]
     if bad:
-        sys.exit(f"presearch_fit: cannot fit {sorted(bad)}: COEF entries are TACTIC:HEAD_DIM with a block-wise or "
-                 "wgmma tactic id of presearch.TACTICS (the row-wise ones have no constants) and head dim 64 or 128")
+        sys.exit(f"presearch_fit: cannot fit {sorted(bad)}: constants are TACTIC:HEAD_DIM with a block-wise or "
+                 "wgmma tactic id of the catalogue (the row-wise ones have no constants) and head dim 64 or 128")
 
     report = {"current": {r: replay(r) for r in runs}}
     for r in runs:
@@ -100,18 +99,10 @@ def main():
         if missing:
             sys.exit(f"presearch_fit: the fit runs timed none of {sorted(missing)}")
         old = {k: presearch.COEF.get(k) for k in coef}
-        presearch.COEF.update(coef)
-        try:
-            report["refit"] = {r: replay(r) for r in runs}
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    presearch.COEF.pop(k)
-                else:
-                    presearch.COEF[k] = v
+        report["refit"] = {r: replay(r, coef=coef) for r in runs}
         report["coef"] = {f"{k[0]}:{k[1]}": v for k, v in coef.items()}
         for k in sorted(coef):
-            print(f"    {k}: {coef[k]},  # was {old[k]}")
+            print(f"    tactic {k[0]}: coef.{k[1]} = {list(coef[k])}  # was {list(old[k]) if old[k] else None}")
         for r in runs:
             print(f"refit    {Path(r).name}: {summary(report['refit'][r])}")
     if args.json:

@@ -28,7 +28,7 @@ struct KernelParams {
     const int32_t* col_idx;
     const int32_t* tile_bitmap_index;
     const int32_t* bitmaps;
-    // the bitmaps in the tensor-core kernels' thread order (C ABI 5, stof_layout_lane_bitmaps), or null
+    // the bitmaps in the tensor-core kernels' thread order (derived by the layout handle), or null
     const int32_t* lane_bitmaps;
     int tile_m, tile_n, num_layouts, tq;  // tq = tile rows per layout = ceil(layout_seq_q / tile_m)
     const int32_t* key_lengths;           // [B] or null
@@ -39,7 +39,7 @@ struct KernelParams {
     int sched_chunk;
     // pair_order as in the C ABI, kept only when a CTA covers exactly two tile rows (then row_order is dropped)
     const int32_t* pair_order;
-    // the caller's sched_chunk was 1 (stof_layout_sched_chunk: rows of near-equal length): the persistent kernels with
+    // the caller's sched_chunk was 1 (the layout handle's: rows of near-equal length): the persistent kernels with
     // a scheduler warp then hand out all but their last wave of items statically (hopper_ws.cuh, ws_claim_item)
     bool uniform_rows;
     // K and V (and Q, O) as TMA tensor maps (encoded by the TMA kernels' launchers, unused by every other kernel)

@@ -142,8 +142,8 @@ __device__ __forceinline__ uint32_t mask_selector(const KernelParams& p) {
 
 // The thread's mask word pair of one 64-key sub-block (bits[hh][w]: row hh's 32-key words, as mask_scores below), in
 // the order mask_scores_packed reads: z with byte q holding row hh, word w's bits at 2 (2 hh + w) + {0, 1}, y the
-// four bits R2P cannot reach (bit 7 of each byte of z) in bits 0-3.  The layout's lane_bitmaps (C ABI 5,
-// stof_layout_lane_bitmaps) hold exactly these pairs, so a PARTIAL sub-block's mask is one 8-byte load there.
+// four bits R2P cannot reach (bit 7 of each byte of z) in bits 0-3.  The layout handle's lane bitmaps
+// hold exactly these pairs, so a PARTIAL sub-block's mask is one 8-byte load there.
 __device__ __forceinline__ uint2 pack_mask_bits(const uint32_t (&bits)[2][2], int tig, uint32_t sel) {
     uint32_t z = 0;
 #pragma unroll

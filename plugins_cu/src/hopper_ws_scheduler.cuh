@@ -13,7 +13,7 @@ namespace stof {
 // so no atomic is on the kernel's start-up path nor between those items -- and the counter hands out the rest, from
 // static_rounds gridDim.x on, in the schedule's order (dynamic list scheduling: the longest rows still go first and the
 // tail balances).  static_rounds is 1 (only the CTA's own index) unless kStatic (the kernels with a scheduler warp,
-// 21-24) and the caller said the layout's rows are of near-equal length (sched_chunk 1, stof_layout_sched_chunk);
+// 21-24) and the caller said the layout's rows are of near-equal length (sched_chunk 1, the layout handle's rule);
 // then every wave but the last is static (with unequal items a static share leaves an imbalance).
 // The work counter needs no memset before the launch (one operation less per call): CTA 0's claiming thread zeroes
 // it before its first claim.  A claim made elsewhere before that reads

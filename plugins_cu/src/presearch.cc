@@ -1,14 +1,11 @@
-// The analytical pre-search of stof_trt/presearch.py (rank(), predict(), tile_stats(), cta_work(), occupancy(),
-// the list-scheduling makespan), in C++ for the plugins: a tactic for an attention node that the tactic cache
-// has no entry for, without Python.  Host-only: layout arrays in host memory, GPU properties as arguments
-// (stof_presearch_gpu_props() fills them from cudaGetDeviceProperties), so it runs and is tested without a GPU.
+// The analytical pre-search: ranks the attention tactics for a problem without running them (docs/kernels.md,
+// "Pre-search").  The one implementation of the model: stof_trt.presearch calls it through the C ABI, the ONNX
+// Runtime operator for nodes the tactic cache has no entry for.  Pure host C++ (layout arrays in host memory, GPU
+// properties as arguments; presearch_gpu.cu reads them from a device), so it builds into libstof_host without a
+// CUDA compiler and runs without a GPU.
 //
-// The per-tactic rows (TacticSpec fields, ptxas register counts, calibrated coefficients) come from
-// presearch_table.inc, generated from stof_trt/presearch.py by scripts/gen_presearch_table.py; the arithmetic
-// below follows the Python model operation by operation (same double-precision expressions, same order), and
-// tests/test_presearch_native.py checks that both rank identically on random layouts and sizes.
-#include <cuda_runtime.h>
-
+// The per-tactic rows (traits, requirements, ptxas registers, calibrated constants) come from presearch_table.inc,
+// which scripts/gen_tactics.py generates from the catalogue plugins_cu/tactics.toml.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -18,8 +15,7 @@
 #include <queue>
 #include <vector>
 
-#include "host/host.h"
-
+#include "schedule_order.h"
 #include "stof/stof_attention.h"
 
 
@@ -29,14 +25,15 @@ constexpr int kFamilyBlock = 1, kFamilyRow = 2, kFamilyHopper = 3;
 
 struct TacticRow {
     int id, family, blockM, blockN, warps, stages, minCtas, qInSmem, pipelined, deferPv, warpSpecialized, keyStep;
+    int headDims, tileMMultiple, tileNMultiple, sm90a;  // requirements; headDims: bit 0 = 64, bit 1 = 128
     int regs[2];  // head dim 64, 128 (-1: no ptxas entry)
     int hasCoef[2];
     double coef[2][4];
 };
 
-#define STOF_PRESEARCH_ROW(id, fam, bm, bn, w, st, mc, qs, pipe, dpv, ws, ks, r64, r128, h64, a64, b64, c64, d64,  \
-                           h128, a128, b128, c128, d128)                                                           \
-    {id, fam, bm, bn, w, st, mc, qs, pipe, dpv, ws, ks, {r64, r128}, {h64, h128},                                  \
+#define STOF_PRESEARCH_ROW(id, fam, bm, bn, w, st, mc, qs, pipe, dpv, ws, ks, hd, tmm, tnm, sm90a, r64, r128, h64, \
+                           a64, b64, c64, d64, h128, a128, b128, c128, d128)                                     \
+    {id, fam, bm, bn, w, st, mc, qs, pipe, dpv, ws, ks, hd, tmm, tnm, sm90a, {r64, r128}, {h64, h128},          \
      {{a64, b64, c64, d64}, {a128, b128, c128, d128}}},
 const TacticRow kRows[] = {
 #include "presearch_table.inc"
@@ -50,15 +47,15 @@ constexpr int kNumRows = static_cast<int>(sizeof(kRows) / sizeof(kRows[0]));
 
 int dIndex(int headDim) { return headDim == 128 ? 1 : 0; }
 
-// -- tile statistics (presearch.tile_stats) -------------------------------------------------------------------------
+// -- tile statistics ----------------------------------------------------------------------------------------------
 struct Stats {
     int tileM, tileN, seqQ, seqK, L, Tq;
     std::vector<int64_t> rowNnz, rowPartial;     // [L*Tq]
     std::vector<std::vector<int32_t>> cols;      // [L*Tq] ascending tile columns
     std::vector<std::vector<int32_t>> pcols;     // [L*Tq] the partial ones
     double words{0}, allowed{0};
-    int32_t schedChunk{0};                       // stof_layout_sched_chunk: 1 for near-equal rows
-    std::vector<int32_t> rowOrder, pairOrder;    // stof_layout_row_order / _pair_order: the kernels' schedules
+    int32_t schedChunk{0};                       // schedule_order.h: 1 for near-equal rows
+    std::vector<int32_t> rowOrder, pairOrder;    // schedule_order.h: the kernels' start orders
 };
 
 int popcount32(uint32_t v) {
@@ -91,8 +88,7 @@ Stats tileStats(stof_host_layout_t const& lay) {
         s.rowNnz[r] = static_cast<int64_t>(s.cols[r].size());
         s.rowPartial[r] = static_cast<int64_t>(s.pcols[r].size());
     }
-    // words / allowed per PARTIAL tile, from its bitmap (tiles may share one: format version 2), as the Python
-    // model counts them
+    // words / allowed per PARTIAL tile, from its bitmap (tiles may share one: format version 2)
     int64_t const wordsPerTile = static_cast<int64_t>(lay.tile_m) * lay.tile_n / 32;
     std::vector<int64_t> bmWords(static_cast<size_t>(std::max(lay.num_bitmaps, 0))),
         bmBits(static_cast<size_t>(std::max(lay.num_bitmaps, 0)));
@@ -114,18 +110,17 @@ Stats tileStats(stof_host_layout_t const& lay) {
             }
         }
     int64_t const wordsFull = nFull * lay.tile_m * (lay.tile_n / 32);
-    if (stof_layout_sched_chunk(lay.row_ptr, s.L, s.Tq, &s.schedChunk) != STOF_SUCCESS) s.schedChunk = 0;
-    // (the layout is valid here: neither helper can fail on it)
+    s.schedChunk = stof::sched_chunk(lay.row_ptr, s.L, s.Tq);
     s.rowOrder.resize(R);
     s.pairOrder.resize(static_cast<size_t>(s.L) * ((s.Tq + 1) / 2));
-    stof_layout_row_order(lay.row_ptr, s.L, s.Tq, s.rowOrder.data());
-    stof_layout_pair_order(lay.row_ptr, s.L, s.Tq, s.pairOrder.data());
+    stof::row_order(lay.row_ptr, s.L, s.Tq, s.rowOrder.data());
+    stof::pair_order(lay.row_ptr, s.L, s.Tq, s.pairOrder.data());
     s.words = static_cast<double>(wordsPartial + wordsFull);
     s.allowed = static_cast<double>(bitsPartial + nFull * lay.tile_m * lay.tile_n);
     return s;
 }
 
-// presearch.cta_work: per layout, CTAs in launch order (reversed rows): (full, partial) sub-block iterations
+// per layout, CTAs in launch order (reversed rows): (full, partial) sub-block iterations
 void ctaWork(Stats const& s, TacticRow const& t, int seqQ, std::vector<std::vector<double>>& full,
              std::vector<std::vector<double>>& part) {
     int const nsub = s.tileN / t.blockN;
@@ -203,7 +198,7 @@ int occupancy(TacticRow const& t, int D, stof_gpu_props_t const& g) {
     return static_cast<int>(std::max<int64_t>(0, occ));
 }
 
-// presearch._schedule_order: the CTA durations (ctaWork's reversed-row order) in the order the library starts them
+// the CTA durations (ctaWork's reversed-row order) in the order the library starts them
 // (common.cuh block_work): (batch, head) pairs in chunks (1 for near-equal rows, else as many as fit the kernel's L2
 // budget of K/V, kSchedL2Bytes*), position-major inside a chunk; positions follow the layout's row order (longest
 // first, ties the higher row) when a CTA covers at most one tile row and Sq covers >= 3/4 of the layout's rows, its
@@ -274,18 +269,12 @@ double makespan(std::vector<double> const& d, int64_t slots) {
     return m;
 }
 
+// the catalogue's requirements (the library's own check, stof_attn_list_tactics, may also drop a tactic)
 bool valid(TacticRow const& t, int tileM, int tileN, int D, bool hopper) {
     if (D != 64 && D != 128) return false;
-    if (t.family == kFamilyHopper) {
-        if (!hopper || tileM % 64 || tileN % t.blockN) return false;
-        if (t.pipelined && D == 128 && t.stages > 3) return false;
-        if (D == 128 && t.keyStep > 64) return false;
-    }
-    if (t.family == kFamilyBlock) {
-        if (tileM % t.blockM || tileN % t.blockN) return false;
-        if (D == 128 && t.blockM / t.warps > 16) return false;
-    }
-    return true;
+    if (!(t.headDims & (D == 64 ? 1 : 2))) return false;
+    if (t.sm90a && !hopper) return false;
+    return tileM % t.tileMMultiple == 0 && tileN % t.tileNMultiple == 0;
 }
 
 double predict(Stats const& s, TacticRow const& t, int batch, int heads, int D, int seqQ, int seqK,
@@ -295,7 +284,7 @@ double predict(Stats const& s, TacticRow const& t, int batch, int heads, int D, 
         int const occ = occupancy(t, D, g);
         if (occ == 0) return std::numeric_limits<double>::infinity();
         double const* c = t.coef[dIndex(D)];
-        // presearch.UNIFORM_ITEM_SCALE: the scheduler-warp tactics' per-item constant on near-equal rows
+        // the scheduler-warp tactics' per-item constant on near-equal rows
         bool const schedulerWarp = t.family == kFamilyHopper && t.warpSpecialized && t.blockM == 128;
         double const cItem = schedulerWarp && s.schedChunk == 1 ? c[2] * kUniformItemScale : c[2];
         std::vector<std::vector<double>> full, part;
@@ -374,6 +363,27 @@ double predict(Stats const& s, TacticRow const& t, int batch, int heads, int D, 
     return std::max({tComp, tL2, tDram}) + 4e-6;
 }
 
+// the rows with the caller's constants in place of (or in addition to) the catalogue's
+bool rowsWith(stof_presearch_coef_t const* coef, int32_t numCoef, std::vector<TacticRow>& rows) {
+    rows.assign(kRows, kRows + kNumRows);
+    for (int32_t i = 0; i < numCoef; ++i) {
+        auto it = std::find_if(rows.begin(), rows.end(), [&](TacticRow const& r) { return r.id == coef[i].tactic; });
+        if (it == rows.end() || it->family == kFamilyRow || (coef[i].head_dim != 64 && coef[i].head_dim != 128))
+            return false;
+        double* c = it->coef[dIndex(coef[i].head_dim)];
+        c[0] = coef[i].a, c[1] = coef[i].b, c[2] = coef[i].c, c[3] = coef[i].d;
+        it->hasCoef[dIndex(coef[i].head_dim)] = 1;
+    }
+    return true;
+}
+
+bool layoutArgsOk(stof_gpu_props_t const* gpu, stof_host_layout_t const* layout, int32_t batch, int32_t heads) {
+    return gpu != nullptr && layout != nullptr && layout->row_ptr != nullptr && layout->col_idx != nullptr &&
+           layout->tile_bitmap_index != nullptr && layout->bitmaps != nullptr && batch >= 1 && heads >= 1 &&
+           layout->num_layouts >= 1 && layout->tile_m >= 1 && layout->tile_n >= 32 && layout->layout_seq_q >= 1 &&
+           layout->layout_seq_k >= 1 && gpu->sm_count >= 1;
+}
+
 }  // namespace
 
 extern "C" {
@@ -394,47 +404,21 @@ STOF_API void stof_presearch_h100_props(stof_gpu_props_t* out) {
     out->wgmma_tflops = 700e12;
 }
 
-STOF_API stof_status_t stof_presearch_gpu_props(int32_t device, stof_gpu_props_t* out) {
-    if (out == nullptr) return STOF_ERROR_INVALID_ARGUMENT;
-    stof_gpu_props_t h;
-    stof_presearch_h100_props(&h);
-    cudaDeviceProp p{};
-    if (cudaGetDeviceProperties(&p, device) != cudaSuccess) {
-        cudaGetLastError();
-        return STOF_ERROR_CUDA;
-    }
-    // as stof_trt.presearch.gpu_props(): measured H100 rates scaled by the SM count
-    double const scale = static_cast<double>(p.multiProcessorCount) / h.sm_count;
-    *out = h;
-    out->sm_count = p.multiProcessorCount;
-    out->smem_per_sm = static_cast<int32_t>(p.sharedMemPerMultiprocessor);
-    out->regs_per_sm = p.regsPerMultiprocessor;
-    out->max_threads_per_sm = p.maxThreadsPerMultiProcessor;
-    out->max_ctas_per_sm = 32;
-    out->mma_tflops = h.mma_tflops * scale;
-    out->l2_bw = h.l2_bw * scale;
-    out->sm = p.major * 10 + p.minor;
-    out->wgmma_tflops = p.major == 9 ? h.wgmma_tflops * scale : 0.0;
-    return STOF_SUCCESS;
-}
-
-STOF_API stof_status_t stof_presearch_rank(const stof_gpu_props_t* gpu, const stof_host_layout_t* layout,
-                                           int32_t batch, int32_t heads, int32_t head_dim, int32_t seq_q,
-                                           int32_t seq_k, int32_t* ids, double* seconds, int32_t cap, int32_t* n) {
-    if (gpu == nullptr || layout == nullptr || n == nullptr || layout->row_ptr == nullptr ||
-        layout->col_idx == nullptr || layout->tile_bitmap_index == nullptr || layout->bitmaps == nullptr)
-        return STOF_ERROR_INVALID_ARGUMENT;
-    if (batch < 1 || heads < 1 || layout->num_layouts < 1 || layout->tile_m < 1 || layout->tile_n < 32 ||
-        layout->layout_seq_q < 1 || layout->layout_seq_k < 1 || gpu->sm_count < 1)
+STOF_API stof_status_t stof_presearch_rank_coef(const stof_gpu_props_t* gpu, const stof_host_layout_t* layout,
+                                                int32_t batch, int32_t heads, int32_t head_dim, int32_t seq_q,
+                                                int32_t seq_k, const stof_presearch_coef_t* coef, int32_t num_coef,
+                                                int32_t* ids, double* seconds, int32_t cap, int32_t* n) {
+    if (n == nullptr || !layoutArgsOk(gpu, layout, batch, heads) || num_coef < 0 || (num_coef > 0 && !coef))
         return STOF_ERROR_INVALID_ARGUMENT;
     int const sq = seq_q > 0 ? std::min(seq_q, layout->layout_seq_q) : layout->layout_seq_q;
     int const sk = seq_k > 0 ? std::min(seq_k, layout->layout_seq_k) : layout->layout_seq_k;
     try {
+        std::vector<TacticRow> rows;
+        if (!rowsWith(coef, num_coef, rows)) return STOF_ERROR_INVALID_ARGUMENT;
         Stats const s = tileStats(*layout);
         bool const hopper = gpu->wgmma_tflops > 0;
         std::vector<std::pair<int32_t, double>> ranked;
-        for (int i = 0; i < kNumRows; ++i) {
-            TacticRow const& t = kRows[i];
+        for (TacticRow const& t : rows) {
             if (!valid(t, layout->tile_m, layout->tile_n, head_dim, hopper)) continue;
             ranked.emplace_back(t.id, predict(s, t, batch, heads, head_dim, sq, sk, *gpu));
         }
@@ -447,6 +431,43 @@ STOF_API stof_status_t stof_presearch_rank(const stof_gpu_props_t* gpu, const st
             if (seconds) seconds[i] = ranked[i].second;
         }
         return *n > cap ? STOF_ERROR_INSUFFICIENT_BUFFER : STOF_SUCCESS;
+    } catch (...) {
+        return STOF_ERROR_INVALID_ARGUMENT;
+    }
+}
+
+STOF_API stof_status_t stof_presearch_rank(const stof_gpu_props_t* gpu, const stof_host_layout_t* layout,
+                                           int32_t batch, int32_t heads, int32_t head_dim, int32_t seq_q,
+                                           int32_t seq_k, int32_t* ids, double* seconds, int32_t cap, int32_t* n) {
+    return stof_presearch_rank_coef(gpu, layout, batch, heads, head_dim, seq_q, seq_k, nullptr, 0, ids, seconds, cap,
+                                    n);
+}
+
+STOF_API stof_status_t stof_presearch_terms(const stof_gpu_props_t* gpu, const stof_host_layout_t* layout,
+                                            int32_t batch, int32_t heads, int32_t head_dim, int32_t seq_q,
+                                            int32_t tactic, double* terms) {
+    if (terms == nullptr || !layoutArgsOk(gpu, layout, batch, heads) || (head_dim != 64 && head_dim != 128))
+        return STOF_ERROR_INVALID_ARGUMENT;
+    TacticRow const* t = std::find_if(kRows, kRows + kNumRows, [&](TacticRow const& r) { return r.id == tactic; });
+    if (t == kRows + kNumRows) return STOF_ERROR_INVALID_TACTIC;
+    if (t->family == kFamilyRow) return STOF_ERROR_UNSUPPORTED;  // the row-wise model has no constants
+    int const occ = occupancy(*t, head_dim, *gpu);
+    if (occ == 0) return STOF_ERROR_UNSUPPORTED;
+    int const sq = seq_q > 0 ? std::min(seq_q, layout->layout_seq_q) : layout->layout_seq_q;
+    try {
+        Stats const s = tileStats(*layout);
+        std::vector<std::vector<double>> full, part;
+        ctaWork(s, *t, sq, full, part);
+        double sumFull = 0.0, sumPart = 0.0, ctas = 0.0;  // integers: exact in any order
+        for (int l = 0; l < s.L; ++l)
+            for (size_t i = 0; i < full[l].size(); ++i) sumFull += full[l][i], sumPart += part[l][i], ctas += 1.0;
+        double const reps = static_cast<double>(batch) * heads / s.L;
+        double const slots = static_cast<double>(gpu->sm_count) * occ;
+        terms[0] = sumFull * reps / slots;
+        terms[1] = sumPart * reps / slots;
+        terms[2] = ctas * reps / slots;
+        terms[3] = 1.0;
+        return STOF_SUCCESS;
     } catch (...) {
         return STOF_ERROR_INVALID_ARGUMENT;
     }

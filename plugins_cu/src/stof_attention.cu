@@ -21,27 +21,17 @@ struct TacticDesc {
     int id, family, block_m, block_n, warps, stages;
     const char* name;
     bool persistent;  // runs persistent when given a workspace (its work counter)
+    int index;        // position in its family's launcher tables
 };
 
 constexpr int64_t kWorkspaceBytes = 16;
 
-#define STOF_BLOCK_DESC(id, bm, bn, w, s, mb, q) \
-    {id, 1, bm, bn, w, s, "block_m" #bm "_n" #bn "_w" #w "_s" #s "_occ" #mb "_q" #q, false},
-#define STOF_ROW_DESC(id, w) {id, 2, 1, 32, w, 1, "row_w" #w, false},
-// warp-specialised variants (3, 4) add the producer warpgroup to the warp count
-#define STOF_HOPPER_DESC(id, wg, s, pipe) \
-    {id, 3, 64 * wg, 64, 4 * wg + (pipe == 3 || pipe == 4 ? 4 : 0), s,                                                 \
-     pipe == 1   ? "wgmma_m" #wg "x64_n64_s" #s "_pipe"                                                 \
-     : pipe == 2 ? "wgmma_m" #wg "x64_n64_s" #s "_defer"                                                \
-     : pipe == 3 ? "wgmma_ws_m" #wg "x64_n64_s" #s                                                      \
-     : pipe == 4 ? "wgmma_ws_m" #wg "x64_n128_s" #s                                                     \
-     : pipe == 5 ? "wgmma_m" #wg "x64_n64_s" #s "_tma"                                                  \
-     : pipe == 6 ? "wgmma_m" #wg "x64_n128_s" #s "_tma"                                                 \
-                 : "wgmma_m" #wg "x64_n64_s" #s,                                                    \
-     pipe == 3 || pipe == 4},
-// Listed (and tried by tactic 0) in this order: Hopper first where it can run, then mma.sync, then row-wise.
-const TacticDesc kTactics[] = {STOF_HOPPER_TACTICS(STOF_HOPPER_DESC) STOF_BLOCK_TACTICS(STOF_BLOCK_DESC)
-                                   STOF_ROW_TACTICS(STOF_ROW_DESC)};
+// Listed (and tried by tactic 0) in the catalogue's order: Hopper first where it can run, then mma.sync, then
+// row-wise (tactics.h, generated from plugins_cu/tactics.toml).
+#define STOF_TACTIC_DESC(id, family, index, bm, bn, w, s, name, persistent) \
+    {id, family, bm, bn, w, s, name, persistent, index},
+const TacticDesc kTactics[] = {STOF_TACTIC_TABLE(STOF_TACTIC_DESC)};
+#undef STOF_TACTIC_DESC
 constexpr int kNumTactics = sizeof(kTactics) / sizeof(kTactics[0]);
 static_assert(kNumTactics == stof::kNumBlockTactics + stof::kNumRowTactics + stof::kNumHopperTactics, "catalogue");
 
@@ -51,10 +41,7 @@ const TacticDesc* find_tactic(int id) {
     return nullptr;
 }
 
-// Ids are consecutive inside a family: the offset from the family's first id indexes its launcher table.
-int family_index(const TacticDesc& t) {
-    return t.id - (t.family == 1 ? stof::kFirstBlockId : t.family == 2 ? stof::kFirstRowId : stof::kFirstHopperId);
-}
+int family_index(const TacticDesc& t) { return t.index; }
 
 // Compute capability of the current device (cached per device; -1 when unknown).
 int current_sm() {

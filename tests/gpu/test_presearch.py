@@ -40,16 +40,6 @@ def test_catalogue_consistency():
     assert all(ps._BY_ID[t].family != ps.FAMILY_HOPPER for t in ps.valid_tactics(64, 64, 64, hopper=False))
 
 
-def test_merged_rows_work_counts():
-    """Two-warpgroup wgmma CTAs walk the union of two 64-row tile rows."""
-    layout = compile_mask(parse_mask("causal"), 256, 256)
-    stats = ps.tile_stats(layout)
-    full, part = ps.cta_work(stats, ps._BY_ID[15], 256)
-    # CTAs in launch order (reversed): rows 2-3 -> union of columns 0..3 (4 tiles, 2 diagonal partial)
-    assert (full + part)[0].tolist() == [4, 2]
-    assert part[0].tolist() == [2, 2]
-
-
 def test_abi_host_checks():
     kernels = pytest.importorskip("stof_trt.kernels")
     if not kernels.library_available():

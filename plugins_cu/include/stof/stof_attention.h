@@ -189,7 +189,8 @@ STOF_API stof_status_t stof_attn_workspace_size(const stof_attn_params_t* p, int
 /* Run the forward pass on the stream.  tactic 0 (or < 0) = the library's first valid tactic. */
 STOF_API stof_status_t stof_attn_run(const stof_attn_params_t* p, int32_t tactic, stof_stream_t stream);
 
-/* --- analytical pre-search (host only; plugins_cu/src/presearch.cc, the C++ port of stof_trt/presearch.py) --- */
+/* --- analytical pre-search (host only: plugins_cu/src/presearch.cc, also in libstof_host; stof_trt.presearch
+ * calls it) --- */
 
 /* GPU properties the pre-search model reads (stof_trt.presearch.GpuProps). */
 typedef struct {
@@ -219,8 +220,8 @@ typedef struct {
 /* The H100 SXM constants of stof_trt.presearch.H100_SXM. */
 STOF_API void stof_presearch_h100_props(stof_gpu_props_t* out);
 
-/* Properties of a CUDA device (cudaGetDeviceProperties; rates scaled from the H100's by SM count, as
- * stof_trt.presearch.gpu_props()). */
+/* Properties of a CUDA device (libstof_kernels only: cudaGetDeviceProperties; rates scaled from the H100's by SM
+ * count, as stof_trt.presearch.gpu_props()). */
 STOF_API stof_status_t stof_presearch_gpu_props(int32_t device, stof_gpu_props_t* out);
 
 /* Rank the tactics the pre-search considers valid for (layout, tile shape, head_dim, GPU) by predicted time,
@@ -235,6 +236,29 @@ STOF_API stof_status_t stof_presearch_gpu_props(int32_t device, stof_gpu_props_t
 STOF_API stof_status_t stof_presearch_rank(const stof_gpu_props_t* gpu, const stof_host_layout_t* layout,
                                            int32_t batch, int32_t heads, int32_t head_dim, int32_t seq_q,
                                            int32_t seq_k, int32_t* ids, double* seconds, int32_t cap, int32_t* n);
+
+/* One (tactic, head dim) entry of the pre-search's per-CTA constants, in microseconds: a per FULL 64-key
+ * sub-block, b per PARTIAL one, c per CTA, d per launch (plugins_cu/tactics.toml's coef). */
+typedef struct {
+    int32_t tactic;
+    int32_t head_dim;
+    double a, b, c, d;
+} stof_presearch_coef_t;
+
+/* stof_presearch_rank with num_coef entries of constants in place of the catalogue's (an entry for a tactic without
+ * constants gives it some): for replaying a refit.  INVALID_ARGUMENT for an unknown or row-wise tactic. */
+STOF_API stof_status_t stof_presearch_rank_coef(const stof_gpu_props_t* gpu, const stof_host_layout_t* layout,
+                                                int32_t batch, int32_t heads, int32_t head_dim, int32_t seq_q,
+                                                int32_t seq_k, const stof_presearch_coef_t* coef, int32_t num_coef,
+                                                int32_t* ids, double* seconds, int32_t cap, int32_t* n);
+
+/* The four terms the constants (a, b, c, d) of `tactic` multiply in a large grid's makespan, for fitting them:
+ * terms[0..3] = (FULL sub-blocks, PARTIAL sub-blocks, CTAs) over all (batch, head) pairs per occupancy slot
+ * (SMs x CTAs per SM), and 1.  seq_q <= 0 means the layout's.  UNSUPPORTED for a row-wise tactic or one that
+ * does not fit on an SM; INVALID_TACTIC for an unknown id. */
+STOF_API stof_status_t stof_presearch_terms(const stof_gpu_props_t* gpu, const stof_host_layout_t* layout,
+                                            int32_t batch, int32_t heads, int32_t head_dim, int32_t seq_q,
+                                            int32_t tactic, double* terms);
 
 /* --- tactic selection ----------------------------------------------------------------------------------------- */
 

@@ -50,12 +50,6 @@ std::string shape_bucket(int64_t batch, int64_t seq_q, int64_t seq_k);
 }  // namespace host
 }  // namespace stof
 
-// The derived schedules from a valid host row_ptr of num_layouts * tiles_q + 1 entries (the pre-search reads them
-// too); library-internal.
-stof_status_t stof_layout_row_order(const int32_t* row_ptr, int32_t num_layouts, int32_t tiles_q, int32_t* out);
-stof_status_t stof_layout_pair_order(const int32_t* row_ptr, int32_t num_layouts, int32_t tiles_q, int32_t* out);
-stof_status_t stof_layout_sched_chunk(const int32_t* row_ptr, int32_t num_layouts, int32_t tiles_q, int32_t* chunk);
-
 // The layout handle (stof_layout_t).
 struct stof_layout_st {
     int32_t tile_m = 0, tile_n = 0, num_layouts = 0, seq_q = 0, seq_k = 0, tiles_q = 0, tiles_k = 0;

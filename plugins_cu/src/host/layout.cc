@@ -8,56 +8,17 @@
 #include <new>
 
 #include "host.h"
+#include "schedule_order.h"
 
 namespace {
 
 using stof::host::fail;
-
-// Per layout, n indices by decreasing len(rp, i) (rp: the layout's row pointers), ties the higher index first.
-template <class Len>
-void longest_first(const std::vector<int32_t>& row_ptr, int32_t num_layouts, int32_t tiles_q, int32_t n, Len&& len,
-                   std::vector<int32_t>& out) {
-    out.resize(static_cast<size_t>(num_layouts) * n);
-    std::vector<int32_t> idx(n);
-    std::vector<int64_t> key(n);
-    for (int32_t l = 0; l < num_layouts; ++l) {
-        const int32_t* rp = row_ptr.data() + static_cast<int64_t>(l) * tiles_q;
-        for (int32_t i = 0; i < n; ++i) {
-            idx[i] = n - 1 - i;
-            key[i] = len(rp, i);
-        }
-        std::stable_sort(idx.begin(), idx.end(), [&](int32_t a, int32_t b) { return key[a] > key[b]; });
-        std::copy(idx.begin(), idx.end(), out.begin() + static_cast<int64_t>(l) * n);
-    }
-}
-
-int64_t row_len(const int32_t* rp, int32_t i) { return rp[i + 1] - rp[i]; }
-
-// A pair's length: its longer row's (the last pair of an odd Tq has one row).
-struct PairLen {
-    int32_t tiles_q;
-    int64_t operator()(const int32_t* rp, int32_t i) const {
-        const int64_t first = rp[2 * i + 1] - rp[2 * i];
-        return 2 * i + 1 < tiles_q ? std::max<int64_t>(first, rp[2 * i + 2] - rp[2 * i + 1]) : first;
-    }
-};
 
 bool last_first(const std::vector<int32_t>& order, int32_t num_layouts, int32_t n) {
     for (int32_t l = 0; l < num_layouts; ++l)
         for (int32_t i = 0; i < n; ++i)
             if (order[static_cast<size_t>(l) * n + i] != n - 1 - i) return false;
     return true;
-}
-
-// 1 when in every layout the longest tile row holds at most 5/4 of the mean (integers: no rounding).
-int32_t uniform_rows(const std::vector<int32_t>& row_ptr, int32_t num_layouts, int32_t tiles_q) {
-    for (int32_t l = 0; l < num_layouts; ++l) {
-        const int32_t* rp = row_ptr.data() + static_cast<int64_t>(l) * tiles_q;
-        int64_t longest = 0;
-        for (int32_t i = 0; i < tiles_q; ++i) longest = std::max<int64_t>(longest, rp[i + 1] - rp[i]);
-        if (4 * static_cast<int64_t>(tiles_q) * longest > 5 * static_cast<int64_t>(rp[tiles_q] - rp[0])) return 0;
-    }
-    return 1;
 }
 
 // The bitmaps in the kernels' thread order (docs/format.md "Derived: the lane bitmaps"): entry (bitmap p, row group
@@ -163,11 +124,14 @@ stof_status_t build(const stof_layout_desc_t& d, stof_layout_st& L) {
     if (s != STOF_SUCCESS) return s;
     L.nnz = L.row_ptr.back();
     const int32_t tq = L.tiles_q;
-    longest_first(L.row_ptr, L.num_layouts, tq, tq, row_len, L.row_order);
-    longest_first(L.row_ptr, L.num_layouts, tq, (tq + 1) / 2, PairLen{tq}, L.pair_order);
+    // the schedules the pre-search ranks on (schedule_order.h)
+    L.row_order.resize(static_cast<size_t>(L.num_layouts) * tq);
+    L.pair_order.resize(static_cast<size_t>(L.num_layouts) * ((tq + 1) / 2));
+    stof::row_order(L.row_ptr.data(), L.num_layouts, tq, L.row_order.data());
+    stof::pair_order(L.row_ptr.data(), L.num_layouts, tq, L.pair_order.data());
     L.row_order_default = last_first(L.row_order, L.num_layouts, tq);
     L.pair_order_default = last_first(L.pair_order, L.num_layouts, (tq + 1) / 2);
-    L.sched_chunk = uniform_rows(L.row_ptr, L.num_layouts, tq);
+    L.sched_chunk = stof::sched_chunk(L.row_ptr.data(), L.num_layouts, tq);
     if (L.tile_m % 16 == 0 && L.tile_n % 64 == 0)
         lane_bitmaps(L.bitmaps, L.num_bitmaps, L.tile_m, L.tile_n, L.lane_bitmaps);
     // TileLayout.signature(): the current format version whatever the input's (version 1 reads as version 2)
@@ -181,34 +145,6 @@ stof_status_t build(const stof_layout_desc_t& d, stof_layout_st& L) {
 }
 
 }  // namespace
-
-stof_status_t stof_layout_row_order(const int32_t* row_ptr, int32_t num_layouts, int32_t tiles_q, int32_t* out) {
-    if (row_ptr == nullptr || out == nullptr || num_layouts < 1 || tiles_q < 1)
-        return fail(STOF_ERROR_INVALID_ARGUMENT, "row order: bad arguments");
-    const std::vector<int32_t> rp(row_ptr, row_ptr + static_cast<int64_t>(num_layouts) * tiles_q + 1);
-    std::vector<int32_t> order;
-    longest_first(rp, num_layouts, tiles_q, tiles_q, row_len, order);
-    std::copy(order.begin(), order.end(), out);
-    return STOF_SUCCESS;
-}
-
-stof_status_t stof_layout_pair_order(const int32_t* row_ptr, int32_t num_layouts, int32_t tiles_q, int32_t* out) {
-    if (row_ptr == nullptr || out == nullptr || num_layouts < 1 || tiles_q < 1)
-        return fail(STOF_ERROR_INVALID_ARGUMENT, "pair order: bad arguments");
-    const std::vector<int32_t> rp(row_ptr, row_ptr + static_cast<int64_t>(num_layouts) * tiles_q + 1);
-    std::vector<int32_t> order;
-    longest_first(rp, num_layouts, tiles_q, (tiles_q + 1) / 2, PairLen{tiles_q}, order);
-    std::copy(order.begin(), order.end(), out);
-    return STOF_SUCCESS;
-}
-
-stof_status_t stof_layout_sched_chunk(const int32_t* row_ptr, int32_t num_layouts, int32_t tiles_q, int32_t* chunk) {
-    if (row_ptr == nullptr || chunk == nullptr || num_layouts < 1 || tiles_q < 1)
-        return fail(STOF_ERROR_INVALID_ARGUMENT, "sched_chunk: bad arguments");
-    const std::vector<int32_t> rp(row_ptr, row_ptr + static_cast<int64_t>(num_layouts) * tiles_q + 1);
-    *chunk = uniform_rows(rp, num_layouts, tiles_q);
-    return STOF_SUCCESS;
-}
 
 extern "C" {
 
