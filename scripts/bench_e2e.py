@@ -175,13 +175,13 @@ def ort_optimize(src: Path, dst: Path, model_type: str, key: str):
 def rewrite(src: Path, dst: Path, mask: str | None, max_seq: int | None, dense: str = "stof"):
     import onnx
 
-    import graph_rewrite
+    from stof_trt.rewrite import rewrite_model
     from stof_trt.masks import parse_mask
 
     if dst.exists():
         return dst
-    m, rep = graph_rewrite.rewrite_model(onnx.load(str(src)), mask=parse_mask(mask) if mask else None,
-                                         max_seq_len=max_seq, dense_attention=dense)
+    m, rep = rewrite_model(onnx.load(str(src)), mask=parse_mask(mask) if mask else None,
+                           max_seq_len=max_seq, dense_attention=dense)
     d = rep.to_dict()
     log(f"rewrite {dst.name}: " + ", ".join(f"{k}={v.get('matched')}" for k, v in d.get("patterns", {}).items()))
     tmp = dst.with_suffix(".fp32.onnx")
