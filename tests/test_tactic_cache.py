@@ -1,4 +1,5 @@
-"""Tactic cache: keys, JSON round trip, validation, and the pre-search fallback (no GPU needed)."""
+"""Tactic cache: keys, JSON round trip, validation; the pre-search fallback; reading a model's STOF nodes
+(no GPU needed)."""
 
 import json
 
@@ -6,7 +7,8 @@ import pytest
 
 from stof_trt.errors import StofError
 from stof_trt.format import STOF_FORMAT_VERSION, compile_mask
-from stof_trt.tactic_cache import FORMAT, CacheKey, TacticCache, choose, node_signature, shape_bucket
+from stof_trt.selection import add_presearch_entries, choose
+from stof_trt.tactic_cache import FORMAT, CacheKey, TacticCache, node_signature, shape_bucket
 
 
 def test_shape_bucket_rounds_up_to_powers_of_two():
@@ -81,7 +83,7 @@ def test_presearch_entries_for_a_model():
     import numpy as np
     from onnx import TensorProto, helper, numpy_helper
 
-    from stof_trt.tactic_cache import add_presearch_entries, attention_problem_dims
+    from stof_trt.nodes import attention_problem_dims
 
     lay = compile_mask("longformer:window=64,global=8", 512, 512)
     inits = [numpy_helper.from_array(np.ascontiguousarray(a, np.int32), n) for n, a in lay.arrays().items()]
@@ -106,12 +108,11 @@ def test_presearch_entries_for_a_model():
 
 def test_packed_attention_nodes():
     """qkv_format "bs3hd" nodes (query [B,S,3,H,D], no key/value): heads and head dim for the pre-search, and
-    tune.attention_nodes reads the packed query as key too."""
+    attention_nodes reads the packed query as key too."""
     import numpy as np
     from onnx import TensorProto, helper, numpy_helper
 
-    from stof_trt.tactic_cache import attention_problem_dims
-    from stof_trt.tune import attention_nodes
+    from stof_trt.nodes import attention_nodes, attention_problem_dims
 
     lay = compile_mask("causal", 256, 256)
     inits = [numpy_helper.from_array(np.ascontiguousarray(a, np.int32), n) for n, a in lay.arrays().items()]
