@@ -44,7 +44,6 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 BERT = dict(layers=12, hidden=768, heads=12, intermediate=3072, max_positions=4096, vocab_size=30522)
 GPT2 = dict(layers=12, hidden=768, heads=12, max_positions=4096, vocab_size=50257)

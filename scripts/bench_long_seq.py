@@ -17,21 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_attention's mask functions
-
-# name: (mask spec, per-head layouts)
-MASKS = {
-    "sliding": ("sliding:window=128", False),
-    "dilated": ("dilated:window=256,dilation=2", False),
-    "longformer": ("longformer:window=128,global=16", False),
-    "bigbird_per_head": ("bigbird:block=64,window=1,global=1,random=0.02,seed=4,per_head=1", True),
-}
+from stof_trt.bench.masks import LONG_SEQ_MASKS as MASKS
+from stof_trt.bench.masks import mask_mod_for
 
 
 def parse_cells(text):
@@ -43,16 +32,6 @@ def parse_cells(text):
             raise SystemExit(f"unknown mask {name!r}: one of {', '.join(MASKS)}")
         cells.append((name, int(s)))
     return cells
-
-
-def mask_mod_for(name, mask, S, H, torch):
-    if name == "bigbird_per_head":
-        # block tables per head, [H, S/64, S/64] (the dense mask would be H * S^2 bytes)
-        blocks = torch.from_numpy(np.stack([mask.layout(S, S, head=h) for h in range(H)])).cuda()
-        return lambda b, h, q, k: blocks[h, q // 64, k // 64]
-    from bench_attention import mask_mod_for as issue_mask_mod  # the issue's masks, as its benchmark has them
-
-    return issue_mask_mod(name, mask, S, torch)
 
 
 def main():
@@ -96,7 +75,7 @@ def main():
         ref = bm = None
         t_flex = float("nan")
         if not args.no_flex:
-            bm = create_block_mask(mask_mod_for(name, mask, S, H, torch), None, H if per_head else None, S, S,
+            bm = create_block_mask(mask_mod_for(name, mask, S, heads=H), None, H if per_head else None, S, S,
                                    device="cuda", _compile=True)  # (uncompiled, it would evaluate all S^2 pairs)
             ref = flex(q, k, v, block_mask=bm)
             t_flex = bench(lambda: flex(q, k, v, block_mask=bm))
