@@ -6,8 +6,8 @@ tells (the library's own build prints neither):
 * ptxas serialises every `wgmma.mma_async` of a kernel (waits for each MMA right after issuing it) when it cannot
   prove the asynchronous form safe: a register of an MMA in flight touched by other code, paths that join with
   different MMAs in flight, too few registers for the accumulators (notes C7510-C7520, "wgmma.mma_async instructions
-  are serialized due to ..."; C7517 / C7519: a wait or arrive the compiler injected).  Session 12 hit five kinds
-  (docs/performance.md), none visible without `-Xptxas -v`;
+  are serialized due to ..."; C7517 / C7519: a wait or arrive the compiler injected).  Five kinds of them have
+  occurred in this code, none visible without `-Xptxas -v`;
 * registers spill to local memory.  Every wgmma kernel is spill-free except the three-consumer ones (tactics 28, 29:
   160 registers per consumer thread), whose ~250 bytes are in set-up code and the producer, not in the step loop.
 
@@ -32,7 +32,7 @@ NVCC = shutil.which("nvcc")
 
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 
-# the three-consumer kernels' known spills (set-up and producer; session 10: ~300 bytes in the persistent form)
+# the three-consumer kernels' known spills (set-up and producer code, not the step loop)
 THREE_CONSUMER_SPILL_LIMIT = 256
 
 
@@ -133,17 +133,3 @@ def test_wgmma_wrappers_are_generated():
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr.strip()
 
-
-def test_overlap_microbenchmark_keeps_its_wgmma_async(tmp_path):
-    """plugins_cu/tools/mb_rs_overlap.cu (session 23's measurement of what runs beside a wgmma) compiles against
-    the library's headers, and ptxas keeps its MMAs asynchronous: a serialised wgmma there would time MMA and work
-    one after the other by construction and make its numbers meaningless."""
-    cmd = [NVCC, "-std=c++17", "-O3", "-arch=sm_90a", f"-I{SRC}", "-Xptxas", "-v", "-cubin",
-           "-o", str(tmp_path / "mb.cubin"), str(ROOT / "plugins_cu" / "tools" / "mb_rs_overlap.cu")]
-    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:]
-    kernels = {k: v for k, v in parse_ptxas(r.stdout).items() if "mb_kernel" in k}
-    assert len(kernels) == 16, sorted(kernels)  # the flag sets main() runs (each at 1 and 2 warpgroups)
-    noted = {k: v["notes"] for k, v in kernels.items() if v["notes"]}
-    assert not noted, f"serialised wgmma in the microbenchmark: {noted}"
-    assert all(v["spill_stores"] == 0 for v in kernels.values())
