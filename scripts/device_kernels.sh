@@ -3,16 +3,11 @@
 #
 #   STAGES=build,test,sanitize,bench BENCH_ARGS="--dims 64" bash scripts/device_kernels.sh
 #
-# A/B of an experiment kept behind a macro: builds that differ in CUDA flags, built in parallel as build_<name>,
-# then scripts/ab_kernels.py over them (the first variant is the baseline); TEST_VARIANT=<name> runs the test and
-# sanitize stages on that variant's library instead of build/'s:
-#
-#   STAGES=variants,ab VARIANTS="base=|new=-DSTOF_MY_IDEA=1" \
-#       AB_ARGS="--tactics 24 --cells '64:1024:causal;64:4096:sliding' --rounds 2" bash scripts/device_kernels.sh
+# SASS_BASELINE=<a library built from another tree> adds scripts/sass_diff.py's per-kernel SASS comparison of the
+# new build against it to the build stage (a refactoring that must not change the generated code).
 #
 # Files written (at most 8, the device tool's limit): log, build.log (ptxas resource usage per kernel),
-# correctness.jsonl (every case x tactic with its error), sanitize.log, bench_attention{.json,.md,.png}, ab.json.
-# (Waits name their jobs: a bare `wait` would also wait for the log's tee below, forever.)
+# correctness.jsonl (every case x tactic with its error), sanitize.log, bench_attention{.json,.md,.png}.
 set -o pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -50,43 +45,11 @@ if has build; then
   # ptxas -v says so, and such a kernel is correct but up to twice as slow
   serial=$(grep -c "wgmma.mma_async instructions are serialized" "$OUT/build.log")
   [[ $serial -eq 0 ]] && echo "wgmma: no serialised kernels" || { echo "WARNING: $serial ptxas notes of serialised wgmma:"; grep "instructions are serialized" "$OUT/build.log" | cut -c1-220 | sort | uniq -c | head; }
-  # the Q registers of the register-A S MMAs must survive the step loop (session 21: under a register cap ptxas
-  # reused them, wrong results with no ptxas note)
+  # the Q registers of the register-A S MMAs must survive the step loop (under a register cap ptxas can reuse them:
+  # wrong results with no ptxas note)
   if command -v cuobjdump >/dev/null; then python scripts/sass_rs_operands.py $lib | tail -8 || status=1; fi
+  if [[ -n ${SASS_BASELINE:-} ]]; then python scripts/sass_diff.py "$SASS_BASELINE" $lib | tail -20 || status=1; fi
 fi
-
-if has variants; then
-  t0=$SECONDS
-  IFS='|' read -r -a variants <<< "${VARIANTS:?VARIANTS=\"name=flags|name=flags\" (flags may be empty)}"
-  jobs=$(( $(nproc) / ${#variants[@]} )); (( jobs > 0 )) || jobs=1
-  pids=()
-  for v in "${variants[@]}"; do
-    name=${v%%=*}; flags=${v#*=}
-    ( cmake -S . -B "build_$name" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=${STOF_ARCHS:-90a} \
-            -DSTOF_RESOURCE_USAGE=ON -DSTOF_BUILD_ADAPTERS=OFF "-DCMAKE_CUDA_FLAGS=$flags" &&
-        cmake --build "build_$name" -j $jobs ) > "/tmp/stof_variant_$name.log" 2>&1 &
-    pids+=($!)
-  done
-  for i in "${!variants[@]}"; do
-    name=${variants[$i]%%=*}
-    if wait "${pids[$i]}"; then
-      echo "variant $name (${variants[$i]#*=}): built; $(grep -c "instructions are serialized" "/tmp/stof_variant_$name.log") serialised-wgmma notes; hopper kernels with spills: $(grep -A1 "Function properties for _ZN4stof[0-9]*hopper" "/tmp/stof_variant_$name.log" | grep -c -E "[1-9][0-9]* bytes spill stores")"
-      command -v cuobjdump >/dev/null && python scripts/sass_rs_operands.py "build_$name/plugins_cu/libstof_kernels.so" | tail -1
-    else
-      echo "VARIANT $name FAILED"; grep -m5 -A5 error "/tmp/stof_variant_$name.log"; status=1
-    fi
-  done
-  echo "variants built in $((SECONDS - t0)) s"
-fi
-
-if has ab; then
-  libs=""
-  IFS='|' read -r -a variants <<< "${VARIANTS:?ab needs VARIANTS (and the variants stage, here or in an earlier call)}"
-  for v in "${variants[@]}"; do libs="$libs${libs:+,}${v%%=*}=build_${v%%=*}/plugins_cu/libstof_kernels.so"; done
-  eval "python scripts/ab_kernels.py --libs $libs --out \"$OUT/ab.json\" ${AB_ARGS:-}" || status=1
-fi
-
-[[ -n ${TEST_VARIANT:-} ]] && export STOF_KERNELS_LIB=$PWD/build_$TEST_VARIANT/plugins_cu/libstof_kernels.so
 
 if has test; then
   t0=$SECONDS

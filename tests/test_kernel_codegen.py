@@ -6,8 +6,8 @@ tells (the library's own build prints neither):
 * ptxas serialises every `wgmma.mma_async` of a kernel (waits for each MMA right after issuing it) when it cannot
   prove the asynchronous form safe: a register of an MMA in flight touched by other code, paths that join with
   different MMAs in flight, too few registers for the accumulators (notes C7510-C7520, "wgmma.mma_async instructions
-  are serialized due to ..."; C7517 / C7519: a wait or arrive the compiler injected).  Five kinds of them have
-  occurred in this code, none visible without `-Xptxas -v`;
+  are serialized due to ..."; C7517 / C7519: a wait or arrive the compiler injected), none visible without
+  `-Xptxas -v`;
 * registers spill to local memory.  Every wgmma kernel is spill-free except the three-consumer ones (tactics 28, 29:
   160 registers per consumer thread), whose ~250 bytes are in set-up code and the producer, not in the step loop.
 
