@@ -47,9 +47,9 @@ def main():
                          "report the median per-round ratio with a 95%% bootstrap interval (0: off); one "
                          "measurement per method cannot tell a 1-2%% lead from run-to-run spread")
     ap.add_argument("--no-row-order", action="store_true",
-                    help="run the STOF kernels without the layout's row order (C ABI v2 row_order = NULL)")
+                    help="run the STOF kernels in the default row order, not the layout's longest-first one")
     ap.add_argument("--sched-chunk", type=int, default=None, metavar="N",
-                    help="C ABI v2 sched_chunk for the STOF kernels: (batch, head) pairs whose CTAs are interleaved "
+                    help="sched_chunk for the STOF kernels: (batch, head) pairs whose CTAs are interleaved "
                          "(0 = the library's L2-sized default, 1 = one pair at a time); default: the layout's "
                          "value (TileLayout.sched_chunk(): 1 for near-equal row lengths, else 0)")
     args = ap.parse_args()
