@@ -148,3 +148,39 @@ def test_package_is_the_only_top_level_package():
         pytest.skip("not a source checkout")
     conf = tomllib.loads((root / "pyproject.toml").read_text())
     assert conf["tool"]["scikit-build"]["wheel"]["packages"] == ["stof_trt"]
+
+
+_WITHOUT_GPU_STACK = r"""
+import importlib, pkgutil, sys
+
+class Blocked:  # as if torch, triton, the cuDNN frontend, transformers and onnxruntime were not installed
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "triton", "cudnn", "transformers", "onnxruntime"):
+            raise ImportError(f"no module named {name!r} here")
+
+sys.meta_path.insert(0, Blocked())
+import stof_trt
+
+names = [m.name for m in pkgutil.walk_packages(stof_trt.__path__, "stof_trt.") if not m.name.endswith("__main__")]
+failed = []
+for name in names:
+    try:
+        importlib.import_module(name)
+    except Exception as e:
+        failed.append(f"{name}: {type(e).__name__}: {e}")
+print(len(names))
+print("\n".join(failed))
+"""
+
+
+def test_every_module_imports_without_the_gpu_stack():
+    """torch, triton, cudnn, transformers and onnxruntime are imported where they are used, so the whole package
+    (the rewrite, the CLI, the benchmark statistics) imports on a CPU machine that has none of them."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _WITHOUT_GPU_STACK], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    count, *failed = r.stdout.strip().split("\n")
+    assert int(count) > 30
+    assert not [f for f in failed if f], "\n".join(failed)
