@@ -26,7 +26,8 @@ def main():
     ap.add_argument("--H", type=int, default=12)
     ap.add_argument("--tactics", default="19")
     ap.add_argument("--sdpa", action="store_true", help="also run SDPA is_causal (causal masks)")
-    ap.add_argument("--no-row-order", action="store_true", help="run in the default row order, not the layout's longest-first one")
+    ap.add_argument("--no-row-order", action="store_true",
+                    help="run in the default row order, not the layout's longest-first one")
     ap.add_argument("--sched-chunk", type=int, default=None, metavar="N",
                     help="sched_chunk: (batch, head) pairs interleaved (0 = the library's L2-sized default, "
                          "1 = one pair at a time); default: the layout's value (TileLayout.sched_chunk())")

@@ -144,7 +144,6 @@ def test_floor_inputs_of_an_attention_problem():
 
 @pytest.mark.parametrize("case", ["match", "differs", "refuses"])
 def test_sdpa_backend_methods_keep_only_backends_that_run_and_match(monkeypatch, capsys, case):
-    torch = pytest.importorskip("torch")
     q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
     ref = torch.randn(1, 2, 8, 16)
 
