@@ -40,7 +40,8 @@ def _attrs(node) -> dict:
 
 
 def attention_nodes(model) -> list[AttentionNode]:
-    """Every StofSparseAttention node whose layout arrays are initializers (or Constant nodes)."""
+    """Every StofSparseAttention node of the model's graph, its layout read from initializers or Constant nodes and
+    validated; a layout input that is neither, a bad layout or an unknown format version raises StofError."""
     from onnx import numpy_helper
 
     consts = {t.name: t for t in model.graph.initializer}
@@ -64,9 +65,11 @@ def attention_nodes(model) -> list[AttentionNode]:
             raise StofError(f"attention node '{n.name}': format_version {a.get('format_version')} (this version "
                             f"reads {', '.join(map(str, STOF_FORMAT_VERSIONS_READ))})")
         mask_spec = a.get("mask_spec", b"")
-        layout = TileLayout(seq_q=int(a["seq_q"]), seq_k=int(a["seq_k"]), tile_m=int(a["tile_m"]),
-                            tile_n=int(a["tile_n"]), num_layouts=int(a["num_layouts"]), mask_spec=(
-                                mask_spec.decode() if isinstance(mask_spec, bytes) else str(mask_spec)), **arrays)
+        # a model is input from outside: its layout's invariants are checked before anything reads it
+        layout = TileLayout.from_arrays(seq_q=a["seq_q"], seq_k=a["seq_k"], tile_m=a["tile_m"], tile_n=a["tile_n"],
+                                        num_layouts=a["num_layouts"], mask_spec=(
+                                            mask_spec.decode() if isinstance(mask_spec, bytes) else str(mask_spec)),
+                                        **arrays)
         fmt = a.get("qkv_format", b"bhsd")
         packed = (fmt.decode() if isinstance(fmt, bytes) else str(fmt)) == "bs3hd"
         out.append(AttentionNode(n.name or f"node{i}", names[0], names[0] if packed else names[1], names[7] or None,
