@@ -6,14 +6,15 @@
 
 Per cell (head dim, S, mask): STOF with the pre-search's first choice and with the best measured tactic (every
 valid tactic the model does not prune at > 20x its best prediction), SDPA dense (no mask), SDPA with the boolean
-mask, SDPA is_causal (causal only), FlexAttention (torch.compile(flex_attention) + create_block_mask of the same
-mask), and on sliding cells cuDNN's own band kernel (scripts/cudnn_band.py; where nvidia-cudnn-frontend is
-installed, the fastest of its plans).  Times: triton.testing.do_bench medians (CUDA events).  Each STOF output is
-checked against Flex's (rel err) so all methods compute the same masked attention.  Also measures the roofline ingredients (device copy
-bandwidth, dense fp16 matmul rate).  Causal cells also time STOF's best tactic and SDPA is_causal in
---causal-rounds interleaved rounds (default 10) and report the median of the per-round ratio with a 95 % bootstrap
-interval (summary key causal_x_sdpa_is_causal_paired): the two are within 1-5 % of each other, inside either's
-run-to-run spread.  Writes bench_attention.json, .md and .png under --out.
+mask, SDPA is_causal (causal only; also with each backend forced, cuDNN and flash, where it accepts the problem),
+FlexAttention (torch.compile(flex_attention) + create_block_mask of the same mask), and on sliding cells cuDNN's
+own band kernel (stof_trt.bench.anchors; where nvidia-cudnn-frontend is installed, the fastest of its plans).
+Times: triton.testing.do_bench medians (CUDA events).  Each STOF output is checked against Flex's (rel err) so all
+methods compute the same masked attention.  Also measures the roofline ingredients (device copy bandwidth, dense
+fp16 matmul rate).  Causal cells also time STOF's best tactic and SDPA is_causal in --causal-rounds interleaved
+rounds (default 10) and report the median of the per-round ratio with a 95 % bootstrap interval (summary key
+causal_x_sdpa_is_causal_paired): the two are within 1-5 % of each other, inside either's run-to-run spread.
+Writes bench_attention.json, .md and .png under --out.
 """
 
 from __future__ import annotations
@@ -26,49 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # paired_anchor's statistics
-
-MASKS = {
-    "causal": "causal",
-    "sliding": "sliding:window=128",
-    "dilated": "dilated:window=256,dilation=2",
-    "longformer": "longformer:window=128,global=16",
-    "bigbird": "bigbird:block=64,window=1,global=1,random=0.05,seed=0",
-}
-
-
-def mask_mod_for(name, mask, S, torch):
-    if name == "causal":
-        return lambda b, h, q, k: q >= k
-    if name == "sliding":
-        return lambda b, h, q, k: (q - k).abs() <= 128
-    if name == "dilated":
-        return lambda b, h, q, k: ((q - k).abs() <= 256) & ((q - k) % 2 == 0)
-    if name == "longformer":
-        return lambda b, h, q, k: ((q - k).abs() <= 128) | (q < 16) | (k < 16)
-    if name == "bigbird":  # block-constant: the dense mask sampled at block corners is the block table
-        blocks = torch.from_numpy(np.ascontiguousarray(mask.dense(S, S)[::64, ::64])).cuda()
-        return lambda b, h, q, k: blocks[q // 64, k // 64]
-    raise KeyError(name)
-
-
-def paired_ratio(stof, anchor, rounds, bench):
-    """anchor time / STOF time per round, the two timed in a shuffled order each round: the median over the rounds
-    with a 95 % bootstrap interval (scripts/paired_anchor.py's statistics)."""
-    from paired_anchor import median_ci, time_round
-
-    per = [time_round({"stof": stof, "anchor": anchor}, bench, rd) for rd in range(rounds)]
-    m, lo, hi = median_ci([t["anchor"] / t["stof"] for t in per])
-    return {"rounds": rounds, "ratio": m, "lo": lo, "hi": hi, "stof_ms": [t["stof"] for t in per],
-            "anchor_ms": [t["anchor"] for t in per]}
-
-
-def geomean(xs):
-    xs = [x for x in xs if x and x > 0 and math.isfinite(x)]
-    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
+from stof_trt.bench.masks import MASKS, mask_mod_for
+from stof_trt.bench.stats import geomean, paired_ratio, rel_err
 
 
 def main():
@@ -87,9 +47,9 @@ def main():
                          "report the median per-round ratio with a 95%% bootstrap interval (0: off); one "
                          "measurement per method cannot tell a 1-2%% lead from run-to-run spread")
     ap.add_argument("--no-row-order", action="store_true",
-                    help="run the STOF kernels without the layout's row order (C ABI v2 row_order = NULL)")
+                    help="run the STOF kernels in the default row order, not the layout's longest-first one")
     ap.add_argument("--sched-chunk", type=int, default=None, metavar="N",
-                    help="C ABI v2 sched_chunk for the STOF kernels: (batch, head) pairs whose CTAs are interleaved "
+                    help="sched_chunk for the STOF kernels: (batch, head) pairs whose CTAs are interleaved "
                          "(0 = the library's L2-sized default, 1 = one pair at a time); default: the layout's "
                          "value (TileLayout.sched_chunk(): 1 for near-equal row lengths, else 0)")
     args = ap.parse_args()
@@ -103,7 +63,8 @@ def main():
     from stof_trt.kernels import DeviceLayout, Runner, tactic_info
     from stof_trt.masks import parse_mask
 
-    from paired_anchor import copy_bandwidth, floor_methods, matmul_rate, roofline_floor_ms
+    from stof_trt.bench.anchors import (attention_bytes, copy_bandwidth, floor_methods, matmul_rate,
+                                        roofline_floor_ms, sdpa_backend_methods, tile_flops, try_band_anchor)
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -114,7 +75,7 @@ def main():
     def bench(fn, rep=args.rep):
         return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
-    # Roofline ingredients, measured in this run (paired_anchor's copy and matmul).
+    # Roofline ingredients, measured in this run.
     fm = floor_methods()
     t_floor = {n: bench(fn) for n, fn in fm.items()}
     del fm
@@ -146,8 +107,7 @@ def main():
                 dense = torch.from_numpy(mask.dense(S, S)).cuda()
                 allowed = int(dense.sum())
                 flops = 4.0 * B * H * D * allowed
-                tile_flops = 4.0 * B * H * D * layout.nnz * layout.tile_m * layout.tile_n
-                floor = roofline_floor_ms(t_floor, 4 * B * H * S * D * 2, tile_flops) / 1e3  # s
+                floor = roofline_floor_ms(t_floor, attention_bytes(B, H, S, D), tile_flops(layout, B, H, D)) / 1e3  # s
                 cell = {"D": D, "S": S, "mask": mname, "spec": MASKS[mname], "density": allowed / S / S,
                         "nnz": int(layout.nnz), "partial": int(layout.num_partial), "sdpa_dense_ms": t_dense,
                         "floor_ms": floor * 1e3, "gflop": flops / 1e9, "row_order": not args.no_row_order,
@@ -183,20 +143,21 @@ def main():
                     o_ref = F.scaled_dot_product_attention(q, k, v, attn_mask=am)
                     rows = dense.any(-1)[None, None, :, None]
                     o_ref = torch.where(rows, o_ref, torch.zeros_like(o_ref))
-                    cell["err_vs_sdpa_mask"] = float((o_stof.float() - o_ref.float()).norm() / o_ref.float().norm())
+                    cell["err_vs_sdpa_mask"] = rel_err(o_stof, o_ref)
                 except Exception as e:  # noqa: BLE001
                     cell["sdpa_mask_error"] = repr(e)[:200]
                 if mname == "causal":
                     def sdpa_causal():
                         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
                     cell["sdpa_causal_ms"] = bench(sdpa_causal)
+                    # which kernel PyTorch's dispatch runs is not said: time each backend forced as well
+                    forced = sdpa_backend_methods(q, k, v, sdpa_causal(), is_causal=True, where=f" at D={D} S={S}")
+                    cell["sdpa_backend_ms"] = {n: bench(fn) for n, fn in forced.items()}
                     if args.causal_rounds > 0:
                         cell["causal_paired"] = paired_ratio(runners[best_name], sdpa_causal, args.causal_rounds, bench)
                 if mname == "sliding" and mask.left == mask.right:
                     # NVIDIA's own band kernel, where nvidia-cudnn-frontend is installed; checked against STOF's
                     # output and float64
-                    from cudnn_band import try_band_anchor
-
                     cb, why = try_band_anchor(q, k, v, mask.right, o_stof)
                     if cb is not None:
                         cell["cudnn_band_ms"] = bench(cb)
@@ -206,12 +167,12 @@ def main():
                         cell["cudnn_band_error"] = why
                 if flex is not None:
                     try:
-                        mm = mask_mod_for(mname, mask, S, torch)
+                        mm = mask_mod_for(mname, mask, S)
                         bm = create_block_mask(mm, None, None, S, S, device="cuda")
                         o_flex = flex(q, k, v, block_mask=bm)
                         torch.cuda.synchronize()
                         cell["flex_ms"] = bench(lambda: flex(q, k, v, block_mask=bm))
-                        cell["err_vs_flex"] = float((o_stof.float() - o_flex.float()).norm() / o_flex.float().norm())
+                        cell["err_vs_flex"] = rel_err(o_stof, o_flex)
                     except Exception as e:  # noqa: BLE001
                         cell["flex_error"] = repr(e)[:300]
                 st = cell["stof_best_ms"]
@@ -271,9 +232,12 @@ def main():
                      f"{c['x_floor']:.2f} |")
     paired = [c for c in cells if "causal_paired" in c]
     if paired:
-        lines += ["", "Causal, SDPA is_causal / STOF best over interleaved rounds: median [95 % interval of the median]:",
-                  ""] + [f"- D={c['D']} S={c['S']}: {c['causal_paired']['ratio']:.3f} [{c['causal_paired']['lo']:.3f}, "
-                         f"{c['causal_paired']['hi']:.3f}] ({c['causal_paired']['rounds']} rounds)" for c in paired]
+        lines += ["", "Causal, SDPA is_causal / STOF best over interleaved rounds: median [95 % interval of the "
+                  "median]:", ""]
+        for c in paired:
+            cp = c["causal_paired"]
+            lines.append(f"- D={c['D']} S={c['S']}: {cp['ratio']:.3f} [{cp['lo']:.3f}, {cp['hi']:.3f}] "
+                         f"({cp['rounds']} rounds, {cp['verdict']})")
     table = "\n".join(lines)
     (out_dir / f"{name}.md").write_text(table + "\n\n" + json.dumps(summary, indent=1) + "\n")
     print(table)

@@ -44,7 +44,6 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 BERT = dict(layers=12, hidden=768, heads=12, intermediate=3072, max_positions=4096, vocab_size=30522)
 GPT2 = dict(layers=12, hidden=768, heads=12, max_positions=4096, vocab_size=50257)
@@ -175,13 +174,13 @@ def ort_optimize(src: Path, dst: Path, model_type: str, key: str):
 def rewrite(src: Path, dst: Path, mask: str | None, max_seq: int | None, dense: str = "stof"):
     import onnx
 
-    import graph_rewrite
+    from stof_trt.rewrite import rewrite_model
     from stof_trt.masks import parse_mask
 
     if dst.exists():
         return dst
-    m, rep = graph_rewrite.rewrite_model(onnx.load(str(src)), mask=parse_mask(mask) if mask else None,
-                                         max_seq_len=max_seq, dense_attention=dense)
+    m, rep = rewrite_model(onnx.load(str(src)), mask=parse_mask(mask) if mask else None,
+                           max_seq_len=max_seq, dense_attention=dense)
     d = rep.to_dict()
     log(f"rewrite {dst.name}: " + ", ".join(f"{k}={v.get('matched')}" for k, v in d.get("patterns", {}).items()))
     tmp = dst.with_suffix(".fp32.onnx")

@@ -1,37 +1,25 @@
 #!/usr/bin/env python3
-"""Long sequences: STOF with and without the bitmaps' row count (C ABI 6), against FlexAttention.  Needs a GPU.
+"""Long sequences: STOF's tactics against FlexAttention at S up to 2^18, one layout or one per head.  Needs a GPU.
 
     PYTHONUNBUFFERED=1 python scripts/bench_long_seq.py --out $OUT
 
-Until C ABI 6 the library bounded the wgmma kernels' 32-bit bitmap offsets by the whole tile grid (one bitmap of
-512 bytes per 64x64 tile), so it refused those kernels, its fastest, once L * Tq * Tk * 512 bytes passed 2^32: from
-S of about 185k under one layout, 54k under 12 per-head layouts.  The binding now passes the bitmaps' row count
-(`DeviceLayout.num_bitmaps`); 0 gives the old listing.  Per cell, every tactic the library lists is timed once, and
-the best of the new and of the old listing are reported beside the pre-search's first choice (stof_trt.presearch,
-within 10 % of the best?) and FlexAttention (torch.compile'd flex_attention with create_block_mask of the same mask,
-128x128 blocks).  Every STOF output is compared with Flex's (with --no-flex, with the best tactic's).  Times:
-triton.testing.do_bench medians (CUDA events).  Writes bench_long_seq.json and .md under --out.
+At these sizes a bitmap per 64x64 tile of the whole grid would pass 2^32 bytes (from S of about 185k under one
+layout, 54k under 12 per-head layouts); the layout stores only its distinct PARTIAL bitmaps, so every tactic,
+the wgmma ones too, stays available.  Per cell, every tactic the library lists is timed once, and the best is
+reported beside the pre-search's first choice (stof_trt.presearch; within 10 % of the best?) and FlexAttention
+(torch.compile'd flex_attention with create_block_mask of the same mask, 128x128 blocks).  Every STOF output is
+compared with Flex's (with --no-flex, with the first tactic's).  Times: triton.testing.do_bench medians (CUDA
+events).  Writes bench_long_seq.json and .md under --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_attention's mask functions
-
-# name: (mask spec, per-head layouts)
-MASKS = {
-    "sliding": ("sliding:window=128", False),
-    "dilated": ("dilated:window=256,dilation=2", False),
-    "longformer": ("longformer:window=128,global=16", False),
-    "bigbird_per_head": ("bigbird:block=64,window=1,global=1,random=0.02,seed=4,per_head=1", True),
-}
+from stof_trt.bench.masks import LONG_SEQ_MASKS as MASKS
+from stof_trt.bench.masks import mask_mod_for
 
 
 def parse_cells(text):
@@ -43,16 +31,6 @@ def parse_cells(text):
             raise SystemExit(f"unknown mask {name!r}: one of {', '.join(MASKS)}")
         cells.append((name, int(s)))
     return cells
-
-
-def mask_mod_for(name, mask, S, H, torch):
-    if name == "bigbird_per_head":
-        # block tables per head, [H, S/64, S/64] (the dense mask would be H * S^2 bytes)
-        blocks = torch.from_numpy(np.stack([mask.layout(S, S, head=h) for h in range(H)])).cuda()
-        return lambda b, h, q, k: blocks[h, q // 64, k // 64]
-    from bench_attention import mask_mod_for as issue_mask_mod  # the issue's masks, as its benchmark has them
-
-    return issue_mask_mod(name, mask, S, torch)
 
 
 def main():
@@ -96,18 +74,15 @@ def main():
         ref = bm = None
         t_flex = float("nan")
         if not args.no_flex:
-            bm = create_block_mask(mask_mod_for(name, mask, S, H, torch), None, H if per_head else None, S, S,
+            bm = create_block_mask(mask_mod_for(name, mask, S, heads=H), None, H if per_head else None, S, S,
                                    device="cuda", _compile=True)  # (uncompiled, it would evaluate all S^2 pairs)
             ref = flex(q, k, v, block_mask=bm)
             t_flex = bench(lambda: flex(q, k, v, block_mask=bm))
-        new_ids = list_tactics(q, k, v, dl)
-        ranked = [t for t, _ in presearch.rank(layout, batch=B, heads=H, head_dim=D, gpu=gpu) if t in new_ids]
-        dl.num_bitmaps = 0
-        old_ids = list_tactics(q, k, v, dl)
-        dl.num_bitmaps = int(dl.bitmaps.shape[0])
+        ids = list_tactics(q, k, v, dl)
+        ranked = [t for t, _ in presearch.rank(layout, batch=B, heads=H, head_dim=D, gpu=gpu) if t in ids]
         times, errs = {}, {}
         out = torch.empty_like(q)
-        for t in new_ids:
+        for t in ids:
             out.fill_(float("nan"))
             sparse_attention(q, k, v, dl, tactic=t, out=out)
             torch.cuda.synchronize()
@@ -115,43 +90,36 @@ def main():
                 ref = out.clone()
             errs[t] = float((out.double() - ref.double()).norm() / ref.double().norm())
             times[t] = bench(lambda t=t: sparse_attention(q, k, v, dl, tactic=t, out=out))
-        best_new = min(new_ids, key=times.get)
-        best_old = min((t for t in old_ids if t in times), key=times.get)
-        grid_bytes = layout.num_layouts * layout.Tq * -(-S // 64) * 512
+        best = min(ids, key=times.get)
+        grid_bytes = layout.num_layouts * layout.Tq * -(-S // 64) * 512  # a bitmap per tile of the whole grid
         row = {"mask": name, "spec": spec, "S": S, "B": B, "H": H, "D": D, "layouts": int(layout.num_layouts),
                "num_bitmaps": int(dl.num_bitmaps), "grid_bitmap_bytes": int(grid_bytes),
-               "flex_ms": t_flex, "tactics_new": new_ids, "tactics_old": old_ids,
-               "best_new": tactic_info(best_new).name, "best_new_ms": times[best_new],
-               "best_old": tactic_info(best_old).name, "best_old_ms": times[best_old],
+               "flex_ms": t_flex, "tactics": ids, "best": tactic_info(best).name, "best_ms": times[best],
                "pick": tactic_info(ranked[0]).name if ranked else None,
                "pick_ms": times[ranked[0]] if ranked else float("nan"),
-               "pick_hit": bool(ranked) and times[ranked[0]] <= 1.10 * times[best_new],
-               "old_over_new": times[best_old] / times[best_new], "flex_over_new": t_flex / times[best_new],
-               "max_rel_err_vs_flex": max(errs.values()),
-               "reference": "flex" if not args.no_flex else tactic_info(new_ids[0]).name,
-               "ms": {tactic_info(t).name: times[t] for t in new_ids}}
+               "pick_hit": bool(ranked) and times[ranked[0]] <= 1.10 * times[best],
+               "flex_over_best": t_flex / times[best], "max_rel_err_vs_flex": max(errs.values()),
+               "reference": "flex" if not args.no_flex else tactic_info(ids[0]).name,
+               "ms": {tactic_info(t).name: times[t] for t in ids}}
         rows.append(row)
-        print(f"{name:17s} S={S:7d} L={row['layouts']:2d} grid bitmaps {grid_bytes / 2**30:5.1f} GiB, listed "
-              f"{len(new_ids)} (old {len(old_ids)}): best {row['best_new']} {row['best_new_ms']:.3f} ms, old best "
-              f"{row['best_old']} {row['best_old_ms']:.3f} ms ({row['old_over_new']:.2f}x), pick {row['pick']} "
-              f"{row['pick_ms']:.3f} ms, Flex "
-              f"{t_flex:.3f} ms ({row['flex_over_new']:.2f}x), max rel err vs Flex {row['max_rel_err_vs_flex']:.1e}",
-              flush=True)
+        print(f"{name:17s} S={S:7d} L={row['layouts']:2d} grid bitmaps {grid_bytes / 2**30:5.1f} GiB, "
+              f"{row['num_bitmaps']} stored; {len(ids)} tactics: best {row['best']} {row['best_ms']:.3f} ms, pick "
+              f"{row['pick']} {row['pick_ms']:.3f} ms, Flex {t_flex:.3f} ms ({row['flex_over_best']:.2f}x), "
+              f"max rel err vs Flex {row['max_rel_err_vs_flex']:.1e}", flush=True)
         q = k = v = out = ref = bm = None  # (freed before the next cell)
         torch.cuda.empty_cache()
 
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_long_seq.json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows},
                                                              indent=1))
-    md = ["| mask | S | layouts | grid bitmaps (GiB) | STOF best (ms) | old listing's best (ms) | old / new | "
-          "pre-search pick (ms) | Flex (ms) | Flex / STOF | max rel err vs Flex |",
-          "|---|---|---|---|---|---|---|---|---|---|---|"]
+    md = ["| mask | S | layouts | grid bitmaps (GiB) | stored bitmaps | STOF best (ms) | pre-search pick (ms) | "
+          "Flex (ms) | Flex / STOF | max rel err vs Flex |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         md.append(f"| {r['mask']} | {r['S']} | {r['layouts']} | {r['grid_bitmap_bytes'] / 2**30:.1f} | "
-                  f"{r['best_new_ms']:.3f} ({r['best_new']}) | {r['best_old_ms']:.3f} ({r['best_old']}) | "
-                  f"{r['old_over_new']:.2f} | {r['pick_ms']:.3f} ({r['pick']}{'' if r['pick_hit'] else ', > 1.1x'}) | "
-                  f"{r['flex_ms']:.3f} | {r['flex_over_new']:.2f} | "
-                  f"{r['max_rel_err_vs_flex']:.1e} |")
+                  f"{r['num_bitmaps']} | {r['best_ms']:.3f} ({r['best']}) | "
+                  f"{r['pick_ms']:.3f} ({r['pick']}{'' if r['pick_hit'] else ', > 1.1x'}) | "
+                  f"{r['flex_ms']:.3f} | {r['flex_over_best']:.2f} | {r['max_rel_err_vs_flex']:.1e} |")
     (args.out / "bench_long_seq.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 

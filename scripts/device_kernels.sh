@@ -7,19 +7,20 @@
 # new build against it to the build stage (a refactoring that must not change the generated code).
 #
 # Files written (at most 8, the device tool's limit): log, build.log (ptxas resource usage per kernel),
-# correctness.jsonl (every case x tactic with its error), sanitize.log, bench_attention{.json,.md,.png},
-# paired_anchor{.json,.md} (STAGES=...,paired: scripts/paired_anchor.py with PAIRED_ARGS).
+# correctness.jsonl (every case x tactic with its error), sanitize.log, bench_attention{.json,.md,.png}.
 set -o pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 STAGES=${STAGES:-build,test,sanitize,bench}
 export PYTHONUNBUFFERED=1
+# the Python stages import stof_trt from this checkout, which the GPU machine does not pip-install
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 exec > >(tee -a "$OUT/log") 2>&1
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
 status=0
 echo "== $(date -u +%FT%TZ) stages=$STAGES"
 # Wheels the GPU image lacks, staged in a carried folder (e.g. nvidia-cudnn-frontend for the cuDNN band anchor of
-# scripts/cudnn_band.py): STOF_EXTRA_WHEELS=.device-carry/cfe
+# stof_trt.bench.anchors): STOF_EXTRA_WHEELS=.device-carry/cfe
 # (this script's own stages see them; a command after it needs `export PYTHONPATH=/tmp/stof-extra` too)
 if [[ -n "${STOF_EXTRA_WHEELS:-}" ]]; then
   if pip install -q --no-deps --target /tmp/stof-extra "$STOF_EXTRA_WHEELS"/*.whl > /tmp/stof-extra.log 2>&1; then
@@ -88,11 +89,6 @@ fi
 
 if has bench; then
   python scripts/bench_attention.py --out "$OUT" ${BENCH_ARGS:-} || status=1
-fi
-
-# paired rounds against the close-call anchors (causal vs SDPA is_causal, sliding vs its floor)
-if has paired; then
-  python scripts/paired_anchor.py --out "$OUT" ${PAIRED_ARGS:-} || status=1
 fi
 echo "== done status=$status"
 exit $status

@@ -13,6 +13,8 @@ mkdir -p "$OUT"
 ARCH=${ARCH:-90a}
 BUILD=${BUILD:-/tmp/stof-build}
 export PYTHONUNBUFFERED=1
+# the Python stages import stof_trt from this checkout, which the GPU machine does not pip-install
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(env build test tune bench)
 has() { local s; for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }

@@ -11,26 +11,25 @@ ncu invocation), after a correctness check against SDPA with the boolean mask.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from stof_trt.bench.masks import MASKS
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mask", default="causal",
                     help="a mask spec (stof_trt.masks.parse_mask) or a benchmark mask name: "
-                         "causal, sliding, dilated, longformer, bigbird (scripts/bench_attention.py)")
+                         f"{', '.join(MASKS)} (stof_trt.bench.masks)")
     ap.add_argument("--S", type=int, default=4096)
     ap.add_argument("--D", type=int, default=64)
     ap.add_argument("--B", type=int, default=8)
     ap.add_argument("--H", type=int, default=12)
     ap.add_argument("--tactics", default="19")
     ap.add_argument("--sdpa", action="store_true", help="also run SDPA is_causal (causal masks)")
-    ap.add_argument("--no-row-order", action="store_true", help="run without the layout's row order (NULL)")
+    ap.add_argument("--no-row-order", action="store_true",
+                    help="run in the default row order, not the layout's longest-first one")
     ap.add_argument("--sched-chunk", type=int, default=None, metavar="N",
-                    help="C ABI v2 sched_chunk: (batch, head) pairs interleaved (0 = the library's L2-sized default, "
+                    help="sched_chunk: (batch, head) pairs interleaved (0 = the library's L2-sized default, "
                          "1 = one pair at a time); default: the layout's value (TileLayout.sched_chunk())")
     a = ap.parse_args()
 
@@ -39,9 +38,6 @@ def main():
     from stof_trt.format import compile_mask
     from stof_trt.kernels import DeviceLayout, sparse_attention
     from stof_trt.masks import parse_mask
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_attention import MASKS  # the issue-3 benchmark masks, by name
 
     mask = parse_mask(MASKS.get(a.mask, a.mask))
     layout = compile_mask(mask, a.S, a.S)

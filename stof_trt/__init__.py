@@ -1,7 +1,7 @@
 """STOF-TRT: fast inference for sparse (masked) Transformers on NVIDIA GPUs.
 
 Public API: mask specs (``stof_trt.masks``), the tile format (``stof_trt.format``), the ONNX rewrite
-(``graph_rewrite``) and the ``stof`` command line (``stof_trt.cli``).
+(``stof_trt.rewrite``) and the ``stof`` command line (``stof_trt.cli``).
 """
 
 from .errors import StofError

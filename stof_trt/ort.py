@@ -162,7 +162,8 @@ def _with_presearch(model, tactic_cache, shapes, device_id: int) -> str:
 
     import onnx
 
-    from .tactic_cache import TacticCache, add_presearch_entries, gpu_identity
+    from .selection import add_presearch_entries
+    from .tactic_cache import TacticCache, gpu_identity
 
     proto = model if hasattr(model, "graph") else onnx.load(str(model), load_external_data=False)
     cache = TacticCache.load(tactic_cache) if tactic_cache is not None else TacticCache()

@@ -1,9 +1,11 @@
-"""The tactic cache: measured kernel choices per GPU, attention node, shape bucket and mask (second search stage).
+"""The tactic cache file: kernel choices per GPU, attention node, shape bucket and mask, and the keys they are
+stored under.
 
-``stof tune`` times the pre-search shortlist (stof_trt.presearch) of every StofSparseAttention node on the GPU and
+``stof tune`` (stof_trt.tune) times the pre-search shortlist of every StofSparseAttention node on the GPU and
 records the fastest tactic here; the ONNX Runtime plugin (libstof_ort.so) reads the file from the session option
 ``stof.tactic_cache`` or ``$STOF_TACTIC_CACHE`` and looks each node up by the same key.  With no entry the plugin
-uses the kernel library's default; :func:`choose` gives the pre-search's first choice instead (Python callers).
+uses the kernel library's default; stof_trt.selection gives the pre-search's first choice instead.  This module
+only stores: choosing and measuring live in those two.
 
 File format (JSON, version 1)::
 
@@ -30,8 +32,7 @@ from pathlib import Path
 
 from .errors import StofError
 
-__all__ = ["FORMAT", "VERSION", "shape_bucket", "node_signature", "CacheKey", "TacticCache", "gpu_identity",
-           "choose"]
+__all__ = ["FORMAT", "VERSION", "shape_bucket", "node_signature", "CacheKey", "TacticCache", "gpu_identity"]
 
 FORMAT = "stof-tactic-cache"
 VERSION = 1
@@ -154,90 +155,3 @@ def gpu_identity(device: int | None = None) -> tuple[str, str]:
         raise StofError("no CUDA device (torch.cuda.is_available() is False)")
     p = torch.cuda.get_device_properties(device if device is not None else torch.cuda.current_device())
     return p.name, f"{p.major}.{p.minor}"
-
-
-def choose(cache: TacticCache | None, key: CacheKey, layout, *, batch: int, heads: int, head_dim: int,
-           seq_q: int, seq_k: int) -> tuple[int, str]:
-    """The tactic for a problem: the cache's entry, else the pre-search's first choice.  Returns (id, source)."""
-    if cache is not None:
-        t = cache.lookup(key)
-        if t:
-            return t, "cache"
-    from . import presearch
-
-    ranked = presearch.rank(layout, batch=batch, heads=heads, head_dim=head_dim, seq_q=seq_q, seq_k=seq_k)
-    if not ranked:
-        raise StofError(f"no tactic supports head_dim {head_dim} with tile {layout.tile_m}x{layout.tile_n}")
-    return int(ranked[0][0]), "presearch"
-
-
-def attention_problem_dims(model) -> dict:
-    """{node name: (onnx dtype name, heads, head_dim)} for the StofSparseAttention nodes whose query shape ONNX
-    shape inference can fix (heads and head dim are static in exported transformers)."""
-    import onnx
-
-    names = {1: "float", 10: "float16", 16: "bfloat16"}
-    try:  # data propagation resolves Reshape targets computed from Shape/Gather/Concat
-        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
-    except Exception:  # noqa: BLE001 - best effort
-        inferred = model
-    vis = {vi.name: vi for vi in list(inferred.graph.value_info) + list(inferred.graph.input)}
-    producer = {o: p for p in model.graph.node for o in p.output}
-
-    def static_dims(name):
-        vi = vis.get(name)
-        if vi is None:
-            return None, None
-        tt = vi.type.tensor_type
-        return [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim], tt.elem_type
-
-    out = {}
-    for n in model.graph.node:
-        if n.op_type != "StofSparseAttention" or n.domain != "stof":
-            continue
-        dims, et = static_dims(n.input[0])
-        if dims and len(dims) == 5 and dims[3] and dims[4] and et in names:  # packed [B, S, 3, H, D]
-            out[n.name] = (names[et], int(dims[3]), int(dims[4]))
-            continue
-        if not dims or len(dims) != 4 or not dims[3] or et not in names:
-            continue
-        heads = dims[1]
-        if not heads:  # q = Transpose(Reshape(x, [B, S, H, D])): H = x's static last dim (hidden) / D
-            t = producer.get(n.input[0])
-            r = producer.get(t.input[0]) if t is not None and t.op_type == "Transpose" else None
-            if r is not None and r.op_type == "Reshape":
-                xd, _ = static_dims(r.input[0])
-                if xd and xd[-1] and xd[-1] % dims[3] == 0:
-                    heads = xd[-1] // dims[3]
-        if heads:
-            out[n.name] = (names[et], int(heads), int(dims[3]))
-    return out
-
-
-def add_presearch_entries(cache: TacticCache, model, shapes, gpu: str, cc: str) -> int:
-    """Add the pre-search's first choice for every attention node of `model` and every (batch, seq) in `shapes`
-    whose key the cache lacks (measured entries are kept).  Returns the number of entries added; nodes whose
-    heads / head dim are not static are skipped."""
-    from . import presearch
-    from .tune import attention_nodes
-
-    dims = attention_problem_dims(model)
-    added = 0
-    for nd in attention_nodes(model):
-        if nd.name not in dims:
-            continue
-        dtype, heads, head_dim = dims[nd.name]
-        lay = nd.layout
-        stats = presearch.tile_stats(lay)
-        for batch, seq in shapes:
-            sq, sk = min(int(seq), lay.seq_q), min(int(seq), lay.seq_k)
-            key = CacheKey(gpu, cc, node_signature(dtype, heads, head_dim, lay.tile_m, lay.tile_n, lay.num_layouts,
-                                                   lay.seq_q, lay.seq_k, nd.key_padding_mask is not None),
-                           shape_bucket(batch, sq, sk), lay.signature())
-            if cache.get(key) is not None:
-                continue
-            ranked = presearch.rank(stats, batch=int(batch), heads=heads, head_dim=head_dim, seq_q=sq, seq_k=sk)
-            if ranked:
-                cache.put(key, int(ranked[0][0]), source="presearch", nodes=[nd.name])
-                added += 1
-    return added

@@ -18,69 +18,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import StofError
-from .format import STOF_FORMAT_VERSIONS_READ, TileLayout
+from .nodes import AttentionNode, attention_nodes
 from .tactic_cache import CacheKey, TacticCache, gpu_identity, node_signature, shape_bucket
 
-__all__ = ["AttentionNode", "attention_nodes", "probe_problems", "Problem", "time_tactics", "tune_model",
-           "TuneResult"]
-
-ONNX_DTYPES = {1: "float", 10: "float16", 16: "bfloat16"}
-_LAYOUT_INPUTS = ("row_ptr", "col_idx", "tile_bitmap_index", "bitmaps")
-
-
-@dataclass
-class AttentionNode:
-    """A StofSparseAttention node of a model: its tensor names, attributes and compiled layout."""
-
-    name: str
-    query: str
-    key: str
-    key_padding_mask: str | None
-    attn_bias: str | None
-    scale: float
-    layout: TileLayout
-    packed: bool = False  # qkv_format "bs3hd": query is [B,S,3,H,D], key/value absent
-
-
-def _attrs(node) -> dict:
-    import onnx
-
-    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-
-
-def attention_nodes(model) -> list[AttentionNode]:
-    """Every StofSparseAttention node whose layout arrays are initializers (or Constant nodes)."""
-    from onnx import numpy_helper
-
-    consts = {t.name: t for t in model.graph.initializer}
-    for n in model.graph.node:
-        if n.op_type == "Constant" and n.output:
-            for a in n.attribute:
-                if a.name == "value":
-                    consts[n.output[0]] = a.t
-    out = []
-    for i, n in enumerate(model.graph.node):
-        if n.op_type != "StofSparseAttention" or n.domain != "stof":
-            continue
-        a = _attrs(n)
-        names = list(n.input) + [""] * (9 - len(n.input))
-        arrays = {}
-        for nm, inp in zip(_LAYOUT_INPUTS, names[3:7]):
-            if inp not in consts:
-                raise StofError(f"attention node '{n.name}': layout input '{inp}' is not a constant")
-            arrays[nm] = np.ascontiguousarray(numpy_helper.to_array(consts[inp]), np.int32)
-        if int(a.get("format_version", -1)) not in STOF_FORMAT_VERSIONS_READ:
-            raise StofError(f"attention node '{n.name}': format_version {a.get('format_version')} (this version "
-                            f"reads {', '.join(map(str, STOF_FORMAT_VERSIONS_READ))})")
-        mask_spec = a.get("mask_spec", b"")
-        layout = TileLayout(seq_q=int(a["seq_q"]), seq_k=int(a["seq_k"]), tile_m=int(a["tile_m"]),
-                            tile_n=int(a["tile_n"]), num_layouts=int(a["num_layouts"]), mask_spec=(
-                                mask_spec.decode() if isinstance(mask_spec, bytes) else str(mask_spec)), **arrays)
-        fmt = a.get("qkv_format", b"bhsd")
-        packed = (fmt.decode() if isinstance(fmt, bytes) else str(fmt)) == "bs3hd"
-        out.append(AttentionNode(n.name or f"node{i}", names[0], names[0] if packed else names[1], names[7] or None,
-                                 names[8] or None, float(a["scale"]), layout, packed))
-    return out
+__all__ = ["probe_problems", "Problem", "time_tactics", "tune_model", "TuneResult"]
 
 
 @dataclass

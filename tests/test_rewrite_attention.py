@@ -5,7 +5,7 @@ import numpy as np
 import onnx
 import pytest
 
-from graph_rewrite import rewrite_model
+from stof_trt.rewrite import rewrite_model
 from models_util import TILE, assert_fused, assert_parity, exported, padding_mask, token_feeds
 from stof_trt.errors import StofError
 from stof_trt.masks import parse_mask
@@ -166,7 +166,7 @@ def test_default_tiles_and_report_is_json():
 
 def test_large_model_paths(monkeypatch):
     """Models over protobuf's 2 GB limit: probing and checking go through external data (threshold lowered)."""
-    import graph_rewrite.probe as probe
+    import stof_trt.rewrite.probe as probe
 
     monkeypatch.setattr(probe, "LARGE_MODEL_BYTES", 1000)
     model = exported("gpt2")

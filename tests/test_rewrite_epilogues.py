@@ -8,7 +8,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from graph_rewrite import rewrite_model
+from stof_trt.rewrite import rewrite_model
 from models_util import TILE, assert_fused, assert_parity, exported, op_counts, token_feeds
 
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
-from graph_rewrite.functions import (add_layernorm_function, add_layernorm_overload, attention_overload,
+from stof_trt.rewrite.functions import (add_layernorm_function, add_layernorm_overload, attention_overload,
                                      gemm_epilogue_function, sparse_attention_function)
 from models_util import session
 from stof_trt.format import STOF_FORMAT_VERSION, TileLayout, compile_mask

@@ -6,7 +6,7 @@ import numpy as np
 import onnx
 import pytest
 
-from graph_rewrite import rewrite_model
+from stof_trt.rewrite import rewrite_model
 from models_util import (TILE, assert_fused, assert_parity, exported, op_counts, padding_mask, run,
                          token_feeds)
 

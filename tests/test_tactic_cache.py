@@ -1,4 +1,5 @@
-"""Tactic cache: keys, JSON round trip, validation, and the pre-search fallback (no GPU needed)."""
+"""Tactic cache: keys, JSON round trip, validation; the pre-search fallback; reading a model's STOF nodes
+(no GPU needed)."""
 
 import json
 
@@ -6,7 +7,8 @@ import pytest
 
 from stof_trt.errors import StofError
 from stof_trt.format import STOF_FORMAT_VERSION, compile_mask
-from stof_trt.tactic_cache import FORMAT, CacheKey, TacticCache, choose, node_signature, shape_bucket
+from stof_trt.selection import add_presearch_entries, choose
+from stof_trt.tactic_cache import FORMAT, CacheKey, TacticCache, node_signature, shape_bucket
 
 
 def test_shape_bucket_rounds_up_to_powers_of_two():
@@ -81,7 +83,7 @@ def test_presearch_entries_for_a_model():
     import numpy as np
     from onnx import TensorProto, helper, numpy_helper
 
-    from stof_trt.tactic_cache import add_presearch_entries, attention_problem_dims
+    from stof_trt.nodes import attention_problem_dims
 
     lay = compile_mask("longformer:window=64,global=8", 512, 512)
     inits = [numpy_helper.from_array(np.ascontiguousarray(a, np.int32), n) for n, a in lay.arrays().items()]
@@ -106,12 +108,11 @@ def test_presearch_entries_for_a_model():
 
 def test_packed_attention_nodes():
     """qkv_format "bs3hd" nodes (query [B,S,3,H,D], no key/value): heads and head dim for the pre-search, and
-    tune.attention_nodes reads the packed query as key too."""
+    attention_nodes reads the packed query as key too."""
     import numpy as np
     from onnx import TensorProto, helper, numpy_helper
 
-    from stof_trt.tactic_cache import attention_problem_dims
-    from stof_trt.tune import attention_nodes
+    from stof_trt.nodes import attention_nodes, attention_problem_dims
 
     lay = compile_mask("causal", 256, 256)
     inits = [numpy_helper.from_array(np.ascontiguousarray(a, np.int32), n) for n, a in lay.arrays().items()]
@@ -125,3 +126,40 @@ def test_packed_attention_nodes():
     assert attention_problem_dims(m) == {"p0": ("float16", 12, 64)}
     (nd,) = attention_nodes(m)
     assert nd.packed and nd.query == nd.key == "qkv"
+
+
+def _one_node_model(lay, inits, inputs=("q", "k", "v", "row_ptr", "col_idx", "tile_bitmap_index", "bitmaps"),
+                    **attrs):
+    from onnx import TensorProto, helper
+
+    base = dict(scale=0.125, tile_m=lay.tile_m, tile_n=lay.tile_n, seq_q=lay.seq_q, seq_k=lay.seq_k,
+                num_layouts=lay.num_layouts, format_version=STOF_FORMAT_VERSION, mask_spec=lay.mask_spec)
+    base.update(attrs)
+    node = helper.make_node("StofSparseAttention", list(inputs), ["o"], domain="stof", name="a0", **base)
+    ins = [helper.make_tensor_value_info(n, TensorProto.FLOAT16, ["B", 4, "S", 64]) for n in "qkv"]
+    g = helper.make_graph([node], "g", ins, [helper.make_tensor_value_info("o", TensorProto.FLOAT16, None)], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("stof", 1)])
+
+
+def test_attention_nodes_refuse_what_they_cannot_trust():
+    """A layout input that is not a constant, a layout whose arrays break an invariant, or an unknown format
+    version: one StofError each, before anything (the tuner, `stof inspect`) reads the layout."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    from stof_trt.nodes import attention_nodes
+
+    lay = compile_mask("causal", 256, 256)
+    arrays = lay.arrays()
+    good = [numpy_helper.from_array(np.ascontiguousarray(a, np.int32), n) for n, a in arrays.items()]
+    (nd,) = attention_nodes(_one_node_model(lay, good))
+    assert nd.layout.signature() == lay.signature() and nd.scale == 0.125 and not nd.packed
+
+    with pytest.raises(StofError, match="layout input 'bitmaps' is not a constant"):
+        attention_nodes(_one_node_model(lay, good[:3]))
+    bad_cols = dict(arrays, col_idx=np.full_like(arrays["col_idx"], lay.Tk + 3))  # a key tile past the grid
+    bad = [numpy_helper.from_array(np.ascontiguousarray(a, np.int32), n) for n, a in bad_cols.items()]
+    with pytest.raises(StofError, match="col_idx out of range"):
+        attention_nodes(_one_node_model(lay, bad))
+    with pytest.raises(StofError, match="format_version 99"):
+        attention_nodes(_one_node_model(lay, good, format_version=99))

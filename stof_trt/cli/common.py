@@ -17,7 +17,7 @@ def load_model(path: str, *, keep_external_data: bool = False):
     """Load an ONNX model or raise a one-line StofError.
 
     With ``keep_external_data`` the weights of a model stored with external data stay in their files, read
-    relative to the model's directory when needed (``graph_rewrite.rewrite_model(external_data_dir=...)``,
+    relative to the model's directory when needed (``stof_trt.rewrite.rewrite_model(external_data_dir=...)``,
     ``save_model(external_data_dir=...)``): a single tensor over 2 GB cannot live in a proto that is copied or
     serialised."""
     import onnx

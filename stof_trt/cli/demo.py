@@ -41,11 +41,10 @@ def run(args) -> int:
     except ImportError as e:
         raise StofError(f"the demo needs torch, transformers and onnxruntime ({e}); "
                         "pip install 'stof-trt[export,ort]'") from None
-    import graph_rewrite
-
     from ..cli.common import load_model, print_json, save_model
     from ..cli.rewrite import print_report
     from ..masks import parse_mask
+    from ..rewrite import rewrite_model
 
     mask = parse_mask(args.mask)
     B, S = args.batch, args.seq_len
@@ -63,7 +62,7 @@ def run(args) -> int:
     export_bert(orig2, mask_dims=2, **common)
 
     t0 = time.perf_counter()
-    model, report = graph_rewrite.rewrite_model(load_model(orig2), mask=mask, max_seq_len=S)
+    model, report = rewrite_model(load_model(orig2), mask=mask, max_seq_len=S)
     save_model(model, rewritten)
     t_rewrite = time.perf_counter() - t0
 

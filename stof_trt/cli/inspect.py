@@ -11,11 +11,9 @@ from __future__ import annotations
 import os
 import textwrap
 
-from ..errors import StofError
 from .common import load_model, print_json, print_table
 
 STOF_DOMAIN = "stof"
-ATTENTION_OP = "StofSparseAttention"
 
 
 def add_args(p):
@@ -23,29 +21,6 @@ def add_args(p):
     p.add_argument("--out-dir", metavar="DIR", help="where to save the PNGs (default: MODEL.masks/ beside the model)")
     p.add_argument("--no-png", action="store_true", help="do not draw the mask layouts")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
-
-
-def read_layouts(model):
-    """Yield (node, TileLayout) for each StofSparseAttention node whose layout arrays are initializers."""
-    from onnx import helper, numpy_helper
-
-    from ..format import TileLayout
-
-    inits = {t.name: t for t in model.graph.initializer}
-    for node in model.graph.node:
-        if node.domain != STOF_DOMAIN or node.op_type != ATTENTION_OP:
-            continue
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        names = list(node.input[3:7])
-        if len(names) < 4 or any(n not in inits for n in names):
-            raise StofError(f"node {node.name}: layout inputs are not initializers")
-        arrs = [numpy_helper.to_array(inits[n]) for n in names]
-        spec = attrs.get("mask_spec", b"")
-        layout = TileLayout.from_arrays(
-            seq_q=attrs["seq_q"], seq_k=attrs["seq_k"], tile_m=attrs["tile_m"], tile_n=attrs["tile_n"],
-            num_layouts=attrs["num_layouts"], row_ptr=arrs[0], col_idx=arrs[1], tile_bitmap_index=arrs[2],
-            bitmaps=arrs[3], mask_spec=spec.decode() if isinstance(spec, bytes) else spec)
-        yield node, attrs, layout
 
 
 def draw_layout(layout, path: str, title: str) -> None:
@@ -75,17 +50,20 @@ def draw_layout(layout, path: str, title: str) -> None:
 
 
 def run(args) -> int:
+    from ..nodes import attention_nodes
+
     model = load_model(args.model)
     nodes = [n for n in model.graph.node if n.domain == STOF_DOMAIN]
     layouts = {}
     attention = []
-    for node, attrs, layout in read_layouts(model):
+    for nd in attention_nodes(model):
+        layout = nd.layout
         sig = layout.signature()
-        layouts.setdefault(sig, (layout, []))[1].append(node.name)
-        attention.append({"node": node.name, "layout": sig[:12], "seq": [layout.seq_q, layout.seq_k],
+        layouts.setdefault(sig, (layout, []))[1].append(nd.name)
+        attention.append({"node": nd.name, "layout": sig[:12], "seq": [layout.seq_q, layout.seq_k],
                           "tile": [layout.tile_m, layout.tile_n], "layouts": layout.num_layouts,
                           "density": layout.density(), "tile_classes": layout.class_counts(),
-                          "mask_spec": layout.mask_spec, "scale": attrs.get("scale")})
+                          "mask_spec": layout.mask_spec, "scale": nd.scale})
     pngs = []
     if not args.no_png and layouts:
         out_dir = args.out_dir or os.path.splitext(args.model)[0] + ".masks"

@@ -43,6 +43,7 @@ def add_args(p):
 def run(args) -> int:
     from .. import format as fmt
     from ..masks import parse_mask
+    from ..rewrite import rewrite_model
 
     check_output_path(args.input, args.output)
     mask = parse_mask(args.mask) if args.mask else None
@@ -52,13 +53,10 @@ def run(args) -> int:
     t0 = time.perf_counter()
     model = load_model(args.input, keep_external_data=True)
     data_dir = os.path.dirname(os.path.abspath(args.input))
-    import graph_rewrite
-
-    new_model, report = graph_rewrite.rewrite_model(model, mask=mask, epilogues=not args.no_epilogue,
-                                                     tile_m=args.tile[0], tile_n=args.tile[1],
-                                                     max_seq_len=args.max_seq_len, external_data_dir=data_dir,
-                                                     packed_qkv=not args.no_packed_qkv,
-                                                     dense_attention=args.dense_attention)
+    new_model, report = rewrite_model(model, mask=mask, epilogues=not args.no_epilogue, tile_m=args.tile[0],
+                                      tile_n=args.tile[1], max_seq_len=args.max_seq_len,
+                                      external_data_dir=data_dir, packed_qkv=not args.no_packed_qkv,
+                                      dense_attention=args.dense_attention)
     save_model(new_model, args.output, external_data_dir=data_dir)
     info = report.to_dict()
     info.update(input=args.input, output=args.output, seconds=round(time.perf_counter() - t0, 3))
@@ -70,7 +68,7 @@ def run(args) -> int:
 
 
 def print_report(info: dict) -> None:
-    """Tables from RewriteReport.to_dict() (graph_rewrite/report.py)."""
+    """Tables from RewriteReport.to_dict() (stof_trt/rewrite/report.py)."""
     print(f"{info['input']} -> {info['output']}  ({info['seconds']} s)")
     patterns = info.get("patterns", {})
     removed = sum(p["nodes_removed"] for p in patterns.values())

@@ -1,4 +1,6 @@
-"""One small case per kernel family for compute-sanitizer (memcheck / racecheck), run as a script:
+"""One small case per kernel family for compute-sanitizer (memcheck / racecheck), run as a script with stof_trt
+importable (installed, or PYTHONPATH=$PWD from the repository root); Python puts this file's folder, and so
+_gpu_helpers, on the path itself:
 
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
         python tests/gpu/sanitize_case.py
@@ -12,20 +14,13 @@ the persistent tactics over a grid of four waves with sched_chunk 1 (all but the
 statically).
 """
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import torch
+from _gpu_helpers import TOL, rand_qkv, reference, rel_err
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from _gpu_helpers import TOL, rand_qkv, reference, rel_err  # noqa: E402
-
-from stof_trt.format import TileLayout  # noqa: E402
-from stof_trt.kernels import DeviceLayout, list_tactics, sparse_attention, tactic_info  # noqa: E402
-from stof_trt.masks import parse_mask  # noqa: E402
+from stof_trt.format import TileLayout
+from stof_trt.kernels import DeviceLayout, list_tactics, sparse_attention, tactic_info
+from stof_trt.masks import parse_mask
 
 
 def main():

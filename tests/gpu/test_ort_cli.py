@@ -67,7 +67,7 @@ def test_masked_feeds_pair_padding_and_static_mask():
 def _tiny_stof_model(tmp_path):
     from onnx import TensorProto, helper, numpy_helper
 
-    from graph_rewrite.functions import DOMAIN, attention_overload, sparse_attention_function
+    from stof_trt.rewrite.functions import DOMAIN, attention_overload, sparse_attention_function
     from stof_trt.format import compile_mask
 
     lay = compile_mask("causal", 64, 64, tile_m=32, tile_n=32)

@@ -34,11 +34,11 @@ def _fp16(src, dst):
 
 
 def _rewrite(src, dst, spec, max_seq):
-    import graph_rewrite
+    from stof_trt.rewrite import rewrite_model
     from stof_trt.masks import parse_mask
 
-    m, rep = graph_rewrite.rewrite_model(onnx.load(str(src)), mask=parse_mask(spec) if spec else None,
-                                         max_seq_len=max_seq)
+    m, rep = rewrite_model(onnx.load(str(src)), mask=parse_mask(spec) if spec else None,
+                           max_seq_len=max_seq)
     assert any(n.domain == "stof" for n in m.graph.node)
     onnx.save(m, str(dst))
     return dst

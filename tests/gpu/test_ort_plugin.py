@@ -18,8 +18,8 @@ ort = pytest.importorskip("onnxruntime")
 
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
-from graph_rewrite.functions import (DOMAIN, add_layernorm_function, add_layernorm_overload,  # noqa: E402
-                                     attention_overload, gemm_epilogue_function, sparse_attention_function)
+from stof_trt.rewrite.functions import (DOMAIN, add_layernorm_function, add_layernorm_overload,  # noqa: E402
+                                        attention_overload, gemm_epilogue_function, sparse_attention_function)
 from stof_trt import ort as sort  # noqa: E402
 from stof_trt.format import STOF_FORMAT_VERSION, compile_mask  # noqa: E402
 from stof_trt.masks import parse_mask  # noqa: E402

@@ -1,40 +1,95 @@
-#!/usr/bin/env python3
-"""cuDNN's own banded attention (a sliding window, |q - k| <= window) as an anchor for the sliding cells.
+"""The anchors STOF's times are judged against, beside PyTorch's SDPA and FlexAttention:
 
-    PYTHONUNBUFFERED=1 python scripts/cudnn_band.py --sizes 1024,2048,4096,8192 --dims 64,128 --out $OUT
+* the roofline floor: max(q, k, v read and o written at the device's copy bandwidth, the allowed tiles' FLOPs at
+  its fp16 matmul rate), both rates measured on the same GPU in the same run (docs/performance.md, "Method");
+* SDPA with each backend forced (cuDNN, flash), for the causal cells, where PyTorch's default dispatch hides
+  which kernel it ran;
+* cuDNN's own banded attention for the sliding cells (:class:`CudnnBand`): SDPA can pass cuDNN a boolean mask
+  or is_causal, never a band, so none of the other anchors is a kernel made for that mask.  It needs
+  nvidia-cudnn-frontend (a PyPI wheel); :func:`try_band_anchor` says why it is missing instead of raising.
 
-Why: the issue's sliding target (STOF within 1.3x of the roofline floor at S=4096) has stood unmet for many sessions
-at a step cost equal to cuDNN's dense kernel (docs/performance.md).  SDPA cannot pass cuDNN a band (only a boolean
-mask, or is_causal), so none of the issue's anchors is a kernel made for the band.  cuDNN's graph API takes one: its
-SDPA node's diagonal band bounds (nvidia-cudnn-frontend, a PyPI wheel; the GPU machine lacks it, so it travels as a
-staged wheel: STOF_EXTRA_WHEELS in scripts/device_kernels.sh).  This is NVIDIA's own sliding-window kernel on the same
-GPU: the reference made for this mask.
-
-`CudnnBand(q, k, v, left, right)` builds the graph once (fp16/bf16 [B, H, S, D] q/k/v, S_q = S_k) and runs it on the
-current stream; `band_anchor(q, k, v, window, ref)` returns one whose output matches ref and a float64 reference (the
-bound's convention, inclusive or not, is settled that way rather than assumed), run by the fastest of cuDNN's plans;
-`try_band_anchor` returns (None, why) instead of raising, for the benchmarks that leave the anchor out where it
-cannot be had.  Standalone, the script times STOF (the pre-search pick), the cuDNN band and the roofline floor in
-paired rounds per cell (paired_anchor.time_round: the floor's copy and matmul last) and writes cudnn_band.json /
-cudnn_band.md under --out; a cell without the anchor makes it exit non-zero.  Needs a CUDA GPU and the wheel: a
-benchmark, not a test.
+Every function that touches the GPU imports torch (and cudnn) itself: the module imports without them.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from .stats import rel_err
 
-from paired_anchor import (checked_runner, floor_methods, median_ci, rel_err, roofline_floor_ms,  # noqa: E402
-                           time_round)
+__all__ = ["COPY_ELEMS", "MATMUL_N", "floor_methods", "copy_bandwidth", "matmul_rate", "roofline_floor_ms",
+           "attention_bytes", "tile_flops", "sdpa_backend_methods", "CudnnBand", "band_reference64", "band_anchor",
+           "try_band_anchor"]
+
+# The floor's ingredients: a 512 MiB device copy (1 GiB of traffic) and an 8192^3 fp16 matmul, large enough to run
+# at the device's sustained rates rather than its launch overhead.
+COPY_ELEMS, MATMUL_N = 256 * 1024 * 1024, 8192
+
+
+def floor_methods() -> dict:
+    """{"copy": fn, "matmul": fn} over buffers of their own, for stats.time_round and roofline_floor_ms."""
+    import torch
+
+    x = torch.randn(COPY_ELEMS, device="cuda", dtype=torch.float16)
+    y = torch.empty_like(x)
+    a = torch.randn(MATMUL_N, MATMUL_N, device="cuda", dtype=torch.float16)
+    b = torch.randn(MATMUL_N, MATMUL_N, device="cuda", dtype=torch.float16)
+    return {"copy": lambda: y.copy_(x), "matmul": lambda: a @ b}
+
+
+def copy_bandwidth(ms: float) -> float:
+    """Bytes per second of floor_methods' copy (read + write) that took ms."""
+    return 2 * COPY_ELEMS * 2 / (ms * 1e-3)
+
+
+def matmul_rate(ms: float) -> float:
+    """FLOP per second of floor_methods' matmul that took ms."""
+    return 2 * MATMUL_N**3 / (ms * 1e-3)
+
+
+def roofline_floor_ms(rd: dict, nbytes: float, tile_flops: float) -> float:
+    """The floor from the copy and matmul times in rd (ms): max(nbytes at the copy's bandwidth, tile_flops at the
+    matmul's rate), in ms."""
+    return max(nbytes / copy_bandwidth(rd["copy"]), tile_flops / matmul_rate(rd["matmul"])) * 1e3
+
+
+def attention_bytes(batch: int, heads: int, seq: int, head_dim: int, elem_bytes: int = 2) -> int:
+    """The floor's memory traffic: q, k, v read and o written once ([B, H, S, D] each, S_q = S_k)."""
+    return 4 * batch * heads * seq * head_dim * elem_bytes
+
+
+def tile_flops(layout, batch: int, heads: int, head_dim: int) -> float:
+    """The floor's FLOPs: both MMAs (Q K^T and P V) over every allowed tile of a layout all heads share, masked
+    elements too."""
+    return 4.0 * batch * heads * head_dim * layout.nnz * layout.tile_m * layout.tile_n
+
+
+def sdpa_backend_methods(q, k, v, ref, is_causal: bool = False, where: str = "") -> dict:
+    """{"sdpa_cudnn": fn, "sdpa_flash": fn}: SDPA with each backend forced, for those that accept (q, k, v) and match
+    ref within fp16's tolerance; a backend that refuses the problem is left out with a note on stderr."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    out = {}
+    for name, be in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
+        def fn(be=be):
+            with sdpa_kernel([be]):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+        try:
+            o = fn()
+            if o.is_cuda:
+                torch.cuda.synchronize()
+        except RuntimeError as e:  # the backend refuses this problem: not an anchor here
+            print(f"{Path(sys.argv[0]).stem}: {name} unavailable{where}: {str(e)[:120]}", file=sys.stderr)
+            continue
+        if rel_err(o, ref) < 2e-3:
+            out[name] = fn
+        else:
+            print(f"{Path(sys.argv[0]).stem}: {name} differs from the reference{where}: left out", file=sys.stderr)
+    return out
 
 
 class CudnnBand:
@@ -198,7 +253,8 @@ def band_anchor(q, k, v, window: int, ref, tol: float = 2e-3, autotune: bool = T
                 raise RuntimeError(f"cuDNN band plan {bd.plan} differs after tuning: rel err {errs}")
         bd.rel_err, bd.rel_err64 = errs[0], max(errs[1:])
         return bd
-    raise RuntimeError(f"no cuDNN band matches |q-k| <= {window}: " + "; ".join(f"left={l}: {m}" for l, m in notes.items()))
+    raise RuntimeError(f"no cuDNN band matches |q-k| <= {window}: "
+                       + "; ".join(f"left={left}: {m}" for left, m in notes.items()))
 
 
 def try_band_anchor(q, k, v, window: int, ref):
@@ -207,103 +263,3 @@ def try_band_anchor(q, k, v, window: int, ref):
         return band_anchor(q, k, v, window, ref), ""
     except RuntimeError as e:
         return None, str(e)[:300]
-
-
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="1024,2048,4096,8192")
-    ap.add_argument("--dims", default="64")
-    ap.add_argument("--window", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms) per measurement")
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args()
-
-    import numpy as np
-    import torch
-    import torch.nn.functional as F
-    import triton.testing
-
-    from stof_trt import presearch
-    from stof_trt.format import compile_mask
-    from stof_trt.kernels import DeviceLayout, tactic_info
-    from stof_trt.masks import parse_mask
-
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    B, H = a.batch, a.heads
-    gpu = presearch.gpu_props()
-    dev = torch.cuda.get_device_properties(0)
-
-    def bench(fn):
-        return triton.testing.do_bench(fn, warmup=25, rep=a.rep, return_mode="median")
-
-    def write(rows, raw, missing):
-        (out / "cudnn_band.json").write_text(json.dumps(
-            {"argv": sys.argv, "device": dev.name, "summary": rows, "missing": missing, "rounds": raw}, indent=1))
-
-    floor_fns = floor_methods()
-    rows, raw, missing = [], {}, {}
-    t0 = time.time()
-    for D in [int(d) for d in a.dims.split(",")]:
-        for S in [int(s) for s in a.sizes.split(",")]:
-            g = torch.Generator(device="cuda").manual_seed(S + D)
-            q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.float16, generator=g) for _ in range(3))
-            mask = parse_mask(f"sliding:window={a.window}")
-            layout = compile_mask(mask, S, S)
-            dl = DeviceLayout(layout)
-            pick = presearch.rank(layout, batch=B, heads=H, head_dim=D, gpu=gpu)[0][0]
-            ref = F.scaled_dot_product_attention(q, k, v, attn_mask=torch.from_numpy(mask.dense(S, S)).cuda()[None, None])
-            r = checked_runner(q, k, v, dl, pick, ref, f"D={D} S={S}")  # poisoned, checked; exits otherwise
-            cb, why = try_band_anchor(q, k, v, a.window, ref)
-            if cb is None:
-                print(f"cudnn_band: D={D} S={S}: {why}", file=sys.stderr, flush=True)
-                missing[f"{D}:{S}"] = why
-                write(rows, raw, missing)
-                continue
-            methods = {"stof": r, "cudnn_band": cb, **floor_fns}
-            per = [time_round(methods, bench, 1000 * rd + S + D) for rd in range(a.rounds)]
-            nbytes = 4 * B * H * S * D * 2
-            tile_flops = 4.0 * B * H * D * layout.nnz * layout.tile_m * layout.tile_n
-            floor = [roofline_floor_ms(p, nbytes, tile_flops) for p in per]
-            st = median_ci([p["stof"] / f for p, f in zip(per, floor)])
-            cu = median_ci([p["cudnn_band"] / f for p, f in zip(per, floor)])
-            sp = median_ci([p["cudnn_band"] / p["stof"] for p in per])
-            row = {"D": D, "S": S, "pick": tactic_info(pick).name, "cudnn_left_bound": cb.left,
-                   "cudnn_plan": cb.plan, "cudnn_plan_ms": cb.plan_ms,
-                   "stof_ms": float(np.median([p["stof"] for p in per])),
-                   "cudnn_band_ms": float(np.median([p["cudnn_band"] for p in per])),
-                   "floor_ms": float(np.median(floor)),
-                   "stof_over_floor": st, "cudnn_over_floor": cu, "cudnn_over_stof": sp,
-                   "rel_err_stof": rel_err(r.out, ref), "rel_err_cudnn": cb.rel_err, "rel_err64_cudnn": cb.rel_err64}
-            rows.append(row)
-            raw[f"{D}:{S}"] = per
-            write(rows, raw, missing)  # a later failure keeps the cells measured so far
-            print(f"[{time.time() - t0:.0f}s] D={D} S={S}: cuDNN plans {cb.plan_ms}, kept {cb.plan}", flush=True)
-            print(f"[{time.time() - t0:.0f}s] D={D} S={S}: STOF {row['stof_ms']:.4f} ms ({st[0]:.3f}x floor), "
-                  f"cuDNN band {row['cudnn_band_ms']:.4f} ms ({cu[0]:.3f}x floor), cuDNN / STOF {sp[0]:.3f} "
-                  f"[{sp[1]:.3f}, {sp[2]:.3f}]", flush=True)
-            del methods, cb, r
-
-    md = [f"Sliding |q-k| <= {a.window}: STOF (pre-search pick) against cuDNN's own band kernel (cudnn frontend SDPA, "
-          f"diagonal band bounds, the fastest of its plans) and the roofline floor; {a.rounds} paired rounds; device "
-          f"{dev.name}; B={B} H={H} fp16; ratio = median of per-round ratios [95 % bootstrap interval].", "",
-          "| D | S | STOF tactic | STOF ms | cuDNN band ms | floor ms | STOF / floor | cuDNN / floor | cuDNN / STOF |",
-          "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        md.append(f"| {r['D']} | {r['S']} | {r['pick']} | {r['stof_ms']:.4f} | {r['cudnn_band_ms']:.4f} | "
-                  f"{r['floor_ms']:.4f} | {r['stof_over_floor'][0]:.3f} | {r['cudnn_over_floor'][0]:.3f} "
-                  f"[{r['cudnn_over_floor'][1]:.3f}, {r['cudnn_over_floor'][2]:.3f}] | {r['cudnn_over_stof'][0]:.3f} "
-                  f"[{r['cudnn_over_stof'][1]:.3f}, {r['cudnn_over_stof'][2]:.3f}] |")
-    md += [f"- D={c.split(':')[0]} S={c.split(':')[1]}: no cuDNN band anchor: {why}" for c, why in missing.items()]
-    text = "\n".join(md)
-    print(text, flush=True)
-    (out / "cudnn_band.md").write_text(text + "\n")
-    if missing:  # the anchor is this script's purpose: a cell without it is a failed run
-        sys.exit(f"cudnn_band: no cuDNN band anchor in {len(missing)} of {len(missing) + len(rows)} cells")
-
-
-if __name__ == "__main__":
-    main()

@@ -12,7 +12,7 @@ import copy
 import onnx
 import onnx_graphsurgeon as gs
 
-from stof_trt.errors import StofError
+from ..errors import StofError
 
 from .base import RewriteContext
 from .functions import DOMAIN, DOMAIN_VERSION, MIN_OPSET, build_functions
@@ -85,8 +85,8 @@ def rewrite_model(model: onnx.ModelProto, *, mask=None, epilogues: bool = True, 
 
 
 def _rewrite_model(model, *, mask, epilogues, tile_m, tile_n, max_seq_len, packed_qkv=True, dense_attention="stof"):
-    from stof_trt.format import check_tile_shape
-    from stof_trt.masks import parse_mask
+    from ..format import check_tile_shape
+    from ..masks import parse_mask
 
     if not isinstance(model, onnx.ModelProto):
         raise StofError("rewrite_model expects an onnx.ModelProto")

@@ -27,7 +27,7 @@ Replaced by (the Q/K/V projections stay)::
             [B,H,Sq,D]
 
 K' is K with one composed Transpose (or none) so that it is [B,H,Sk,D]. The mask operand is classified by
-:mod:`graph_rewrite.mask_analysis`; a mask it cannot interpret stays exact as ``attn_bias``.
+:mod:`stof_trt.rewrite.mask_analysis`; a mask it cannot interpret stays exact as ``attn_bias``.
 Legend: B batch, H heads, Sq/Sk query/key length, D head dim.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Public API::
 
-    from graph_rewrite import rewrite_model, RewriteReport
+    from stof_trt.rewrite import rewrite_model, RewriteReport
     new_model, report = rewrite_model(model, mask="longformer:window=128,global=16", max_seq_len=512)
     print(report); report.to_dict()
 

@@ -20,9 +20,9 @@ import onnx
 import onnx_graphsurgeon as gs
 import onnx.numpy_helper
 
-from stof_trt.errors import StofError
+from ..errors import StofError
 
-logger = logging.getLogger("graph_rewrite")
+logger = logging.getLogger("stof_trt.rewrite")
 
 #: Element-wise ops whose outputs depend on their inputs point by point (used by the activation matcher).
 ELEMENTWISE_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Sqrt", "Erf", "Tanh", "Neg", "Exp", "Sigmoid",

@@ -6,8 +6,8 @@ import dataclasses
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from stof_trt.errors import StofError
-from stof_trt.format import STOF_FORMAT_VERSION, TileLayout, compile_mask
+from ..errors import StofError
+from ..format import STOF_FORMAT_VERSION, TileLayout, compile_mask
 
 from .base import Fusion
 from .functions import attention_overload

@@ -16,7 +16,7 @@ import onnx.numpy_helper
 import onnx_graphsurgeon as gs
 from onnx import helper
 
-from stof_trt.errors import StofError
+from ..errors import StofError
 
 from .matcher import constant_array, is_external
 

@@ -1,23 +1,19 @@
-"""scripts/cudnn_band.py on the host: its float64 reference is the band the benchmark's sliding mask means, and
-without the cuDNN wheel the anchor fails with one clear RuntimeError (the benchmarks then leave it out).  The
-kernel itself runs only on the GPU machine (scripts/cudnn_band.py, docs/bench/session29.md)."""
+"""stof_trt.bench.anchors on the host: the roofline floor's arithmetic, the SDPA backends kept, and the cuDNN band
+anchor (its float64 reference is the band the benchmark's sliding mask means; without the cuDNN wheel it fails
+with one clear RuntimeError, and the benchmarks leave it out).  The cuDNN kernel itself runs only on a GPU
+(scripts/bench_attention.py's sliding cells)."""
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from stof_trt.bench import anchors  # noqa: E402
+from stof_trt.format import compile_mask  # noqa: E402
 from stof_trt.masks import parse_mask  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
-spec = importlib.util.spec_from_file_location("cudnn_band", ROOT / "scripts" / "cudnn_band.py")
-cudnn_band = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(cudnn_band)
 
 
 def _qkv(S, D, seed):
@@ -32,11 +28,11 @@ def test_reference64_is_the_sliding_mask(S, window):
     s = q[1, 2].double() @ k[1, 2].double().T / math.sqrt(16)
     s[~torch.from_numpy(np.asarray(dense, dtype=bool))] = float("-inf")
     expect = torch.softmax(s, -1) @ v[1, 2].double()
-    got = cudnn_band.band_reference64(q, k, v, window, b=1, h=2)
+    got = anchors.band_reference64(q, k, v, window, b=1, h=2)
     assert got.dtype == torch.float64
     assert torch.allclose(got, expect, rtol=1e-12, atol=1e-12)
     # a band one narrower is a different answer: the check above could fail
-    narrower = cudnn_band.band_reference64(q, k, v, window - 1, b=1, h=2)
+    narrower = anchors.band_reference64(q, k, v, window - 1, b=1, h=2)
     assert not torch.allclose(narrower, expect, rtol=1e-6, atol=1e-6)
 
 
@@ -48,10 +44,10 @@ def test_anchor_without_the_wheel_is_one_clear_error():
     else:
         pytest.skip("nvidia-cudnn-frontend is installed here")
     q, k, v = _qkv(64, 16, seed=1)
-    ref = cudnn_band.band_reference64(q, k, v, 8)[None, None].expand(2, 3, 64, 16)
+    ref = anchors.band_reference64(q, k, v, 8)[None, None].expand(2, 3, 64, 16)
     with pytest.raises(RuntimeError, match="nvidia-cudnn-frontend is not usable here"):
-        cudnn_band.band_anchor(q, k, v, 8, ref)
-    cb, why = cudnn_band.try_band_anchor(q, k, v, 8, ref)
+        anchors.band_anchor(q, k, v, 8, ref)
+    cb, why = anchors.try_band_anchor(q, k, v, 8, ref)
     assert cb is None and "not usable" in why
 
 
@@ -96,7 +92,7 @@ def fake_cudnn(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     for attr in ("inclusive", "break_on_tune", "refuse"):
         monkeypatch.setattr(_FakeBand, attr, False)
-    monkeypatch.setattr(cudnn_band, "CudnnBand", _FakeBand)
+    monkeypatch.setattr(anchors, "CudnnBand", _FakeBand)
     return _FakeBand
 
 
@@ -105,9 +101,9 @@ def test_anchor_settles_the_bound_convention(fake_cudnn, inclusive):
     fake_cudnn.inclusive = inclusive
     q, k, v = _qkv(96, 16, seed=3)
     window = 12
-    ref = torch.stack([torch.stack([cudnn_band.band_reference64(q, k, v, window, b, h) for h in range(3)])
+    ref = torch.stack([torch.stack([anchors.band_reference64(q, k, v, window, b, h) for h in range(3)])
                        for b in range(2)]).float()
-    cb = cudnn_band.band_anchor(q, k, v, window, ref)
+    cb = anchors.band_anchor(q, k, v, window, ref)
     assert cb.left == (window if inclusive else window + 1) and cb.right == window
     assert cb.rel_err < 1e-5 and cb.rel_err64 < 1e-5
 
@@ -115,17 +111,53 @@ def test_anchor_settles_the_bound_convention(fake_cudnn, inclusive):
 def test_anchor_rejects_a_plan_that_breaks_after_tuning(fake_cudnn):
     fake_cudnn.break_on_tune = True
     q, k, v = _qkv(64, 16, seed=4)
-    ref = torch.stack([torch.stack([cudnn_band.band_reference64(q, k, v, 5, b, h) for h in range(3)])
+    ref = torch.stack([torch.stack([anchors.band_reference64(q, k, v, 5, b, h) for h in range(3)])
                        for b in range(2)]).float()
     with pytest.raises(RuntimeError, match="differs after tuning"):
-        cudnn_band.band_anchor(q, k, v, 5, ref)
+        anchors.band_anchor(q, k, v, 5, ref)
 
 
 def test_anchor_names_cudnn_errors_and_wrong_answers(fake_cudnn):
     q, k, v = _qkv(64, 16, seed=5)
     ref = torch.zeros(2, 3, 64, 16) + 1.0  # no band's answer
     with pytest.raises(RuntimeError, match=r"left=6: rel err .*; left=5: rel err"):
-        cudnn_band.band_anchor(q, k, v, 5, ref)
+        anchors.band_anchor(q, k, v, 5, ref)
     fake_cudnn.refuse = True
-    cb, why = cudnn_band.try_band_anchor(q, k, v, 5, ref)
+    cb, why = anchors.try_band_anchor(q, k, v, 5, ref)
     assert cb is None and "cuDNN error ValueError: graph not supported" in why
+
+
+def test_roofline_floor_is_the_larger_of_memory_and_tile_flops():
+    rd = {"copy": 0.5, "matmul": 2.0}  # ms
+    bw = 2 * anchors.COPY_ELEMS * 2 / 0.5e-3
+    rate = 2 * anchors.MATMUL_N**3 / 2.0e-3
+    assert anchors.roofline_floor_ms(rd, 3e8, 1e9) == pytest.approx(3e8 / bw * 1e3)  # memory-bound
+    assert anchors.roofline_floor_ms(rd, 1e6, 1e13) == pytest.approx(1e13 / rate * 1e3)  # FLOP-bound
+
+
+def test_floor_inputs_of_an_attention_problem():
+    assert anchors.attention_bytes(8, 12, 4096, 64) == 4 * 8 * 12 * 4096 * 64 * 2  # q, k, v, o in fp16
+    lay = compile_mask("causal", 256, 256, tile_m=64, tile_n=64)
+    assert lay.nnz == 10  # the 4 + 3 + 2 + 1 tiles on and below the diagonal
+    assert anchors.tile_flops(lay, 2, 3, 64) == 4.0 * 2 * 3 * 64 * 10 * 64 * 64
+
+
+@pytest.mark.parametrize("case", ["match", "differs", "refuses"])
+def test_sdpa_backend_methods_keep_only_backends_that_run_and_match(monkeypatch, capsys, case):
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    ref = torch.randn(1, 2, 8, 16)
+
+    def fake_sdpa(*args, **kw):
+        if case == "refuses":
+            raise RuntimeError("No available kernel.")
+        return ref.clone() if case == "match" else ref + 1.0
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", fake_sdpa)
+    got = anchors.sdpa_backend_methods(q, k, v, ref, where=" here")
+    if case == "match":
+        assert set(got) == {"sdpa_cudnn", "sdpa_flash"}
+        assert torch.equal(got["sdpa_flash"](), ref)
+    else:
+        assert got == {}
+        err = capsys.readouterr().err
+        assert ("unavailable here" if case == "refuses" else "differs from the reference here") in err

@@ -1,0 +1,119 @@
+"""The StofSparseAttention nodes of an ONNX model: tensor names, attributes, compiled layout, problem dims.
+
+What the tuner, the pre-search entries and the command line read from a rewritten model, in one place, so that
+reading a model needs neither a session (stof_trt.ort) nor the tactic machinery.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import StofError
+from .format import STOF_FORMAT_VERSIONS_READ, TileLayout
+
+__all__ = ["ONNX_DTYPES", "AttentionNode", "attention_nodes", "attention_problem_dims"]
+
+ONNX_DTYPES = {1: "float", 10: "float16", 16: "bfloat16"}
+_LAYOUT_INPUTS = ("row_ptr", "col_idx", "tile_bitmap_index", "bitmaps")
+
+
+@dataclass
+class AttentionNode:
+    """A StofSparseAttention node of a model: its tensor names, attributes and compiled layout."""
+
+    name: str
+    query: str
+    key: str
+    key_padding_mask: str | None
+    attn_bias: str | None
+    scale: float
+    layout: TileLayout
+    packed: bool = False  # qkv_format "bs3hd": query is [B,S,3,H,D], key/value absent
+
+
+def _attrs(node) -> dict:
+    import onnx
+
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def attention_nodes(model) -> list[AttentionNode]:
+    """Every StofSparseAttention node of the model's graph, its layout read from initializers or Constant nodes and
+    validated; a layout input that is neither, a bad layout or an unknown format version raises StofError."""
+    from onnx import numpy_helper
+
+    consts = {t.name: t for t in model.graph.initializer}
+    for n in model.graph.node:
+        if n.op_type == "Constant" and n.output:
+            for a in n.attribute:
+                if a.name == "value":
+                    consts[n.output[0]] = a.t
+    out = []
+    for i, n in enumerate(model.graph.node):
+        if n.op_type != "StofSparseAttention" or n.domain != "stof":
+            continue
+        a = _attrs(n)
+        names = list(n.input) + [""] * (9 - len(n.input))
+        arrays = {}
+        for nm, inp in zip(_LAYOUT_INPUTS, names[3:7]):
+            if inp not in consts:
+                raise StofError(f"attention node '{n.name}': layout input '{inp}' is not a constant")
+            arrays[nm] = np.ascontiguousarray(numpy_helper.to_array(consts[inp]), np.int32)
+        if int(a.get("format_version", -1)) not in STOF_FORMAT_VERSIONS_READ:
+            raise StofError(f"attention node '{n.name}': format_version {a.get('format_version')} (this version "
+                            f"reads {', '.join(map(str, STOF_FORMAT_VERSIONS_READ))})")
+        mask_spec = a.get("mask_spec", b"")
+        # a model is input from outside: its layout's invariants are checked before anything reads it
+        layout = TileLayout.from_arrays(seq_q=a["seq_q"], seq_k=a["seq_k"], tile_m=a["tile_m"], tile_n=a["tile_n"],
+                                        num_layouts=a["num_layouts"], mask_spec=(
+                                            mask_spec.decode() if isinstance(mask_spec, bytes) else str(mask_spec)),
+                                        **arrays)
+        fmt = a.get("qkv_format", b"bhsd")
+        packed = (fmt.decode() if isinstance(fmt, bytes) else str(fmt)) == "bs3hd"
+        out.append(AttentionNode(n.name or f"node{i}", names[0], names[0] if packed else names[1], names[7] or None,
+                                 names[8] or None, float(a["scale"]), layout, packed))
+    return out
+
+
+def attention_problem_dims(model) -> dict:
+    """{node name: (onnx dtype name, heads, head_dim)} for the StofSparseAttention nodes whose query shape ONNX
+    shape inference can fix (heads and head dim are static in exported transformers)."""
+    import onnx
+
+    try:  # data propagation resolves Reshape targets computed from Shape/Gather/Concat
+        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    except Exception:  # noqa: BLE001 - best effort
+        inferred = model
+    vis = {vi.name: vi for vi in list(inferred.graph.value_info) + list(inferred.graph.input)}
+    producer = {o: p for p in model.graph.node for o in p.output}
+
+    def static_dims(name):
+        vi = vis.get(name)
+        if vi is None:
+            return None, None
+        tt = vi.type.tensor_type
+        return [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim], tt.elem_type
+
+    out = {}
+    for n in model.graph.node:
+        if n.op_type != "StofSparseAttention" or n.domain != "stof":
+            continue
+        dims, et = static_dims(n.input[0])
+        if dims and len(dims) == 5 and dims[3] and dims[4] and et in ONNX_DTYPES:  # packed [B, S, 3, H, D]
+            out[n.name] = (ONNX_DTYPES[et], int(dims[3]), int(dims[4]))
+            continue
+        if not dims or len(dims) != 4 or not dims[3] or et not in ONNX_DTYPES:
+            continue
+        heads = dims[1]
+        if not heads:  # q = Transpose(Reshape(x, [B, S, H, D])): H = x's static last dim (hidden) / D
+            t = producer.get(n.input[0])
+            r = producer.get(t.input[0]) if t is not None and t.op_type == "Transpose" else None
+            if r is not None and r.op_type == "Reshape":
+                xd, _ = static_dims(r.input[0])
+                if xd and xd[-1] and xd[-1] % dims[3] == 0:
+                    heads = xd[-1] // dims[3]
+        if heads:
+            out[n.name] = (ONNX_DTYPES[et], int(heads), int(dims[3]))
+    return out
