@@ -172,3 +172,21 @@ def test_served_answers_equal_direct_ort_and_bad_requests_fail_cleanly(stof_bert
                     "wrong_rank": "unexpected shape for input",
                     "oversize_batch": f"batch-size must be <= {max_batch}"}[case]
         assert expected in msg, (key, msg)
+
+
+def test_serve_cuda_without_cuda_ep_says_so(serve_python, tmp_path):
+    """The serving interpreter's onnxruntime decides: a CPU build refuses --provider cuda in one line."""
+    import subprocess as sp
+
+    probe = sp.run([serve_python, "-c", "import onnxruntime as o; print('CUDAExecutionProvider' in "
+                    "o.get_available_providers())"], capture_output=True, text=True, timeout=120)
+    if probe.stdout.strip() != "False":
+        pytest.skip("the serving interpreter has the CUDA EP")
+    from onnx import TensorProto, helper, save
+
+    g = helper.make_graph([helper.make_node("Relu", ["X"], ["Y"])], "g",
+                          [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["b", 4])],
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["b", 4])])
+    save(helper.make_model(g), str(tmp_path / "relu.onnx"))
+    rc, _, err = run_cli("serve", str(tmp_path / "relu.onnx"), "--provider", "cuda", "--python", serve_python)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "has no CUDA EP" in err, err

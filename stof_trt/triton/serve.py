@@ -2,9 +2,10 @@
 
 The server runs in a child process, ``_serve_worker.py``, under a *serving interpreter*: a Python where
 ``pytriton``, ``onnxruntime`` and ``numpy`` import. PyTriton's Python-backend stub needs a Python built with a
-shared libpython, and pytriton pins numpy < 2, so that interpreter is often a dedicated virtual environment rather
-than the one running ``stof``. It is, in order: ``--python``, ``$STOF_SERVE_PYTHON``,
-``~/.cache/stof-trt/serve-venv/bin/python`` (see docs/serving.md), the current interpreter.
+shared libpython (the worker gets that interpreter's LIBDIR first on LD_LIBRARY_PATH), and pytriton pins
+numpy < 2, so that interpreter is often a dedicated virtual environment rather than the one running ``stof``.
+It is, in order: ``--python``, ``$STOF_SERVE_PYTHON``, ``~/.cache/stof-trt/serve-venv/bin/python`` (see
+docs/serving.md), the current interpreter.
 
 On a GPU (libstof_ort.so found and the serving interpreter's onnxruntime has the CUDA EP) the session runs the
 CUDA EP with the STOF library and the tactic cache; otherwise the CPU EP runs the STOF nodes' model-local ONNX
@@ -32,9 +33,11 @@ _PROBE = (
     "import json, sys, sysconfig\n"
     "import numpy, onnxruntime, pytriton\n"
     "from importlib.metadata import version\n"
-    "print(json.dumps({'python': sys.version.split()[0], 'shared_libpython': bool(sysconfig.get_config_var("
-    "'Py_ENABLE_SHARED')), 'pytriton': version('nvidia-pytriton'), 'numpy': numpy.__version__, "
-    "'onnxruntime': onnxruntime.__version__, 'providers': onnxruntime.get_available_providers()}))\n")
+    "cfg = sysconfig.get_config_var\n"
+    "print(json.dumps({'python': sys.version.split()[0], 'shared_libpython': bool(cfg('Py_ENABLE_SHARED')),\n"
+    "                  'libdir': cfg('LIBDIR'), 'pytriton': version('nvidia-pytriton'),\n"
+    "                  'numpy': numpy.__version__, 'onnxruntime': onnxruntime.__version__,\n"
+    "                  'providers': onnxruntime.get_available_providers()}))\n")
 
 
 def _stof_ort_library() -> Path | None:
@@ -74,6 +77,17 @@ def find_python(explicit: str | None = None) -> tuple[str, dict]:
         why.append(r)
     raise StofError("no Python to serve with (needs nvidia-pytriton, onnxruntime, numpy<2 and a shared libpython; "
                     "see docs/serving.md, or pass --python / set STOF_SERVE_PYTHON): " + "; ".join(why))
+
+
+def worker_env(info: dict) -> dict:
+    """The worker's environment: the serving interpreter's own libpython first on the loader path. PyTriton's
+    stub embeds Python by loading libpython3.X.so by name; without this it can pick another build of the same
+    version (the system's) whose runtime does not match the interpreter's standard library."""
+    env = dict(os.environ)
+    if info.get("libdir"):
+        rest = [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
+        env["LD_LIBRARY_PATH"] = os.pathsep.join([info["libdir"]] + rest)
+    return env
 
 
 def worker_command(python: str, model: str, *, name: str, host: str, http_port: int, grpc_port: int,
@@ -139,7 +153,7 @@ def serve(model: str, *, port: int = 8000, grpc_port: int | None = None, metrics
                          instances=instances, provider=provider, device=device,
                          library=str(lib) if provider == "cuda" and lib else None,
                          tactic_cache=os.path.abspath(tactic_cache) if tactic_cache else None)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True, env=worker_env(info))
     stopping = threading.Event()
 
     def forward(signum, _frame):
@@ -181,8 +195,8 @@ def serve(model: str, *, port: int = 8000, grpc_port: int | None = None, metrics
         if not ready.is_set() and not stopping.is_set():
             raise StofError(f"the server exited with status {rc} before it was ready (serving Python {py}, "
                             f"pytriton {info['pytriton']}); its log is above. PyTriton's stub fails under some "
-                            "interpreters (e.g. pyenv builds): point --python at a virtual environment made from "
-                            "the system Python (docs/serving.md)")
+                            "interpreters: point --python at another one, e.g. a virtual environment made from the "
+                            "system Python (docs/serving.md)")
         return 0 if stopping.is_set() and rc in (0, -signal.SIGTERM) else rc
     finally:
         if proc.poll() is None:
