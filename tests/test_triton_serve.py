@@ -1,7 +1,8 @@
 """`stof serve` on the CPU: a real Triton server (PyTriton) on 127.0.0.1 serving a STOF-rewritten BERT; concurrent
 gRPC and HTTP requests of varied batch sizes and lengths, each answer equal to a direct ONNX Runtime run; bad
-requests (wrong dtype, wrong rank, oversize batch) each answered with a clear error while the server keeps
-serving; SIGTERM stops it cleanly. Needs a serving interpreter (docs/serving.md; .ci/run makes one)."""
+requests (wrong dtype, wrong rank, oversize batch, longer than the model's positions) each answered with a clear
+error while the server keeps serving; SIGTERM stops it cleanly. Needs a serving interpreter (docs/serving.md;
+.ci/run makes one)."""
 
 import json
 import os
@@ -101,7 +102,7 @@ def test_served_answers_equal_direct_ort_and_bad_requests_fail_cleanly(stof_bert
     max_batch = 4
     http, grpc, metrics = free_ports(3)
     rng = np.random.default_rng(0)
-    reqs = {"max_batch": np.array(max_batch)}
+    reqs = {"max_batch": np.array(max_batch), "max_len": np.array(SEQ)}
     shapes = [(1, 8), (2, 16), (3, 32), (4, 24), (1, 32), (2, 8), (4, 32), (3, 16), (2, 24), (1, 16), (4, 8),
               (2, 32)]
     for k, (b, s) in enumerate(shapes):
@@ -163,13 +164,14 @@ def test_served_answers_equal_direct_ort_and_bad_requests_fail_cleanly(stof_bert
     assert np.abs(outs["after"] - ref0).max() < 1e-5  # still serving after the bad requests
 
     errors = json.loads((tmp_path / "err.json").read_text())
-    assert sorted(errors) == sorted(f"{c}/{p}" for c in ("wrong_dtype", "wrong_rank", "oversize_batch")
+    assert sorted(errors) == sorted(f"{c}/{p}" for c in ("wrong_dtype", "wrong_rank", "too_long", "oversize_batch")
                                     for p in ("grpc", "http"))
     for key, msg in errors.items():
         assert msg, f"{key}: the server accepted a bad request"
         case = key.split("/")[0]
         expected = {"wrong_dtype": "data-type is 'FP32', but model 'bert' expects 'INT64'",
                     "wrong_rank": "unexpected shape for input",
+                    "too_long": "onnxruntime rejected the request",
                     "oversize_batch": f"batch-size must be <= {max_batch}"}[case]
         assert expected in msg, (key, msg)
 

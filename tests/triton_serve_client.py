@@ -44,6 +44,8 @@ def main(model, http_url, grpc_url, req_path, out_path, err_path):
         "wrong_dtype": dict(feeds={"input_ids": ids.astype(np.float32), "attention_mask": mask},
                             dtype_override={"input_ids": "FP32"}),
         "wrong_rank": dict(feeds={"input_ids": ids[None], "attention_mask": mask[None]}),
+        "too_long": dict(feeds={"input_ids": np.ones((1, int(reqs["max_len"]) + 8), np.int64),
+                                "attention_mask": np.ones((1, int(reqs["max_len"]) + 8), np.int64)}),
         "oversize_batch": dict(feeds={"input_ids": np.repeat(ids[:1], int(reqs["max_batch"]) + 1, 0),
                                       "attention_mask": np.repeat(mask[:1], int(reqs["max_batch"]) + 1, 0)}),
     }

@@ -64,6 +64,14 @@ def make_infer(sess, batched: bool):
     import numpy as np
 
     names = [i.name for i in sess.get_inputs()]
+    out_names = [o.name for o in sess.get_outputs()]
+
+    def run(feeds):
+        try:
+            return sess.run(None, feeds)
+        except Exception as e:  # noqa: BLE001 - ORT's own types; the client gets the first line
+            msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ValueError(f"onnxruntime rejected the request: {msg}") from None
 
     def infer(requests):
         results = [None] * len(requests)
@@ -72,17 +80,11 @@ def make_infer(sess, batched: bool):
             key = tuple((n, req[n].shape[1:] if batched else req[n].shape, req[n].dtype.str) for n in names)
             groups.setdefault(key, []).append(idx)
         for idxs in groups.values():
-            if batched:
-                feeds = {n: np.concatenate([requests[i][n] for i in idxs], axis=0) for n in names}
-            else:
-                feeds = {n: requests[idxs[0]][n] for n in names}
-            outs = sess.run(None, feeds)
-            out_names = [o.name for o in sess.get_outputs()]
-            if not batched:
-                results[idxs[0]] = dict(zip(out_names, outs))
-                for i in idxs[1:]:
-                    results[i] = dict(zip(out_names, sess.run(None, {n: requests[i][n] for n in names})))
+            if not batched:  # no batch dimension to concatenate along: one run per request
+                for i in idxs:
+                    results[i] = dict(zip(out_names, run({n: requests[i][n] for n in names})))
                 continue
+            outs = run({n: np.concatenate([requests[i][n] for i in idxs], axis=0) for n in names})
             start = 0
             for i in idxs:
                 b = requests[i][names[0]].shape[0]
