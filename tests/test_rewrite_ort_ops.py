@@ -112,3 +112,85 @@ def test_gqa_scale_attribute_and_kv_cache_left_alone():
     new2, report2 = rewrite_model(cache, **TILE)
     assert op_counts(new2)["GroupQueryAttention"] == 1
     assert any("KV cache" in s["reason"] for s in report2.to_dict()["left_alone"])
+
+
+# -- SparseAttention (CUDA-only in ONNX Runtime) ---------------------------------------------------------------------
+def local_stride_blocks(num_layout, nb, local, stride):
+    """Phi-3-small's block pattern: causal blocks, the last ``local`` block columns of each row plus every
+    ``stride``-th column, the stride phase shifted per layout."""
+    qb, kb = np.arange(nb)[:, None], np.arange(nb)[None]
+    step = max(1, stride // num_layout)
+    out = []
+    for lay in range(num_layout):
+        vert = (np.arange(nb) + lay * step + 1) % stride == 0
+        out.append((qb >= kb) & ((qb - kb < local) | vert[None]))
+    return np.stack(out)
+
+
+def blocks_to_csr(blocks):
+    L, nb, _ = blocks.shape
+    rows = np.zeros((L, nb + 1), np.int32)
+    rows[:, 1:] = np.cumsum(blocks.sum(-1), axis=-1)
+    nnz = int(rows[:, -1].max())
+    cols = np.full((L, nnz), -1, np.int32)
+    for lay in range(L):
+        c = np.nonzero(blocks[lay])[1]
+        cols[lay, :c.size] = c
+    return rows, cols
+
+
+def sparse_attention_model(B, S, H, KV, D, blocks, block, max_seq):
+    rows, cols = blocks_to_csr(blocks)
+    inits = [numpy_helper.from_array(rows, "block_row_indices"), numpy_helper.from_array(cols, "block_col_indices")]
+    node = helper.make_node("SparseAttention", ["q", "k", "v", "past_key", "past_value", "block_row_indices",
+                                                "block_col_indices", "total", "key_lengths"],
+                            ["y", "present_key", "present_value"], domain="com.microsoft", num_heads=H,
+                            kv_num_heads=KV, sparse_block_size=block)
+    ins = [_vi("q", TensorProto.FLOAT, [B, S, H * D]), _vi("k", TensorProto.FLOAT, [B, S, KV * D]),
+           _vi("v", TensorProto.FLOAT, [B, S, KV * D]), _vi("past_key", TensorProto.FLOAT, [B, KV, max_seq, D]),
+           _vi("past_value", TensorProto.FLOAT, [B, KV, max_seq, D]), _vi("total", TensorProto.INT32, [1]),
+           _vi("key_lengths", TensorProto.INT32, [B])]
+    return _model([node], ins, [_vi("y", TensorProto.FLOAT, [B, S, H * D])], inits)
+
+
+def sparse_attention_reference(feeds, blocks, block, H, KV):
+    q, k, v = _heads(feeds["q"], H), _heads(feeds["k"], KV), _heads(feeds["v"], KV)
+    k, v = np.repeat(k, H // KV, 1), np.repeat(v, H // KV, 1)
+    S, D = q.shape[2], q.shape[3]
+    idx = np.arange(S) // block
+    dense = blocks[:, idx][:, :, idx] & np.tril(np.ones((S, S), bool))
+    per_head = dense[np.arange(H) % blocks.shape[0]]  # head h uses layout h % L
+    allowed = per_head[None] & (np.arange(S)[None, None, None] < feeds["key_lengths"][:, None, None, None])
+    return _merge(_softmax_attention(q, k, v, allowed, 1 / np.sqrt(D)))
+
+
+@pytest.mark.parametrize("L,H,KV", [(1, 4, 2), (2, 4, 1), (4, 4, 4)])
+def test_sparse_attention_block_layout(L, H, KV):
+    B, S, D, block, max_seq = 2, 56, 8, 8, 64
+    blocks = local_stride_blocks(L, max_seq // block, 2, 3)
+    model = sparse_attention_model(B, S, H, KV, D, blocks, block, max_seq)
+    new, report = rewrite_model(model, **TILE)
+    assert_fused(new, {"StofSparseAttention": 1, "SparseAttention": 0})
+    a = report.to_dict()["attention"][0]
+    assert a["num_layouts"] == (1 if L == 1 else H) and a["key_padding"] and a["density"] < 0.5
+    rng = np.random.default_rng(L * 10 + H)
+    for lengths in ([S, S], [S, 37]):
+        feeds = {"q": rng.standard_normal((B, S, H * D)).astype(np.float32),
+                 "k": rng.standard_normal((B, S, KV * D)).astype(np.float32),
+                 "v": rng.standard_normal((B, S, KV * D)).astype(np.float32),
+                 "past_key": np.zeros((B, KV, max_seq, D), np.float32),
+                 "past_value": np.zeros((B, KV, max_seq, D), np.float32),
+                 "total": np.array([S], np.int32), "key_lengths": np.array(lengths, np.int32)}
+        got = run(new, feeds)[0]
+        want = sparse_attention_reference(feeds, blocks, block, H, KV)
+        for b, n in enumerate(lengths):
+            np.testing.assert_allclose(got[b, :n], want[b, :n], rtol=1e-4, atol=1e-4)
+
+
+def test_sparse_attention_used_presents_left_alone():
+    blocks = local_stride_blocks(1, 4, 1, 2)
+    model = sparse_attention_model(1, 16, 2, 2, 8, blocks, 4, 16)
+    model.graph.output.append(_vi("present_key", TensorProto.FLOAT, None))
+    new, report = rewrite_model(model, **TILE)
+    assert op_counts(new)["SparseAttention"] == 1
+    assert any("KV cache" in s["reason"] for s in report.to_dict()["left_alone"])
