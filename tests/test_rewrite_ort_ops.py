@@ -194,3 +194,45 @@ def test_sparse_attention_used_presents_left_alone():
     new, report = rewrite_model(model, **TILE)
     assert op_counts(new)["SparseAttention"] == 1
     assert any("KV cache" in s["reason"] for s in report.to_dict()["left_alone"])
+
+
+# -- MultiHeadAttention with attention_bias / key_padding_mask --------------------------------------------------------
+@pytest.mark.parametrize("padding,bias_shape", [("2d", (1, 4, 24, 24)), ("lengths", (2, 1, 24, 24)),
+                                                (None, (2, 4, 24, 24)), ("2d", None)])
+def test_multihead_attention_bias_and_key_padding(padding, bias_shape):
+    B, S, H, D = 2, 24, 4, 8
+    names = ["q", "k", "v", ""]
+    ins = [_vi(n, TensorProto.FLOAT, [B, S, H * D]) for n in "qkv"]
+    if padding == "2d":
+        ins.append(_vi("kpm", TensorProto.INT32, [B, S]))
+    elif padding == "lengths":
+        ins.append(_vi("kpm", TensorProto.INT32, [B]))
+    names.append("kpm" if padding else "")
+    if bias_shape:
+        ins.append(_vi("bias", TensorProto.FLOAT, list(bias_shape)))
+        names.append("bias")
+    node = helper.make_node("MultiHeadAttention", names, ["y"], domain="com.microsoft", num_heads=H)
+    model = _model([node], ins, [_vi("y", TensorProto.FLOAT, [B, S, H * D])])
+    new, report = rewrite_model(model, **TILE)
+    assert_fused(new, {"StofSparseAttention": 1, "MultiHeadAttention": 0})
+    a = report.to_dict()["attention"][0]
+    assert a["key_padding"] == bool(padding) and a["attn_bias"] == bool(bias_shape)
+    rng = np.random.default_rng(7)
+    feeds = {n: rng.standard_normal((B, S, H * D)).astype(np.float32) for n in "qkv"}
+    lengths = np.array([S, 15], np.int32)
+    if padding == "2d":
+        feeds["kpm"] = (np.arange(S)[None] < lengths[:, None]).astype(np.int32)
+    elif padding == "lengths":
+        feeds["kpm"] = lengths
+    if bias_shape:
+        feeds["bias"] = rng.standard_normal(bias_shape).astype(np.float32)
+    got, want = run(new, feeds)[0], run(model, feeds)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    q, k, v = (_heads(feeds[n], H) for n in "qkv")
+    allowed = (np.arange(S)[None, None, None] < lengths[:, None, None, None]) if padding else np.ones((1,), bool)
+    bias = feeds.get("bias", 0.0)
+    s = np.einsum("bhqd,bhkd->bhqk", q.astype(np.float64), k) / np.sqrt(D) + bias
+    s = np.where(allowed, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    ref = _merge(np.einsum("bhqk,bhkd->bhqd", p / p.sum(-1, keepdims=True), v))
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
