@@ -236,3 +236,78 @@ def test_multihead_attention_bias_and_key_padding(padding, bias_shape):
     p = np.exp(s - s.max(-1, keepdims=True))
     ref = _merge(np.einsum("bhqk,bhkd->bhqd", p / p.sum(-1, keepdims=True), v))
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+
+
+# -- LongformerAttention (CUDA-only in ONNX Runtime) -----------------------------------------------------------------
+def longformer_model(B, S, H, D, window, rng):
+    N = H * D
+    inits = [numpy_helper.from_array((rng.standard_normal((N, 3 * N)) * 0.3).astype(np.float32), "w"),
+             numpy_helper.from_array((rng.standard_normal(3 * N) * 0.1).astype(np.float32), "b"),
+             numpy_helper.from_array((rng.standard_normal((N, 3 * N)) * 0.3).astype(np.float32), "wg"),
+             numpy_helper.from_array((rng.standard_normal(3 * N) * 0.1).astype(np.float32), "bg")]
+    node = helper.make_node("LongformerAttention", ["x", "w", "b", "mask", "wg", "bg", "global"], ["y"],
+                            domain="com.microsoft", num_heads=H, window=window)
+    ins = [_vi("x", TensorProto.FLOAT, ["batch", S, N]), _vi("mask", TensorProto.FLOAT, ["batch", S]),
+           _vi("global", TensorProto.INT32, ["batch", S])]
+    return _model([node], ins, [_vi("y", TensorProto.FLOAT, ["batch", S, N])], inits)
+
+
+def longformer_reference(model, feeds, H, window):
+    """float64: local rows see |i-j| <= W and the global keys (local projections); global rows see every key
+    (global projections); keys with mask < 0 are dropped."""
+    init = {t.name: numpy_helper.to_array(t).astype(np.float64) for t in model.graph.initializer}
+    x = feeds["x"].astype(np.float64)
+    q, k, v = np.split(x @ init["w"] + init["b"], 3, axis=-1)
+    qg, kg, vg = np.split(x @ init["wg"] + init["bg"], 3, axis=-1)
+    S, D = x.shape[1], x.shape[2] // H
+    keep = feeds["mask"] >= 0
+    glob = feeds["global"] == 1
+    i, j = np.arange(S)[:, None], np.arange(S)[None]
+    local_allowed = ((np.abs(i - j) <= window)[None] | glob[:, None, :]) & keep[:, None, :]
+    loc = _softmax_attention(_heads(q, H), _heads(k, H), _heads(v, H), local_allowed[:, None], 1 / np.sqrt(D))
+    gl = _softmax_attention(_heads(qg, H), _heads(kg, H), _heads(vg, H), keep[:, None, None, :], 1 / np.sqrt(D))
+    return np.where(glob[:, :, None], _merge(gl), _merge(loc))
+
+
+def test_longformer_window_and_runtime_global_tokens():
+    B, S, H, D, W = 3, 48, 2, 8, 5
+    rng = np.random.default_rng(11)
+    model = longformer_model(B, S, H, D, W, rng)
+    new, report = rewrite_model(model, **TILE)
+    assert_fused(new, {"StofSparseAttention": 2, "LongformerAttention": 0})
+    att = report.to_dict()["attention"]
+    assert sorted((a["seq_q"], a["seq_k"]) for a in att) == [(min(S, 64), S), (S, S + min(S, 64))]
+    N = H * D
+    mask = np.zeros((B, S), np.float32)
+    mask[1, 40:] = -10000.0  # padding at the end of sequence 1
+    glob = np.zeros((B, S), np.int32)
+    glob[0, 0] = 1                   # a CLS token
+    glob[1, [0, 3, 4, 17, 39]] = 1   # question tokens, one inside another's band
+    glob[2, 30] = 1
+    feeds = {"x": rng.standard_normal((B, S, N)).astype(np.float32), "mask": mask, "global": glob}
+    got = run(new, feeds)[0]
+    want = longformer_reference(model, feeds, H, W)
+    valid = mask >= 0
+    np.testing.assert_allclose(got[valid], want[valid], rtol=1e-4, atol=1e-4)
+    # no global token at all
+    feeds["global"] = np.zeros((B, S), np.int32)
+    np.testing.assert_allclose(run(new, feeds)[0][valid], longformer_reference(model, feeds, H, W)[valid],
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_longformer_more_global_tokens_than_slots_gives_nan(monkeypatch):
+    from stof_trt.rewrite import fuse_ort_longformer
+
+    monkeypatch.setattr(fuse_ort_longformer, "MAX_GLOBAL", 4)
+    B, S, H, D, W = 2, 32, 2, 8, 3
+    rng = np.random.default_rng(12)
+    model = longformer_model(B, S, H, D, W, rng)
+    new, _ = rewrite_model(model, **TILE)
+    glob = np.zeros((B, S), np.int32)
+    glob[0, [1, 2, 9, 20]] = 1        # 4: fits
+    glob[1, [1, 2, 9, 20, 25]] = 1    # 5: does not
+    feeds = {"x": rng.standard_normal((B, S, H * D)).astype(np.float32), "mask": np.zeros((B, S), np.float32),
+             "global": glob}
+    got = run(new, feeds)[0]
+    np.testing.assert_allclose(got[0], longformer_reference(model, feeds, H, W)[0], rtol=1e-4, atol=1e-4)
+    assert np.isnan(got[1]).all()
