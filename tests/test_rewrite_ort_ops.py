@@ -311,3 +311,68 @@ def test_longformer_more_global_tokens_than_slots_gives_nan(monkeypatch):
     got = run(new, feeds)[0]
     np.testing.assert_allclose(got[0], longformer_reference(model, feeds, H, W)[0], rtol=1e-4, atol=1e-4)
     assert np.isnan(got[1]).all()
+
+
+# -- ONNX Attention (opset 23 / 24): grouped heads, nonpad_kv_seqlen ---------------------------------------------------
+def onnx_attention_model(opset, *, three_d, H, KV, causal, nonpad):
+    D = 8
+    if three_d:
+        shapes = (["batch", "seq", H * D], ["batch", "seq", KV * D])
+    else:
+        shapes = (["batch", H, "seq", D], ["batch", KV, "seq", D])
+    ins = [_vi("q", TensorProto.FLOAT, shapes[0]), _vi("k", TensorProto.FLOAT, shapes[1]),
+           _vi("v", TensorProto.FLOAT, shapes[1])]
+    names = ["q", "k", "v"]
+    if nonpad:
+        ins.append(_vi("nonpad", TensorProto.INT64, ["batch"]))
+        names += ["", "", "", "nonpad"]
+    attrs = {"is_causal": int(causal)}
+    if three_d:
+        attrs.update(q_num_heads=H, kv_num_heads=KV)
+    node = helper.make_node("Attention", names, ["y"], **attrs)
+    model = helper.make_model(helper.make_graph([node], "g", ins, [_vi("y", TensorProto.FLOAT, shapes[0])]),
+                              opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 10
+    return model
+
+
+@pytest.mark.parametrize("opset,three_d,H,KV,causal,nonpad", [
+    (23, True, 4, 2, True, False), (23, False, 4, 1, False, False), (24, True, 4, 2, False, True),
+    (24, False, 4, 4, False, True), (24, False, 6, 2, True, False)])
+def test_onnx_attention_grouped_heads_and_nonpad_kv_seqlen(opset, three_d, H, KV, causal, nonpad):
+    B, S, D = 2, 40, 8
+    model = onnx_attention_model(opset, three_d=three_d, H=H, KV=KV, causal=causal, nonpad=nonpad)
+    new, report = rewrite_model(model, max_seq_len=S, **TILE)
+    assert_fused(new, {"StofSparseAttention": 1, "Attention": 0})
+    a = report.to_dict()["attention"][0]
+    assert a["key_padding"] == nonpad and a["kv_heads"] == KV
+    rng = np.random.default_rng(opset + H + KV)
+    qs = (B, S, H * D) if three_d else (B, H, S, D)
+    ks = (B, S, KV * D) if three_d else (B, KV, S, D)
+    feeds = {"q": rng.standard_normal(qs).astype(np.float32), "k": rng.standard_normal(ks).astype(np.float32),
+             "v": rng.standard_normal(ks).astype(np.float32)}
+    lengths = np.array([S, 26])
+    if nonpad:
+        feeds["nonpad"] = lengths
+    got = run(new, feeds)[0]
+    q, k, v = ((_heads(feeds[n], h) for n, h in zip("qkv", (H, KV, KV))) if three_d else (feeds[n] for n in "qkv"))
+    k, v = np.repeat(k, H // KV, 1), np.repeat(v, H // KV, 1)
+    i, j = np.arange(S)[:, None], np.arange(S)[None]
+    allowed = np.broadcast_to((j <= i) if causal else np.ones((S, S), bool), (B, 1, S, S))
+    if nonpad:
+        allowed = allowed & (j < lengths[:, None, None, None])
+    ref = _softmax_attention(q, k, v, allowed, 1 / np.sqrt(D))
+    ref = _merge(ref) if three_d else ref
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+    try:
+        want = run(model, feeds)[0]
+    except Exception as exc:  # noqa: BLE001 - an ONNX Runtime without this Attention version / feature
+        pytest.skip(f"ONNX Runtime cannot run the original: {str(exc)[:100]}")
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_onnx_attention_causal_with_nonpad_kv_seqlen_left_alone():
+    model = onnx_attention_model(24, three_d=False, H=4, KV=4, causal=True, nonpad=True)
+    new, report = rewrite_model(model, max_seq_len=40, **TILE)
+    assert op_counts(new)["Attention"] == 1
+    assert any("causal alignment" in s["reason"] for s in report.to_dict()["left_alone"])
