@@ -376,3 +376,27 @@ def test_onnx_attention_causal_with_nonpad_kv_seqlen_left_alone():
     new, report = rewrite_model(model, max_seq_len=40, **TILE)
     assert op_counts(new)["Attention"] == 1
     assert any("causal alignment" in s["reason"] for s in report.to_dict()["left_alone"])
+
+
+# -- the benchmark script's CPU mode ---------------------------------------------------------------------------------
+def test_bench_ort_ops_dry_run(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    cmd = [sys.executable, str(root / "scripts" / "bench_ort_ops.py")]
+    r = subprocess.run(cmd + ["--dry-run", "--sizes", "small", "--out", str(tmp_path)], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads((tmp_path / "ort_ops_dry_run.json").read_text())
+    assert [row["case"] for row in rows] == ["longformer_b8", "longformer_b1", "gqa_sliding", "sparse_phi3"]
+    assert all(row["vs_reference"] < 1e-4 for row in rows)
+    assert rows[2]["vs_original_cpu"] < 1e-4
+    assert [len(row["layouts"]) for row in rows] == [2, 2, 1, 1]
+    for bad in (["--cases", "nope"], ["--tile", "x"], []):
+        r = subprocess.run(cmd + bad, env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and r.stderr.startswith("error:") and "Traceback" not in r.stderr, r.stderr
