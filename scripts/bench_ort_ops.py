@@ -95,8 +95,8 @@ def build(case: dict, fp16: bool, seed: int = 0) -> onnx.ModelProto:
         b = lambda n: numpy_helper.from_array((rng.standard_normal(3 * N) * 0.02).astype(npt), n)  # noqa
         node = helper.make_node("LongformerAttention", ["x", "w", "b", "mask", "wg", "bg", "global"], ["y"],
                                 domain="com.microsoft", num_heads=H, window=case["window"])
-        return _model([node], [_vi("x", T, [B, S, N]), _vi("mask", T, [B, S]), _vi("global", TensorProto.INT32, [B, S])],
-                      [_vi("y", T, [B, S, N])], [w("w"), b("b"), w("wg"), b("bg")])
+        ins = [_vi("x", T, [B, S, N]), _vi("mask", T, [B, S]), _vi("global", TensorProto.INT32, [B, S])]
+        return _model([node], ins, [_vi("y", T, [B, S, N])], [w("w"), b("b"), w("wg"), b("bg")])
     KV = case["KV"]
     qkv = [_vi("q", T, [B, S, H * D]), _vi("k", T, [B, S, KV * D]), _vi("v", T, [B, S, KV * D])]
     if case["op"] == "gqa":
@@ -113,9 +113,9 @@ def build(case: dict, fp16: bool, seed: int = 0) -> onnx.ModelProto:
                             ["y", "present_key", "present_value"], domain="com.microsoft", num_heads=H,
                             kv_num_heads=KV, sparse_block_size=bs)
     past = [_vi("past_key", T, [B, KV, nb * bs, D]), _vi("past_value", T, [B, KV, nb * bs, D])]
-    return _model([node], qkv + past + [_vi("total", TensorProto.INT32, [1]), _vi("key_lengths", TensorProto.INT32, [B])],
-                  [_vi("y", T, [B, S, H * D])],
-                  [numpy_helper.from_array(rows, "block_row_indices"), numpy_helper.from_array(cols, "block_col_indices")])
+    lens = [_vi("total", TensorProto.INT32, [1]), _vi("key_lengths", TensorProto.INT32, [B])]
+    layout = [numpy_helper.from_array(rows, "block_row_indices"), numpy_helper.from_array(cols, "block_col_indices")]
+    return _model([node], qkv + past + lens, [_vi("y", T, [B, S, H * D])], layout)
 
 
 def feeds_for(case: dict, fp16: bool, seed: int = 1) -> dict:

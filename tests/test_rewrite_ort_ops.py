@@ -7,7 +7,6 @@ CPU) is compared with a float64 NumPy reference of the operator's documented sem
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
