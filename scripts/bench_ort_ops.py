@@ -15,10 +15,15 @@ rewritten one with libstof_ort) with IO binding, fp16; latency median / p90 over
 (max |diff| relative to max |original|). Writes OUT/ort_ops.json and OUT/ort_ops.md.
 
     python3 scripts/bench_ort_ops.py --out OUT [--cases longformer_b8,gqa_sliding] [--iters 50]
+    python3 scripts/bench_ort_ops.py --sizes check --out OUT      # device: small sizes, + float64 reference
     python3 scripts/bench_ort_ops.py --dry-run [--sizes small]   # CPU: build + rewrite (+ check, small sizes)
 
-``--dry-run`` needs no GPU: it builds and rewrites every case; with ``--sizes small`` (the same operators at
-sizes a CPU runs in seconds, fp32) it also checks the rewritten model on CPU against the original where ONNX Runtime
+``--sizes check`` on the device runs the same operators at sizes where an off-by-one in a window or a wrong
+head-to-layout mapping stands far above fp16 noise, and compares ORT's output and STOF's with a float64 reference
+of the operator's documented semantics (``ort_vs_reference``, ``stof_vs_reference``).
+
+``--dry-run`` needs no GPU: it builds and rewrites every case; with ``--sizes small`` or ``check`` (fp32) it also
+checks the rewritten model on CPU against the original where ONNX Runtime
 has a CPU kernel (GroupQueryAttention) and against a float64 NumPy reference of the operator's semantics where it
 does not (LongformerAttention, SparseAttention: CUDA-only).
 """
@@ -46,6 +51,15 @@ SMALL = {
     "gqa_sliding": dict(op="gqa", B=2, S=96, H=8, KV=2, D=16, window=24),
     "sparse_phi3": dict(op="sparse", B=2, S=96, H=8, KV=2, D=16, block=8, local=3, stride=4, layouts=4),
 }
+#: On the device: sizes at which an off-by-one in a window or a wrong head-to-layout mapping is far above fp16
+#: noise (ORT CUDA, STOF CUDA and a float64 reference compared), still within the CUDA kernels' constraints.
+CHECK = {
+    "longformer_b8": dict(op="longformer", B=2, S=512, H=12, D=64, window=32, globals=5, spread=True),
+    "longformer_b1": dict(op="longformer", B=1, S=512, H=12, D=64, window=64, globals=1),
+    "gqa_sliding": dict(op="gqa", B=2, S=256, H=8, KV=2, D=64, window=17),
+    "sparse_phi3": dict(op="sparse", B=2, S=512, H=8, KV=2, D=128, block=64, local=2, stride=3, layouts=4),
+}
+SIZES = {"issue": ISSUE, "small": SMALL, "check": CHECK}
 OPSETS = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
 
 
@@ -84,7 +98,10 @@ def blocks_to_csr(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return rows, cols
 
 
-def build(case: dict, fp16: bool, seed: int = 0) -> onnx.ModelProto:
+def build(case: dict, fp16: bool, seed: int = 0, presents: bool = False) -> onnx.ModelProto:
+    """The one-layer model of ``case``. ``presents``: SparseAttention's present_key / present_value become graph
+    outputs (ORT's CUDA kernel writes K/V into the past buffers in place, so the timed original binds them to the
+    same device buffers; the rewrite is made from the model without them, a prompt whose cache is discarded)."""
     T = TensorProto.FLOAT16 if fp16 else TensorProto.FLOAT
     npt = np.float16 if fp16 else np.float32
     rng = np.random.default_rng(seed)
@@ -115,7 +132,10 @@ def build(case: dict, fp16: bool, seed: int = 0) -> onnx.ModelProto:
     past = [_vi("past_key", T, [B, KV, nb * bs, D]), _vi("past_value", T, [B, KV, nb * bs, D])]
     lens = [_vi("total", TensorProto.INT32, [1]), _vi("key_lengths", TensorProto.INT32, [B])]
     layout = [numpy_helper.from_array(rows, "block_row_indices"), numpy_helper.from_array(cols, "block_col_indices")]
-    return _model([node], qkv + past + lens, [_vi("y", T, [B, S, H * D])], layout)
+    outs = [_vi("y", T, [B, S, H * D])]
+    if presents:
+        outs += [_vi("present_key", T, [B, KV, nb * bs, D]), _vi("present_value", T, [B, KV, nb * bs, D])]
+    return _model([node], qkv + past + lens, outs, layout)
 
 
 def feeds_for(case: dict, fp16: bool, seed: int = 1) -> dict:
@@ -124,7 +144,9 @@ def feeds_for(case: dict, fp16: bool, seed: int = 1) -> dict:
     B, S, H, D = case["B"], case["S"], case["H"], case["D"]
     if case["op"] == "longformer":
         glob = np.zeros((B, S), np.int32)
-        glob[:, :case["globals"]] = 1
+        for b in range(B):  # a question at the start, or tokens spread over the sequence
+            pos = rng.choice(S, case["globals"], replace=False) if case.get("spread") else np.arange(case["globals"])
+            glob[b, pos] = 1
         return {"x": rng.standard_normal((B, S, H * D)).astype(npt), "mask": np.zeros((B, S), npt), "global": glob}
     KV = case["KV"]
     f = {"q": rng.standard_normal((B, S, H * D)).astype(npt), "k": rng.standard_normal((B, S, KV * D)).astype(npt),
@@ -206,11 +228,11 @@ def dry_run(names, sizes, tile) -> list[dict]:
 
     rows = []
     for name in names:
-        case = (SMALL if sizes == "small" else ISSUE)[name]
+        case = SIZES[sizes][name]
         model = build(case, fp16=False)
         new, info = rewrite(model, tile)
         row = {"case": name, **case, **info}
-        if sizes == "small":
+        if sizes != "issue":
             f = feeds_for(case, fp16=False)
             got = session(new, providers="cpu").run(None, f)[0]
             row["vs_reference"] = rel_diff(got, reference(case, model, f))
@@ -224,30 +246,53 @@ def dry_run(names, sizes, tile) -> list[dict]:
     return rows
 
 
-def device_run(names, iters, warmup, tile) -> list[dict]:
+def device_run(names, iters, warmup, tile, sizes="issue") -> list[dict]:
     from stof_trt.ort import Binding, latency_stats, session, time_session
 
     rows = []
     for name in names:
-        case = ISSUE[name]
+        case = SIZES[sizes][name]
         log(name, "building", case)
         model = build(case, fp16=True)
         new, info = rewrite(model, tile)
         f = feeds_for(case, fp16=True)
         row = {"case": name, **case, **info}
         outs = {}
-        for variant, m, register in (("ort", model, False), ("stof", new, True)):
+        shared = case["op"] == "sparse"
+        original = build(case, fp16=True, presents=True) if shared else model
+        for variant, m, register in (("ort", original, False), ("stof", new, True)):
             sess = session(m, providers="cuda", register=register)
             b = Binding(sess, f)
+            if shared and variant == "ort":
+                _share_past_present(b)
             row[variant] = latency_stats(time_session(sess, f, warmup=warmup, iters=iters, binding=b))
             outs[variant] = b.outputs()[0]
             log(name, variant, f"median {row[variant]['median_ms']:.3f} ms  p90 {row[variant]['p90_ms']:.3f} ms")
             del sess, b
         row["max_rel_diff"] = rel_diff(outs["stof"], outs["ort"])
+        if sizes != "issue":  # both against the operator's documented semantics
+            ref = reference(case, model, f)
+            row["ort_vs_reference"], row["stof_vs_reference"] = rel_diff(outs["ort"], ref), rel_diff(outs["stof"], ref)
+            log(name, f"vs float64 reference: ort {row['ort_vs_reference']:.2e}  stof {row['stof_vs_reference']:.2e}")
         row["speedup"] = row["ort"]["median_ms"] / row["stof"]["median_ms"]
         log(name, f"speedup {row['speedup']:.2f}x  max rel diff {row['max_rel_diff']:.2e}")
         rows.append(row)
     return rows
+
+
+def _share_past_present(b) -> None:
+    """Bind present_key / present_value to the past_key / past_value device buffers (ORT's SparseAttention
+    requires the shared-buffer KV cache) and keep every output bound for the timed runs."""
+    share = {"present_key": "past_key", "present_value": "past_value"}
+    for name in b._output_names:
+        if name in share:
+            b.binding.bind_ortvalue_output(name, b._inputs[share[name]])
+        else:
+            b.binding.bind_output(name, b.device, b.device_id)
+    b.sess.run_with_iobinding(b.binding)
+    b._outputs = b.binding.get_outputs()
+    for name, v in zip(b._output_names, b._outputs):
+        b.binding.bind_ortvalue_output(name, v)
 
 
 def markdown(rows) -> str:
@@ -269,7 +314,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--tile", default="64,64", help="STOF tile_m,tile_n of the rewrite")
     ap.add_argument("--dry-run", action="store_true", help="CPU only: build and rewrite (and check, small sizes)")
-    ap.add_argument("--sizes", choices=("issue", "small"), default="issue", help="dry-run sizes")
+    ap.add_argument("--sizes", choices=tuple(SIZES), default="issue",
+                    help="issue: the issue's sizes; check: small device sizes compared with a float64 reference; "
+                         "small: CPU-sized (--dry-run)")
     args = ap.parse_args(argv)
     names = [c for c in args.cases.split(",") if c]
     bad = [c for c in names if c not in ISSUE]
@@ -295,7 +342,7 @@ def main(argv=None) -> int:
         print("error: --iters must be >= 1 and --warmup >= 0", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = device_run(names, args.iters, args.warmup, tile)
+    rows = device_run(names, args.iters, args.warmup, tile, args.sizes)
     (args.out / "ort_ops.json").write_text(json.dumps(rows, indent=1, default=str))
     (args.out / "ort_ops.md").write_text(markdown(rows))
     print(markdown(rows))
