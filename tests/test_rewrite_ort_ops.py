@@ -399,3 +399,21 @@ def test_bench_ort_ops_dry_run(tmp_path):
     for bad in (["--cases", "nope"], ["--tile", "x"], []):
         r = subprocess.run(cmd + bad, env=env, capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and r.stderr.startswith("error:") and "Traceback" not in r.stderr, r.stderr
+
+
+def test_longformer_dynamic_sequence_axis():
+    B, S, H, D, W = 2, 48, 2, 8, 4
+    rng = np.random.default_rng(13)
+    model = longformer_model(B, S, H, D, W, rng)
+    for t in (*model.graph.input, *model.graph.output):
+        t.type.tensor_type.shape.dim[1].dim_param = "seq"
+    new, report = rewrite_model(model, max_seq_len=S, **TILE)
+    assert_fused(new, {"StofSparseAttention": 2, "LongformerAttention": 0})
+    assert any("8 global token slots" in n for n in report.to_dict()["notes"]), report.to_dict()["notes"]
+    for seq in (S, 24, 8):  # multiples of 2W
+        glob = np.zeros((B, seq), np.int32)
+        glob[0, [0, seq - 1]] = 1
+        glob[1, :3] = 1
+        feeds = {"x": rng.standard_normal((B, seq, H * D)).astype(np.float32), "mask": np.zeros((B, seq), np.float32),
+                 "global": glob}
+        np.testing.assert_allclose(run(new, feeds)[0], longformer_reference(model, feeds, H, W), rtol=1e-4, atol=1e-4)

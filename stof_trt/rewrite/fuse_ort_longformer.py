@@ -18,7 +18,8 @@ order, found with TopK):
 * output: row i = the global node's slot for i if i is global, else the local node's row i.
 
 More than G global tokens in a sequence cannot be represented: that sequence's output is NaN (never silently
-wrong). Rows whose own mask is < 0 (padding) are not defined by the op and may differ.
+wrong). With a dynamic sequence axis G is also at most 2W (the op needs S to be a multiple of 2W, so the slots
+always fit a run-time length). Rows whose own mask is < 0 (padding) are not defined by the op and may differ.
 """
 from __future__ import annotations
 
@@ -83,6 +84,12 @@ class FuseOrtLongformerAttention(Fusion):
                                              "(its window and global tokens define the layout)")
             S, D = xs[1], N // H
             G = min(S, MAX_GLOBAL)
+            declared = node.inputs[0].shape
+            if declared is None or len(declared) != 3 or not isinstance(declared[1], (int, np.integer)):
+                # the slot count is fixed in the graph; the op needs S to be a multiple of 2W, so 2W slots always fit
+                G = max(1, min(G, 2 * W))
+                self.ctx.report.notes.append(f"{node.name}: dynamic sequence length: {G} global token slots "
+                                             "(at most 2·window)")
             scale = 1.0 / math.sqrt(D)
             local = TileLayout.from_dense(local_layout_mask(S, G, W), tm, tn, mask_spec=f"longformer:window={W}")
             full = TileLayout.from_dense(np.ones((1, G, S), bool), tm, tn, mask_spec="full")
@@ -123,10 +130,14 @@ class FuseOrtLongformerAttention(Fusion):
                                  np.bool_)], np.bool_)
             is_g = op("Cast", [glob], np.bool_, to=9)
             g64 = op("Cast", [is_g], np.int64, to=7)
-            # global positions first, in position order: score = global * 2S - position
+            # global positions first, in position order: score = global * 2^23 - position (exact in float32)
+            seq = op("Squeeze", [op("Shape", [glob], np.int64, start=1, end=2),
+                                 const("stof_lf_axis0", np.array([0], np.int64))], np.int64)
+            pos = op("Cast", [op("Range", [const("stof_lf_zero0", np.array(0, np.int64)), seq,
+                                           const("stof_lf_step", np.array(1, np.int64))], np.int64)], np.float32, to=1)
             score = op("Sub", [op("Mul", [op("Cast", [is_g], np.float32, to=1),
-                                          const("stof_lf_2s", np.array(2.0 * S, np.float32))], np.float32),
-                               const("stof_lf_pos", np.arange(S, dtype=np.float32))], np.float32)
+                                          const("stof_lf_big", np.array(2.0 ** 23, np.float32))], np.float32),
+                               pos], np.float32)
             _, idx = op("TopK", [score, const("stof_lf_g", np.array([G], np.int64))], n_out=2, axis=1, largest=1,
                         sorted=1)
             idx.dtype = np.int64
