@@ -14,7 +14,7 @@ Each model is rewritten with ``stof_trt.rewrite.rewrite_model`` and both run on 
 rewritten one with libstof_ort) with IO binding, fp16; latency median / p90 over ``--iters`` runs, outputs compared
 (max |diff| relative to max |original|). Writes OUT/ort_ops.json and OUT/ort_ops.md.
 
-    python3 scripts/bench_ort_ops.py --out OUT [--cases longformer_b8,gqa_sliding] [--iters 50]
+    python3 scripts/bench_ort_ops.py --out OUT [--cases longformer_b8,gqa_sliding] [--iters 50] [--presearch]
     python3 scripts/bench_ort_ops.py --sizes check --out OUT      # device: small sizes, + float64 reference
     python3 scripts/bench_ort_ops.py --dry-run [--sizes small]   # CPU: build + rewrite (+ check, small sizes)
 
@@ -246,7 +246,7 @@ def dry_run(names, sizes, tile) -> list[dict]:
     return rows
 
 
-def device_run(names, iters, warmup, tile, sizes="issue") -> list[dict]:
+def device_run(names, iters, warmup, tile, sizes="issue", presearch=False) -> list[dict]:
     from stof_trt.ort import Binding, latency_stats, session, time_session
 
     rows = []
@@ -261,7 +261,8 @@ def device_run(names, iters, warmup, tile, sizes="issue") -> list[dict]:
         shared = case["op"] == "sparse"
         original = build(case, fp16=True, presents=True) if shared else model
         for variant, m, register in (("ort", original, False), ("stof", new, True)):
-            sess = session(m, providers="cuda", register=register)
+            extra = {"presearch_shapes": [(case["B"], case["S"])]} if presearch and register else {}
+            sess = session(m, providers="cuda", register=register, **extra)
             b = Binding(sess, f)
             if shared and variant == "ort":
                 _share_past_present(b)
@@ -313,6 +314,8 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--tile", default="64,64", help="STOF tile_m,tile_n of the rewrite")
+    ap.add_argument("--presearch", action="store_true",
+                    help="STOF nodes without a tactic-cache entry use the pre-search's first choice")
     ap.add_argument("--dry-run", action="store_true", help="CPU only: build and rewrite (and check, small sizes)")
     ap.add_argument("--sizes", choices=tuple(SIZES), default="issue",
                     help="issue: the issue's sizes; check: small device sizes compared with a float64 reference; "
@@ -341,8 +344,14 @@ def main(argv=None) -> int:
     if args.iters < 1 or args.warmup < 0:
         print("error: --iters must be >= 1 and --warmup >= 0", file=sys.stderr)
         return 2
+    from stof_trt.errors import StofError
+
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = device_run(names, args.iters, args.warmup, tile, args.sizes)
+    try:
+        rows = device_run(names, args.iters, args.warmup, tile, args.sizes, args.presearch)
+    except StofError as exc:  # no CUDA EP, no libstof_ort: one line, not a traceback
+        print(f"error: {exc} (on a machine without a GPU use --dry-run)", file=sys.stderr)
+        return 2
     (args.out / "ort_ops.json").write_text(json.dumps(rows, indent=1, default=str))
     (args.out / "ort_ops.md").write_text(markdown(rows))
     print(markdown(rows))
