@@ -101,9 +101,8 @@ def test_onnx_attention_scale_attribute_and_user_mask():
     assert_parity(causal, new, _feeds(rng, 40, False, None))
 
 
-def test_onnx_attention_gqa_and_past_left_alone():
-    for model, why in ((onnx_attention_model(three_d=True, kv_heads=2), "grouped-query"),
-                       (onnx_attention_model(past=True), "past_key")):
+def test_onnx_attention_past_left_alone():  # grouped heads: tests/test_rewrite_ort_ops.py
+    for model, why in ((onnx_attention_model(past=True), "past_key"),):
         new, report = rewrite_model(model, max_seq_len=40, **TILE)
         assert op_counts(new) == op_counts(model)
         assert any(why in s["reason"] for s in report.to_dict()["left_alone"]), report.to_dict()["left_alone"]

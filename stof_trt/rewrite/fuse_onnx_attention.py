@@ -15,8 +15,10 @@ Replaced by (3-D inputs are split into heads and the output merged back)::
               Y
 
 ``is_causal`` becomes a static causal layout (top-left aligned); ``attn_mask`` is classified like a graph mask
-(static pattern / key padding / kept as attn_bias). Left alone: past_key/value, softcap, grouped heads
-(kv_num_heads != q_num_heads), or when present_* / qk_matmul_output outputs are used.
+(static pattern / key padding / kept as attn_bias); opset 24's ``nonpad_kv_seqlen`` [B] becomes key padding (key k
+kept iff k < length). Grouped heads (kv_num_heads < q_num_heads, or fewer K/V heads in 4-D inputs) are repeated to
+the query heads (ort_contrib.expand_kv_heads). Left alone: past_key/value, softcap, or when present_* /
+qk_matmul_output outputs are used.
 """
 from __future__ import annotations
 
@@ -26,9 +28,10 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from .attention_common import (AttentionEmitter, AttentionPlan, AttentionProbe, bool_mask_bias, choose_layout,
-                               from_heads, to_heads)
+                               from_heads, lengths_to_padding, to_heads)
 from .base import Fusion, Match
 from .mask_analysis import MaskTerm
+from .ort_contrib import check_heads, expand_kv_heads, keys_axis1
 
 
 def _present(node: gs.Node, i: int) -> bool:
@@ -44,8 +47,8 @@ class FuseOnnxAttention(Fusion):
         if node.domain not in (None, "", "ai.onnx"):
             return None
         outs = self.ctx.graph_outputs
-        if any(_present(node, i) for i in (4, 5, 6)):
-            self.skip(node, "past_key / past_value / nonpad_kv_seqlen (KV cache) are not supported")
+        if any(_present(node, i) for i in (4, 5)):
+            self.skip(node, "past_key / past_value (KV cache) are not supported")
             return None
         if any(o.name in outs or o.outputs for o in node.outputs[1:]):
             self.skip(node, "present_key / present_value / qk_matmul_output are used")
@@ -54,8 +57,9 @@ class FuseOnnxAttention(Fusion):
             self.skip(node, "softcap is not supported")
             return None
         qh, kvh = node.attrs.get("q_num_heads"), node.attrs.get("kv_num_heads")
-        if qh is not None and kvh is not None and qh != kvh:
-            self.skip(node, f"grouped-query attention (q_num_heads {qh} != kv_num_heads {kvh}) is not supported")
+        why = check_heads(int(qh), int(kvh)) if qh is not None and kvh is not None else None
+        if why:
+            self.skip(node, why)
             return None
         mask = None
         if _present(node, 3):
@@ -77,19 +81,21 @@ class FuseOnnxAttention(Fusion):
             qs, ks, vs = probe.shape(q.name), probe.shape(k.name), probe.shape(v.name)
             if len(qs) == 4 and len(ks) == 4 and len(vs) == 4:
                 _, H, sq, D = qs
-                sk, split = ks[2], False
-                ok = ks[1] == H and vs[1] == H and ks[3] == D and vs[3] == D and vs[2] == sk
+                sk, split, kv = ks[2], False, ks[1]
+                ok = vs[1] == kv and kv >= 1 and H % kv == 0 and ks[3] == D and vs[3] == D and vs[2] == sk
                 short = (q.name, 2, k.name, 2)
             elif len(qs) == 3 and len(ks) == 3 and len(vs) == 3 and node.attrs.get("q_num_heads"):
                 H = int(node.attrs["q_num_heads"])
+                kv = int(node.attrs.get("kv_num_heads", H))
                 _, sq, hidden = qs
                 sk, D, split = ks[1], hidden // H, True
-                ok = hidden % H == 0 and ks[2] == hidden and vs[2] == hidden and vs[1] == sk
+                ok = hidden % H == 0 and ks[2] == kv * D and vs[2] == kv * D and vs[1] == sk
                 short = (q.name, 1, k.name, 1)
             else:
                 ok = False
             if not ok:
-                self.skip(node, f"Q{qs} K{ks} V{vs}: only equal heads and head sizes are supported")
+                self.skip(node, f"Q{qs} K{ks} V{vs}: only equal head sizes and K/V heads dividing the query heads "
+                                "are supported")
                 continue
             scale = float(node.attrs.get("scale", 1.0 / math.sqrt(D)))
             gmask = probe.classify(term, sq, sk, H, short) if term is not None else None
@@ -101,14 +107,25 @@ class FuseOnnxAttention(Fusion):
             if gmask is not None and gmask.kind == "bias":
                 plan.bias_term = term
                 self.ctx.report.notes.append(f"{node.name}: attn_mask kept as attn_bias: {gmask.reason}")
-            m.info = dict(plan.info(), anchor=node.name)
-            m.build = self._builder(node, plan, split, m.info)
+            if _present(node, 6):
+                if node.attrs.get("is_causal", 0):
+                    # ONNX Runtime aligns the causal mask to each sequence's end there (the spec: top-left)
+                    self.skip(node, "is_causal with nonpad_kv_seqlen (runtimes differ in the causal alignment)")
+                    continue
+                if plan.padding_input is not None:
+                    self.skip(node, "both a key-padding attn_mask and nonpad_kv_seqlen: not supported")
+                    continue
+                plan.mask_source += " & key padding from nonpad_kv_seqlen"
+                plan.padding_tensor = node.inputs[6]  # marks "has key padding" for the report
+            m.info = dict(plan.info(), anchor=node.name, kv_heads=kv)
+            m.build = self._builder(node, plan, split, m.info, kv)
             kept.append(m)
         return kept
 
-    def _builder(self, node: gs.Node, plan: AttentionPlan, split: bool, info: dict):
+    def _builder(self, node: gs.Node, plan: AttentionPlan, split: bool, info: dict, kv: int):
         q, k, v = node.inputs[:3]
         mask_t = node.inputs[3] if _present(node, 3) else None
+        node_inputs = list(node.inputs)  # captured now: build() runs after the node is disconnected
         y = node.outputs[0]
 
         def build():
@@ -117,13 +134,19 @@ class FuseOnnxAttention(Fusion):
             if plan.bias_term is not None:
                 plan.bias = mask_t if plan.bias_term.mode == "additive" else \
                     bool_mask_bias(self, mask_t, True, -math.inf, q, new)
+            if plan.padding_tensor is not None:
+                seqlen = node_inputs[6]
+                plan.padding_tensor = lengths_to_padding(self, seqlen, k if split else keys_axis1(self, k, new), new)
             if split:
-                qq, kk, vv = (to_heads(self, t, plan.heads, plan.head_dim, new) for t in (q, k, v))
+                qq = to_heads(self, q, plan.heads, plan.head_dim, new)
+                kk, vv = (to_heads(self, t, kv, plan.head_dim, new) for t in (k, v))
                 out = from_heads(self, y, plan.heads * plan.head_dim, new, dtype=y.dtype)
             else:
                 qq, kk, vv, out = q, k, v, y
+            kk, vv = (expand_kv_heads(self, t, kv, plan.heads, plan.head_dim, new) for t in (kk, vv))
             emitter.node(plan, qq, kk, vv, out, new)
             info["name"] = plan.name
             return new
 
         return build
+

@@ -27,9 +27,15 @@ def _fusions(epilogues: bool, packed_qkv: bool = True, dense_attention: str = "s
     from .fuse_onnx_attention import FuseOnnxAttention
     from .fuse_ort_attention import FuseOrtAttention, FuseOrtMultiHeadAttention
     from .fuse_ort_epilogues import FuseOrtBiasGelu, FuseOrtSkipLayerNorm
+    from .fuse_ort_gqa import FuseOrtGroupQueryAttention
+    from .fuse_ort_longformer import FuseOrtLongformerAttention
+    from .fuse_ort_sparse_attention import FuseOrtSparseAttention
     from .fuse_packed_qkv import FusePackedQkv
 
     order = [FuseAttentionCore, FuseOnnxAttention, FuseOrtAttention, FuseOrtMultiHeadAttention]
+    order.append(FuseOrtGroupQueryAttention)
+    order.append(FuseOrtSparseAttention)
+    order.append(FuseOrtLongformerAttention)
     if packed_qkv:
         order.append(FusePackedQkv)
         if dense_attention == "ort":
