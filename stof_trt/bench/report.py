@@ -196,7 +196,8 @@ def markdown(cells: list[dict], summary: dict, title: str = "Attention", notes: 
 def write_results(cells: list[dict], out_dir, name: str = "attention", meta: dict | None = None,
                   title: str = "Attention", notes: list[str] = ()) -> dict:
     """Write out_dir/<name>.json (the list of records), <name>.md (table and targets) and, with meta,
-    <name>-run.json ({"meta", "summary"}); returns the summary."""
+    <name>-run.json ({"meta", "summary", "cells"}: the summary carries meta's batch and heads and the cells their
+    "spec" and "measured_ms", as stof_trt.presearch.calibrate reads them); returns the summary."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     recs = [record(c) for c in cells]
@@ -204,6 +205,7 @@ def write_results(cells: list[dict], out_dir, name: str = "attention", meta: dic
     (out / f"{name}.json").write_text(json.dumps(recs, indent=1, allow_nan=False) + "\n")
     (out / f"{name}.md").write_text(markdown(cells, summary, title, notes))
     if meta is not None:
-        (out / f"{name}-run.json").write_text(
-            json.dumps(clean({"meta": meta, "summary": summary}), indent=1, allow_nan=False) + "\n")
+        run = {"meta": meta, "summary": {**summary, "batch": meta.get("batch"), "heads": meta.get("heads")},
+               "cells": recs}
+        (out / f"{name}-run.json").write_text(json.dumps(clean(run), indent=1, allow_nan=False) + "\n")
     return summary
