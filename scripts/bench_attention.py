@@ -82,6 +82,8 @@ def parse_args(argv=None):
                     help="sched_chunk for the STOF kernels (default: the layout's value)")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--name", default="attention", help="file stem of the outputs")
+    ap.add_argument("--against", metavar="JSON", help="another run's attention.json (e.g. fp16's, for a bf16 run): "
+                    "the summary adds this run's STOF times over that one's per cell (target: within 3 %%)")
     args = ap.parse_args(argv)
     grid = dict(GRIDS[args.grid])
     if args.quick:
@@ -95,6 +97,8 @@ def parse_args(argv=None):
         args.size_list = [int(s) for s in args.sizes.split(",")]
     except ValueError:
         ap.error("--dims and --sizes take comma-separated integers")
+    if args.against and not Path(args.against).is_file():
+        ap.error(f"--against: no file {args.against}")
     args.mask_list = args.masks.split(",")
     bad = [m for m in args.mask_list if m not in MASKS]
     if bad:
@@ -123,16 +127,19 @@ def _version(dist: str):
 
 
 def reference(q, k, v, dense):
-    """fp32 masked attention ([B, H, S, D]), one batch element at a time (bounded memory); rows without an
-    allowed key are zero, as STOF writes them."""
+    """fp32 masked attention ([B, H, S, D]) by SDPA's math backend (fp32 matmuls, no TF32 unless the caller
+    allows it), one batch element at a time (a few GiB at S=8192); rows without an allowed key are zero, as STOF
+    writes them."""
     import torch
     import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     am = dense[None, None]
     out = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-    for b in range(q.shape[0]):
-        out[b:b + 1] = F.scaled_dot_product_attention(q[b:b + 1].float(), k[b:b + 1].float(), v[b:b + 1].float(),
-                                                      attn_mask=am)
+    with sdpa_kernel([SDPBackend.MATH]):
+        for b in range(q.shape[0]):
+            out[b:b + 1] = F.scaled_dot_product_attention(q[b:b + 1].float(), k[b:b + 1].float(),
+                                                          v[b:b + 1].float(), attn_mask=am)
     return torch.where(dense.any(-1)[None, None, :, None], out, torch.zeros_like(out))
 
 
@@ -374,7 +381,8 @@ def main(argv=None):
              f"reference (rel err < {tol:g}); STOF default = no cache, no first-use timing, no calibration profile; "
              f"tuned = after first-use timing{'' if has_timing else ' (not in this library: null)'}; "
              f"best = fastest valid tactic.  Ratios: fastest anchor ms / STOF ms."]
-    summary = write_results(cells, out_dir, args.name, meta=meta, title="Attention, " + gpu, notes=notes)
+    summary = write_results(cells, out_dir, args.name, meta=meta, title=f"Attention, {gpu}, {args.dtype}",
+                            notes=notes, against=args.against)
     (out_dir / f"{args.name}.partial.json").unlink(missing_ok=True)
     print((out_dir / f"{args.name}.md").read_text())
     print(f"bench_attention: {len(cells)} cells in {meta['wall_s']:.0f} s; targets {json.dumps(summary['targets'])}")

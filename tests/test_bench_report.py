@@ -122,3 +122,17 @@ def test_a_cell_without_a_required_key_is_refused(tmp_path):
 def test_clean_replaces_non_finite():
     assert report.clean({"a": [1.0, float("inf"), {"b": float("nan")}], 3: 2}) == {"a": [1.0, None, {"b": None}],
                                                                                    "3": 2}
+
+
+def test_bf16_against_fp16(tmp_path):
+    fp16 = [_cell(64, S, "causal", 1.0, 0.5, 0.5, {"fa4": 1.0}) for S in (2048, 4096, 8192)]
+    bf16 = [_cell(64, S, "causal", 1.0, t, 0.5, {"fa4": 1.0}) for S, t in ((2048, 0.51), (4096, 0.5), (8192, 0.52))]
+    bf16.append(_cell(128, 2048, "causal", 1.0, 0.5, 0.5, {"fa4": 1.0}))  # not in the fp16 run: not compared
+    cm = report.compare_runs(bf16, fp16)
+    assert cm["cells"] == 3 and cm["max"] == pytest.approx(1.04)
+    assert cm["geomean"] == pytest.approx((1.02 * 1.0 * 1.04) ** (1 / 3))
+    assert cm["beyond"] == ["D=64 S=8192 causal: 1.040"] and cm["met"] is False
+    (tmp_path / "fp16.json").write_text(json.dumps(fp16))
+    report.write_results(bf16, tmp_path / "bf16", against=tmp_path / "fp16.json")
+    md = (tmp_path / "bf16" / "attention.md").read_text()
+    assert "STOF times against fp16.json" in md and "within 3%: **no**" in md

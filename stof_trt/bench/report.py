@@ -16,7 +16,8 @@ from .stats import geomean
 
 __all__ = ["REQUIRED_KEYS", "TUNED_CELL", "TUNED_GEOMEAN", "TUNED_CELL_FLOOR", "TUNED_GEOMEAN_FLOOR",
            "DEFAULT_CELL", "FIRST_CHOICE_WITHIN", "FIRST_CHOICE_SHARE", "fastest_anchor", "cell_ratios",
-           "first_choice_hit", "summarize", "record", "clean", "markdown", "write_results"]
+           "first_choice_hit", "summarize", "record", "clean", "markdown", "write_results", "DTYPE_WITHIN",
+           "compare_runs"]
 
 REQUIRED_KEYS = ("D", "S", "mask", "stof_default_ms", "stof_tuned_ms", "stof_best_ms", "anchors", "rel_err")
 
@@ -27,6 +28,8 @@ TUNED_CELL, TUNED_GEOMEAN = 1.05, {64: 1.5, 128: 1.3}
 TUNED_CELL_FLOOR, TUNED_GEOMEAN_FLOOR = 0.95, {64: 1.35, 128: 1.15}
 DEFAULT_CELL = 1.0
 FIRST_CHOICE_WITHIN, FIRST_CHOICE_SHARE = 0.10, 0.9
+# bf16 within 3 % of fp16's times
+DTYPE_WITHIN = 0.03
 
 
 def _ms(x) -> bool:
@@ -120,6 +123,28 @@ def summarize(cells: list[dict]) -> dict:
     return s
 
 
+def compare_runs(cells: list[dict], other: list[dict], within: float = DTYPE_WITHIN) -> dict:
+    """This run's STOF times against another run's (e.g. bf16 against fp16) on the cells both hold: per cell
+    this / other for STOF tuned (default where a run has no tuned time), the geomean, the largest, and the cells
+    beyond 1 + within."""
+    def key(c):
+        return c["D"], c["S"], c["mask"]
+
+    def stof(c):
+        return c.get("stof_tuned_ms") if _ms(c.get("stof_tuned_ms")) else c.get("stof_default_ms")
+
+    theirs = {key(c): c for c in other}
+    per = {}
+    for c in cells:
+        o = theirs.get(key(c))
+        if o is not None and _ms(stof(c)) and _ms(stof(o)):
+            per[f"D={c['D']} S={c['S']} {c['mask']}"] = stof(c) / stof(o)
+    beyond = [f"{k}: {x:.3f}" for k, x in per.items() if x > 1.0 + within]
+    return {"cells": len(per), "geomean": geomean(per.values()) if per else None,
+            "max": max(per.values()) if per else None, "within": within, "beyond": beyond,
+            "met": (not beyond) if per else None, "per_cell": per}
+
+
 def clean(x):
     """x with every non-finite float replaced by None (strict JSON has no NaN) and int dict keys as strings."""
     if isinstance(x, float):
@@ -153,7 +178,8 @@ def _yes(x) -> str:
     return {True: "yes", False: "**no**", None: "not judged"}[x]
 
 
-def markdown(cells: list[dict], summary: dict, title: str = "Attention", notes: list[str] = ()) -> str:
+def markdown(cells: list[dict], summary: dict, title: str = "Attention", notes: list[str] = (),
+             comparison: dict | None = None, against: str = "") -> str:
     """The table per cell (STOF default / tuned / best with tactics, the fastest anchor, the two ratios) and the
     summary lines the targets need."""
     lines = [f"# {title}", "", *notes, *([""] if notes else []),
@@ -190,20 +216,31 @@ def markdown(cells: list[dict], summary: dict, title: str = "Attention", notes: 
     lines.append(f"- First choice within {FIRST_CHOICE_WITHIN:.0%} of STOF's best tactic: {fc['hits']} of "
                  f"{fc['judged']} cells (needed {fc['needed']}): {_yes(s['targets']['first_choice'])}"
                  + (f"; misses: {'; '.join(fc['misses'])}" if fc["misses"] else ""))
+    if comparison is not None:
+        cm = comparison
+        lines.append(f"- STOF times against {against or 'the other run'} (tuned, else default; this / that): "
+                     f"geomean {_f(cm['geomean'])}, largest {_f(cm['max'])} over {cm['cells']} cells; within "
+                     f"{cm['within']:.0%}: {_yes(cm['met'])}" + (f"; beyond: {'; '.join(cm['beyond'])}"
+                                                                 if cm["beyond"] else ""))
     return "\n".join(lines) + "\n"
 
 
 def write_results(cells: list[dict], out_dir, name: str = "attention", meta: dict | None = None,
-                  title: str = "Attention", notes: list[str] = ()) -> dict:
-    """Write out_dir/<name>.json (the list of records), <name>.md (table and targets) and, with meta,
+                  title: str = "Attention", notes: list[str] = (), against: str | None = None) -> dict:
+    """Write out_dir/<name>.json (the list of records), <name>.md (table and targets; with `against`, the path of
+    another run's <name>.json, also this run's STOF times against that one's) and, with meta,
     <name>-run.json ({"meta", "summary", "cells"}: the summary carries meta's batch and heads and the cells their
     "spec" and "measured_ms", as stof_trt.presearch.calibrate reads them); returns the summary."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     recs = [record(c) for c in cells]
     summary = summarize(cells)
+    if against:
+        summary["comparison"] = compare_runs(cells, json.loads(Path(against).read_text()))
+        summary["comparison"]["against"] = str(against)
     (out / f"{name}.json").write_text(json.dumps(recs, indent=1, allow_nan=False) + "\n")
-    (out / f"{name}.md").write_text(markdown(cells, summary, title, notes))
+    (out / f"{name}.md").write_text(markdown(cells, summary, title, notes, summary.get("comparison"),
+                                             Path(against).name if against else ""))
     if meta is not None:
         run = {"meta": meta, "summary": {**summary, "batch": meta.get("batch"), "heads": meta.get("heads")},
                "cells": recs}
