@@ -82,6 +82,8 @@ def parse_args(argv=None):
                     help="sched_chunk for the STOF kernels (default: the layout's value)")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--name", default="attention", help="file stem of the outputs")
+    ap.add_argument("--merge", metavar="RUN,RUN", help="no timing: merge the cells of runs' attention-run.json files "
+                    "(e.g. a --dims 64 and a --dims 128 run, each under the 10-minute limit of one call) into --out")
     ap.add_argument("--against", metavar="JSON", help="another run's attention.json (e.g. fp16's, for a bf16 run): "
                     "the summary adds this run's STOF times over that one's per cell (target: within 3 %%)")
     args = ap.parse_args(argv)
@@ -99,6 +101,10 @@ def parse_args(argv=None):
         ap.error("--dims and --sizes take comma-separated integers")
     if args.against and not Path(args.against).is_file():
         ap.error(f"--against: no file {args.against}")
+    args.merge_list = [m for m in (args.merge or "").split(",") if m]
+    for m in args.merge_list:
+        if not Path(m).is_file():
+            ap.error(f"--merge: no file {m}")
     args.mask_list = args.masks.split(",")
     bad = [m for m in args.mask_list if m not in MASKS]
     if bad:
@@ -143,8 +149,33 @@ def reference(q, k, v, dense):
     return torch.where(dense.any(-1)[None, None, :, None], out, torch.zeros_like(out))
 
 
+def merge(args) -> int:
+    """Write the cells of several runs (their attention-run.json) as one run, in grid order."""
+    runs = []
+    for m in args.merge_list:
+        try:
+            run = json.loads(Path(m).read_text())
+            runs.append((run["meta"], run["cells"]))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"bench_attention: --merge: {m} is not an attention-run.json ({_why(e)})", file=sys.stderr)
+            return 2
+    order = {m: i for i, m in enumerate(MASKS)}
+    cells = sorted((c for _, cs in runs for c in cs), key=lambda c: (c["D"], c["S"], order.get(c["mask"], 99)))
+    meta = dict(runs[0][0], merged_from=args.merge_list, argv=sys.argv,
+                wall_s=sum(m.get("wall_s") or 0 for m, _ in runs))
+    if len({(m.get("gpu"), m.get("dtype")) for m, _ in runs}) > 1:
+        print("bench_attention: --merge: the runs differ in GPU or dtype", file=sys.stderr)
+        return 2
+    write_results(cells, args.out, args.name, meta=meta, title=f"Attention, {meta.get('gpu')}, {meta.get('dtype')}",
+                  against=args.against)
+    print((Path(args.out) / f"{args.name}.md").read_text())
+    return 0
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.merge_list:
+        return merge(args)
     # the default path is the uncalibrated one: no per-GPU profile, whatever the caller's environment holds
     profile_env = os.environ.pop("STOF_PRESEARCH_PROFILE", None)
 

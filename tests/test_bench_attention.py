@@ -168,3 +168,20 @@ def test_loop_writes_the_issue_keys(monkeypatch, tmp_path, with_timing):
     assert run["summary"]["batch"] == 1 and run["cells"][0]["measured_ms"]["t5"] == 0.7
     assert not (tmp_path / "attention.partial.json").exists()
     assert np.isfinite(run["meta"]["wall_s"])
+
+
+def test_merge_two_runs(monkeypatch, tmp_path):
+    ba = _load()
+    _fake_world(monkeypatch, ba, True)
+    for D, masks in ((128, "sliding"), (64, "sliding,causal")):
+        argv = ["--dims", str(D), "--sizes", "128", "--masks", masks, "--batch", "1", "--heads", "2", "--anchors",
+                "sdpa_mask", "--causal-rounds", "0", "--out", str(tmp_path / f"d{D}")]
+        assert ba.main(argv) == 0
+    runs = f"{tmp_path / 'd128' / 'attention-run.json'},{tmp_path / 'd64' / 'attention-run.json'}"
+    assert ba.main(["--merge", runs, "--out", str(tmp_path / "all")]) == 0
+    cells = json.loads((tmp_path / "all" / "attention.json").read_text())
+    assert [(c["D"], c["mask"]) for c in cells] == [(64, "causal"), (64, "sliding"), (128, "sliding")]
+    run = json.loads((tmp_path / "all" / "attention-run.json").read_text())
+    assert len(run["meta"]["merged_from"]) == 2 and run["summary"]["cells"] == 3
+    (tmp_path / "bad.json").write_text("[]")
+    assert ba.main(["--merge", str(tmp_path / "bad.json"), "--out", str(tmp_path / "x")]) == 2
