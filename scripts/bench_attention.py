@@ -82,6 +82,8 @@ def parse_args(argv=None):
                     help="sched_chunk for the STOF kernels (default: the layout's value)")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--name", default="attention", help="file stem of the outputs")
+    ap.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                    help="start no new cell after this long; write the cells measured (meta: stopped_early)")
     ap.add_argument("--merge", metavar="RUN,RUN", help="no timing: merge the cells of runs' attention-run.json files "
                     "(e.g. a --dims 64 and a --dims 128 run, each under the 10-minute limit of one call) into --out")
     ap.add_argument("--against", metavar="JSON", help="another run's attention.json (e.g. fp16's, for a bf16 run): "
@@ -240,9 +242,15 @@ def main(argv=None):
     tmp = tempfile.TemporaryDirectory(prefix="stof-bench-")
     for D in args.dim_list:
         for S in args.size_list:
+            if "stopped_early" in meta:
+                break
             q, k, v = (torch.randn(B, H, S, D, device=DEVICE, dtype=dtype) for _ in range(3))
             t_dense = bench(lambda: F.scaled_dot_product_attention(q, k, v))
             for mname in args.mask_list:
+                if args.time_limit is not None and time.time() - t_start > args.time_limit:
+                    meta.setdefault("stopped_early", f"--time-limit {args.time_limit:g} s reached before D={D} "
+                                                     f"S={S} {mname}")
+                    break
                 t0 = time.time()
                 mask = parse_mask(MASKS[mname])
                 layout = compile_mask(mask, S, S)

@@ -185,3 +185,14 @@ def test_merge_two_runs(monkeypatch, tmp_path):
     assert len(run["meta"]["merged_from"]) == 2 and run["summary"]["cells"] == 3
     (tmp_path / "bad.json").write_text("[]")
     assert ba.main(["--merge", str(tmp_path / "bad.json"), "--out", str(tmp_path / "x")]) == 2
+
+
+def test_time_limit_stops_between_cells(monkeypatch, tmp_path):
+    ba = _load()
+    _fake_world(monkeypatch, ba, False)
+    argv = ["--dims", "64,128", "--sizes", "128", "--masks", "causal,sliding", "--batch", "1", "--heads", "2",
+            "--anchors", "sdpa_mask", "--causal-rounds", "0", "--time-limit", "0", "--out", str(tmp_path)]
+    assert ba.main(argv) == 0
+    assert json.loads((tmp_path / "attention.json").read_text()) == []
+    run = json.loads((tmp_path / "attention-run.json").read_text())
+    assert "D=64 S=128 causal" in run["meta"]["stopped_early"]
