@@ -189,7 +189,9 @@ def main(argv=None):
     from stof_trt.kernels import DeviceLayout, Runner, list_tactics, select_tactic, tactic_info
     from stof_trt.masks import parse_mask
 
-    from stof_trt.bench.anchors import AnchorUnavailable, fa4_method, flex_method, try_band_anchor
+    from stof_trt.bench.anchors import (AnchorUnavailable, attention_bytes, copy_bandwidth, fa4_method,
+                                        flex_method, floor_methods, matmul_rate, roofline_floor_ms, tile_flops,
+                                        try_band_anchor)
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -206,6 +208,12 @@ def main(argv=None):
 
     def bench(fn, rep=args.rep, warmup=25):
         return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+    # the roofline floor's ingredients, measured in this run (extra key floor_ms: STOF best / floor says how far
+    # from the hardware a cell is)
+    fm = floor_methods()
+    t_floor = {n: bench(fn) for n, fn in fm.items()}
+    del fm
 
     flex = create_block_mask = None
     flex_why = None
@@ -230,6 +238,8 @@ def main(argv=None):
             "cudnn_frontend": _version("nvidia-cudnn-frontend"), "python": platform.python_version(),
             "stof_kernels_lib": os.environ.get("STOF_KERNELS_LIB"), "commit": commit,
             "first_use_timing": has_timing, "presearch_profile_env_removed": profile_env,
+            "copy_TBps": copy_bandwidth(t_floor["copy"]) / 1e12,
+            "fp16_matmul_TFLOPs": matmul_rate(t_floor["matmul"]) / 1e12,
             "tolerance": {"rel_err": tol}, "rep_ms": args.rep, "screen_rep_ms": args.screen_rep, "top": args.top}
     print(f"bench_attention: {gpu}, {args.dtype}, B={args.batch} H={args.heads}, dims {args.dim_list}, sizes "
           f"{args.size_list}, masks {args.mask_list}, anchors {args.anchor_list}; first-use timing: "
@@ -259,7 +269,9 @@ def main(argv=None):
                 cell = {"D": D, "S": S, "mask": mname, "stof_default_ms": None, "stof_tuned_ms": None,
                         "stof_best_ms": None, "anchors": {}, "rel_err": None, "spec": MASKS[mname], "gpu": gpu,
                         "dtype": args.dtype, "B": B, "H": H, "density": float(dense.float().mean()),
-                        "sdpa_dense_ms": t_dense}
+                        "sdpa_dense_ms": t_dense,
+                        "floor_ms": roofline_floor_ms(t_floor, attention_bytes(B, H, S, D, q.element_size()),
+                                                      tile_flops(layout, B, H, D))}
 
                 # --- STOF: the default choice, the choice after first-use timing, every valid tactic ---------
                 dl = DeviceLayout(layout)

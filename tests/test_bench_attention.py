@@ -108,6 +108,9 @@ def _fake_world(monkeypatch, ba, with_timing: bool):
                    presearch=True):
             return 1, "presearch"
 
+    from stof_trt.bench import anchors
+
+    monkeypatch.setattr(anchors, "floor_methods", lambda: {"copy": lambda: None, "matmul": lambda: None})
     monkeypatch.setattr(ba, "reference", reference)
     monkeypatch.setattr(ba, "DEVICE", "cpu")
     monkeypatch.setattr(kernels, "DeviceLayout", Layout)
@@ -167,7 +170,8 @@ def test_loop_writes_the_issue_keys(monkeypatch, tmp_path, with_timing):
     assert run["meta"]["presearch_profile_env_removed"] == "/nonexistent/profile.json"
     assert run["summary"]["batch"] == 1 and run["cells"][0]["measured_ms"]["t5"] == 0.7
     assert not (tmp_path / "attention.partial.json").exists()
-    assert np.isfinite(run["meta"]["wall_s"])
+    assert np.isfinite(run["meta"]["wall_s"]) and run["meta"]["copy_TBps"] > 0
+    assert all(c["floor_ms"] > 0 for c in cells)
 
 
 def test_merge_two_runs(monkeypatch, tmp_path):
