@@ -198,6 +198,7 @@ def main(argv=None):
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     tol = TOL[args.dtype]
     torch.manual_seed(0)
+    torch.set_grad_enabled(False)  # forward only: no autograd context in FA4's or Flex's calls
     gpu = torch.cuda.get_device_name(0)
     has_timing = "timing" in inspect.signature(select_tactic).parameters
     no_timing = {"timing": False} if has_timing else {}
