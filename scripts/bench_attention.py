@@ -198,6 +198,7 @@ def main(argv=None):
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     tol = TOL[args.dtype]
     torch.manual_seed(0)
+    grad_was = torch.is_grad_enabled()
     torch.set_grad_enabled(False)  # forward only: no autograd context in FA4's or Flex's calls
     gpu = torch.cuda.get_device_name(0)
     has_timing = "timing" in inspect.signature(select_tactic).parameters
@@ -438,6 +439,7 @@ def main(argv=None):
     (out_dir / f"{args.name}.partial.json").unlink(missing_ok=True)
     print((out_dir / f"{args.name}.md").read_text())
     print(f"bench_attention: {len(cells)} cells in {meta['wall_s']:.0f} s; targets {json.dumps(summary['targets'])}")
+    torch.set_grad_enabled(grad_was)
     return 0
 
 

@@ -22,6 +22,13 @@ from stof_trt.masks import parse_mask  # noqa: E402
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_attention.py"
 
 
+@pytest.fixture(autouse=True)
+def _grad_mode_restored():
+    was = torch.is_grad_enabled()
+    yield
+    torch.set_grad_enabled(was)
+
+
 def _load():
     spec = importlib.util.spec_from_file_location("bench_attention_under_test", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
@@ -140,6 +147,7 @@ def test_loop_writes_the_issue_keys(monkeypatch, tmp_path, with_timing):
     argv = ["--dims", "64", "--sizes", "128", "--masks", "causal,sliding", "--batch", "1", "--heads", "2",
             "--anchors", "fa4,sdpa_causal,sdpa_mask,cudnn_band", "--causal-rounds", "2", "--out", str(tmp_path)]
     assert ba.main(argv) == 0
+    assert torch.is_grad_enabled()  # the script's no-autograd mode ends with it
     import os
 
     assert "STOF_PRESEARCH_PROFILE" not in os.environ  # the default path runs without a calibration profile
