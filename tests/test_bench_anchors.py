@@ -161,3 +161,86 @@ def test_sdpa_backend_methods_keep_only_backends_that_run_and_match(monkeypatch,
         assert got == {}
         err = capsys.readouterr().err
         assert ("unavailable here" if case == "refuses" else "differs from the reference here") in err
+
+
+# --- FA4 and FlexAttention anchors: argument mapping (the kernels themselves run only on a GPU) ----------------
+
+def test_which_anchor_computes_which_mask():
+    assert anchors.anchors_for("causal") == ("fa4", "flex_fa4", "flex", "sdpa_causal", "sdpa_cudnn", "sdpa_flash",
+                                             "sdpa_mask")
+    assert anchors.anchors_for("sliding") == ("fa4", "flex_fa4", "flex", "sdpa_mask", "cudnn_band")
+    for m in ("dilated", "longformer", "bigbird"):  # no native kernel: FlexAttention's two backends and SDPA+mask
+        assert anchors.anchors_for(m) == ("flex_fa4", "flex", "sdpa_mask")
+
+
+def _fa4_keeps(kw, S):
+    """The (query, key) pairs FA4 keeps under flash_attn_func's kwargs: causal keeps j <= i; window_size
+    (left, right) keeps i - left <= j <= i + right (flash_attn/cute's convention, causal = (None, 0))."""
+    i = np.arange(S)[:, None]
+    j = np.arange(S)[None, :]
+    if kw.get("causal"):
+        return j <= i
+    left, right = kw["window_size"]
+    return (j >= i - left) & (j <= i + right)
+
+
+@pytest.mark.parametrize("name,spec", [("causal", "causal"), ("sliding", "sliding:window=128"),
+                                       ("sliding", "sliding:left=64,right=0")])
+def test_fa4_arguments_mean_the_mask(name, spec):
+    mask = parse_mask(spec)
+    kw = anchors.fa4_kwargs(name, mask)
+    assert set(kw) <= {"causal", "window_size"}
+    S = 300
+    assert (_fa4_keeps(kw, S) == mask.dense(S, S)).all()
+    if name == "sliding" and spec.endswith("128"):
+        assert kw == {"window_size": (128, 128)}
+    if name == "causal":
+        assert kw == {"causal": True}
+
+
+@pytest.mark.parametrize("name", ["dilated", "longformer", "bigbird"])
+def test_fa4_has_no_native_form_of_the_other_masks(name):
+    from stof_trt.bench.masks import MASKS
+
+    with pytest.raises(anchors.AnchorUnavailable, match=f"no native form of {name}"):
+        anchors.fa4_kwargs(name, parse_mask(MASKS[name]))
+
+
+def test_fa4_without_the_package_is_one_clear_error():
+    try:
+        import flash_attn.cute  # noqa: F401
+    except Exception:  # noqa: BLE001 -- absent here (CI)
+        pass
+    else:
+        pytest.skip("flash-attn-4 is installed here")
+    q, k, v = _qkv(64, 16, seed=2)
+    with pytest.raises(anchors.AnchorUnavailable, match="flash-attn-4 is not usable here"):
+        anchors.fa4_method(q, k, v, "causal", parse_mask("causal"))
+
+
+def test_fa4_layout_round_trip():
+    q, _, _ = _qkv(40, 8, seed=4)
+    t = anchors.to_bshd(q)
+    assert t.shape == (2, 40, 3, 8) and t.is_contiguous()
+    assert torch.equal(t[1, 7, 2], q[1, 2, 7])
+    assert torch.equal(t.transpose(1, 2), q)  # fa4_method's output view back to [B, H, S, D]
+
+
+def test_flex_arguments():
+    bm = object()
+    assert anchors.flex_kwargs("flex", bm) == {"block_mask": bm}  # Triton: FlexAttention's default backend
+    kw = anchors.flex_kwargs("flex_fa4", bm)
+    assert kw == {"block_mask": bm, "kernel_options": {"BACKEND": "FLASH"}} and kw["block_mask"] is bm
+    kw["kernel_options"]["BACKEND"] = "TRITON"  # each call gets its own dict
+    assert anchors.FLEX_KERNEL_OPTIONS["flex_fa4"] == {"BACKEND": "FLASH"}
+    with pytest.raises(KeyError, match="no FlexAttention anchor named 'flex_fa3'"):
+        anchors.flex_kwargs("flex_fa3", bm)
+    seen = {}
+
+    def fake_flex(q, k, v, **kw):
+        seen.update(kw, q=q)
+        return q
+
+    q, k, v = _qkv(16, 8, seed=5)
+    fn = anchors.flex_method(fake_flex, q, k, v, "flex_fa4", bm)
+    assert fn() is q and seen["kernel_options"] == {"BACKEND": "FLASH"} and seen["block_mask"] is bm

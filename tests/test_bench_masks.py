@@ -46,3 +46,46 @@ def test_unknown_names_are_refused():
         mask_mod_for("band", None, S)
     with pytest.raises(ValueError, match="head count"):
         mask_mod_for("bigbird_per_head", parse_mask(LONG_SEQ_MASKS["bigbird_per_head"][0]), S, device="cpu")
+
+
+# --- the masks are issue 38's, written out from its words independently of stof_trt.masks -------------------
+
+def _issue38(name, S):
+    """Issue 38's cells: causal; sliding |q-k| <= 128; dilated |q-k| <= 256 and even; Longformer +-128 + 16
+    global tokens; BigBird on 64-blocks: band +-1 block, 1 global block (row and column), 5 % random blocks,
+    seed 0 (numpy default_rng(0), one draw per block of the grid)."""
+    q = np.arange(S)[:, None]
+    k = np.arange(S)[None, :]
+    d = np.abs(q - k)
+    if name == "causal":
+        return k <= q
+    if name == "sliding":
+        return d <= 128
+    if name == "dilated":
+        return (d <= 256) & (d % 2 == 0)
+    if name == "longformer":
+        return (d <= 128) | (q < 16) | (k < 16)
+    nb = -(-S // 64)
+    qb, kb = np.arange(nb)[:, None], np.arange(nb)[None, :]
+    blocks = (np.abs(qb - kb) <= 1) | (qb < 1) | (kb < 1) | (np.random.default_rng(0).random((nb, nb)) < 0.05)
+    return np.repeat(np.repeat(blocks, 64, 0), 64, 1)[:S, :S]
+
+
+@pytest.mark.parametrize("S", [576, 2048])
+@pytest.mark.parametrize("name", list(MASKS))
+def test_benchmark_masks_are_the_issue_definitions(name, S):
+    want = _issue38(name, S)
+    got = parse_mask(MASKS[name]).dense(S, S)
+    assert (np.asarray(got, dtype=bool) == want).all(), f"{name}: {int((got != want).sum())} elements differ"
+    mod = _evaluate(mask_mod_for(name, parse_mask(MASKS[name]), S, device="cpu"), S)
+    assert (mod == want).all()  # FlexAttention's mask_mod (also FA4's FLASH backend's) is the same mask
+
+
+def test_bigbird_has_its_random_blocks():
+    S = 8192
+    nb = S // 64
+    blocks = parse_mask(MASKS["bigbird"]).dense(S, S)[::64, ::64]
+    qb, kb = np.arange(nb)[:, None], np.arange(nb)[None, :]
+    rest = ~((np.abs(qb - kb) <= 1) | (qb < 1) | (kb < 1))
+    share = blocks[rest].mean()
+    assert 0.04 < share < 0.06  # 5 % of the blocks outside the band and the global row and column

@@ -89,3 +89,22 @@ def test_rel_err_and_geomean():
     assert math.isnan(stats.rel_err(torch.full((4,), float("nan")), ref))
     assert stats.geomean([1.0, 4.0, float("nan"), 0.0, None]) == pytest.approx(2.0)
     assert math.isnan(stats.geomean([]))
+
+
+def test_check_output_catches_one_wrong_row():
+    torch = pytest.importorskip("torch")
+    from stof_trt.bench.stats import TOL, check_output
+
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(4, 4, 1024, 64, generator=g)
+    assert check_output(ref.half(), ref)["ok"] and check_output(ref.half(), ref)["rel_err"] < 1e-3
+    good = ref.bfloat16()
+    c = check_output(good, ref, "bf16")
+    assert c["ok"] and c["rel_err"] < TOL["bf16"]
+    bad = good.clone()
+    bad[1, 2, 100] = 0  # one row of 16384 not written: the overall error stays under bf16's tolerance
+    c = check_output(bad, ref, "bf16")
+    assert c["rel_err"] < TOL["bf16"] and c["row_err"] == pytest.approx(1.0) and not c["ok"]
+    nan = ref.half()
+    nan[0, 0, 0, 0] = float("nan")
+    assert not check_output(nan, ref)["ok"]

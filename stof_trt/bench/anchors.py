@@ -4,6 +4,9 @@
   its fp16 matmul rate), both rates measured on the same GPU in the same run (docs/performance.md, "Method");
 * SDPA with each backend forced (cuDNN, flash), for the causal cells, where PyTorch's default dispatch hides
   which kernel it ran;
+* FlashAttention-4 (flash-attn-4, CuTe DSL) natively for causal and sliding, and FlexAttention with its Triton
+  and FLASH (FA4) backends on the same BlockMask for every mask (:func:`anchors_for` says which anchor computes
+  which mask);
 * cuDNN's own banded attention for the sliding cells (:class:`CudnnBand`): SDPA can pass cuDNN a boolean mask
   or is_causal, never a band, so none of the other anchors is a kernel made for that mask.  It needs
   nvidia-cudnn-frontend (a PyPI wheel); :func:`try_band_anchor` says why it is missing instead of raising.
@@ -21,7 +24,8 @@ from .stats import rel_err
 
 __all__ = ["COPY_ELEMS", "MATMUL_N", "floor_methods", "copy_bandwidth", "matmul_rate", "roofline_floor_ms",
            "attention_bytes", "tile_flops", "sdpa_backend_methods", "CudnnBand", "band_reference64", "band_anchor",
-           "try_band_anchor"]
+           "try_band_anchor", "ANCHOR_NAMES", "ANCHORS_ALL_MASKS", "ANCHORS_NATIVE", "FLEX_KERNEL_OPTIONS",
+           "AnchorUnavailable", "anchors_for", "fa4_kwargs", "to_bshd", "fa4_method", "flex_kwargs", "flex_method"]
 
 # The floor's ingredients: a 512 MiB device copy (1 GiB of traffic) and an 8192^3 fp16 matmul, large enough to run
 # at the device's sustained rates rather than its launch overhead.
@@ -66,7 +70,7 @@ def tile_flops(layout, batch: int, heads: int, head_dim: int) -> float:
     return 4.0 * batch * heads * head_dim * layout.nnz * layout.tile_m * layout.tile_n
 
 
-def sdpa_backend_methods(q, k, v, ref, is_causal: bool = False, where: str = "") -> dict:
+def sdpa_backend_methods(q, k, v, ref, is_causal: bool = False, where: str = "", tol: float = 2e-3) -> dict:
     """{"sdpa_cudnn": fn, "sdpa_flash": fn}: SDPA with each backend forced, for those that accept (q, k, v) and match
     ref within fp16's tolerance; a backend that refuses the problem is left out with a note on stderr."""
     import torch
@@ -85,7 +89,7 @@ def sdpa_backend_methods(q, k, v, ref, is_causal: bool = False, where: str = "")
         except RuntimeError as e:  # the backend refuses this problem: not an anchor here
             print(f"{Path(sys.argv[0]).stem}: {name} unavailable{where}: {str(e)[:120]}", file=sys.stderr)
             continue
-        if rel_err(o, ref) < 2e-3:
+        if rel_err(o, ref) < tol:
             out[name] = fn
         else:
             print(f"{Path(sys.argv[0]).stem}: {name} differs from the reference{where}: left out", file=sys.stderr)
@@ -257,9 +261,84 @@ def band_anchor(q, k, v, window: int, ref, tol: float = 2e-3, autotune: bool = T
                        + "; ".join(f"left={left}: {m}" for left, m in notes.items()))
 
 
-def try_band_anchor(q, k, v, window: int, ref):
+def try_band_anchor(q, k, v, window: int, ref, tol: float = 2e-3):
     """band_anchor or (None, why): the benchmarks leave the anchor out where it cannot be had, and say why."""
     try:
-        return band_anchor(q, k, v, window, ref), ""
+        return band_anchor(q, k, v, window, ref, tol=tol), ""
     except RuntimeError as e:
         return None, str(e)[:300]
+
+
+# --- the 2026 frontier: FlashAttention-4 (CuTe DSL) natively and as FlexAttention's FLASH backend --------------
+
+# Which anchors compute which benchmark mask ("fastest anchor" is taken over these only).  Every mask has the
+# FlexAttention backends and SDPA with the boolean mask; causal and sliding have their native kernels too.
+ANCHORS_ALL_MASKS = ("flex", "flex_fa4", "sdpa_mask")
+ANCHORS_NATIVE = {"causal": ("fa4", "sdpa_causal", "sdpa_cudnn", "sdpa_flash"), "sliding": ("fa4", "cudnn_band")}
+ANCHOR_NAMES = ("fa4", "flex_fa4", "flex", "sdpa_causal", "sdpa_cudnn", "sdpa_flash", "sdpa_mask", "cudnn_band")
+
+# FlexAttention's kernel_options per backend: Triton is its default; FLASH runs FA4's CuTe DSL kernel with the
+# mask_mod and BlockMask compiled in
+FLEX_KERNEL_OPTIONS = {"flex": None, "flex_fa4": {"BACKEND": "FLASH"}}
+
+
+class AnchorUnavailable(RuntimeError):
+    """An anchor that cannot run here (package missing, mask without a native form): the benchmark records why."""
+
+
+def anchors_for(mask_name: str) -> tuple[str, ...]:
+    """The anchors that compute benchmark mask `mask_name`, in ANCHOR_NAMES order."""
+    want = set(ANCHORS_ALL_MASKS) | set(ANCHORS_NATIVE.get(mask_name, ()))
+    return tuple(n for n in ANCHOR_NAMES if n in want)
+
+
+def fa4_kwargs(mask_name: str, mask) -> dict:
+    """Keyword arguments of flash_attn.cute.flash_attn_func that mean benchmark mask `mask_name` (parsed spec
+    `mask`): causal=True, or window_size=(left, right) for a sliding window -- FA4 keeps key j for query i when
+    i - left <= j <= i + right, the convention of stof_trt.masks.Sliding.  Raises AnchorUnavailable for a mask FA4
+    has no native form of."""
+    if mask_name == "causal":
+        return {"causal": True}
+    if mask_name == "sliding":
+        return {"window_size": (int(mask.left), int(mask.right))}
+    raise AnchorUnavailable(f"FA4 has no native form of {mask_name} (FlexAttention's FLASH backend runs it)")
+
+
+def to_bshd(t):
+    """A contiguous [B, S, H, D] copy of a [B, H, S, D] tensor: FA4's layout, made once outside the timed region."""
+    return t.transpose(1, 2).contiguous()
+
+
+def fa4_method(q, k, v, mask_name: str, mask):
+    """(fn, out_bhsd): fn() runs FA4 natively for the mask on [B, S, H, D] copies of q, k, v and returns its
+    output; out_bhsd(o) views that output as [B, H, S, D] for the reference check.  Raises AnchorUnavailable
+    without the flash-attn-4 package or a native form."""
+    kw = fa4_kwargs(mask_name, mask)
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception as e:  # noqa: BLE001 -- absent, or present without its CuTe DSL runtime
+        raise AnchorUnavailable(f"flash-attn-4 is not usable here ({type(e).__name__}: {str(e)[:160]})") from None
+    qt, kt, vt = to_bshd(q), to_bshd(k), to_bshd(v)
+
+    def fn():
+        r = flash_attn_func(qt, kt, vt, **kw)
+        return r[0] if isinstance(r, tuple) else r  # (out, lse)
+
+    return fn, lambda o: o.transpose(1, 2)
+
+
+def flex_kwargs(name: str, block_mask) -> dict:
+    """Keyword arguments of flex_attention for FlexAttention anchor `name` ("flex": the Triton backend, its
+    default; "flex_fa4": kernel_options BACKEND=FLASH) with `block_mask`, the same BlockMask for both."""
+    if name not in FLEX_KERNEL_OPTIONS:
+        raise KeyError(f"no FlexAttention anchor named {name!r}: one of {', '.join(FLEX_KERNEL_OPTIONS)}")
+    kw = {"block_mask": block_mask}
+    if FLEX_KERNEL_OPTIONS[name]:
+        kw["kernel_options"] = dict(FLEX_KERNEL_OPTIONS[name])
+    return kw
+
+
+def flex_method(flex, q, k, v, name: str, block_mask):
+    """fn() running the compiled flex_attention `flex` as anchor `name` on q, k, v ([B, H, S, D])."""
+    kw = flex_kwargs(name, block_mask)
+    return lambda: flex(q, k, v, **kw)
