@@ -327,6 +327,24 @@ STOF_API stof_status_t stof_tactic_cache_store(const char* path, const char* gpu
                                                const char* bucket, const char* mask, int32_t tactic,
                                                double time_ms);
 
+/* Pre-search profiles (`stof calibrate`, docs/ort.md): the pre-search constants fitted on one GPU, as JSON
+ *   {"format": "stof-presearch-profile", "version": 1,
+ *    "gpu": {"name": "NVIDIA H200", "sm_count": 132, "clock_mhz": 1980, ...},
+ *    "coef": [{"tactic": 19, "head_dim": 64, "a": ..., "b": ..., "c": ..., "d": ...}, ...], ...}
+ * stof_attn_select ranks with a profile's constants (stof_presearch_rank_coef) when the profile file for the device
+ * describes it (same name and SM count; SM clock within 2 % when the device is the current one), else with the
+ * catalogue's.  The file: $STOF_PRESEARCH_PROFILE, else ${XDG_CACHE_HOME:-$HOME/.cache}/stof-trt/profiles/
+ * <name>-<SMs>sm.json, name with characters other than letters, digits, '.' and '-' as '_'. */
+
+/* The profile path the library reads for a device (writes at most cap bytes with the NUL; "" without a home). */
+STOF_API stof_status_t stof_presearch_profile_path(const stof_device_desc_t* device, char* out, size_t cap);
+
+/* The constants a profile gives the device (path NULL: the library's path for it, where a missing file means
+ * none; device NULL: the current CUDA device, clock included).  *n = 0 when the profile describes another GPU;
+ * INVALID_ARGUMENT for a malformed file (or a given path that cannot be read); INSUFFICIENT_BUFFER when *n > cap. */
+STOF_API stof_status_t stof_presearch_profile_coef(const char* path, const stof_device_desc_t* device,
+                                                   stof_presearch_coef_t* coef, int32_t cap, int32_t* n);
+
 /* The tactic cache's shape bucket: B, Sq and Sk rounded up to powers of two (Sq, Sk at least 64),
  * "B8|Sq4096|Sk4096"; writes at most cap bytes with the NUL. */
 STOF_API stof_status_t stof_shape_bucket(int64_t batch, int64_t seq_q, int64_t seq_k, char* out, size_t cap);

@@ -64,6 +64,17 @@ stof_status_t cache_store(const std::string& path, const CacheEntry& entry);
 
 bool cache_file_exists(const std::string& path);
 
+// The pre-search profile file for a device: $STOF_PRESEARCH_PROFILE, else
+// ${XDG_CACHE_HOME:-~/.cache}/stof-trt/profiles/<name>-<SMs>sm.json (name: characters other than letters, digits,
+// '.', '-' as '_'); "" when there is no home.
+std::string profile_path(const stof_device_desc_t& device);
+
+// The profile's constants when it describes this device (same name and SM count; clock within 2 % when both
+// are known, clock_mhz <= 0: unknown), else none.  A missing file: none, or INVALID_ARGUMENT with must_exist; a
+// malformed one: INVALID_ARGUMENT.
+stof_status_t profile_coef(const std::string& path, const stof_device_desc_t& device, int32_t clock_mhz,
+                           std::vector<stof_presearch_coef_t>* out, bool must_exist);
+
 }  // namespace host
 }  // namespace stof
 

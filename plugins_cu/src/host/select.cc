@@ -130,9 +130,59 @@ bool time_candidates(const stof_attn_params_t* p, const std::vector<int32_t>& ca
     return true;
 }
 
+// The current device's SM clock in MHz, 0 when unknown.
+int32_t clock_mhz(int dev) {
+    int khz = 0;
+    if (cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, dev) != cudaSuccess) {
+        cudaGetLastError();
+        return 0;
+    }
+    return khz / 1000;
+}
+
 }  // namespace
 
 extern "C" {
+
+stof_status_t stof_presearch_profile_path(const stof_device_desc_t* device, char* out, size_t cap) {
+    if (device == nullptr || out == nullptr || cap == 0) return fail(STOF_ERROR_INVALID_ARGUMENT, "a pointer is NULL");
+    const std::string path = stof::host::profile_path(*device);
+    if (path.size() + 1 > cap) return fail(STOF_ERROR_INSUFFICIENT_BUFFER, "the path needs %zu bytes", path.size() + 1);
+    std::snprintf(out, cap, "%s", path.c_str());
+    stof::host::clear_error();
+    return STOF_SUCCESS;
+}
+
+stof_status_t stof_presearch_profile_coef(const char* path, const stof_device_desc_t* device,
+                                          stof_presearch_coef_t* coef, int32_t cap, int32_t* n) {
+    if (n == nullptr || cap < 0 || (coef == nullptr && cap > 0))
+        return fail(STOF_ERROR_INVALID_ARGUMENT, "n is NULL or coef/cap inconsistent");
+    stof_device_desc_t current;
+    int32_t clock = 0;
+    if (device == nullptr) {
+        int dev = 0;
+        if (cudaGetDevice(&dev) != cudaSuccess) {
+            cudaGetLastError();
+            return fail(STOF_ERROR_CUDA, "no current CUDA device");
+        }
+        const stof_status_t s = stof_device_describe(dev, &current);
+        if (s != STOF_SUCCESS) return s;
+        device = &current;
+        clock = clock_mhz(dev);
+    }
+    const bool given = path != nullptr && *path != '\0';
+    const std::string p = given ? std::string(path) : stof::host::profile_path(*device);
+    std::vector<stof_presearch_coef_t> v;
+    if (!p.empty()) {
+        const stof_status_t s = stof::host::profile_coef(p, *device, clock, &v, given);
+        if (s != STOF_SUCCESS) return s;
+    }
+    *n = int32_t(v.size());
+    for (int32_t i = 0; i < *n && i < cap; ++i) coef[i] = v[size_t(i)];
+    if (*n > cap) return fail(STOF_ERROR_INSUFFICIENT_BUFFER, "%d entries", *n);
+    stof::host::clear_error();
+    return STOF_SUCCESS;
+}
 
 stof_status_t stof_device_describe(int32_t device, stof_device_desc_t* out) {
     if (out == nullptr) return fail(STOF_ERROR_INVALID_ARGUMENT, "out is NULL");
@@ -174,6 +224,7 @@ stof_status_t stof_attn_select_on_stream(const stof_attn_params_t* p, const char
     if ((flags & STOF_SELECT_TIME) != 0 && timing_disabled_by_env()) flags &= ~uint32_t(STOF_SELECT_TIME);
     const bool timing = (flags & STOF_SELECT_TIME) != 0;
     stof_device_desc_t current;
+    int32_t clock = 0;  // unknown for a described device
     if (device == nullptr) {
         int dev = 0;
         const cudaError_t err = cudaGetDevice(&dev);
@@ -184,7 +235,14 @@ stof_status_t stof_attn_select_on_stream(const stof_attn_params_t* p, const char
         s = stof_device_describe(dev, &current);
         if (s != STOF_SUCCESS) return s;
         device = &current;
+        clock = clock_mhz(dev);
     }
+    // the constants `stof calibrate` fitted on this GPU, when there is such a profile (a bad one is ignored here:
+    // stof_presearch_profile_coef reports it)
+    const std::string profile = stof::host::profile_path(*device);
+    std::vector<stof_presearch_coef_t> profile_coef;
+    if (!profile.empty() && stof::host::profile_coef(profile, *device, clock, &profile_coef, false) != STOF_SUCCESS)
+        profile_coef.clear();
     stof_layout_st& L = *p->layout;
     const std::string cache = tactic_cache != nullptr ? tactic_cache : "";
     const bool kpm = p->key_padding_mask != nullptr;
@@ -203,7 +261,8 @@ stof_status_t stof_attn_select_on_stream(const stof_attn_params_t* p, const char
     const std::string memo_key = std::string(node) + '\n' + std::to_string(p->batch) + '\n' +
                                  std::to_string(p->seq_q) + '\n' + std::to_string(p->seq_k) + '\n' + device->name +
                                  '\n' + device->cc + '\n' + std::to_string(flags) + '\n' + cache + '\n' +
-                                 std::to_string(generation);
+                                 std::to_string(generation) + '\n' + profile + '\n' +
+                                 std::to_string(profile_coef.size());
     {
         std::lock_guard<std::mutex> lock(L.memo_mutex);
         auto it = L.memo.find(memo_key);
@@ -234,8 +293,14 @@ stof_status_t stof_attn_select_on_stream(const stof_attn_params_t* p, const char
     int32_t n_ranked = 0;
     if (choice == 0 && (flags & STOF_SELECT_NO_PRESEARCH) == 0) {
         const stof_host_layout_t hl = L.host_view();
-        s = stof_presearch_rank(&device->props, &hl, p->batch, p->num_heads, p->head_dim, p->seq_q, p->seq_k,
-                                ranked, predicted, kMaxTactics, &n_ranked);
+        s = STOF_ERROR_INVALID_ARGUMENT;
+        if (!profile_coef.empty())
+            s = stof_presearch_rank_coef(&device->props, &hl, p->batch, p->num_heads, p->head_dim, p->seq_q,
+                                         p->seq_k, profile_coef.data(), int32_t(profile_coef.size()), ranked,
+                                         predicted, kMaxTactics, &n_ranked);
+        if (s != STOF_SUCCESS && s != STOF_ERROR_INSUFFICIENT_BUFFER)
+            s = stof_presearch_rank(&device->props, &hl, p->batch, p->num_heads, p->head_dim, p->seq_q, p->seq_k,
+                                    ranked, predicted, kMaxTactics, &n_ranked);
         if (s != STOF_SUCCESS && s != STOF_ERROR_INSUFFICIENT_BUFFER) n_ranked = 0;
         n_ranked = std::min(n_ranked, kMaxTactics);
         for (int32_t i = 0; i < n_ranked && choice == 0; ++i)

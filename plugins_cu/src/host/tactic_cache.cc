@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -24,6 +25,8 @@ namespace {
 
 constexpr const char* kCacheFormat = "stof-tactic-cache";
 constexpr int kCacheVersion = 1;
+constexpr const char* kProfileFormat = "stof-presearch-profile";
+constexpr int kProfileVersion = 1;
 
 constexpr int kMAX_DEPTH = 64;
 
@@ -427,6 +430,78 @@ stof_status_t cache_lookup(const std::string& path, const std::string& gpu, cons
     if (s != STOF_SUCCESS) return s;
     auto it = l.table->find(make_key(gpu, cc, node, bucket, mask));
     *tactic = it == l.table->end() ? 0 : it->second;
+    return STOF_SUCCESS;
+}
+
+std::string profile_path(const stof_device_desc_t& d) {
+    const char* env = std::getenv("STOF_PRESEARCH_PROFILE");
+    if (env != nullptr && *env != '\0') return env;
+    std::string dir;
+    const char* xdg = std::getenv("XDG_CACHE_HOME");
+    const char* home = std::getenv("HOME");
+    if (xdg != nullptr && *xdg == '/') dir = xdg;
+    else if (home != nullptr && *home != '\0') dir = std::string(home) + "/.cache";
+    else return "";
+    std::string name;
+    for (const char* c = d.name; *c; ++c)
+        name.push_back((std::isalnum(static_cast<unsigned char>(*c)) || *c == '.' || *c == '-') ? *c : '_');
+    return dir + "/stof-trt/profiles/" + name + "-" + std::to_string(d.props.sm_count) + "sm.json";
+}
+
+stof_status_t profile_coef(const std::string& path, const stof_device_desc_t& d, int32_t clock_mhz,
+                           std::vector<stof_presearch_coef_t>* out, bool must_exist) {
+    out->clear();
+    if (!file_exists(path)) {
+        if (must_exist) return fail(STOF_ERROR_INVALID_ARGUMENT, "pre-search profile %s cannot be read", path.c_str());
+        return STOF_SUCCESS;
+    }
+    try {
+        const Json doc = read_doc(path);
+        auto bad = [&](const std::string& what) {
+            return std::runtime_error("pre-search profile " + path + ": " + what);
+        };
+        if (doc.kind != Json::kObject) throw bad("not a JSON object");
+        const Json* fmt = doc.get("format");
+        if (!fmt || fmt->kind != Json::kString || fmt->str != kProfileFormat)
+            throw bad(std::string("\"format\" is not \"") + kProfileFormat + "\"");
+        const Json* ver = doc.get("version");
+        if (!ver || ver->kind != Json::kNumber || ver->num != kProfileVersion)
+            throw bad("unsupported version (this library reads version " + std::to_string(kProfileVersion) + ")");
+        const Json* gpu = doc.get("gpu");
+        if (!gpu || gpu->kind != Json::kObject) throw bad("no \"gpu\" object");
+        const Json* name = gpu->get("name");
+        const Json* sms = gpu->get("sm_count");
+        const Json* clock = gpu->get("clock_mhz");
+        if (!name || name->kind != Json::kString || !sms || sms->kind != Json::kNumber)
+            throw bad("\"gpu\" needs \"name\" and \"sm_count\"");
+        std::vector<stof_presearch_coef_t> coef;
+        const Json* rows = doc.get("coef");
+        if (!rows || rows->kind != Json::kArray) throw bad("no \"coef\" array");
+        for (const Json& r : rows->arr) {
+            if (r.kind != Json::kObject) throw bad("a \"coef\" entry is not an object");
+            stof_presearch_coef_t c{};
+            double v[6];
+            const char* keys[6] = {"tactic", "head_dim", "a", "b", "c", "d"};
+            for (int i = 0; i < 6; ++i) {
+                const Json* x = r.get(keys[i]);
+                if (!x || x->kind != Json::kNumber || !std::isfinite(x->num) || x->num < 0)
+                    throw bad(std::string("a \"coef\" entry needs a non-negative number \"") + keys[i] + "\"");
+                v[i] = x->num;
+            }
+            if (v[0] < 1 || v[0] > 1e6 || std::floor(v[0]) != v[0] || (v[1] != 64 && v[1] != 128))
+                throw bad("a \"coef\" entry with a bad tactic or head_dim");
+            c.tactic = int32_t(v[0]), c.head_dim = int32_t(v[1]), c.a = v[2], c.b = v[3], c.c = v[4], c.d = v[5];
+            coef.push_back(c);
+        }
+        // the profile of another GPU (or of this one at other clocks) does not apply
+        if (name->str != d.name || int32_t(sms->num) != d.props.sm_count) return STOF_SUCCESS;
+        if (clock_mhz > 0 && clock && clock->kind == Json::kNumber && clock->num > 0 &&
+            std::fabs(clock->num - clock_mhz) > 0.02 * clock_mhz)
+            return STOF_SUCCESS;
+        *out = std::move(coef);
+    } catch (const std::exception& ex) {
+        return fail(STOF_ERROR_INVALID_ARGUMENT, "%s", ex.what());
+    }
     return STOF_SUCCESS;
 }
 
