@@ -39,6 +39,7 @@ __all__ = [
     "StofKernelError", "load_library", "library_available", "DeviceLayout", "Tactic", "all_tactics",
     "tactic_info", "list_tactics", "sparse_attention", "Runner", "STATUS", "ABI_VERSION", "select_tactic",
     "DeviceDesc", "device_desc", "shape_bucket", "load_tactic_cache", "store_tactic",
+    "profile_path", "profile_coef",
 ]
 
 ABI_VERSION = 7  # STOF_ABI_VERSION of the header this module mirrors
@@ -182,8 +183,11 @@ def load_library(path: str | os.PathLike | None = None) -> ctypes.CDLL:
         "stof_attn_select_on_stream": ([P, ctypes.c_char_p, ctypes.POINTER(DeviceDesc), ctypes.c_uint32, vp, _i32p,
                                         _i32p], c_int),
         "stof_tactic_cache_store": ([ctypes.c_char_p] * 6 + [i32, ctypes.c_double], c_int),
+        "stof_presearch_profile_path": ([ctypes.POINTER(DeviceDesc), ctypes.c_char_p, ctypes.c_size_t], c_int),
+        "stof_presearch_profile_coef": ([ctypes.c_char_p, ctypes.POINTER(DeviceDesc), vp, i32, _i32p], c_int),
     }
-    optional = {"stof_attn_select_on_stream", "stof_tactic_cache_store"}  # first-use timing: newer builds only
+    optional = {"stof_attn_select_on_stream", "stof_tactic_cache_store", "stof_presearch_profile_path",
+                "stof_presearch_profile_coef"}  # first-use timing: newer builds only
     for name, (args, res) in sigs.items():
         fn = getattr(lib, name, None)
         if fn is None and name in optional:
@@ -453,6 +457,28 @@ def select_tactic(q, k, v, dl: DeviceLayout, *, key_padding_mask=None, bhsd: boo
     else:
         _check(lib.stof_attn_select(ctypes.byref(p), path, dev, flags, ctypes.byref(t), ctypes.byref(src)))
     return t.value, SOURCES[src.value]
+
+
+def profile_path(device: DeviceDesc) -> str:
+    """The pre-search profile file the library reads for a device (stof_presearch_profile_path)."""
+    lib = load_library()
+    buf = ctypes.create_string_buffer(4096)
+    _check(lib.stof_presearch_profile_path(ctypes.byref(device), buf, len(buf)))
+    return os.fsdecode(buf.value)
+
+
+def profile_coef(device: DeviceDesc | None = None, path: str | os.PathLike | None = None) -> dict:
+    """The constants the library ranks with for a device from its profile: {(tactic, head dim): (a, b, c, d)};
+    {} when no profile applies (stof_presearch_profile_coef).  device None: the current CUDA device."""
+    from .presearch import _Coef
+
+    lib = load_library()
+    n = ctypes.c_int32()
+    buf = (_Coef * 512)()
+    _check(lib.stof_presearch_profile_coef(None if path is None else os.fsencode(path),
+                                           None if device is None else ctypes.byref(device), buf, len(buf),
+                                           ctypes.byref(n)))
+    return {(buf[i].tactic, buf[i].head_dim): (buf[i].a, buf[i].b, buf[i].c, buf[i].d) for i in range(n.value)}
 
 
 def store_tactic(path: str | os.PathLike, gpu: str, cc: str, node: str, bucket: str, mask: str, tactic: int,
