@@ -1,7 +1,7 @@
 // StofSparseAttention kernel for ONNX Runtime's CUDA EP: reads the attributes and inputs, makes a layout handle of
 // libstof_kernels from the layout inputs (once per node when they are constant), and runs the tactic that
-// stof_attn_select picks (tactic cache, first-use timing, pre-search, default) or, for what the tensor-core kernels cannot run, the
-// general kernel.  Checks, derived schedules and tactic choice live in the library.
+// stof_attn_select picks (tactic cache, first-use timing, pre-search, default) or, for what the tensor-core
+// kernels cannot run, the general kernel.  Checks, derived schedules and tactic choice live in the library.
 #include "sparseAttentionOp.h"
 
 #include <cuda_runtime.h>
@@ -306,7 +306,8 @@ SparseAttentionOp::SparseAttentionOp(ONNXTensorElementDataType type, std::string
 }
 
 OrtStatusPtr SparseAttentionOp::CreateKernelV2(OrtApi const&, OrtKernelInfo const* info, void** kernel) const {
-    return guarded(kSPARSE_ATTENTION_NAME, [&] { *kernel = new SparseAttentionKernel(info, mType, mCachePath, mFirstUseTiming); });
+    return guarded(kSPARSE_ATTENTION_NAME,
+                   [&] { *kernel = new SparseAttentionKernel(info, mType, mCachePath, mFirstUseTiming); });
 }
 
 ONNXTensorElementDataType SparseAttentionOp::GetInputType(size_t index) const {

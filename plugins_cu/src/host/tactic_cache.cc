@@ -382,7 +382,8 @@ void write_atomic(const std::string& path, const std::string& text) {
     std::vector<char> name(tmpl.begin(), tmpl.end());
     name.push_back('\0');
     const int fd = ::mkstemp(name.data());
-    if (fd < 0) throw std::runtime_error("tactic cache " + path + ": cannot create a temp file (" + std::strerror(errno) + ")");
+    if (fd < 0)
+        throw std::runtime_error("tactic cache " + path + ": cannot create a temp file (" + std::strerror(errno) + ")");
     size_t done = 0;
     while (done < text.size()) {
         const ssize_t w = ::write(fd, text.data() + done, text.size() - done);
@@ -543,7 +544,8 @@ stof_status_t cache_store(const std::string& path, const CacheEntry& e) {
             if (!e.candidates.empty()) {
                 Json c;
                 c.kind = Json::kObject;
-                for (const auto& kv : e.candidates) c.obj.emplace_back(std::to_string(kv.first), json_number(kv.second));
+                for (const auto& kv : e.candidates)
+                    c.obj.emplace_back(std::to_string(kv.first), json_number(kv.second));
                 row.obj.emplace_back("candidates", c);
             }
             const Key key = make_key(e.gpu, e.cc, e.node, e.bucket, e.mask);
