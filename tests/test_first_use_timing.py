@@ -151,3 +151,40 @@ def test_timing_flag_without_a_gpu_falls_back_to_the_presearch(kernels, tmp_path
     monkeypatch.delenv("STOF_FIRST_USE_TIMING")
     assert kernels.select_tactic(q, q, q, dl, device=dev, tactic_cache=tmp_path / "none.json", timing=True,
                                  stream=0) == pre
+
+
+def test_ort_registration_reads_the_timing_option(tmp_path, monkeypatch):
+    """libstof_ort: with first-use timing (the default) a missing tactic cache file is one to create; with
+    stof.first_use_timing=0 (or STOF_FIRST_USE_TIMING=0) it is an error at registration, as before."""
+    ort = pytest.importorskip("onnxruntime")
+    from stof_trt import ort as sort
+
+    if not sort.library_available():
+        pytest.skip("libstof_ort.so not built")
+    monkeypatch.delenv("STOF_FIRST_USE_TIMING", raising=False)
+    missing = str(tmp_path / "new.json")
+
+    def register(**entries):
+        so = ort.SessionOptions()
+        for k, v in entries.items():
+            so.add_session_config_entry(k, v)
+        so.register_custom_ops_library(str(sort.library_path()))
+
+    register(**{sort.CONFIG_TACTIC_CACHE: missing})
+    register(**{sort.CONFIG_TACTIC_CACHE: missing, sort.CONFIG_FIRST_USE_TIMING: "1"})
+    with pytest.raises(Exception, match="cannot be read"):
+        register(**{sort.CONFIG_TACTIC_CACHE: missing, sort.CONFIG_FIRST_USE_TIMING: "0"})
+    monkeypatch.setenv("STOF_FIRST_USE_TIMING", "0")
+    with pytest.raises(Exception, match="cannot be read"):
+        register(**{sort.CONFIG_TACTIC_CACHE: missing})
+    register(**{sort.CONFIG_TACTIC_CACHE: missing, sort.CONFIG_FIRST_USE_TIMING: "1"})  # the option wins
+    # the Python session helper follows the same rule
+    from stof_trt.errors import StofError
+
+    with pytest.raises(StofError, match="tactic cache not found"):
+        sort.session(b"", tactic_cache=missing, providers="cpu")
+    with pytest.raises(StofError, match="tactic cache not found"):
+        sort.session(b"", tactic_cache=missing, providers="cpu", first_use_timing=False)
+    monkeypatch.delenv("STOF_FIRST_USE_TIMING")
+    with pytest.raises(StofError, match="directory does not exist"):
+        sort.session(b"", tactic_cache=tmp_path / "no" / "c.json", providers="cpu")
