@@ -343,6 +343,7 @@ def test_first_use_timing_creates_the_cache_and_a_second_session_reads_it(capfd,
 
     monkeypatch.delenv("STOF_FIRST_USE_TIMING", raising=False)
     monkeypatch.delenv("STOF_ORT_PRESEARCH", raising=False)
+    monkeypatch.delenv("STOF_TACTIC_CACHE", raising=False)
     layout = compile_mask("causal", 1024, 1024)
     m = attention_model(layout, B=2, H=4, D=64)
     rng = np.random.default_rng(7)
