@@ -452,6 +452,7 @@ def select_tactic(q, k, v, dl: DeviceLayout, *, key_padding_mask=None, bhsd: boo
             import torch
 
             stream = torch.cuda.current_stream(_as_torch(q).device).cuda_stream
+        stream = getattr(stream, "cuda_stream", stream)  # a torch.cuda.Stream or a raw handle
         _check(select(ctypes.byref(p), path, dev, flags, ctypes.c_void_p(stream or None), ctypes.byref(t),
                       ctypes.byref(src)))
     else:
