@@ -38,7 +38,8 @@ from pathlib import Path
 __all__ = [
     "StofKernelError", "load_library", "library_available", "DeviceLayout", "Tactic", "all_tactics",
     "tactic_info", "list_tactics", "sparse_attention", "Runner", "STATUS", "ABI_VERSION", "select_tactic",
-    "DeviceDesc", "device_desc", "shape_bucket", "load_tactic_cache",
+    "DeviceDesc", "device_desc", "shape_bucket", "load_tactic_cache", "store_tactic",
+    "profile_path", "profile_coef",
 ]
 
 ABI_VERSION = 7  # STOF_ABI_VERSION of the header this module mirrors
@@ -48,9 +49,9 @@ STATUS = {0: "SUCCESS", 1: "INVALID_ARGUMENT", 2: "UNSUPPORTED", 3: "INVALID_TAC
 DTYPE_FP16, DTYPE_BF16 = 0, 1
 FAMILY_BLOCK, FAMILY_ROW, FAMILY_HOPPER = 1, 2, 3
 OPT_NO_ROW_ORDER, OPT_NO_LANE_BITMAPS, OPT_NO_PAIR_ORDER = 1, 2, 4
-SOURCES = {1: "cache", 2: "presearch", 3: "default"}
+SOURCES = {1: "cache", 2: "presearch", 3: "default", 4: "timed"}
 _DERIVED = {"row_order": 0, "pair_order": 1, "lane_bitmaps": 2}
-SELECT_NO_PRESEARCH = 1
+SELECT_NO_PRESEARCH, SELECT_TIME = 1, 2
 
 
 class StofKernelError(RuntimeError):
@@ -179,8 +180,18 @@ def load_library(path: str | os.PathLike | None = None) -> ctypes.CDLL:
         "stof_device_describe": ([i32, ctypes.POINTER(DeviceDesc)], c_int),
         "stof_tactic_cache_load": ([ctypes.c_char_p, _i32p], c_int),
         "stof_shape_bucket": ([i64, i64, i64, ctypes.c_char_p, ctypes.c_size_t], c_int),
+        "stof_attn_select_on_stream": ([P, ctypes.c_char_p, ctypes.POINTER(DeviceDesc), ctypes.c_uint32, vp, _i32p,
+                                        _i32p], c_int),
+        "stof_tactic_cache_store": ([ctypes.c_char_p] * 6 + [i32, ctypes.c_double], c_int),
+        "stof_presearch_profile_path": ([ctypes.POINTER(DeviceDesc), ctypes.c_char_p, ctypes.c_size_t], c_int),
+        "stof_presearch_profile_coef": ([ctypes.c_char_p, ctypes.POINTER(DeviceDesc), vp, i32, _i32p], c_int),
     }
+    optional = {"stof_attn_select_on_stream", "stof_tactic_cache_store", "stof_presearch_profile_path",
+                "stof_presearch_profile_coef"}  # first-use timing: newer builds only
     for name, (args, res) in sigs.items():
+        fn = getattr(lib, name, None)
+        if fn is None and name in optional:
+            continue
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
     _LIB = lib
@@ -417,18 +428,67 @@ def device_desc(device: int | None = None, *, name: str | None = None, cc: str |
 
 def select_tactic(q, k, v, dl: DeviceLayout, *, key_padding_mask=None, bhsd: bool = True,
                   tactic_cache: str | os.PathLike | None = None, device: DeviceDesc | None = None,
-                  presearch: bool = True) -> tuple[int, str]:
+                  presearch: bool = True, timing: bool = False, stream=None) -> tuple[int, str]:
     """The library's tactic for this problem and where it came from: ``"cache"`` (the tactic cache's entry, when
-    valid here), ``"presearch"`` (the pre-search's fastest valid tactic) or ``"default"`` (the library's first
-    valid one; ``presearch=False`` skips the pre-search).  ``device``: a ``device_desc()`` (None: the current
-    CUDA device).  Memoised per layout handle."""
+    valid here), ``"timed"`` (``timing=True``: the fastest of the pre-search's shortlist, timed now on the current
+    GPU on scratch output, or earlier in this process), ``"presearch"`` (the pre-search's fastest valid tactic) or
+    ``"default"`` (the library's first valid one; ``presearch=False`` skips the pre-search).  With ``timing`` the
+    timed choice is written to ``tactic_cache`` (created when missing); q, k and v are only read, and the
+    environment variable STOF_FIRST_USE_TIMING=0 turns timing off.  ``device``: a ``device_desc()`` (None: the
+    current CUDA device).  ``stream``: where the timing runs (None: torch's current stream).  Memoised per layout
+    handle."""
     lib = load_library()
     p = _make_params(q, k, v, q, dl, None, None, key_padding_mask, bhsd)
     t, src = ctypes.c_int32(), ctypes.c_int32()
     path = None if tactic_cache is None else os.fsencode(tactic_cache)
-    _check(lib.stof_attn_select(ctypes.byref(p), path, None if device is None else ctypes.byref(device),
-                                0 if presearch else SELECT_NO_PRESEARCH, ctypes.byref(t), ctypes.byref(src)))
+    flags = (0 if presearch else SELECT_NO_PRESEARCH) | (SELECT_TIME if timing else 0)
+    dev = None if device is None else ctypes.byref(device)
+    if timing:
+        try:
+            select = lib.stof_attn_select_on_stream
+        except AttributeError:
+            raise StofKernelError(2, "this libstof_kernels has no first-use timing (rebuild it)") from None
+        if stream is None:
+            import torch
+
+            stream = torch.cuda.current_stream(_as_torch(q).device).cuda_stream
+        stream = getattr(stream, "cuda_stream", stream)  # a torch.cuda.Stream or a raw handle
+        _check(select(ctypes.byref(p), path, dev, flags, ctypes.c_void_p(stream or None), ctypes.byref(t),
+                      ctypes.byref(src)))
+    else:
+        _check(lib.stof_attn_select(ctypes.byref(p), path, dev, flags, ctypes.byref(t), ctypes.byref(src)))
     return t.value, SOURCES[src.value]
+
+
+def profile_path(device: DeviceDesc) -> str:
+    """The pre-search profile file the library reads for a device (stof_presearch_profile_path)."""
+    lib = load_library()
+    buf = ctypes.create_string_buffer(4096)
+    _check(lib.stof_presearch_profile_path(ctypes.byref(device), buf, len(buf)))
+    return os.fsdecode(buf.value)
+
+
+def profile_coef(device: DeviceDesc | None = None, path: str | os.PathLike | None = None) -> dict:
+    """The constants the library ranks with for a device from its profile: {(tactic, head dim): (a, b, c, d)};
+    {} when no profile applies (stof_presearch_profile_coef).  device None: the current CUDA device."""
+    from .presearch import _Coef
+
+    lib = load_library()
+    n = ctypes.c_int32()
+    buf = (_Coef * 512)()
+    _check(lib.stof_presearch_profile_coef(None if path is None else os.fsencode(path),
+                                           None if device is None else ctypes.byref(device), buf, len(buf),
+                                           ctypes.byref(n)))
+    return {(buf[i].tactic, buf[i].head_dim): (buf[i].a, buf[i].b, buf[i].c, buf[i].d) for i in range(n.value)}
+
+
+def store_tactic(path: str | os.PathLike, gpu: str, cc: str, node: str, bucket: str, mask: str, tactic: int,
+                 time_ms: float = 0.0) -> None:
+    """Merge one entry into a tactic cache file through the library's writer (lock file, re-read, temp file,
+    atomic rename: stof_tactic_cache_store)."""
+    lib = load_library()
+    _check(lib.stof_tactic_cache_store(os.fsencode(path), gpu.encode(), cc.encode(), node.encode(), bucket.encode(),
+                                       mask.encode(), int(tactic), float(time_ms)))
 
 
 def load_tactic_cache(path: str | os.PathLike) -> int:

@@ -14,7 +14,9 @@ tree under the repository root (``build*/plugins_cu/ort/libstof_ort.so``).  With
 nodes run as their model-local ONNX functions: same results, dense speed.
 
 Session options the plugin reads (set here from the keyword arguments): ``stof.tactic_cache`` (or
-``$STOF_TACTIC_CACHE``), a cache written by ``stof tune``; ``stof.verbose`` (or ``$STOF_ORT_VERBOSE``).
+``$STOF_TACTIC_CACHE``), a cache written by ``stof tune`` and by first-use timing; ``stof.first_use_timing`` (or
+``$STOF_FIRST_USE_TIMING``; "0" turns first-use timing off, docs/ort.md); ``stof.verbose`` (or
+``$STOF_ORT_VERBOSE``).
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ from pathlib import Path
 from .errors import StofError
 
 __all__ = ["library_path", "library_available", "session", "Binding", "time_session", "latency_stats",
-           "CONFIG_TACTIC_CACHE", "CONFIG_VERBOSE"]
+           "CONFIG_TACTIC_CACHE", "CONFIG_VERBOSE", "CONFIG_FIRST_USE_TIMING"]
 
 CONFIG_TACTIC_CACHE = "stof.tactic_cache"
+CONFIG_FIRST_USE_TIMING = "stof.first_use_timing"
 CONFIG_VERBOSE = "stof.verbose"
 _LIB_NAME = "libstof_ort.so"
 
@@ -90,13 +93,17 @@ def _providers(providers, device_id: int, cuda_options: dict | None, cuda_graphs
 def session(model, *, providers=None, device_id: int = 0, cuda_options: dict | None = None,
             tactic_cache: str | os.PathLike | None = None, cuda_graphs: bool = False, verbose: bool = False,
             register: bool | None = None, session_options=None, optimization_level: str | None = None,
-            library: str | os.PathLike | None = None, presearch_shapes=None):
+            library: str | os.PathLike | None = None, presearch_shapes=None, first_use_timing: bool | None = None):
     """An ``onnxruntime.InferenceSession`` for ``model`` (path or ModelProto) with the STOF library registered.
 
     Args:
         providers: None or "cuda" (CUDA EP then CPU), "cpu", or an explicit ORT providers list.
         cuda_options: extra CUDA EP provider options (strings), e.g. {"arena_extend_strategy": "kSameAsRequested"}.
         tactic_cache: a ``stof tune`` cache (session option ``stof.tactic_cache``); None keeps $STOF_TACTIC_CACHE.
+            With first-use timing a missing file is created (its directory must exist).
+        first_use_timing: the plugin times the pre-search's shortlist on the first call of each attention problem
+            without a cache entry (session option ``stof.first_use_timing``); None keeps $STOF_FIRST_USE_TIMING
+            (default on).
         cuda_graphs: capture the whole run in a CUDA graph (ORT's ``enable_cuda_graph``); needs IO binding with
             fixed input/output buffers -- use :class:`Binding`.
         register: register libstof_ort (default: whenever the CUDA EP is requested).  True without a library
@@ -124,8 +131,14 @@ def session(model, *, providers=None, device_id: int = 0, cuda_options: dict | N
                         f"({ort.__version__}, providers {ort.get_available_providers()}); install onnxruntime-gpu")
     if register is None:
         register = wants_cuda
+    timing = first_use_timing if first_use_timing is not None else os.environ.get("STOF_FIRST_USE_TIMING") != "0"
     if tactic_cache is not None and not Path(tactic_cache).is_file():
-        raise StofError(f"tactic cache not found: {tactic_cache}")
+        if not timing or presearch_shapes:
+            raise StofError(f"tactic cache not found: {tactic_cache}")
+        if not Path(tactic_cache).resolve().parent.is_dir():
+            raise StofError(f"tactic cache directory does not exist: {Path(tactic_cache).resolve().parent}")
+    if first_use_timing is not None:
+        so.add_session_config_entry(CONFIG_FIRST_USE_TIMING, "1" if first_use_timing else "0")
     if presearch_shapes:
         tactic_cache = _with_presearch(model, tactic_cache, presearch_shapes, device_id)
     if tactic_cache is not None:

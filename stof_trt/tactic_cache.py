@@ -123,7 +123,7 @@ class TacticCache:
         return {"format": FORMAT, "version": VERSION, "entries": rows}
 
     def save(self, path: str | os.PathLike | None = None) -> Path:
-        """Write atomically (temp file + rename)."""
+        """Write atomically (temp file + rename), replacing the file; merge_save keeps other writers' entries."""
         p = Path(path or self.path or "")
         if not str(p):
             raise StofError("no path to save the tactic cache to")
@@ -135,6 +135,9 @@ class TacticCache:
             with os.fdopen(fd, "w") as f:
                 json.dump(self.to_json(), f, indent=1)
                 f.write("\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)
             os.replace(tmp, p)
         except BaseException:
             if os.path.exists(tmp):
@@ -142,6 +145,29 @@ class TacticCache:
             raise
         self.path = p
         return p
+
+    def merge_save(self, path: str | os.PathLike | None = None) -> Path:
+        """Merge this cache's entries into the file (created when missing) the way the library's writer does
+        (stof_tactic_cache_store): under an exclusive flock on ``<path>.lock``, re-read the file, overlay these
+        entries, write atomically.  Concurrent writers, in this process or others, lose no entry; afterwards this
+        cache holds the merged entries."""
+        import fcntl
+
+        p = Path(path or self.path or "")
+        if not str(p):
+            raise StofError("no path to save the tactic cache to")
+        try:
+            lock = os.open(f"{p}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as e:
+            raise StofError(f"cannot lock {p}.lock ({e.strerror})") from None
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            merged = TacticCache.load(p).entries if p.is_file() else {}
+            merged.update(self.entries)
+            self.entries = merged
+            return self.save(p)
+        finally:
+            os.close(lock)  # releases the lock
 
     def __len__(self) -> int:
         return len(self.entries)

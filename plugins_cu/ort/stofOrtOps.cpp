@@ -3,8 +3,11 @@
 // ONNX function, which ORT inlines wherever these kernels do not claim the node (e.g. on the CPU EP).
 //
 // Options (session config entry, else environment variable):
-//   stof.tactic_cache / STOF_TACTIC_CACHE   path of a tactic cache written by `stof tune`
+//   stof.tactic_cache / STOF_TACTIC_CACHE   path of a tactic cache written by `stof tune` (and by first-use
+//                                           timing, which creates it when missing)
+//   stof.first_use_timing / STOF_FIRST_USE_TIMING   "0": no first-use timing (cache, pre-search, default only)
 //   stof.verbose      / STOF_ORT_VERBOSE    "1": print each attention node's tactic choice to stderr
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
@@ -66,8 +69,12 @@ RegisterCustomOps(OrtSessionOptions* options, OrtApiBase const* apiBase) {
     return guarded("RegisterCustomOps", [&] {
         std::string const verbose = configEntry(*api, options, kCONFIG_VERBOSE, kENV_VERBOSE);
         setVerbose(!verbose.empty() && verbose != "0");
+        std::string const timingOpt = configEntry(*api, options, kCONFIG_FIRST_USE_TIMING, kENV_FIRST_USE_TIMING);
+        bool const timing = timingOpt != "0" && timingOpt != "off" && timingOpt != "false";
         std::string const cachePath = configEntry(*api, options, kCONFIG_TACTIC_CACHE, kENV_TACTIC_CACHE);
-        if (!cachePath.empty()) {  // read now, so that a bad file fails the registration, not a later run
+        std::FILE* const existing = cachePath.empty() ? nullptr : std::fopen(cachePath.c_str(), "rb");
+        if (existing != nullptr) std::fclose(existing);
+        if (!cachePath.empty() && (existing != nullptr || !timing)) {  // with timing a missing file is created later  // read now, so that a bad file fails the registration, not a later run
             int32_t entries = 0;
             STOF_VALIDATE(stof_tactic_cache_load(cachePath.c_str(), &entries) == STOF_SUCCESS,
                           stof_last_error_message(), " (set by ", kCONFIG_TACTIC_CACHE, " or ", kENV_TACTIC_CACHE, ")");
@@ -78,7 +85,7 @@ RegisterCustomOps(OrtSessionOptions* options, OrtApiBase const* apiBase) {
         std::lock_guard<std::mutex> lock(reg.mutex);
         Ort::CustomOpDomain domain(kDOMAIN);
         for (auto t : kTYPES) {
-            reg.attention.push_back(std::make_unique<SparseAttentionOp>(t, cachePath));
+            reg.attention.push_back(std::make_unique<SparseAttentionOp>(t, cachePath, timing));
             domain.Add(reg.attention.back().get());
             if (stof_gemm_available()) {  // else the GEMM nodes run as their ONNX function
                 reg.gemm.push_back(std::make_unique<GemmEpilogueOp>(t));

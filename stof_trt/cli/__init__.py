@@ -19,6 +19,7 @@ SUBCOMMANDS = [
     ("demo", "demo", "export a small BERT, rewrite it with a Longformer mask, compare on ONNX Runtime CPU"),
     ("run", "run", "run a (rewritten) model on ONNX Runtime with the STOF plugin; print or save the outputs"),
     ("tune", "tune", "time the attention tactics of a rewritten model on this GPU; write a tactic cache"),
+    ("calibrate", "calibrate", "fit the pre-search's constants on this GPU; write its pre-search profile"),
     ("bench", "bench", "latency (median/p90) and max difference: original vs STOF-rewritten model on ORT CUDA"),
     ("export-triton", "export_triton", "write a Triton Inference Server model repository (onnxruntime backend)"),
     ("serve", "serve", "serve a model with Triton Inference Server (PyTriton): HTTP + gRPC, dynamic batching"),

@@ -56,7 +56,7 @@ def run(args) -> int:
                          reps=args.reps, progress=not args.no_progress and not args.json)
     if not results:
         raise StofError(f"{args.model} has no fp16/bf16 StofSparseAttention node to tune")
-    cache.save(args.output)
+    cache.merge_save(args.output)  # other writers (first-use timing, other tunes) keep their entries
     rows = []
     for r in results:
         rows.append({"nodes": len(r.nodes), "node": r.key.node, "bucket": r.key.bucket, "mask": r.key.mask[:12],

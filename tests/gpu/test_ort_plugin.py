@@ -306,6 +306,7 @@ def test_sparse_attention_long_sequence_picks_from_every_tactic(capfd, monkeypat
     # the pick is the pre-search's, printed by the verbose plugin: no tactic cache, no pre-search switch-off
     monkeypatch.delenv("STOF_TACTIC_CACHE", raising=False)
     monkeypatch.delenv("STOF_ORT_PRESEARCH", raising=False)
+    monkeypatch.setenv("STOF_FIRST_USE_TIMING", "0")
     S, B, H, D = 1 << 18, 1, 2, 64
     spec = "sliding:window=128|global:n=2"
     layout = compile_mask(spec, S, S)
@@ -330,6 +331,36 @@ def test_sparse_attention_long_sequence_picks_from_every_tactic(capfd, monkeypat
     torch = pytest.importorskip("torch")
     if torch.cuda.get_device_capability() == (9, 0):
         assert kernels.tactic_info(int(pick.group(1))).family == kernels.FAMILY_HOPPER, log[-2000:]
+
+
+@needs_lib
+@needs_cuda
+def test_first_use_timing_creates_the_cache_and_a_second_session_reads_it(capfd, monkeypatch, tmp_path):
+    """The plugin's default: the first run of a problem without a cache entry times the shortlist (verbose says
+    "first-use timing"), writes the new cache file, and gives the right output; a second session reads the entry
+    back ("tactic cache"); first_use_timing=False gives the pre-search's first choice."""
+    import json
+
+    monkeypatch.delenv("STOF_FIRST_USE_TIMING", raising=False)
+    monkeypatch.delenv("STOF_ORT_PRESEARCH", raising=False)
+    monkeypatch.delenv("STOF_TACTIC_CACHE", raising=False)
+    layout = compile_mask("causal", 1024, 1024)
+    m = attention_model(layout, B=2, H=4, D=64)
+    rng = np.random.default_rng(7)
+    feeds = {n: rng.standard_normal((2, 4, 1024, 64)).astype(np.float16) for n in "qkv"}
+    ref = attention_ref(feeds["q"], feeds["k"], feeds["v"], layout, 1 / 8)
+    path = tmp_path / "new-cache.json"
+    (got,), _ = _cuda_run(m, feeds, tactic_cache=path, verbose=True)
+    assert "first-use timing" in capfd.readouterr().err
+    assert np.abs(got.astype(np.float64) - ref).max() <= 2e-3 * np.abs(ref).max()
+    [entry] = json.loads(path.read_text())["entries"]
+    assert entry["source"] == "timed" and entry["tactic"] in [int(t) for t in entry["candidates"]]
+    (got2,), _ = _cuda_run(m, feeds, tactic_cache=path, verbose=True)
+    assert f"tactic cache {entry['tactic']}" in capfd.readouterr().err
+    np.testing.assert_array_equal(got2, got)
+    (got3,), _ = _cuda_run(m, feeds, verbose=True, first_use_timing=False)
+    assert "pre-search first choice" in capfd.readouterr().err
+    assert np.abs(got3.astype(np.float64) - ref).max() <= 2e-3 * np.abs(ref).max()
 
 
 @needs_lib

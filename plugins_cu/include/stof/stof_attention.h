@@ -281,10 +281,24 @@ STOF_API stof_status_t stof_tactic_cache_load(const char* path, int32_t* entries
 typedef enum {
     STOF_TACTIC_FROM_CACHE = 1,        /* the tactic cache's entry for this problem */
     STOF_TACTIC_FROM_PRESEARCH = 2,    /* the pre-search's fastest valid tactic */
-    STOF_TACTIC_DEFAULT = 3            /* the library's first valid tactic */
+    STOF_TACTIC_DEFAULT = 3,           /* the library's first valid tactic */
+    STOF_TACTIC_TIMED = 4              /* the fastest of the shortlist, timed on this GPU (STOF_SELECT_TIME) */
 } stof_tactic_source_t;
 
 #define STOF_SELECT_NO_PRESEARCH 1u    /* stof_attn_select: without a cache hit, the library default */
+/* First-use timing (the convention of ONNX Runtime's TunableOp and TensorRT's builder): without a cache hit, run
+ * the shortlist -- the pre-search's first STOF_SELECT_TIME_MAX - 1 valid tactics whose predicted time is within
+ * STOF_SELECT_TIME_RATIO of the first, plus the library default -- on the caller's stream (one warm-up and
+ * STOF_SELECT_TIME_REPS timed runs each, median by CUDA events) into scratch output and workspace the library
+ * allocates and frees (the caller's inputs are only read, its output untouched), keep the fastest, remember it for
+ * the process and write it to the tactic cache file when one is given (merged under "<path>.lock"; a missing file
+ * is created).  Needs the layout uploaded (or device arrays) and q, k, v on the current device; skipped (the
+ * pre-search's choice, not remembered) while the stream is being captured into a CUDA graph.  The environment
+ * variable STOF_FIRST_USE_TIMING=0 turns this flag off process-wide. */
+#define STOF_SELECT_TIME 2u
+#define STOF_SELECT_TIME_MAX 4
+#define STOF_SELECT_TIME_RATIO 2.0
+#define STOF_SELECT_TIME_REPS 5
 
 /* The tactic for a problem: the cache's entry when valid here (tactic_cache: a path, read on first use like
  * stof_tactic_cache_load; NULL: none), else the pre-search's fastest tactic among stof_attn_list_tactics(), else
@@ -297,6 +311,39 @@ typedef enum {
 STOF_API stof_status_t stof_attn_select(const stof_attn_params_t* p, const char* tactic_cache,
                                         const stof_device_desc_t* device, uint32_t flags, int32_t* tactic,
                                         int32_t* source);
+
+/* stof_attn_select with the stream first-use timing (STOF_SELECT_TIME) runs on; stof_attn_select times on the
+ * legacy default stream. */
+STOF_API stof_status_t stof_attn_select_on_stream(const stof_attn_params_t* p, const char* tactic_cache,
+                                                  const stof_device_desc_t* device, uint32_t flags,
+                                                  stof_stream_t stream, int32_t* tactic, int32_t* source);
+
+/* Merge one entry (key fields as stof_attn_select builds them, tactic >= 1, time_ms <= 0: none) into a tactic cache
+ * file, created when missing: under an exclusive flock on "<path>.lock" it re-reads the file, replaces the entry of
+ * the same key, writes a temp file in the same directory and renames it over the path, so concurrent writers
+ * (threads, processes, stof_trt.tactic_cache) lose no entry and readers always see a whole file.  The process's read
+ * of the file becomes the merged one.  A malformed file is INVALID_ARGUMENT and stays as it is. */
+STOF_API stof_status_t stof_tactic_cache_store(const char* path, const char* gpu, const char* cc, const char* node,
+                                               const char* bucket, const char* mask, int32_t tactic,
+                                               double time_ms);
+
+/* Pre-search profiles (`stof calibrate`, docs/ort.md): the pre-search constants fitted on one GPU, as JSON
+ *   {"format": "stof-presearch-profile", "version": 1,
+ *    "gpu": {"name": "NVIDIA H200", "sm_count": 132, "clock_mhz": 1980, ...},
+ *    "coef": [{"tactic": 19, "head_dim": 64, "a": ..., "b": ..., "c": ..., "d": ...}, ...], ...}
+ * stof_attn_select ranks with a profile's constants (stof_presearch_rank_coef) when the profile file for the device
+ * describes it (same name and SM count; SM clock within 2 % when the device is the current one), else with the
+ * catalogue's.  The file: $STOF_PRESEARCH_PROFILE, else ${XDG_CACHE_HOME:-$HOME/.cache}/stof-trt/profiles/
+ * <name>-<SMs>sm.json, name with characters other than letters, digits, '.' and '-' as '_'. */
+
+/* The profile path the library reads for a device (writes at most cap bytes with the NUL; "" without a home). */
+STOF_API stof_status_t stof_presearch_profile_path(const stof_device_desc_t* device, char* out, size_t cap);
+
+/* The constants a profile gives the device (path NULL: the library's path for it, where a missing file means
+ * none; device NULL: the current CUDA device, clock included).  *n = 0 when the profile describes another GPU;
+ * INVALID_ARGUMENT for a malformed file (or a given path that cannot be read); INSUFFICIENT_BUFFER when *n > cap. */
+STOF_API stof_status_t stof_presearch_profile_coef(const char* path, const stof_device_desc_t* device,
+                                                   stof_presearch_coef_t* coef, int32_t cap, int32_t* n);
 
 /* The tactic cache's shape bucket: B, Sq and Sk rounded up to powers of two (Sq, Sk at least 64),
  * "B8|Sq4096|Sk4096"; writes at most cap bytes with the NUL. */

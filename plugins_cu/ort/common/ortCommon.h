@@ -24,6 +24,8 @@ constexpr int kOP_VERSION = 1;
 // Session config keys (SessionOptions.add_session_config_entry) and their environment-variable twins.
 constexpr char const* kCONFIG_TACTIC_CACHE = "stof.tactic_cache";
 constexpr char const* kENV_TACTIC_CACHE = "STOF_TACTIC_CACHE";
+constexpr char const* kCONFIG_FIRST_USE_TIMING = "stof.first_use_timing";
+constexpr char const* kENV_FIRST_USE_TIMING = "STOF_FIRST_USE_TIMING";
 constexpr char const* kCONFIG_VERBOSE = "stof.verbose";
 constexpr char const* kENV_VERBOSE = "STOF_ORT_VERBOSE";
 

@@ -1,7 +1,7 @@
 // StofSparseAttention kernel for ONNX Runtime's CUDA EP: reads the attributes and inputs, makes a layout handle of
 // libstof_kernels from the layout inputs (once per node when they are constant), and runs the tactic that
-// stof_attn_select picks (tactic cache, pre-search, default) or, for what the tensor-core kernels cannot run, the
-// general kernel.  Checks, derived schedules and tactic choice live in the library.
+// stof_attn_select picks (tactic cache, first-use timing, pre-search, default) or, for what the tensor-core
+// kernels cannot run, the general kernel.  Checks, derived schedules and tactic choice live in the library.
 #include "sparseAttentionOp.h"
 
 #include <cuda_runtime.h>
@@ -44,6 +44,7 @@ int64_t intAttr(Ort::ConstKernelInfo const& ki, char const* name) {
 
 char const* sourceName(int32_t source) {
     return source == STOF_TACTIC_FROM_CACHE       ? "tactic cache"
+           : source == STOF_TACTIC_TIMED          ? "first-use timing"
            : source == STOF_TACTIC_FROM_PRESEARCH ? "pre-search first choice"
                                                   : "library default";
 }
@@ -51,8 +52,8 @@ char const* sourceName(int32_t source) {
 }  // namespace
 
 SparseAttentionKernel::SparseAttentionKernel(OrtKernelInfo const* info, ONNXTensorElementDataType type,
-                                             std::string cachePath)
-    : mType(type), mCachePath(std::move(cachePath)) {
+                                             std::string cachePath, bool firstUseTiming)
+    : mType(type), mCachePath(std::move(cachePath)), mFirstUseTiming(firstUseTiming) {
     Ort::ConstKernelInfo ki(info);
     mName = ki.GetNodeName();
     try {
@@ -252,10 +253,11 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
         p.layout = lay->handle;
         p.key_padding_mask = kpm.present ? static_cast<int32_t const*>(kpm.data) : nullptr;
         char const* env = std::getenv("STOF_ORT_PRESEARCH");
-        uint32_t const flags = env != nullptr && std::string(env) == "0" ? STOF_SELECT_NO_PRESEARCH : 0u;
+        uint32_t const flags = (env != nullptr && std::string(env) == "0" ? STOF_SELECT_NO_PRESEARCH : 0u) |
+                               (mFirstUseTiming ? STOF_SELECT_TIME : 0u);
         int32_t tactic = 0, source = 0;
-        stof_status_t s = stof_attn_select(&p, mCachePath.empty() ? nullptr : mCachePath.c_str(), nullptr, flags,
-                                           &tactic, &source);
+        stof_status_t s = stof_attn_select_on_stream(&p, mCachePath.empty() ? nullptr : mCachePath.c_str(), nullptr,
+                                                     flags, reinterpret_cast<stof_stream_t>(stream), &tactic, &source);
         if (s == STOF_SUCCESS) {
             if (verboseEnabled()) {
                 std::lock_guard<std::mutex> lock(mMutex);
@@ -295,8 +297,8 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
     STOF_CUDA_THROW(launchGenericSparseAttention(g, stream));
 }
 
-SparseAttentionOp::SparseAttentionOp(ONNXTensorElementDataType type, std::string cachePath)
-    : mType(type), mCachePath(std::move(cachePath)) {
+SparseAttentionOp::SparseAttentionOp(ONNXTensorElementDataType type, std::string cachePath, bool firstUseTiming)
+    : mType(type), mCachePath(std::move(cachePath)), mFirstUseTiming(firstUseTiming) {
     OrtCustomOp::InferOutputShapeFn = [](OrtCustomOp const* op, OrtShapeInferContext* ctx) -> OrtStatusPtr {
         // a rank-5 query is the packed [B,S,3,H,D] form: output [B,S,H,D]
         return inferShapeFromInput(ctx, kQUERY, static_cast<SparseAttentionOp const*>(op)->mType, -1, 0, 1, 5, 2);
@@ -304,7 +306,8 @@ SparseAttentionOp::SparseAttentionOp(ONNXTensorElementDataType type, std::string
 }
 
 OrtStatusPtr SparseAttentionOp::CreateKernelV2(OrtApi const&, OrtKernelInfo const* info, void** kernel) const {
-    return guarded(kSPARSE_ATTENTION_NAME, [&] { *kernel = new SparseAttentionKernel(info, mType, mCachePath); });
+    return guarded(kSPARSE_ATTENTION_NAME,
+                   [&] { *kernel = new SparseAttentionKernel(info, mType, mCachePath, mFirstUseTiming); });
 }
 
 ONNXTensorElementDataType SparseAttentionOp::GetInputType(size_t index) const {

@@ -22,7 +22,8 @@ enum SparseAttentionInput : size_t {
 
 class SparseAttentionKernel {
 public:
-    SparseAttentionKernel(OrtKernelInfo const* info, ONNXTensorElementDataType type, std::string cachePath);
+    SparseAttentionKernel(OrtKernelInfo const* info, ONNXTensorElementDataType type, std::string cachePath,
+                          bool firstUseTiming);
     OrtStatusPtr ComputeV2(OrtKernelContext* context);
 
 private:
@@ -47,6 +48,7 @@ private:
     bool mPacked{false};  // qkv_format "bs3hd": query [B,S,3,H,D], key/value absent, output [B,S,H,D]
     bool mLayoutConstant{false};
     std::string mCachePath;
+    bool mFirstUseTiming{true};  // stof_attn_select's STOF_SELECT_TIME
     std::mutex mMutex;  // guards mLayout and mReported
     std::shared_ptr<Layout const> mLayout;
     std::set<std::string> mReported;  // verbose: choices already printed
@@ -54,7 +56,7 @@ private:
 
 class SparseAttentionOp : public Ort::CustomOpBase<SparseAttentionOp, SparseAttentionKernel, true> {
 public:
-    SparseAttentionOp(ONNXTensorElementDataType type, std::string cachePath);
+    SparseAttentionOp(ONNXTensorElementDataType type, std::string cachePath, bool firstUseTiming);
     OrtStatusPtr CreateKernelV2(OrtApi const& api, OrtKernelInfo const* info, void** kernel) const;
     char const* GetName() const { return kSPARSE_ATTENTION_NAME; }
     char const* GetExecutionProviderType() const { return kCUDA_EP; }
@@ -67,6 +69,7 @@ public:
 private:
     ONNXTensorElementDataType mType;
     std::string mCachePath;
+    bool mFirstUseTiming;
 };
 
 }  // namespace stof_ort

@@ -47,6 +47,34 @@ stof_status_t cache_lookup(const std::string& path, const std::string& gpu, cons
 
 std::string shape_bucket(int64_t batch, int64_t seq_q, int64_t seq_k);
 
+// One tactic-cache entry to write: the key, the tactic and what the JSON records beside it.
+struct CacheEntry {
+    std::string gpu, cc, node, bucket, mask;
+    int32_t tactic = 0;
+    double time_ms = 0;                        // <= 0: not written
+    std::string source = "measured";
+    int32_t presearch_tactic = 0;              // 0: not written
+    double presearch_time_ms = 0;
+    std::vector<std::pair<int32_t, double>> candidates;  // tactic -> median ms
+};
+
+// Merge the entry into the file (created when missing) under the file's lock and make the merged file the
+// process's read of it (a new generation).  INVALID_ARGUMENT when the file is malformed or cannot be written.
+stof_status_t cache_store(const std::string& path, const CacheEntry& entry);
+
+bool cache_file_exists(const std::string& path);
+
+// The pre-search profile file for a device: $STOF_PRESEARCH_PROFILE, else
+// ${XDG_CACHE_HOME:-~/.cache}/stof-trt/profiles/<name>-<SMs>sm.json (name: characters other than letters, digits,
+// '.', '-' as '_'); "" when there is no home.
+std::string profile_path(const stof_device_desc_t& device);
+
+// The profile's constants when it describes this device (same name and SM count; clock within 2 % when both
+// are known, clock_mhz <= 0: unknown), else none.  A missing file: none, or INVALID_ARGUMENT with must_exist; a
+// malformed one: INVALID_ARGUMENT.
+stof_status_t profile_coef(const std::string& path, const stof_device_desc_t& device, int32_t clock_mhz,
+                           std::vector<stof_presearch_coef_t>* out, bool must_exist);
+
 }  // namespace host
 }  // namespace stof
 

@@ -1,6 +1,16 @@
 // Tactic caches (the JSON that stof_trt/tactic_cache.py writes, docs/ort.md): a small recursive-descent JSON
-// parser, the lookup table built from a file's "entries", and the process's table of read files.
+// parser and writer, the lookup table built from a file's "entries", the process's table of read files, and the
+// writer that merges one entry into a file (flock on "<path>.lock", re-read, temp file, atomic rename: the
+// protocol stof_trt.tactic_cache.TacticCache.merge_save follows too).
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cctype>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -15,6 +25,8 @@ namespace {
 
 constexpr const char* kCacheFormat = "stof-tactic-cache";
 constexpr int kCacheVersion = 1;
+constexpr const char* kProfileFormat = "stof-presearch-profile";
+constexpr int kProfileVersion = 1;
 
 constexpr int kMAX_DEPTH = 64;
 
@@ -174,6 +186,81 @@ private:
     size_t mPos{0};
 };
 
+void write_string(std::string& out, const std::string& s) {
+    out.push_back('"');
+    for (unsigned char c : s) {
+        if (c == '"' || c == '\\') {
+            out.push_back('\\');
+            out.push_back(char(c));
+        } else if (c < 0x20) {
+            char buf[8];
+            std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+            out += buf;
+        } else {
+            out.push_back(char(c));
+        }
+    }
+    out.push_back('"');
+}
+
+// Shortest of %.15g / %.17g that reads back to the same double; non-finite numbers (not JSON) as null.
+void write_number(std::string& out, double v) {
+    if (!std::isfinite(v)) {
+        out += "null";
+        return;
+    }
+    char buf[40];
+    std::snprintf(buf, sizeof(buf), "%.15g", v);
+    if (std::strtod(buf, nullptr) != v) std::snprintf(buf, sizeof(buf), "%.17g", v);
+    out += buf;
+}
+
+void write_json(std::string& out, const Json& v, int indent) {
+    const std::string pad(size_t(indent + 1), ' ');
+    switch (v.kind) {
+    case Json::kNull: out += "null"; break;
+    case Json::kBool: out += v.b ? "true" : "false"; break;
+    case Json::kNumber: write_number(out, v.num); break;
+    case Json::kString: write_string(out, v.str); break;
+    case Json::kArray:
+        out.push_back('[');
+        for (size_t i = 0; i < v.arr.size(); ++i) {
+            out += i ? ",\n" : "\n";
+            out += pad;
+            write_json(out, v.arr[i], indent + 1);
+        }
+        if (!v.arr.empty()) out += "\n" + std::string(size_t(indent), ' ');
+        out.push_back(']');
+        break;
+    case Json::kObject:
+        out.push_back('{');
+        for (size_t i = 0; i < v.obj.size(); ++i) {
+            out += i ? ",\n" : "\n";
+            out += pad;
+            write_string(out, v.obj[i].first);
+            out += ": ";
+            write_json(out, v.obj[i].second, indent + 1);
+        }
+        if (!v.obj.empty()) out += "\n" + std::string(size_t(indent), ' ');
+        out.push_back('}');
+        break;
+    }
+}
+
+Json json_string(const std::string& s) {
+    Json j;
+    j.kind = Json::kString;
+    j.str = s;
+    return j;
+}
+
+Json json_number(double v) {
+    Json j;
+    j.kind = Json::kNumber;
+    j.num = v;
+    return j;
+}
+
 using Key = std::string;  // gpu, cc, node, bucket, mask joined by '\n' (none of them holds one)
 
 Key make_key(const std::string& gpu, const std::string& cc, const std::string& node, const std::string& bucket,
@@ -183,13 +270,16 @@ Key make_key(const std::string& gpu, const std::string& cc, const std::string& n
 
 using Table = std::map<Key, int32_t>;
 
-std::shared_ptr<const Table> parse_file(const std::string& path) {
+Json read_doc(const std::string& path) {
     std::ifstream in(path, std::ios::binary);
     if (!in.good()) throw std::runtime_error("tactic cache " + path + " cannot be read");
     std::stringstream ss;
     ss << in.rdbuf();
     const std::string text = ss.str();
-    Json doc = Parser(text, path).parseDocument();
+    return Parser(text, path).parseDocument();
+}
+
+std::shared_ptr<const Table> table_of(const Json& doc, const std::string& path) {
     auto bad = [&](const std::string& what) { return std::runtime_error("tactic cache " + path + ": " + what); };
     if (doc.kind != Json::kObject) throw bad("not a JSON object");
     const Json* fmt = doc.get("format");
@@ -215,6 +305,8 @@ std::shared_ptr<const Table> parse_file(const std::string& path) {
     }
     return table;
 }
+
+std::shared_ptr<const Table> parse_file(const std::string& path) { return table_of(read_doc(path), path); }
 
 // Files read so far, by path, each with the generation of its read; never freed (handles may be in use on other
 // threads).
@@ -256,6 +348,69 @@ int64_t round_pow2(int64_t v, int64_t lo) {
     return p;
 }
 
+// An exclusive flock on "<path>.lock" for the scope: writers of one file (threads, processes, the Python writer)
+// take turns; readers need none (the file is only ever replaced by a rename).
+class FileLock {
+public:
+    explicit FileLock(const std::string& path) {
+        fd_ = ::open((path + ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+        if (fd_ < 0) return;
+        while (::flock(fd_, LOCK_EX) != 0)
+            if (errno != EINTR) {
+                ::close(fd_);
+                fd_ = -1;
+                return;
+            }
+    }
+    ~FileLock() {
+        if (fd_ >= 0) ::close(fd_);  // closing releases the lock
+    }
+    bool held() const { return fd_ >= 0; }
+
+private:
+    int fd_ = -1;
+};
+
+std::string dir_of(const std::string& path) {
+    const size_t slash = path.find_last_of('/');
+    return slash == std::string::npos ? std::string(".") : slash == 0 ? std::string("/") : path.substr(0, slash);
+}
+
+// Write text to a temp file next to path, then rename it over path (readers see the old or the new file).
+void write_atomic(const std::string& path, const std::string& text) {
+    std::string tmpl = dir_of(path) + "/.stof-cache-XXXXXX";
+    std::vector<char> name(tmpl.begin(), tmpl.end());
+    name.push_back('\0');
+    const int fd = ::mkstemp(name.data());
+    if (fd < 0)
+        throw std::runtime_error("tactic cache " + path + ": cannot create a temp file (" + std::strerror(errno) + ")");
+    size_t done = 0;
+    while (done < text.size()) {
+        const ssize_t w = ::write(fd, text.data() + done, text.size() - done);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) {
+            const int e = errno;
+            ::close(fd);
+            ::unlink(name.data());
+            throw std::runtime_error("tactic cache " + path + ": write failed (" + std::strerror(e) + ")");
+        }
+        done += size_t(w);
+    }
+    ::fchmod(fd, 0644);
+    ::fsync(fd);
+    ::close(fd);
+    if (::rename(name.data(), path.c_str()) != 0) {
+        const int e = errno;
+        ::unlink(name.data());
+        throw std::runtime_error("tactic cache " + path + ": rename failed (" + std::strerror(e) + ")");
+    }
+}
+
+bool file_exists(const std::string& path) {
+    struct stat st;
+    return ::stat(path.c_str(), &st) == 0;
+}
+
 }  // namespace
 
 namespace stof {
@@ -279,6 +434,147 @@ stof_status_t cache_lookup(const std::string& path, const std::string& gpu, cons
     return STOF_SUCCESS;
 }
 
+std::string profile_path(const stof_device_desc_t& d) {
+    const char* env = std::getenv("STOF_PRESEARCH_PROFILE");
+    if (env != nullptr && *env != '\0') return env;
+    std::string dir;
+    const char* xdg = std::getenv("XDG_CACHE_HOME");
+    const char* home = std::getenv("HOME");
+    if (xdg != nullptr && *xdg == '/') dir = xdg;
+    else if (home != nullptr && *home != '\0') dir = std::string(home) + "/.cache";
+    else return "";
+    std::string name;
+    for (const char* c = d.name; *c; ++c)
+        name.push_back((std::isalnum(static_cast<unsigned char>(*c)) || *c == '.' || *c == '-') ? *c : '_');
+    return dir + "/stof-trt/profiles/" + name + "-" + std::to_string(d.props.sm_count) + "sm.json";
+}
+
+stof_status_t profile_coef(const std::string& path, const stof_device_desc_t& d, int32_t clock_mhz,
+                           std::vector<stof_presearch_coef_t>* out, bool must_exist) {
+    out->clear();
+    if (!file_exists(path)) {
+        if (must_exist) return fail(STOF_ERROR_INVALID_ARGUMENT, "pre-search profile %s cannot be read", path.c_str());
+        return STOF_SUCCESS;
+    }
+    try {
+        const Json doc = read_doc(path);
+        auto bad = [&](const std::string& what) {
+            return std::runtime_error("pre-search profile " + path + ": " + what);
+        };
+        if (doc.kind != Json::kObject) throw bad("not a JSON object");
+        const Json* fmt = doc.get("format");
+        if (!fmt || fmt->kind != Json::kString || fmt->str != kProfileFormat)
+            throw bad(std::string("\"format\" is not \"") + kProfileFormat + "\"");
+        const Json* ver = doc.get("version");
+        if (!ver || ver->kind != Json::kNumber || ver->num != kProfileVersion)
+            throw bad("unsupported version (this library reads version " + std::to_string(kProfileVersion) + ")");
+        const Json* gpu = doc.get("gpu");
+        if (!gpu || gpu->kind != Json::kObject) throw bad("no \"gpu\" object");
+        const Json* name = gpu->get("name");
+        const Json* sms = gpu->get("sm_count");
+        const Json* clock = gpu->get("clock_mhz");
+        if (!name || name->kind != Json::kString || !sms || sms->kind != Json::kNumber)
+            throw bad("\"gpu\" needs \"name\" and \"sm_count\"");
+        std::vector<stof_presearch_coef_t> coef;
+        const Json* rows = doc.get("coef");
+        if (!rows || rows->kind != Json::kArray) throw bad("no \"coef\" array");
+        for (const Json& r : rows->arr) {
+            if (r.kind != Json::kObject) throw bad("a \"coef\" entry is not an object");
+            stof_presearch_coef_t c{};
+            double v[6];
+            const char* keys[6] = {"tactic", "head_dim", "a", "b", "c", "d"};
+            for (int i = 0; i < 6; ++i) {
+                const Json* x = r.get(keys[i]);
+                if (!x || x->kind != Json::kNumber || !std::isfinite(x->num) || x->num < 0)
+                    throw bad(std::string("a \"coef\" entry needs a non-negative number \"") + keys[i] + "\"");
+                v[i] = x->num;
+            }
+            if (v[0] < 1 || v[0] > 1e6 || std::floor(v[0]) != v[0] || (v[1] != 64 && v[1] != 128))
+                throw bad("a \"coef\" entry with a bad tactic or head_dim");
+            c.tactic = int32_t(v[0]), c.head_dim = int32_t(v[1]), c.a = v[2], c.b = v[3], c.c = v[4], c.d = v[5];
+            coef.push_back(c);
+        }
+        // the profile of another GPU (or of this one at other clocks) does not apply
+        if (name->str != d.name || int32_t(sms->num) != d.props.sm_count) return STOF_SUCCESS;
+        if (clock_mhz > 0 && clock && clock->kind == Json::kNumber && clock->num > 0 &&
+            std::fabs(clock->num - clock_mhz) > 0.02 * clock_mhz)
+            return STOF_SUCCESS;
+        *out = std::move(coef);
+    } catch (const std::exception& ex) {
+        return fail(STOF_ERROR_INVALID_ARGUMENT, "%s", ex.what());
+    }
+    return STOF_SUCCESS;
+}
+
+bool cache_file_exists(const std::string& path) { return file_exists(path); }
+
+stof_status_t cache_store(const std::string& path, const CacheEntry& e) {
+    try {
+        Json doc;
+        {
+            FileLock lock(path);
+            if (!lock.held())
+                return fail(STOF_ERROR_INVALID_ARGUMENT, "tactic cache %s: cannot lock %s.lock (%s)", path.c_str(),
+                            path.c_str(), std::strerror(errno));
+            // re-read under the lock: other writers' entries since this process's read are kept
+            if (file_exists(path)) {
+                doc = read_doc(path);
+                table_of(doc, path);  // a malformed file is reported, never overwritten
+            } else {
+                doc.kind = Json::kObject;
+                doc.obj.emplace_back("format", json_string(kCacheFormat));
+                doc.obj.emplace_back("version", json_number(kCacheVersion));
+                Json entries;
+                entries.kind = Json::kArray;
+                doc.obj.emplace_back("entries", entries);
+            }
+            Json row;
+            row.kind = Json::kObject;
+            row.obj.emplace_back("gpu", json_string(e.gpu));
+            row.obj.emplace_back("cc", json_string(e.cc));
+            row.obj.emplace_back("node", json_string(e.node));
+            row.obj.emplace_back("bucket", json_string(e.bucket));
+            row.obj.emplace_back("mask", json_string(e.mask));
+            row.obj.emplace_back("tactic", json_number(e.tactic));
+            row.obj.emplace_back("tactic_name", json_string(stof_attn_tactic_name(e.tactic)));
+            if (e.time_ms > 0) row.obj.emplace_back("time_ms", json_number(e.time_ms));
+            row.obj.emplace_back("source", json_string(e.source));
+            if (e.presearch_tactic > 0) row.obj.emplace_back("presearch_tactic", json_number(e.presearch_tactic));
+            if (e.presearch_time_ms > 0) row.obj.emplace_back("presearch_time_ms", json_number(e.presearch_time_ms));
+            if (!e.candidates.empty()) {
+                Json c;
+                c.kind = Json::kObject;
+                for (const auto& kv : e.candidates)
+                    c.obj.emplace_back(std::to_string(kv.first), json_number(kv.second));
+                row.obj.emplace_back("candidates", c);
+            }
+            const Key key = make_key(e.gpu, e.cc, e.node, e.bucket, e.mask);
+            Json* entries = nullptr;
+            for (auto& kv : doc.obj)
+                if (kv.first == "entries") entries = &kv.second;
+            std::vector<Json> kept;
+            for (Json& r : entries->arr) {
+                auto str = [&](const char* k) { return r.get(k)->str; };  // checked by table_of
+                if (make_key(str("gpu"), str("cc"), str("node"), str("bucket"), str("mask")) != key)
+                    kept.push_back(std::move(r));
+            }
+            kept.push_back(std::move(row));
+            entries->arr = std::move(kept);
+            std::string text;
+            write_json(text, doc, 0);
+            text.push_back('\n');
+            write_atomic(path, text);
+        }
+        // the process's table of the file becomes the merged one (a new generation)
+        auto t = table_of(doc, path);
+        std::lock_guard<std::mutex> g(gMutex);
+        files()[path] = Loaded{t, ++gGeneration};
+    } catch (const std::exception& ex) {
+        return fail(STOF_ERROR_INVALID_ARGUMENT, "%s", ex.what());
+    }
+    return STOF_SUCCESS;
+}
+
 std::string shape_bucket(int64_t batch, int64_t seq_q, int64_t seq_k) {
     return "B" + std::to_string(round_pow2(batch, 1)) + "|Sq" + std::to_string(round_pow2(seq_q, 64)) + "|Sk" +
            std::to_string(round_pow2(seq_k, 64));
@@ -297,6 +593,19 @@ stof_status_t stof_tactic_cache_load(const char* path, int32_t* entries) {
     if (entries) *entries = static_cast<int32_t>(l.table->size());
     stof::host::clear_error();
     return STOF_SUCCESS;
+}
+
+stof_status_t stof_tactic_cache_store(const char* path, const char* gpu, const char* cc, const char* node,
+                                      const char* bucket, const char* mask, int32_t tactic, double time_ms) {
+    if (path == nullptr || *path == '\0') return stof::host::fail(STOF_ERROR_INVALID_ARGUMENT, "tactic cache: no path");
+    if (!gpu || !cc || !node || !bucket || !mask) return stof::host::fail(STOF_ERROR_INVALID_ARGUMENT, "a key is NULL");
+    if (tactic < 1) return stof::host::fail(STOF_ERROR_INVALID_ARGUMENT, "tactic ids are >= 1, got %d", tactic);
+    stof::host::CacheEntry e;
+    e.gpu = gpu, e.cc = cc, e.node = node, e.bucket = bucket, e.mask = mask;
+    e.tactic = tactic, e.time_ms = time_ms, e.source = "measured";
+    const stof_status_t s = stof::host::cache_store(path, e);
+    if (s == STOF_SUCCESS) stof::host::clear_error();
+    return s;
 }
 
 stof_status_t stof_shape_bucket(int64_t batch, int64_t seq_q, int64_t seq_k, char* out, size_t cap) {

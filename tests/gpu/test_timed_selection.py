@@ -1,0 +1,115 @@
+"""First-use timing on the GPU (stof_attn_select with STOF_SELECT_TIME): the timed choice is no slower than the
+pre-search's first choice within noise, lands in the tactic cache file, and a second layout handle reads it back
+as a cache hit; timing runs on scratch output (the caller's tensors are unchanged); no timing while a CUDA graph
+is being captured or with STOF_FIRST_USE_TIMING=0."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU", allow_module_level=True)
+
+from _gpu_helpers import TOL, reference  # noqa: E402
+
+from stof_trt import tactic_cache as tc  # noqa: E402
+from stof_trt.format import compile_mask  # noqa: E402
+from stof_trt.kernels import DeviceLayout, select_tactic, sparse_attention  # noqa: E402
+from stof_trt.masks import parse_mask  # noqa: E402
+
+
+def _qkv(B, H, S, D, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(B, H, S, D, generator=g, device="cuda", dtype=torch.float16) for _ in range(3)]
+
+
+def _median_ms(fn, reps=30):
+    start = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    end = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    fn()
+    for s, e in zip(start, end):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return sorted(s.elapsed_time(e) for s, e in zip(start, end))[reps // 2]
+
+
+def test_timed_choice_is_fast_cached_and_read_back(tmp_path):
+    B, H, S, D = 8, 12, 4096, 64
+    layout = compile_mask(parse_mask("causal"), S, S)
+    q, k, v = _qkv(B, H, S, D)
+    dl = DeviceLayout(layout)
+    pre, src = select_tactic(q, k, v, dl)
+    assert src == "presearch"
+    path = tmp_path / "cache.json"
+    tactic, src = select_tactic(q, k, v, dl, tactic_cache=path, timing=True)
+    assert src == "timed"
+    # the file holds the choice under the library's key, with the candidates it timed (the pre-search's first)
+    doc = json.loads(path.read_text())
+    [entry] = doc["entries"]
+    name, cc = tc.gpu_identity()
+    assert (entry["gpu"], entry["cc"], entry["mask"], entry["tactic"], entry["source"]) == (
+        name, cc, layout.signature(), tactic, "timed")
+    assert entry["bucket"] == tc.shape_bucket(B, S, S) and str(pre) in entry["candidates"]
+    assert 2 <= len(entry["candidates"]) <= 4
+    # no slower than the pre-search's first choice, within noise (interleaved medians)
+    out = torch.empty_like(q)
+    times = {t: [] for t in {tactic, pre}}
+    for _ in range(3):
+        for t in times:
+            times[t].append(_median_ms(lambda t=t: sparse_attention(q, k, v, dl, tactic=t, out=out)))
+    assert min(times[tactic]) <= 1.05 * min(times[pre]), times
+    # a second handle of the same problem: a cache hit, also after a fresh read of the file
+    dl2 = DeviceLayout(layout)
+    assert select_tactic(q, k, v, dl2, tactic_cache=path, timing=True) == (tactic, "cache")
+    from stof_trt.kernels import load_tactic_cache
+
+    assert load_tactic_cache(path) == 1
+    assert select_tactic(q, k, v, DeviceLayout(layout), tactic_cache=path, timing=True) == (tactic, "cache")
+
+
+def test_timing_reads_the_inputs_only_and_the_output_is_right():
+    B, H, S, D = 2, 4, 1536, 128
+    layout = compile_mask(parse_mask("longformer:window=128,global=16"), S, S)
+    q, k, v = _qkv(B, H, S, D, seed=1)
+    copies = [t.clone() for t in (q, k, v)]
+    dl = DeviceLayout(layout)
+    # select_tactic hands the library q as the params' output pointer: a write there would show in q
+    tactic, src = select_tactic(q, k, v, dl, timing=True)
+    assert src == "timed"
+    torch.cuda.synchronize()
+    for a, b in zip((q, k, v), copies):
+        assert torch.equal(a, b)
+    out = torch.full_like(q, float("nan"))
+    sparse_attention(q, k, v, dl, tactic=tactic, out=out)
+    dense = torch.from_numpy(np.ascontiguousarray(layout.to_dense())).cuda().bool().reshape(-1, S, S)
+    ref, _ = reference(q, k, v, dense, D ** -0.5)
+    assert not out.isnan().any()
+    err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+    assert err < TOL[torch.float16], err
+
+
+def test_no_timing_during_capture_or_when_switched_off(monkeypatch):
+    B, H, S, D = 2, 4, 1024, 64
+    layout = compile_mask(parse_mask("sliding:window=128"), S, S)
+    q, k, v = _qkv(B, H, S, D, seed=2)
+    dl = DeviceLayout(layout)
+    pre = select_tactic(q, k, v, dl)
+    monkeypatch.setenv("STOF_FIRST_USE_TIMING", "0")
+    assert select_tactic(q, k, v, dl, timing=True) == pre
+    monkeypatch.delenv("STOF_FIRST_USE_TIMING")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    out = torch.empty_like(q)
+    with torch.cuda.graph(graph, stream=s):
+        assert select_tactic(q, k, v, dl, timing=True) == pre   # the pre-search's choice, not memoised
+        sparse_attention(q, k, v, dl, tactic=pre[0], out=out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert select_tactic(q, k, v, dl, timing=True)[1] == "timed"
