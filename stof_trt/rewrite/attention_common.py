@@ -274,8 +274,12 @@ def _longest_runnable(probe, cap: int) -> int:
     """The longest sequence length in [1, cap] at which ``probe`` runs (bisection: a model that runs at S runs at
     every shorter length). A model that does not run at length 1 is an error (the probe's message)."""
     def runs(seq: int) -> bool:
+        # Token ids 2, not 1: RoBERTa-style position ids skip the padding id (1), so all-ones ids never reach the
+        # end of the position table.
+        ids = {n: np.full(probe.specs[n].shape(1, seq), 2) for n in probe.input_names
+               if n.endswith("input_ids") and n in probe.specs}
         try:
-            probe.run(1, seq)
+            probe.run(1, seq, ids)
             return True
         except StofError:
             return False
