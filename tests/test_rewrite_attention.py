@@ -149,8 +149,11 @@ def test_dynamic_axes_compile_at_the_models_own_limit():
     rng = np.random.default_rng(8)
     for seq in (1, 23, 40):
         assert_parity(model, new, token_feeds(rng, 2, seq, mask=padding_mask(rng, 2, seq)))
+    assert {p.key: p.value for p in new.metadata_props}["stof.max_seq_len"] == "40"
     with pytest.raises(StofError, match="at most 40 positions"):
         rewrite_model(model, max_seq_len=41, **TILE)
+    with pytest.raises(StofError, match="too long to analyse the model's graph masks"):
+        rewrite_model(exported("gpt2"), max_seq_len=60000, **TILE)
 
 
 def test_mask_too_small_for_model_is_a_user_error(tmp_path):

@@ -240,6 +240,10 @@ def compiled_length(ctx, graph: gs.Graph, shape_names: set[str], mask_terms: lis
     if given is not None and given > MAX_SEQ:
         raise StofError(f"max_seq_len={given} is over the supported {MAX_SEQ} (the rewrite evaluates the model's "
                         "masks at that length)")
+    if given is not None and mask_terms and _mask_probe_bytes(given) > MASK_PROBE_BYTES:
+        raise StofError(f"max_seq_len={given} is too long to analyse the model's graph masks (about "
+                        f"{_mask_probe_bytes(given) / 2**30:.0f} GiB of [B, 1, S, S] masks); at most "
+                        f"{_longest_mask_probe()} fits")
     fixed = fixed_mask_size(opts.get("mask"))
     cap = given or min(DEFAULT_MAX_SEQ, fixed or DEFAULT_MAX_SEQ)
     # The earliest attention input's shape and every mask: a position table or mask buffer limits them.
@@ -268,6 +272,18 @@ def compiled_length(ctx, graph: gs.Graph, shape_names: set[str], mask_terms: lis
                      "error; pass max_seq_len (stof rewrite --max-seq-len S) to compile for longer")
     opts["_compiled_seq"] = seq
     return seq
+
+
+#: Memory the mask analysis may use: it keeps five evaluations of [3, 1, S, S] float32 masks.
+MASK_PROBE_BYTES = 8 << 30
+
+
+def _mask_probe_bytes(seq: int) -> int:
+    return 5 * AttentionProbe.BATCH * 4 * seq * seq
+
+
+def _longest_mask_probe() -> int:
+    return int((MASK_PROBE_BYTES / (5 * AttentionProbe.BATCH * 4)) ** 0.5)
 
 
 def _longest_runnable(probe, cap: int) -> int:
