@@ -21,3 +21,19 @@ def test_fallback_refuses_lengths_above_the_compiled_one(kind, spec):
     for seq in (21, 25, 32, 33):
         with pytest.raises(Exception, match=r"exceeds_compiled_seq_q_seq_k.*\{1,20,20\}"):
             run(sess, token_feeds(rng, 2, seq))
+
+
+def test_fixed_user_mask_sets_the_compiled_length(tmp_path):
+    """An npy: mask cannot grow: a dynamic model with no max_seq_len is compiled at the mask's size, and says so."""
+    rng = np.random.default_rng(3)
+    arr = rng.random((40, 40)) < 0.5
+    arr[np.arange(40), np.arange(40)] = True
+    np.save(tmp_path / "m.npy", arr)
+    new, report = rewrite_model(exported("gpt2"), mask=f"npy:{tmp_path / 'm.npy'}", **TILE)
+    att = report.to_dict()["attention"]
+    assert att and all(a["seq_q"] == 40 for a in att)
+    assert any("the size of the mask" in n for n in report.notes), report.notes
+    sess = session(new)
+    run(sess, token_feeds(rng, 2, 40))
+    with pytest.raises(Exception, match=r"\{1,40,40\}"):
+        run(sess, token_feeds(rng, 2, 41))
