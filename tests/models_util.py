@@ -110,3 +110,105 @@ def assert_fused(model: onnx.ModelProto, counts: dict[str, int]) -> None:
                 if name in inits:
                     assert inits[name].data_type in (onnx.TensorProto.INT32, onnx.TensorProto.FLOAT,
                                                      onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16), name
+
+
+# -- Model families with no export helper in stof_trt.export: tiny random-weight exports on CPU ---------------------
+#: Each family: (kind of input, its maximum length or None for no position table). ``seq`` inputs are input_ids +
+#: attention_mask [B, S]; ``image`` / ``audio`` inputs have a fixed length.
+FAMILIES = ("bert", "roberta", "distilbert", "gpt2", "vit", "modernbert", "t5_encoder", "llama", "mistral",
+            "clip_text", "whisper_encoder")
+
+
+def _family_module(name: str):
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    h, L, heads, inter, vocab = TINY["hidden"], TINY["layers"], TINY["heads"], 64, 100
+    if name == "roberta":
+        cfg = tf.RobertaConfig(vocab_size=vocab, hidden_size=h, num_hidden_layers=L, num_attention_heads=heads,
+                               intermediate_size=inter, max_position_embeddings=66, pad_token_id=1)
+        return tf.RobertaModel(cfg, add_pooling_layer=False), cfg, 64  # positions start after the padding id
+    if name == "distilbert":
+        cfg = tf.DistilBertConfig(vocab_size=vocab, dim=h, n_layers=L, n_heads=heads, hidden_dim=inter,
+                                  max_position_embeddings=96)
+        return tf.DistilBertModel(cfg), cfg, 96
+    if name == "modernbert":
+        cfg = tf.ModernBertConfig(vocab_size=vocab, hidden_size=h, num_hidden_layers=L, num_attention_heads=heads,
+                                  intermediate_size=inter, global_attn_every_n_layers=2, local_attention=16,
+                                  pad_token_id=0, bos_token_id=0, eos_token_id=0, cls_token_id=0, sep_token_id=0)
+        return tf.ModernBertModel(cfg), cfg, None
+    if name == "mistral":
+        cfg = tf.MistralConfig(vocab_size=vocab, hidden_size=h, num_hidden_layers=L, num_attention_heads=heads,
+                               num_key_value_heads=2, intermediate_size=inter, sliding_window=24)
+        return tf.MistralModel(cfg), cfg, None
+    if name == "clip_text":
+        cfg = tf.CLIPTextConfig(vocab_size=vocab, hidden_size=h, num_hidden_layers=L, num_attention_heads=heads,
+                                intermediate_size=inter, max_position_embeddings=77, pad_token_id=1,
+                                bos_token_id=0, eos_token_id=2)
+        return tf.CLIPTextModel(cfg), cfg, 77
+    if name == "whisper_encoder":
+        cfg = tf.WhisperConfig(vocab_size=vocab, d_model=h, encoder_layers=L, encoder_attention_heads=heads,
+                               decoder_layers=1, decoder_attention_heads=heads, encoder_ffn_dim=inter,
+                               decoder_ffn_dim=inter, num_mel_bins=8, max_source_positions=24,
+                               pad_token_id=0, bos_token_id=0, eos_token_id=0, decoder_start_token_id=0)
+        return tf.WhisperModel(cfg).get_encoder(), cfg, None
+    raise ValueError(name)
+
+
+@functools.lru_cache(maxsize=None)
+def _export_family(name: str) -> str:
+    import torch
+
+    from stof_trt.export import _export
+
+    module, cfg, _ = _family_module(name)
+    module.eval()
+    for attr in ("_attn_implementation",):
+        setattr(cfg, attr, "eager")
+    path = _CACHE_DIR / f"family_{name}.onnx"
+    if name == "whisper_encoder":  # fixed length: 2 x max_source_positions frames
+        feats = torch.randn(2, cfg.num_mel_bins, 2 * cfg.max_source_positions)
+
+        class Enc(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.m = module
+
+            def forward(self, x):
+                return self.m(x).last_hidden_state
+
+        _export(Enc().eval(), (feats,), path, ["input_features"], ["last_hidden_state"],
+                {"input_features": {0: "batch"}, "last_hidden_state": {0: "batch"}}, 17)
+        return str(path)
+    ids = torch.randint(2, 100, (2, 16))
+    mask = torch.ones((2, 16), dtype=torch.int64)
+
+    class Tok(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = module
+
+        def forward(self, input_ids, attention_mask):
+            kw = {"use_cache": False} if name == "mistral" else {}
+            return self.m(input_ids=input_ids, attention_mask=attention_mask, **kw).last_hidden_state
+
+    names = ["input_ids", "attention_mask"]
+    _export(Tok().eval(), (ids, mask), path, names, ["last_hidden_state"],
+            {n: {0: "batch", 1: "seq"} for n in names + ["last_hidden_state"]}, 17)
+    return str(path)
+
+
+def family(name: str) -> tuple[onnx.ModelProto, int | None]:
+    """A tiny export of model family ``name`` (FAMILIES) and its maximum sequence length (None: no limit of its
+    own). bert, gpt2, vit, t5_encoder and llama come from stof_trt.export."""
+    builtin = {"bert": ("bert", dict(max_positions=80), 80), "gpt2": ("gpt2", dict(max_positions=72), 72),
+               "vit": ("vit", {}, None), "t5_encoder": ("t5_encoder", {}, None), "llama": ("llama", {}, None)}
+    if name in builtin:
+        kind, kw, limit = builtin[name]
+        return exported(kind, **kw), limit
+    return onnx.load(_export_family(name)), _FAMILY_LIMITS[name]
+
+
+_FAMILY_LIMITS = {"roberta": 64, "distilbert": 96, "modernbert": None, "mistral": None, "clip_text": 77,
+                  "whisper_encoder": None}

@@ -139,9 +139,21 @@ def test_fixed_axes_need_no_max_seq_len():
     assert_parity(model, new, token_feeds(rng, 2, 40, mask=padding_mask(rng, 2, 40)))
 
 
-def test_dynamic_axes_without_max_seq_len_is_a_user_error():
-    with pytest.raises(StofError, match="max_seq_len"):
-        rewrite_model(exported("bert"), **TILE)
+def test_dynamic_axes_compile_at_the_models_own_limit():
+    """No max_seq_len: the layouts are compiled for the position table's 40 rows; a longer max_seq_len is a
+    one-line error that names the limit."""
+    model = exported("bert", max_positions=40)
+    new, report = rewrite_model(model, **TILE)
+    assert all(a["seq_q"] == 40 for a in _attention(report))
+    assert any("model's own limit" in n for n in report.notes)
+    rng = np.random.default_rng(8)
+    for seq in (1, 23, 40):
+        assert_parity(model, new, token_feeds(rng, 2, seq, mask=padding_mask(rng, 2, seq)))
+    assert {p.key: p.value for p in new.metadata_props}["stof.max_seq_len"] == "40"
+    with pytest.raises(StofError, match="at most 40 positions"):
+        rewrite_model(model, max_seq_len=41, **TILE)
+    with pytest.raises(StofError, match="too long to analyse the model's graph masks"):
+        rewrite_model(exported("gpt2"), max_seq_len=60000, **TILE)
 
 
 def test_mask_too_small_for_model_is_a_user_error(tmp_path):
@@ -236,7 +248,9 @@ def test_user_errors():
         rewrite_model(model, max_seq_len=S_MAX, tile_m=20)
     with pytest.raises(StofError):
         rewrite_model(model, max_seq_len=S_MAX, mask="no-such-mask")
-    with pytest.raises(StofError, match="sequence length 600"):
+    with pytest.raises(StofError, match="max_seq_len=10000000000 is over"):
+        rewrite_model(model, max_seq_len=10**10)
+    with pytest.raises(StofError, match="max_seq_len=600 .* at most 512 positions"):
         rewrite_model(model, max_seq_len=600)  # beyond the 512 position embeddings
     new, _ = rewrite_model(model, max_seq_len=S_MAX)
     with pytest.raises(StofError, match="already contains STOF"):

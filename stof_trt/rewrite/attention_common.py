@@ -156,11 +156,7 @@ class AttentionProbe:
         model = ctx.options["_original_model"]
         specs = graph_inputs(model)
         self.dynamic = any(s.dynamic_seq for s in specs)
-        max_seq = ctx.options.get("max_seq_len")
-        if self.dynamic and max_seq is None:
-            raise StofError("the model has a dynamic sequence axis: pass max_seq_len (stof rewrite --max-seq-len S), "
-                            "the longest sequence the rewritten model will run")
-        seq = max_seq or 1
+        seq = compiled_length(ctx, graph, shape_names, mask_terms) if self.dynamic else 1
         short_seq = max(1, (2 * seq) // 3 - 1)
         tensors = graph.tensors()
         self.pad_of: dict[str, set[str]] = {}
@@ -221,6 +217,121 @@ class AttentionProbe:
             srun = {"values": self.short["values"], "sq": self.short["shapes"][qn][qd],
                     "sk": self.short["shapes"][kn][kd]}
         return classify(term, sq, sk, heads, pruns, pad_input, srun)
+
+
+#: The compiled length of a dynamic model with no length limit of its own (and no max_seq_len or fixed-size mask).
+DEFAULT_MAX_SEQ = 2048
+#: The longest max_seq_len accepted: the mask analysis evaluates [B, 1, S, S] masks at the compiled length.
+MAX_SEQ = 1 << 16
+
+
+def compiled_length(ctx, graph: gs.Graph, shape_names: set[str], mask_terms: list) -> int:
+    """The sequence length the layouts of a dynamic model are compiled for (docs/rewrite.md "Sequence length"):
+    ``max_seq_len`` when given, else the longest length the model itself runs at (a position-embedding table, a
+    mask buffer), capped by the size of a fixed user mask (npy:, blocks:) and by DEFAULT_MAX_SEQ. Resolved once per
+    rewrite; the report's notes say where it came from."""
+    opts = ctx.options
+    if "_compiled_seq" in opts:
+        return opts["_compiled_seq"]
+    from .probe import Probe
+
+    model = opts["_original_model"]
+    given = opts.get("max_seq_len")
+    if given is not None and given > MAX_SEQ:
+        raise StofError(f"max_seq_len={given} is over the supported {MAX_SEQ} (the rewrite evaluates the model's "
+                        "masks at that length)")
+    if given is not None and mask_terms and _mask_probe_bytes(given) > MASK_PROBE_BYTES:
+        raise StofError(f"max_seq_len={given} is too long to analyse the model's graph masks (about "
+                        f"{_mask_probe_bytes(given) / 2**30:.0f} GiB of [B, 1, S, S] masks); at most "
+                        f"{_longest_mask_probe()} fits")
+    fixed = fixed_mask_size(opts.get("mask"))
+    cap = given or min(DEFAULT_MAX_SEQ, fixed or DEFAULT_MAX_SEQ)
+    # The earliest attention input's shape and every mask: a position table or mask buffer limits them.
+    order = {id(t): i for i, n in enumerate(graph.nodes) for t in n.outputs}
+    tensors = graph.tensors()
+    first = sorted(shape_names, key=lambda n: order.get(id(tensors[n]), 1 << 30))[:1]
+    probe = Probe(model, sorted({t.tensor for t in mask_terms}), first)
+    limit = _longest_runnable(probe, cap)
+    notes = ctx.report.notes
+    if given is not None:
+        if limit < given:
+            raise StofError(f"max_seq_len={given} is longer than the model runs: it accepts at most {limit} "
+                            "positions (a position-embedding table or mask buffer)")
+        seq = given
+    elif limit < cap:
+        seq = limit
+        notes.append(f"compiled for sequence length {seq}: the model's own limit (longer inputs fail in the "
+                     "original model too)")
+    elif fixed is not None and fixed <= DEFAULT_MAX_SEQ:
+        seq = fixed
+        notes.append(f"compiled for sequence length {seq}: the size of the mask {opts['mask']} (a fixed mask "
+                     "cannot grow; longer inputs are an error)")
+    else:
+        seq = cap
+        notes.append(f"compiled for sequence length {seq}, no limit found in the model: longer inputs are an "
+                     "error; pass max_seq_len (stof rewrite --max-seq-len S) to compile for longer")
+    opts["_compiled_seq"] = seq
+    return seq
+
+
+#: Memory the mask analysis may use: it keeps five evaluations of [3, 1, S, S] float32 masks.
+MASK_PROBE_BYTES = 8 << 30
+
+
+def _mask_probe_bytes(seq: int) -> int:
+    return 5 * AttentionProbe.BATCH * 4 * seq * seq
+
+
+def _longest_mask_probe() -> int:
+    return int((MASK_PROBE_BYTES / (5 * AttentionProbe.BATCH * 4)) ** 0.5)
+
+
+def _longest_runnable(probe, cap: int) -> int:
+    """The longest sequence length in [1, cap] at which ``probe`` runs (bisection: a model that runs at S runs at
+    every shorter length). A model that does not run at length 1 is an error (the probe's message)."""
+    def runs(seq: int) -> bool:
+        # Token ids 2, not 1: RoBERTa-style position ids skip the padding id (1), so all-ones ids never reach the
+        # end of the position table.
+        ids = {n: np.full(probe.specs[n].shape(1, seq), 2) for n in probe.input_names
+               if n.endswith("input_ids") and n in probe.specs}
+        try:
+            probe.run(1, seq, ids)
+            return True
+        except StofError:
+            return False
+
+    # Doubling from a short length first, so a model with a short table is never run at a huge length.
+    lo, hi = 0, cap
+    seq = 64
+    while seq < cap:
+        if not runs(seq):
+            hi = seq
+            break
+        lo, seq = seq, seq * 2
+    if hi == cap:
+        if runs(cap):
+            return cap
+    if lo == 0:
+        probe.run(1, 1)  # raises the model's own one-line error when even length 1 fails
+        lo = 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if runs(mid) else (lo, mid)
+    return lo
+
+
+def fixed_mask_size(spec) -> int | None:
+    """The largest square size a user mask can be compiled at when it has a fixed size (npy:, blocks:), else None."""
+    from ..masks import BigBird, BlockLayout, DenseMask
+
+    if spec is None:
+        return None
+    if isinstance(spec, DenseMask):
+        return int(min(spec.array.shape[-2:]))
+    if isinstance(spec, BlockLayout) and not isinstance(spec, BigBird) and getattr(spec, "_layout", None) is not None:
+        return int(min(spec._layout.shape[-2:])) * spec.block
+    sizes = [s for s in (fixed_mask_size(p) for p in getattr(spec, "parts", ())) if s is not None]
+    return min(sizes) if sizes else None
 
 
 def to_heads(fusion: Fusion, t: gs.Tensor, heads: int, head_dim: int, new: list[gs.Node]) -> gs.Tensor:

@@ -147,8 +147,15 @@ def sparse_attention_function(opset: int, has_padding: bool, has_bias: bool,
     Sq = b.op("Slice", qshape, ax2, b.const(np.array([3], np.int64)))
     Sk = b.op("Slice", kshape, ax2, b.const(np.array([3], np.int64)))
     H = b.op("Squeeze", b.op("Slice", qshape, ax1, ax2), ax0)
-    dense = b.op("Slice", dense, b.const(np.array([0, 0], np.int64)), b.op("Concat", Sq, Sk, axis=0),
-                 b.const(np.array([1, 2], np.int64)))                         # [L, Sq, Sk]
+    # The compiled seq_q x seq_k mask, then its run-time corner; the Reshape to [L, Sq, Sk] fails (naming the
+    # compiled sizes in its input shape) when a run-time size exceeds them, instead of reading the tile padding.
+    s0 = b.const(np.array([0, 0], np.int64))
+    ax12 = b.const(np.array([1, 2], np.int64))
+    dense = b.op("Slice", dense, s0, b.op("Concat", unsq(sq), unsq(sk), axis=0), ax12)   # [L, seq_q, seq_k]
+    dense = b.op("Slice", dense, s0, b.op("Concat", Sq, Sk, axis=0), ax12)
+    node_name = "stof_run_time_length_exceeds_compiled_seq_q_seq_k"
+    dense = b.op("Reshape", dense, b.op("Concat", unsq(L), Sq, Sk, axis=0), out="_dense_run_time")
+    b.nodes[-1].name = node_name                                              # [L, Sq, Sk]
     heads = b.op("Mod", b.op("Range", zero, H, one), L)
     allowed = b.op("Cast", b.op("Gather", dense, heads, axis=0), to=TensorProto.BOOL)   # [H, Sq, Sk]
     allowed = b.op("Unsqueeze", allowed, ax0)                                 # [1, H, Sq, Sk]

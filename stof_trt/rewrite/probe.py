@@ -112,7 +112,7 @@ class Probe:
         pruned.ir_version = model.ir_version
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-        so.log_severity_level = 3
+        so.log_severity_level = 4  # failures are expected while searching a model's length limit: no ORT log lines
         if pruned.ByteSize() < LARGE_MODEL_BYTES:
             self.session = ort.InferenceSession(pruned.SerializeToString(), so, providers=["CPUExecutionProvider"])
         else:  # > 2 GB: ORT reads the weights from external data files, kept until the probe goes away
@@ -158,10 +158,14 @@ class Probe:
 
     def run(self, batch: int, seq: int, overrides=None) -> tuple[dict[str, np.ndarray], dict[str, tuple]]:
         """Returns ({tensor: value}, {tensor: shape})."""
+        import onnxruntime as ort
+
         if self.session is None:
             return dict(self.constants), {}
         try:
-            res = self.session.run(None, self.feeds(batch, seq, overrides))
+            ro = ort.RunOptions()
+            ro.log_severity_level = 4
+            res = self.session.run(None, self.feeds(batch, seq, overrides), ro)
         except Exception as exc:  # noqa: BLE001 - any ORT failure means the model cannot run at this size
             msg = str(exc).strip().splitlines()[0][:200]
             raise StofError(f"cannot evaluate the model at batch {batch}, sequence length {seq}: {msg}") from None

@@ -147,6 +147,8 @@ def _rewrite_model(model, *, mask, epilogues, tile_m, tile_n, max_seq_len, packe
     del out.metadata_props[:]
     out.metadata_props.extend(original.metadata_props)
     out.metadata_props.add(key="stof.rewritten", value="1")
+    if "_compiled_seq" in ctx.options:  # the longest sequence the rewritten model runs (docs/rewrite.md)
+        out.metadata_props.add(key="stof.max_seq_len", value=str(ctx.options["_compiled_seq"]))
     for imp in list(out.opset_import):
         if imp.domain == DOMAIN:
             out.opset_import.remove(imp)

@@ -148,3 +148,27 @@ def test_cli_tune_run_bench(bert, tmp_path, capfd):
     res = json.loads(capfd.readouterr().out)
     assert rc == 0, res
     assert res["match"] and plot.exists()
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2", "llama", "mistral", "modernbert", "clip_text"])
+def test_family_with_no_flags_on_cuda_at_every_length(name):
+    """Rewritten with no flags (compiled at the model's own limit, else 2048): the plugin equals the original on
+    CPU at real tokens at lengths 1, 17, 64, 100 and the compiled length, and refuses one past it."""
+    from models_util import family, padding_mask, session, token_feeds
+    from stof_trt.rewrite import rewrite_model
+
+    model, _ = family(name)
+    new, report = rewrite_model(model)
+    compiled = report.to_dict()["attention"][0]["seq_q"]
+    orig, sess = session(model), sort.session(new, cuda_options=NO_TF32)
+    rng = np.random.default_rng(0)
+    for seq in sorted({s for s in (1, 17, 64, 100) if s <= compiled} | {compiled}):
+        mask = padding_mask(rng, 2, seq)
+        feeds = token_feeds(rng, 2, seq, mask=mask)
+        feeds["input_ids"] = np.maximum(feeds["input_ids"], 3)
+        ref, got = orig.run(None, feeds)[0], sess.run(None, feeds)[0]
+        keep = mask.astype(bool)
+        err = np.abs(got - ref)[keep].max() / max(1.0, np.abs(ref[keep]).max())
+        assert err < 2e-4, (name, seq, err)
+    with pytest.raises(Exception):
+        sess.run(None, token_feeds(rng, 1, compiled + 1))

@@ -380,6 +380,25 @@ def test_sparse_attention_shorter_runtime_sequence():
 
 @needs_lib
 @needs_cuda
+def test_sparse_attention_refuses_lengths_above_the_compiled_one():
+    """Compiled at 100 with 64-row tiles: 100 runs right; 101 and 128 (inside the last tile, where the layout's tile
+    padding lies) and 129 are error statuses naming seq_q, never a wrong output."""
+    layout = compile_mask("causal", 100, 100)
+    m = attention_model(layout, B=1, H=2, D=64)
+    sess = sort.session(m)
+    rng = np.random.default_rng(6)
+    for S in (100, 64, 1):
+        feeds = {n: rng.standard_normal((1, 2, S, 64)).astype(np.float16) for n in "qkv"}
+        ref = attention_ref(feeds["q"], feeds["k"], feeds["v"], layout, 1 / 8)
+        np.testing.assert_allclose(sess.run(None, feeds)[0].astype(np.float64), ref, atol=2e-3, rtol=2e-3)
+    for S in (101, 128, 129):
+        feeds = {n: rng.standard_normal((1, 2, S, 64)).astype(np.float16) for n in "qkv"}
+        with pytest.raises(Exception, match="seq_q=100"):
+            sess.run(None, feeds)
+
+
+@needs_lib
+@needs_cuda
 def test_sparse_attention_layout_fed_at_run_time():
     """Layout arrays as graph inputs (not constant): each call checks the fed layout (a layout handle per call on
     the input tensors), so one session runs two masks of the same sizes, and a malformed one is an error status."""
