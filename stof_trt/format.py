@@ -30,14 +30,15 @@ Derived arrays (computed from the fields, never stored or serialized)
 --------------------------------------------------------------------
 ``row_order()``        ``[L*Tq]``                     per layout, its tile rows longest first: entry ``l*Tq + i`` is
                                                       the tile row (0..Tq-1) with the i-th most stored tiles, ties
-                                                      to the higher row. The ``row_order`` of the kernels' C ABI
-                                                      (version 2; ``stof_layout_row_order()`` computes the same):
-                                                      kernels start long rows first so short rows fill the tail.
+                                                      to the higher row. The kernel library's layout handle
+                                                      (``stof_layout_create``) derives the same: kernels start
+                                                      long rows first so short rows fill the tail.
 ``sched_chunk()``      ``int`` (0 or 1)               1 when in every layout the longest tile row holds at most 5/4
                                                       of the mean stored tiles per row (``4*Tq*longest <= 5*total``,
-                                                      integers), else 0. The ``sched_chunk`` of the C ABI (version 2;
-                                                      ``stof_layout_sched_chunk()`` computes the same): 1 = one
-                                                      (batch, head) pair at a time, 0 = the library's default.
+                                                      integers), else 0; the layout handle derives the same (the
+                                                      default of the C ABI's ``sched_chunk``): 1 = one (batch,
+                                                      head) pair at a time, 0 = the library's L2-sized chunks.
+``pair_order()`` and ``lane_bitmaps()`` are derived the same way (docs/format.md, "Derived").
 """
 
 from __future__ import annotations
@@ -277,31 +278,31 @@ class TileLayout:
     def row_order(self) -> np.ndarray:
         """int32 ``[L*Tq]``: within each layout ``l``, entry ``l*Tq + i`` is the tile row with the i-th most stored
         tiles (``row_ptr[r+1] - row_ptr[r]``); ties go to the higher row first.  A derived array (not part of the
-        stored format); exactly what the C ABI's ``stof_layout_row_order()`` writes for ``row_ptr``."""
+        stored format); exactly what the kernel library's layout handle derives (``stof_layout_derived``)."""
         return rows_longest_first(self._row_counts()).ravel()
 
     def pair_order(self) -> np.ndarray:
         """int32 ``[L*ceil(Tq/2)]``: within each layout ``l``, entry ``l*ceil(Tq/2) + i`` is the pair of tile rows
         (pair ``p`` = rows ``2p`` and ``2p+1``; the last pair of an odd ``Tq`` has one row) whose longer row has the
         i-th most stored tiles; ties go to the higher pair first.  The schedule of kernels whose work item covers two
-        tile rows; derived, not stored; exactly what ``stof_layout_pair_order()`` writes."""
+        tile rows; derived, not stored; exactly what the layout handle derives (``stof_layout_derived``)."""
         return pairs_longest_first(self._row_counts()).ravel()
 
     def lane_bitmaps(self) -> np.ndarray | None:
-        """int32 ``[max(P,1) * tile_m*tile_n/16]``: the bitmaps in the tensor-core kernels' thread order (C ABI
-        version 5), or None when the tile shape has none (``tile_m % 16`` or ``tile_n % 64`` not 0).  Derived, not
-        stored; exactly what ``stof_layout_lane_bitmaps()`` writes (docs/format.md, "Derived: the lane bitmaps")."""
+        """int32 ``[max(P,1) * tile_m*tile_n/16]``: the bitmaps in the tensor-core kernels' thread order, or None
+        when the tile shape has none (``tile_m % 16`` or ``tile_n % 64`` not 0).  Derived, not stored; exactly what
+        the layout handle derives (``stof_layout_derived``; docs/format.md, "Derived: the lane bitmaps")."""
         return lane_bitmaps(self.bitmaps, self.tile_m, self.tile_n)
 
     def _row_counts(self) -> np.ndarray:
         return np.diff(np.asarray(self.row_ptr, np.int64)).reshape(self.num_layouts, self.Tq)
 
     def sched_chunk(self) -> int:
-        """0 or 1: the ``sched_chunk`` of the C ABI (version 2) for this layout.  1 (one (batch, head) pair at a
+        """0 or 1: the layout's ``sched_chunk``, the C ABI's default for it.  1 (one (batch, head) pair at a
         time) when, in every layout ``l``, ``4 * Tq * longest <= 5 * total`` (integer arithmetic), where ``longest``
         is the most stored tiles of one tile row of ``l`` and ``total`` the stored tiles of ``l``: rows of near-equal
         length (sliding, dilated; a layout with no stored tile counts too).  Else 0 (the library's L2-sized default).
-        Derived from ``row_ptr`` (not stored); exactly what ``stof_layout_sched_chunk()`` writes."""
+        Derived from ``row_ptr`` (not stored); exactly what the layout handle derives (``stof_layout_info``)."""
         L, tq = self.num_layouts, self.Tq
         rp = np.asarray(self.row_ptr, np.int64)
         counts = np.diff(rp).reshape(L, tq)

@@ -12,7 +12,7 @@
 
 namespace stof {
 
-// Kernel-side parameters: the C ABI struct with derived fields (element strides, log2-scaled scale, Tq).
+// Kernel-side parameters: the C ABI struct and its layout handle's device data, with derived fields (Tq, ...).
 struct KernelParams {
     const void* q;
     const void* k;
@@ -33,11 +33,11 @@ struct KernelParams {
     int tile_m, tile_n, num_layouts, tq;  // tq = tile rows per layout = ceil(layout_seq_q / tile_m)
     const int32_t* key_lengths;           // [B] or null
     const int32_t* key_padding_mask;      // [B, seq_k] or null
-    // Schedule (set by schedule_grid): row_order as in the C ABI, kept only when a CTA covers at most one tile row;
+    // Schedule (set by schedule_grid): the layout handle's row_order, kept only when a CTA covers at most one tile row;
     // sched_chunk = heads*batch pairs whose CTAs are interleaved (see block_work).
     const int32_t* row_order;
     int sched_chunk;
-    // pair_order as in the C ABI, kept only when a CTA covers exactly two tile rows (then row_order is dropped)
+    // the handle's pair_order, kept only when a CTA covers exactly two tile rows (then row_order is dropped)
     const int32_t* pair_order;
     // the caller's sched_chunk was 1 (the layout handle's: rows of near-equal length): the persistent kernels with
     // a scheduler warp then hand out all but their last wave of items statically (hopper_ws.cuh, ws_claim_item)
@@ -160,8 +160,8 @@ __device__ __forceinline__ BlockWork block_work_at(const KernelParams& p, int64_
         const int f = p.tile_m / kBlockM;  // CTAs per tile row
         const int t = pos / f;
         const int row = __ldg(p.row_order + (w.h % p.num_layouts) * p.tq + t);
-        // an entry outside [0, tq) (a caller's bad order) makes the CTA exit (q0 >= Sq) instead of indexing out of
-        // bounds; the rows it should have named stay unwritten (the ABI requires a permutation)
+        // an entry outside [0, tq) makes the CTA exit (q0 >= Sq) instead of indexing out of bounds (the layout
+        // handle's orders are permutations, schedule_order.h, so this guards against memory faults only)
         w.qb = static_cast<unsigned>(row) < static_cast<unsigned>(p.tq) ? row * f + (f - 1 - (pos - t * f)) : nqb;
     } else if (p.pair_order != nullptr) {  // a CTA covers tile rows 2 qb and 2 qb + 1
         const int tp = (p.tq + 1) / 2;

@@ -83,7 +83,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
     uint32_t bm_row = 0;  // the byte offset of the thread's first bitmap row (g) of the item inside a bitmap
     const uint32_t bm_tile_bytes = static_cast<uint32_t>(p.tile_m * p.tile_n / 8), bm_row8 = p.tile_n;
     const uint32_t mask_sel = mask_selector(p);
-    // The layout's lane_bitmaps (C ABI 5): a PARTIAL sub-block's mask words already in this thread's order, one
+    // The layout handle's lane_bitmaps: a PARTIAL sub-block's mask words already in this thread's order, one
     // 8-byte load instead of two loads and the packing (pack_mask_bits).  Only in the 64-key-step kernels (21, 22):
     // in 24 the second path's code costs as much as it saves, and the three-consumer kernels are at the spill limit.
     constexpr bool kLaneBits = WT::kConsumers == 2 && kBlockN == 64;

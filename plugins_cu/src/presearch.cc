@@ -1,8 +1,8 @@
 // The analytical pre-search: ranks the attention tactics for a problem without running them (docs/kernels.md,
-// "Pre-search").  The one implementation of the model: stof_trt.presearch calls it through the C ABI, the ONNX
-// Runtime operator for nodes the tactic cache has no entry for.  Pure host C++ (layout arrays in host memory, GPU
-// properties as arguments; presearch_gpu.cu reads them from a device), so it builds into libstof_host without a
-// CUDA compiler and runs without a GPU.
+// "Pre-search").  The one implementation of the model: stof_trt.presearch calls it through the C ABI,
+// stof_attn_select (host/select.cc) for problems the tactic cache has no entry for.  Pure host C++ (layout arrays
+// in host memory, GPU properties as arguments; presearch_gpu.cu reads them from a device), so it builds into
+// libstof_host without a CUDA compiler and runs without a GPU.
 //
 // The per-tactic rows (traits, requirements, ptxas registers, calibrated constants) come from presearch_table.inc,
 // which scripts/gen_tactics.py generates from the catalogue plugins_cu/tactics.toml.
