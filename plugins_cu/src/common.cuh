@@ -23,6 +23,7 @@ struct KernelParams {
     int64_t v_sb, v_sh, v_ss;
     int64_t o_sb, o_sh, o_ss;
     int batch, heads, seq_q, seq_k;
+    int kv_group;  // query heads per K/V head (grouped-query attention): K/V head = h / kv_group; 1 = none
     float scale_log2;  // scale * log2(e): softmax is computed with exp2
     const int32_t* row_ptr;
     const int32_t* col_idx;
