@@ -130,7 +130,7 @@ def test_native_large_ties(kernels):
 
 def test_abi_version(kernels):
     lib = kernels.load_library()
-    assert lib.stof_abi_version() == kernels.ABI_VERSION == 7
+    assert lib.stof_abi_version() == kernels.ABI_VERSION == 8
     names = [f[0] for f in kernels._Params._fields_]
     assert names[-7:] == ["layout", "key_lengths", "key_padding_mask", "workspace", "workspace_bytes", "sched_chunk",
                           "options"]

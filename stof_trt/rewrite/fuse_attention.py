@@ -42,7 +42,7 @@ import onnx_graphsurgeon as gs
 from .attention_common import AttentionEmitter, AttentionPlan, AttentionProbe, bool_mask_bias, choose_layout
 from .base import Fusion, Match
 from .mask_analysis import GraphMask, MaskTerm, name_pattern
-from .matcher import internal_only, producer, scalar_value, single_consumer
+from .matcher import const_value, internal_only, producer, scalar_value, single_consumer
 
 #: Cast targets allowed between Softmax and P·V: TensorProto FLOAT, FLOAT16, DOUBLE, BFLOAT16.
 FLOAT_TYPES = (1, 10, 11, 16)
@@ -75,9 +75,8 @@ def repeat_kv_source(t: gs.Tensor) -> tuple[gs.Tensor, gs.Tensor] | None:
     un = producer(ex.inputs[0]) if ex is not None and ex.op == "Expand" else None
     if un is None or un.op != "Unsqueeze":
         return None
-    axes = un.attrs.get("axes") if len(un.inputs) < 2 else (
-        un.inputs[1].values.tolist() if isinstance(un.inputs[1], gs.Constant) else None)
-    if axes not in ([2], 2):
+    axes = un.attrs.get("axes") if len(un.inputs) < 2 else const_value(un.inputs[1])
+    if axes is None or np.asarray(axes).reshape(-1).tolist() != [2]:
         return None
     return un.inputs[0], ex.outputs[0]
 
@@ -261,7 +260,8 @@ class FuseAttentionCore(Fusion):
         shapes = {n for c in cores for n in (c.query.name, c.kt.name, c.value.name)}
         for c in cores:  # repeat_kv candidates (key: only when no Transpose is left to apply)
             for t in ([c.key_source] if c.key_perm is None else []) + [c.value]:
-                shapes.update(x.name for x in repeat_kv_source(t) or ())
+                found = repeat_kv_source(t)
+                shapes.update([t.name, found[0].name, found[1].name] if found else [])
         scales = {n for c in cores for n, _ in c.scale_tensors}
         probe = AttentionProbe(self.ctx, self.graph, shapes, [t for c in cores for t in c.masks], scales)
         kept = []
