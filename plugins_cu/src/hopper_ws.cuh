@@ -79,12 +79,12 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
                 ws_walk_init(cur, p, q0, h, p.seq_k, sDesc + WT::kSmemDesc, tid);
                 WsStep<kSub, WT::kConsumers> st;
                 const bool have = ws_take_step<kSub>(cur, p, st);
-                ws_produce_tma<WT>(p, cur, tid, st, have, h / p.kv_group, b, 0, sKV, sBar, sDesc);
+                ws_produce_tma<WT>(p, cur, tid, st, have, kv_head(p, h), b, 0, sKV, sBar, sDesc);
             }
             return;
         } else {
             const int kv_len = effective_kv_len(p, b);
-            const int hk = h / p.kv_group;  // the K/V head
+            const int hk = kv_head(p, h);  // the K/V head
             const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_sb + hk * p.k_sh;
             const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_sb + hk * p.v_sh;
             MergedCursor<2> cur;
@@ -297,8 +297,8 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                     // hand-off, one hand-off less on the kernel's start-up chain.
                     int first = 0;
                     if (early && have) {
-                        const bool more = ws_issue_first_step<WT>(p, cur, lane, st, wk.h / p.kv_group, wk.b, sKV, sBar,
-                                                                           sDesc);
+                        const bool more =
+                            ws_issue_first_step<WT>(p, cur, lane, st, kv_head(p, wk.h), wk.b, sKV, sBar, sDesc);
                         first = kWsFirstIssued | (more ? kWsFirstMore : 0);
                     }
                     if (lane == 0) {
@@ -346,7 +346,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                     // (ring position it held the item's first step when the scheduler issued it)
                     const bool issued = (flags & kWsFirstIssued) != 0;
                     const bool have = issued ? (flags & kWsFirstMore) != 0 : (flags & 2) != 0;
-                    it = ws_produce_tma<WT>(p, cur, lane, st, have, h / p.kv_group, b, it + (issued ? 1 : 0), sKV, sBar,
+                    it = ws_produce_tma<WT>(p, cur, lane, st, have, kv_head(p, h), b, it + (issued ? 1 : 0), sKV, sBar,
                                             sDesc, go);
                     if (!go_sent) mbar_arrive(sGo);  // an item without steps (the hook never ran)
                     if (++buf == kQBufs) buf = 0, qphase ^= 1;
@@ -374,7 +374,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                 }
                 if (lane == 0) ws_publish_item<WT>(sItem + 16 * buf, wk, valid, have, q_full(buf));
                 if (!valid) break;
-                it = ws_produce_tma<WT>(p, cur, lane, st, have, wk.h / p.kv_group, wk.b, it, sKV, sBar, sDesc);
+                it = ws_produce_tma<WT>(p, cur, lane, st, have, kv_head(p, wk.h), wk.b, it, sKV, sBar, sDesc);
                 if (++buf == kQBufs) buf = 0, qphase ^= 1;
             }
         }

@@ -146,7 +146,10 @@ KernelParams kernel_params(const stof_attn_params_t& p) {
     k.v_sb = p.v_stride_b, k.v_sh = p.v_stride_h, k.v_ss = p.v_stride_s;
     k.o_sb = p.o_stride_b, k.o_sh = p.o_stride_h, k.o_ss = p.o_stride_s;
     k.batch = p.batch, k.heads = p.num_heads, k.seq_q = p.seq_q, k.seq_k = p.seq_k;
-    k.kv_group = p.kv_heads > 0 ? p.num_heads / p.kv_heads : 1;
+    k.kv_group = p.kv_heads > 0 ? p.num_heads / p.kv_heads : 1;  // validate: kv_heads divides num_heads
+    k.kv_mul = k.kv_group > 1 ? static_cast<uint32_t>((uint64_t{1} << 32) / static_cast<uint64_t>(k.kv_group) + 1)
+                              : 0u;
+    k.kv_keep = k.kv_group > 1 ? 0u : ~0u;
     k.scale_log2 = p.scale * 1.4426950408889634f;
     const stof_layout_st& L = *p.layout;
     k.row_ptr = L.d_row_ptr, k.col_idx = L.d_col_idx, k.tile_bitmap_index = L.d_tile_bitmap_index;

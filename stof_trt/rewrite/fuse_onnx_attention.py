@@ -4,7 +4,7 @@ Matched::
 
       Q [B,H,Sq,D] | [B,Sq,H·D]   K   V      attn_mask (bool: True = attend, or float: added)   (optional)
                      \\           |   /      /
-                       Attention (is_causal, scale, q_num_heads = kv_num_heads)   <- anchor
+                       Attention (is_causal, scale, q_num_heads, kv_num_heads)   <- anchor
 
 Replaced by (3-D inputs are split into heads and the output merged back)::
 
@@ -15,8 +15,9 @@ Replaced by (3-D inputs are split into heads and the output merged back)::
               Y
 
 ``is_causal`` becomes a static causal layout (top-left aligned); ``attn_mask`` is classified like a graph mask
-(static pattern / key padding / kept as attn_bias). Left alone: past_key/value, softcap, grouped heads
-(kv_num_heads != q_num_heads), or when present_* / qk_matmul_output outputs are used.
+(static pattern / key padding / kept as attn_bias). Grouped heads (kv_num_heads < q_num_heads) pass K and V with their
+own heads: the node reads K/V head h / (H / Hkv), as the op repeats them. Left alone: past_key/value, softcap, or when
+present_* / qk_matmul_output outputs are used.
 """
 from __future__ import annotations
 
@@ -53,10 +54,6 @@ class FuseOnnxAttention(Fusion):
         if node.attrs.get("softcap", 0.0):
             self.skip(node, "softcap is not supported")
             return None
-        qh, kvh = node.attrs.get("q_num_heads"), node.attrs.get("kv_num_heads")
-        if qh is not None and kvh is not None and qh != kvh:
-            self.skip(node, f"grouped-query attention (q_num_heads {qh} != kv_num_heads {kvh}) is not supported")
-            return None
         mask = None
         if _present(node, 3):
             m = node.inputs[3]
@@ -78,18 +75,22 @@ class FuseOnnxAttention(Fusion):
             if len(qs) == 4 and len(ks) == 4 and len(vs) == 4:
                 _, H, sq, D = qs
                 sk, split = ks[2], False
-                ok = ks[1] == H and vs[1] == H and ks[3] == D and vs[3] == D and vs[2] == sk
+                hkv = ks[1]
+                ok = hkv >= 1 and H % hkv == 0 and vs[1] == hkv and ks[3] == D and vs[3] == D and vs[2] == sk
                 short = (q.name, 2, k.name, 2)
             elif len(qs) == 3 and len(ks) == 3 and len(vs) == 3 and node.attrs.get("q_num_heads"):
                 H = int(node.attrs["q_num_heads"])
                 _, sq, hidden = qs
+                hkv = int(node.attrs.get("kv_num_heads", H))
                 sk, D, split = ks[1], hidden // H, True
-                ok = hidden % H == 0 and ks[2] == hidden and vs[2] == hidden and vs[1] == sk
+                ok = hidden % H == 0 and hkv >= 1 and H % hkv == 0 and ks[2] == hkv * D and vs[2] == hkv * D \
+                    and vs[1] == sk
                 short = (q.name, 1, k.name, 1)
             else:
                 ok = False
             if not ok:
-                self.skip(node, f"Q{qs} K{ks} V{vs}: only equal heads and head sizes are supported")
+                self.skip(node, f"Q{qs} K{ks} V{vs}: heads or head sizes do not match (K/V heads must divide "
+                                "Q's)")
                 continue
             scale = float(node.attrs.get("scale", 1.0 / math.sqrt(D)))
             gmask = probe.classify(term, sq, sk, H, short) if term is not None else None
@@ -101,12 +102,12 @@ class FuseOnnxAttention(Fusion):
             if gmask is not None and gmask.kind == "bias":
                 plan.bias_term = term
                 self.ctx.report.notes.append(f"{node.name}: attn_mask kept as attn_bias: {gmask.reason}")
-            m.info = dict(plan.info(), anchor=node.name)
-            m.build = self._builder(node, plan, split, m.info)
+            m.info = dict(plan.info(), anchor=node.name, kv_heads=hkv)
+            m.build = self._builder(node, plan, split, m.info, hkv)
             kept.append(m)
         return kept
 
-    def _builder(self, node: gs.Node, plan: AttentionPlan, split: bool, info: dict):
+    def _builder(self, node: gs.Node, plan: AttentionPlan, split: bool, info: dict, kv_heads: int):
         q, k, v = node.inputs[:3]
         mask_t = node.inputs[3] if _present(node, 3) else None
         y = node.outputs[0]
@@ -118,7 +119,8 @@ class FuseOnnxAttention(Fusion):
                 plan.bias = mask_t if plan.bias_term.mode == "additive" else \
                     bool_mask_bias(self, mask_t, True, -math.inf, q, new)
             if split:
-                qq, kk, vv = (to_heads(self, t, plan.heads, plan.head_dim, new) for t in (q, k, v))
+                qq = to_heads(self, q, plan.heads, plan.head_dim, new)
+                kk, vv = (to_heads(self, t, kv_heads, plan.head_dim, new) for t in (k, v))
                 out = from_heads(self, y, plan.heads * plan.head_dim, new, dtype=y.dtype)
             else:
                 qq, kk, vv, out = q, k, v, y
