@@ -448,7 +448,8 @@ def test_wgmma_tactics_bounded_by_the_bitmaps():
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
 @pytest.mark.parametrize("group", [2, 4, 8])
 @pytest.mark.parametrize("D", HEAD_DIMS)
-@pytest.mark.parametrize("spec", ["causal", "sliding:window=128", "bigbird:block=64,window=1,global=1,random=0.1,seed=1"])
+@pytest.mark.parametrize("spec", ["causal", "sliding:window=128",
+                                  "bigbird:block=64,window=1,global=1,random=0.1,seed=1"])
 def test_grouped_query_attention(spec, D, group, strided):
     """K/V with H / group heads (kv_heads): every listed tactic against float64 with K/V repeated per query head;
     strided: K and V are head slices of one [B, Sk, 2·Hkv + 3, D] buffer (non-contiguous head and batch strides);
