@@ -42,7 +42,7 @@ __all__ = [
     "profile_path", "profile_coef",
 ]
 
-ABI_VERSION = 7  # STOF_ABI_VERSION of the header this module mirrors
+ABI_VERSION = 8  # STOF_ABI_VERSION of the header this module mirrors
 
 STATUS = {0: "SUCCESS", 1: "INVALID_ARGUMENT", 2: "UNSUPPORTED", 3: "INVALID_TACTIC", 4: "CUDA",
           5: "INSUFFICIENT_BUFFER"}
@@ -81,6 +81,7 @@ class _Params(ctypes.Structure):
         ("key_lengths", ctypes.c_void_p), ("key_padding_mask", ctypes.c_void_p),
         ("workspace", ctypes.c_void_p), ("workspace_bytes", ctypes.c_int64),
         ("sched_chunk", ctypes.c_int32), ("options", ctypes.c_uint32),
+        ("kv_heads", ctypes.c_int32),
     ]
 
 
@@ -335,7 +336,10 @@ def _make_params(q, k, v, o, dl: DeviceLayout, scale, key_lengths, key_padding_m
     # axes: b, h, s, d  (bhsd=False: tensors are [B, S, H, D])
     ax = (0, 1, 2) if bhsd else (0, 2, 1)
     B, H, Sq, D = q.shape[ax[0]], q.shape[ax[1]], q.shape[ax[2]], q.shape[3]
-    Sk = k.shape[ax[2]]
+    Sk, Hkv = k.shape[ax[2]], k.shape[ax[1]]
+    if Hkv < 1 or v.shape[ax[1]] != Hkv:  # k/v [B,Hkv,Sk,D]: grouped-query attention when Hkv < H
+        raise ValueError(f"k and v must have the same number of heads >= 1, got {k.shape[ax[1]]} and "
+                         f"{v.shape[ax[1]]}")
     p = _Params()
     _LIB.stof_attn_params_init(ctypes.byref(p))
     p.dtype, p.batch, p.num_heads, p.seq_q, p.seq_k, p.head_dim = dt, B, H, Sq, Sk, D
@@ -346,6 +350,7 @@ def _make_params(q, k, v, o, dl: DeviceLayout, scale, key_lengths, key_padding_m
         setattr(p, f"{prefix}_stride_b", st[ax[0]])
         setattr(p, f"{prefix}_stride_h", st[ax[1]])
         setattr(p, f"{prefix}_stride_s", st[ax[2]])
+    p.kv_heads = 0 if Hkv == H else Hkv  # the library checks H % kv_heads == 0
     p.layout = dl._handle
     # None = the layout's choice (-1); an explicit value goes to the library as given (< -1 is INVALID_ARGUMENT)
     p.sched_chunk = -1 if sched_chunk is None else int(sched_chunk)
@@ -514,7 +519,8 @@ def sparse_attention(q, k, v, dl: DeviceLayout, *, scale: float | None = None, t
                      pair_order: bool = True):
     """O = softmax(scale * Q K^T, masked by the layout and padding) V on the current (or given) CUDA stream.
 
-    q: [B,H,Sq,D] (or [B,Sq,H,D] with bhsd=False), k/v: [B,H,Sk,D]; fp16 or bf16; D in {64, 128}.
+    q: [B,H,Sq,D] (or [B,Sq,H,D] with bhsd=False), k/v: [B,Hkv,Sk,D] with H % Hkv == 0 (grouped-query attention:
+    query head h reads K/V head h // (H // Hkv); Hkv = H without grouping); fp16 or bf16; D in {64, 128}.
     scale defaults to 1/sqrt(D); tactic 0 runs the library's first valid tactic.  row_order=False runs without
     the layout's longest-first schedules (the kernels' default order; same result), pair_order=False without the
     one for two-row work items only.  sched_chunk: (batch, head) pairs whose CTAs are interleaved (0 = the

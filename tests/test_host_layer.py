@@ -229,3 +229,33 @@ def test_select_from_threads(kernels, tmp_path):
     with ThreadPoolExecutor(8) as ex:
         got = list(ex.map(lambda i: (shapes[i % len(shapes)], pick(fresh, shapes[i % len(shapes)])), range(400)))
     assert all(want[sh] == r for sh, r in got)
+
+
+@pytest.mark.parametrize("kv_heads, ok", [(0, True), (4, True), (2, True), (1, True), (3, False), (-1, False),
+                                          (8, False)])
+def test_kv_heads_validation(kernels, kv_heads, ok):
+    """Grouped-query attention: kv_heads 0 or a divisor of H validates; anything else is INVALID_ARGUMENT."""
+    _, dl, q, _ = _problem(kernels)                                          # H = 4
+    lib = kernels.load_library()
+    p = kernels._make_params(q, q, q, q, dl, None, None, None, True)
+    p.kv_heads = kv_heads
+    if ok:
+        assert lib.stof_attn_validate(ctypes.byref(p)) == 0
+    else:
+        assert lib.stof_attn_validate(ctypes.byref(p)) == 1
+        assert b"kv_heads" in lib.stof_last_error_message()
+
+
+def test_grouped_kv_from_tensor_shapes(kernels):
+    """The binding derives kv_heads from K's heads; K and V with different head counts are refused before the
+    library sees them."""
+    torch = pytest.importorskip("torch")
+    _, dl, q, _ = _problem(kernels)
+    kv = torch.zeros(2, 2, 1024, 64, dtype=torch.float16)
+    p = kernels._make_params(q, kv, kv, q, dl, None, None, None, True)
+    assert p.kv_heads == 2 and p.k_stride_b == 2 * 1024 * 64
+    assert kernels._make_params(q, q, q, q, dl, None, None, None, True).kv_heads == 0
+    with pytest.raises(ValueError, match="same number of heads"):
+        kernels._make_params(q, kv, q, q, dl, None, None, None, True)
+    with pytest.raises(kernels.StofKernelError, match="kv_heads 3"):
+        kernels.list_tactics(q, kv[:, :1].expand(2, 3, 1024, 64), kv[:, :1].expand(2, 3, 1024, 64), dl)

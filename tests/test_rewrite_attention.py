@@ -302,7 +302,12 @@ def test_llama_causal_rotary_and_grouped_kv(kv_heads):
     assert_fused(new, {"StofSparseAttention": 2, "Softmax": 0})
     for a in _attention(report):
         assert a["mask_source"].startswith("graph causal") and a["key_padding"] and not a["attn_bias"]
-        assert a["heads"] == 4
+        assert a["heads"] == 4 and a["kv_heads"] == kv_heads
+    # grouped K/V reach the node un-expanded (no repeat_kv Expand left in front of it)
+    import onnx_graphsurgeon as gs
+    from stof_trt.rewrite.fuse_attention import repeat_kv_source
+    nodes = [n for n in gs.import_onnx(new).nodes if n.op == "StofSparseAttention"]
+    assert nodes and all(repeat_kv_source(t) is None for n in nodes for t in n.inputs[1:3])
     rng = np.random.default_rng(14)
     for seq in (S_MAX, 27):
         assert_parity(model, new, token_feeds(rng, 3, seq, mask=padding_mask(rng, 3, seq)))

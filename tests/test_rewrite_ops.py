@@ -63,9 +63,9 @@ def onnx_attention_model(*, three_d=False, mask=None, causal=False, kv_heads=Non
     return model
 
 
-def _feeds(rng, seq, three_d, mask):
-    shp = (B, seq, H * D) if three_d else (B, H, seq, D)
-    feeds = {n: rng.standard_normal(shp).astype(np.float32) for n in "qkv"}
+def _feeds(rng, seq, three_d, mask, kv_heads=H):
+    feeds = {n: rng.standard_normal((B, seq, h * D) if three_d else (B, h, seq, D)).astype(np.float32)
+             for n, h in (("q", H), ("k", kv_heads), ("v", kv_heads))}
     if mask == "bool_input":
         feeds["m"] = (rng.random((B, 1, seq, seq)) < 0.4) | np.eye(seq, dtype=bool)
     elif mask == "float_input":
@@ -101,7 +101,22 @@ def test_onnx_attention_scale_attribute_and_user_mask():
     assert_parity(causal, new, _feeds(rng, 40, False, None))
 
 
-def test_onnx_attention_past_left_alone():  # grouped heads: tests/test_rewrite_ort_ops.py
+@pytest.mark.parametrize("causal", [False, True])
+def test_onnx_attention_grouped_query_fused_without_expansion(causal):
+    """q_num_heads = 4, kv_num_heads = 2 (3-D inputs): one STOF node reading K/V with their 2 heads, no Expand or
+    Tile anywhere, and the outputs of the original on ORT CPU."""
+    model = onnx_attention_model(three_d=True, kv_heads=2, causal=causal)
+    new, report = rewrite_model(model, max_seq_len=40, **TILE)
+    assert op_counts(new).get("StofSparseAttention") == 1 and "Attention" not in op_counts(new)
+    assert not {"Expand", "Tile"} & set(op_counts(new))
+    (fused,) = report.to_dict()["attention"]
+    assert fused["kv_heads"] == 2 and fused["heads"] == H
+    rng = np.random.default_rng(3)
+    assert_parity(model, new, _feeds(rng, 40, True, None, kv_heads=2))
+    assert_parity(model, new, _feeds(rng, 23, True, None, kv_heads=2))
+
+
+def test_onnx_attention_past_left_alone():  # more grouped heads: tests/test_rewrite_ort_ops.py
     for model, why in ((onnx_attention_model(past=True), "past_key"),):
         new, report = rewrite_model(model, max_seq_len=40, **TILE)
         assert op_counts(new) == op_counts(model)

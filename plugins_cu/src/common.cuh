@@ -48,7 +48,19 @@ struct KernelParams {
     // the items of the schedule's grid and its query blocks per (batch, head)
     int* work_counter;
     int persist_items, persist_nqb;
+    // Grouped-query attention: kv_group query heads per K/V head (1 = none); the kernels take K/V head h / kv_group
+    // as kv_head() computes it (after every other field: a build without it keeps the others' offsets)
+    int kv_group;
+    uint32_t kv_mul, kv_keep;
 };
+
+// h / p.kv_group in three instructions per work item, not a division: kv_mul = floor(2^32 / kv_group) + 1 and
+// kv_keep = 0 when kv_group >= 2 (exact for h * kv_group < 2^32: heads <= 65535); kv_mul = 0, kv_keep = ~0 without
+// grouping.
+__device__ __forceinline__ int kv_head(const KernelParams& p, int h) {
+    const uint32_t u = static_cast<uint32_t>(h);
+    return static_cast<int>(__umulhi(u, p.kv_mul) + (u & p.kv_keep));
+}
 
 using LaunchFn = cudaError_t (*)(const KernelParams&, cudaStream_t);
 

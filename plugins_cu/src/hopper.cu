@@ -45,8 +45,9 @@ bool encode_rows_map(CUtensorMap* map, const void* base, int64_t ss, int64_t sh,
 }  // namespace
 
 bool encode_kv_maps(KernelParams& p, int head_dim, bool bf16) {
-    return encode_rows_map(&p.tma_k, p.k, p.k_ss, p.k_sh, p.k_sb, p.seq_k, p.heads, p.batch, head_dim, bf16) &&
-           encode_rows_map(&p.tma_v, p.v, p.v_ss, p.v_sh, p.v_sb, p.seq_k, p.heads, p.batch, head_dim, bf16);
+    const int kv_heads = p.heads / p.kv_group;  // K and V have the K/V heads (grouped-query attention)
+    return encode_rows_map(&p.tma_k, p.k, p.k_ss, p.k_sh, p.k_sb, p.seq_k, kv_heads, p.batch, head_dim, bf16) &&
+           encode_rows_map(&p.tma_v, p.v, p.v_ss, p.v_sh, p.v_sb, p.seq_k, kv_heads, p.batch, head_dim, bf16);
 }
 
 bool encode_q_map(KernelParams& p, int head_dim, bool bf16) {

@@ -72,6 +72,7 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd_
     const int n_sub = (e_end - e_begin) * nsub;  // 64-key sub-blocks of the walk
     const int n_iter = (n_sub + kHalves - 1) / kHalves;
 
+    const int hk = kv_head(p, h);  // the K/V head (the tensor maps' head coordinate)
     const Elem* gQ = static_cast<const Elem*>(p.q) + b * p.q_sb + h * p.q_sh;
     Elem* gO = static_cast<Elem*>(p.o) + b * p.o_sb + h * p.o_sh;
     const int32_t* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.seq_k : nullptr;
@@ -92,8 +93,8 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd_
 #pragma unroll
             for (int cb = 0; cb < HT::kHeadDim / 64; ++cb) {
                 const uint32_t off = cb * kBlockN * 128 + hf * 64 * 128;
-                tma_load_4d(st + off, &p.tma_k, cb * 64, n0, h, b, full_bar(s));
-                tma_load_4d(st + HT::kSmemKV + off, &p.tma_v, cb * 64, n0, h, b, full_bar(s));
+                tma_load_4d(st + off, &p.tma_k, cb * 64, n0, hk, b, full_bar(s));
+                tma_load_4d(st + HT::kSmemKV + off, &p.tma_v, cb * 64, n0, hk, b, full_bar(s));
             }
         }
     };

@@ -79,13 +79,14 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
                 ws_walk_init(cur, p, q0, h, p.seq_k, sDesc + WT::kSmemDesc, tid);
                 WsStep<kSub, WT::kConsumers> st;
                 const bool have = ws_take_step<kSub>(cur, p, st);
-                ws_produce_tma<WT>(p, cur, tid, st, have, h, b, 0, sKV, sBar, sDesc);
+                ws_produce_tma<WT>(p, cur, tid, st, have, kv_head(p, h), b, 0, sKV, sBar, sDesc);
             }
             return;
         } else {
             const int kv_len = effective_kv_len(p, b);
-            const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_sb + h * p.k_sh;
-            const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_sb + h * p.v_sh;
+            const int hk = kv_head(p, h);  // the K/V head
+            const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_sb + hk * p.k_sh;
+            const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_sb + hk * p.v_sh;
             MergedCursor<2> cur;
             ws_item_cursor(cur, p, q0, h, kv_len);
             WsStep<kSub> st, next;
@@ -296,7 +297,8 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                     // hand-off, one hand-off less on the kernel's start-up chain.
                     int first = 0;
                     if (early && have) {
-                        const bool more = ws_issue_first_step<WT>(p, cur, lane, st, wk.h, wk.b, sKV, sBar, sDesc);
+                        const bool more =
+                            ws_issue_first_step<WT>(p, cur, lane, st, kv_head(p, wk.h), wk.b, sKV, sBar, sDesc);
                         first = kWsFirstIssued | (more ? kWsFirstMore : 0);
                     }
                     if (lane == 0) {
@@ -344,7 +346,8 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                     // (ring position it held the item's first step when the scheduler issued it)
                     const bool issued = (flags & kWsFirstIssued) != 0;
                     const bool have = issued ? (flags & kWsFirstMore) != 0 : (flags & 2) != 0;
-                    it = ws_produce_tma<WT>(p, cur, lane, st, have, h, b, it + (issued ? 1 : 0), sKV, sBar, sDesc, go);
+                    it = ws_produce_tma<WT>(p, cur, lane, st, have, kv_head(p, h), b, it + (issued ? 1 : 0), sKV, sBar,
+                                            sDesc, go);
                     if (!go_sent) mbar_arrive(sGo);  // an item without steps (the hook never ran)
                     if (++buf == kQBufs) buf = 0, qphase ^= 1;
                 }
@@ -371,7 +374,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
                 }
                 if (lane == 0) ws_publish_item<WT>(sItem + 16 * buf, wk, valid, have, q_full(buf));
                 if (!valid) break;
-                it = ws_produce_tma<WT>(p, cur, lane, st, have, wk.h, wk.b, it, sKV, sBar, sDesc);
+                it = ws_produce_tma<WT>(p, cur, lane, st, have, kv_head(p, wk.h), wk.b, it, sKV, sBar, sDesc);
                 if (++buf == kQBufs) buf = 0, qphase ^= 1;
             }
         }

@@ -200,7 +200,7 @@ __device__ __forceinline__ void ws_load_sub(uint32_t s_tile, int h, const typena
 // One step's K/V into ring stage sK, completing on its full barrier (the arrival with the expected bytes first).
 // One lane.
 template <class WT, int kC>
-__device__ __forceinline__ void ws_tma_step(const KernelParams& p, const WsStep<WT::kSub, kC>& st, int h, int b,
+__device__ __forceinline__ void ws_tma_step(const KernelParams& p, const WsStep<WT::kSub, kC>& st, int hk, int b,
                                             uint32_t sK, uint32_t full) {
     mbar_expect_tx(full, WT::kSub * 2 * 64 * WT::kHeadDim * 2);
 #pragma unroll
@@ -209,8 +209,8 @@ __device__ __forceinline__ void ws_tma_step(const KernelParams& p, const WsStep<
 #pragma unroll
         for (int cb = 0; cb < WT::kHeadDim / 64; ++cb) {
             const uint32_t off = cb * WT::kBlockN * 128 + hh * 64 * 128;
-            tma_load_4d(sK + off, &p.tma_k, cb * 64, n0, h, b, full);
-            tma_load_4d(sK + WT::kSmemKV + off, &p.tma_v, cb * 64, n0, h, b, full);
+            tma_load_4d(sK + off, &p.tma_k, cb * 64, n0, hk, b, full);
+            tma_load_4d(sK + WT::kSmemKV + off, &p.tma_v, cb * 64, n0, hk, b, full);
         }
     }
 }
@@ -228,7 +228,7 @@ struct WsNoHook {
 template <class WT, class Hook = WsNoHook>
 __device__ __forceinline__ int ws_produce_tma(const KernelParams& p, WsProducerWalk<WT::kConsumers>& cur, int lane,
                                               WsStep<WT::kSub, WT::kConsumers> st,
-                                              bool have, int h, int b, int it, uint32_t sKV, uint32_t sBar,
+                                              bool have, int hk, int b, int it, uint32_t sKV, uint32_t sBar,
                                               uint32_t sDesc, Hook&& on_step = Hook{}) {
     constexpr int kStages = WT::kStages, kSub = WT::kSub;
     WsStep<kSub, WT::kConsumers> next;
@@ -243,7 +243,7 @@ __device__ __forceinline__ int ws_produce_tma(const KernelParams& p, WsProducerW
         if (lane == 0) {
             using Walk = WsProducerWalk<WT::kConsumers>;
             ws_write_desc<WT::kSkip, Walk>(sDesc + s * kWsDescBytes, st, more, more_w, p);
-            ws_tma_step<WT>(p, st, h, b, sK, full);  // its arrival releases the descriptor
+            ws_tma_step<WT>(p, st, hk, b, sK, full);  // its arrival releases the descriptor
         }
         // the warp reconverges every step: no lane may fall kStages positions behind lane 0 in the parity waits above
         if constexpr (kWsProducerLanes<WT::kConsumers> > 1) __syncwarp();
@@ -258,14 +258,14 @@ __device__ __forceinline__ int ws_produce_tma(const KernelParams& p, WsProducerW
 // item has more steps.
 template <class WT>
 __device__ __forceinline__ bool ws_issue_first_step(const KernelParams& p, WsWalk<2>& cur, int lane,
-                                                    WsStep<WT::kSub, 2>& st, int h, int b, uint32_t sKV,
+                                                    WsStep<WT::kSub, 2>& st, int hk, int b, uint32_t sKV,
                                                     uint32_t sBar, uint32_t sDesc) {
     WsStep<WT::kSub, 2> next;
     const bool more = ws_take_step<WT::kSub>(cur, p, next);
     const int more_w = WT::kSkip ? ws_more_mask(cur, next) : 0;
     if (lane == 0) {
         ws_write_desc<WT::kSkip, WsWalk<2>>(sDesc, st, more, more_w, p);
-        ws_tma_step<WT>(p, st, h, b, sKV, sBar);
+        ws_tma_step<WT>(p, st, hk, b, sKV, sBar);
     }
     __syncwarp();
     st = next;

@@ -31,8 +31,9 @@ __global__ void __launch_bounds__(RT::kThreads) row_attn_fwd(const KernelParams 
     if (qrow >= p.seq_q) return;  // no block-level barriers below
 
     const Elem* gQ = static_cast<const Elem*>(p.q) + b * p.q_sb + h * p.q_sh + static_cast<int64_t>(qrow) * p.q_ss;
-    const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_sb + h * p.k_sh;
-    const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_sb + h * p.v_sh;
+    const int hk = kv_head(p, h);  // the K/V head: once per work item, never per step
+    const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_sb + hk * p.k_sh;
+    const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_sb + hk * p.v_sh;
     Elem* gO = static_cast<Elem*>(p.o) + b * p.o_sb + h * p.o_sh + static_cast<int64_t>(qrow) * p.o_ss;
     const int32_t* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.seq_k : nullptr;
     const int kv_len = effective_kv_len(p, b);

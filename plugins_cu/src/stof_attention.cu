@@ -100,6 +100,9 @@ stof_status_t validate(const stof_attn_params_t* p) {
     if (p->q_stride_s < p->head_dim || p->o_stride_s < p->head_dim || p->k_stride_s < p->head_dim ||
         p->v_stride_s < p->head_dim)
         return fail(STOF_ERROR_INVALID_ARGUMENT, "sequence strides must be >= head_dim");
+    if (p->kv_heads < 0 || (p->kv_heads > 0 && p->num_heads % p->kv_heads != 0))
+        return fail(STOF_ERROR_INVALID_ARGUMENT, "kv_heads %d must be 0 or divide num_heads (%d)", p->kv_heads,
+                    p->num_heads);
     if (p->layout == nullptr) return fail(STOF_ERROR_INVALID_ARGUMENT, "layout is NULL (stof_layout_create)");
     const stof_layout_st& L = *p->layout;
     if (L.num_layouts != 1 && L.num_layouts != p->num_heads)
@@ -143,6 +146,10 @@ KernelParams kernel_params(const stof_attn_params_t& p) {
     k.v_sb = p.v_stride_b, k.v_sh = p.v_stride_h, k.v_ss = p.v_stride_s;
     k.o_sb = p.o_stride_b, k.o_sh = p.o_stride_h, k.o_ss = p.o_stride_s;
     k.batch = p.batch, k.heads = p.num_heads, k.seq_q = p.seq_q, k.seq_k = p.seq_k;
+    k.kv_group = p.kv_heads > 0 ? p.num_heads / p.kv_heads : 1;  // validate: kv_heads divides num_heads
+    k.kv_mul = k.kv_group > 1 ? static_cast<uint32_t>((uint64_t{1} << 32) / static_cast<uint64_t>(k.kv_group) + 1)
+                              : 0u;
+    k.kv_keep = k.kv_group > 1 ? 0u : ~0u;
     k.scale_log2 = p.scale * 1.4426950408889634f;
     const stof_layout_st& L = *p.layout;
     k.row_ptr = L.d_row_ptr, k.col_idx = L.d_col_idx, k.tile_bitmap_index = L.d_tile_bitmap_index;

@@ -87,6 +87,18 @@ def _function(name, inputs, outputs, body: _Body, attrs, overload: str, opset: i
 
 
 # -- StofSparseAttention --------------------------------------------------------------------------------------------
+def _repeat_kv_heads(b: _Body, x: str, q_heads: str) -> str:
+    """Grouped-query attention: K or V [B, Hkv, Sk, D] -> [B, H, Sk, D], K/V head j serving query heads
+    j·H/Hkv .. (j+1)·H/Hkv - 1 (the kernels' h / group); the identity when Hkv = H.  q_heads: [1] int64 H."""
+    xs = b.op("Shape", x)
+    lo, mid, hi = (b.const(np.array([i], np.int64)) for i in (0, 2, 4))
+    one = b.const(np.array([1], np.int64))
+    bh, sd = b.op("Slice", xs, lo, mid), b.op("Slice", xs, mid, hi)        # [B, Hkv], [Sk, D]
+    group = b.op("Div", q_heads, b.op("Slice", xs, one, mid))            # [H / Hkv]
+    wide = b.op("Expand", b.op("Unsqueeze", x, mid), b.op("Concat", bh, group, sd, axis=0))  # [B, Hkv, g, Sk, D]
+    return b.op("Reshape", wide, b.op("Concat", b.op("Slice", xs, lo, one), q_heads, sd, axis=0))
+
+
 def sparse_attention_function(opset: int, has_padding: bool, has_bias: bool,
                               packed: bool = False) -> onnx.FunctionProto:
     """O = softmax(scale·Q·Kᵀ + bias, masked by the tile layout ∧ key padding)·V; rows with no allowed key -> 0.
@@ -163,6 +175,9 @@ def sparse_attention_function(opset: int, has_padding: bool, has_bias: bool,
         kp = b.op("Not", b.op("Equal", "key_padding_mask", b.const(np.int32(0))))          # [B, Sk]
         kp = b.op("Unsqueeze", kp, b.const(np.array([1, 2], np.int64)))       # [B, 1, 1, Sk]
         allowed = b.op("And", allowed, kp)
+    if not packed:  # key / value may have fewer heads than query (grouped-query attention)
+        Hq = b.op("Slice", qshape, ax1, ax2)
+        k_in, v_in = _repeat_kv_heads(b, k_in, Hq), _repeat_kv_heads(b, v_in, Hq)
     # Masked softmax: masked pairs exactly 0; a row with no allowed key gives 0, not NaN.
     s = b.op("MatMul", q_in, b.op("Transpose", k_in, perm=[0, 1, 3, 2]))    # [B, H, Sq, Sk]
     s = b.op("Mul", s, b.ref_float_like("scale", s))

@@ -26,7 +26,9 @@ Replaced by (the Q/K/V projections stay)::
                |
             [B,H,Sq,D]
 
-K' is K with one composed Transpose (or none) so that it is [B,H,Sk,D]. The mask operand is classified by
+K' is K with one composed Transpose (or none) so that it is [B,H,Sk,D]. Grouped-query attention written as repeat_kv
+(Llama, Mistral, Qwen: K/V [B,Hkv,Sk,D] -> Unsqueeze(2) -> Expand [B,Hkv,H/Hkv,Sk,D] -> Reshape [B,H,Sk,D]) feeds the
+node the un-expanded K and V: the kernels read K/V head h / (H/Hkv) themselves. The mask operand is classified by
 :mod:`stof_trt.rewrite.mask_analysis`; a mask it cannot interpret stays exact as ``attn_bias``.
 Legend: B batch, H heads, Sq/Sk query/key length, D head dim.
 """
@@ -40,7 +42,7 @@ import onnx_graphsurgeon as gs
 from .attention_common import AttentionEmitter, AttentionPlan, AttentionProbe, bool_mask_bias, choose_layout
 from .base import Fusion, Match
 from .mask_analysis import GraphMask, MaskTerm, name_pattern
-from .matcher import internal_only, producer, scalar_value, single_consumer
+from .matcher import const_value, internal_only, producer, scalar_value, single_consumer
 
 #: Cast targets allowed between Softmax and P·V: TensorProto FLOAT, FLOAT16, DOUBLE, BFLOAT16.
 FLOAT_TYPES = (1, 10, 11, 16)
@@ -62,6 +64,21 @@ class _Core:
     scale_tensors: list[tuple[str, str]]  # non-constant scale factors: (tensor, "mul"|"div"), probed
     masks: list[MaskTerm]       # outermost first: a Where mask, then additive terms
     nodes: list[gs.Node]
+    kv_sources: tuple[gs.Tensor, gs.Tensor] | None = None  # un-expanded K, V [B,Hkv,Sk,D] (set by _plan)
+
+
+def repeat_kv_source(t: gs.Tensor) -> tuple[gs.Tensor, gs.Tensor] | None:
+    """``t`` = Reshape(Expand(Unsqueeze(x, axes=[2]))) (repeat_kv): (x, the Expand's output); the shapes (x
+    [B,Hkv,S,D], Expand [B,Hkv,g,S,D], t [B,Hkv·g,S,D]) are checked on the probe by the caller."""
+    rs = producer(t)
+    ex = producer(rs.inputs[0]) if rs is not None and rs.op == "Reshape" else None
+    un = producer(ex.inputs[0]) if ex is not None and ex.op == "Expand" else None
+    if un is None or un.op != "Unsqueeze":
+        return None
+    axes = un.attrs.get("axes") if len(un.inputs) < 2 else const_value(un.inputs[1])
+    if axes is None or np.asarray(axes).reshape(-1).tolist() != [2]:
+        return None
+    return un.inputs[0], ex.outputs[0]
 
 
 class FuseAttentionCore(Fusion):
@@ -241,6 +258,10 @@ class FuseAttentionCore(Fusion):
             return matches
         cores = [m.info["core"] for m in matches]
         shapes = {n for c in cores for n in (c.query.name, c.kt.name, c.value.name)}
+        for c in cores:  # repeat_kv candidates (key: only when no Transpose is left to apply)
+            for t in ([c.key_source] if c.key_perm is None else []) + [c.value]:
+                found = repeat_kv_source(t)
+                shapes.update([t.name, found[0].name, found[1].name] if found else [])
         scales = {n for c in cores for n, _ in c.scale_tensors}
         probe = AttentionProbe(self.ctx, self.graph, shapes, [t for c in cores for t in c.masks], scales)
         kept = []
@@ -250,6 +271,7 @@ class FuseAttentionCore(Fusion):
                 continue
             m.info = plan.info()
             m.info["anchor"] = c.softmax.name
+            m.info["kv_heads"] = probe.shape(c.kv_sources[0].name)[1] if c.kv_sources else plan.heads
             m.build = self._builder(c, plan, m.info)
             kept.append(m)
         return kept
@@ -266,6 +288,7 @@ class FuseAttentionCore(Fusion):
             self.skip(c.softmax, f"shapes Q{qs} Kᵀ{kts} V{vs} are not [B,H,Sq,D]/[B,H,D,Sk]/[B,H,Sk,D] "
                                  "(grouped or multi-query heads are not supported)")
             return None
+        c.kv_sources = self._grouped_kv(c, probe, qs)
         scale = c.scale
         for name, how in c.scale_tensors:
             v = probe.constant_scalar(name)
@@ -282,6 +305,24 @@ class FuseAttentionCore(Fusion):
                              padding_input=gmask.padding_input if gmask is not None else None)
         plan.bias_term = bias_terms or None
         return plan
+
+    @staticmethod
+    def _grouped_kv(c: _Core, probe: AttentionProbe, qs: tuple) -> tuple[gs.Tensor, gs.Tensor] | None:
+        """The un-expanded (K, V) when both are repeat_kv of [B,Hkv,Sk,D] tensors with one Hkv, else None."""
+        if c.key_perm is not None:
+            return None
+        found = [repeat_kv_source(t) for t in (c.key_source, c.value)]
+        if None in found:
+            return None
+        B, H, _, D = qs
+        hkv = set()
+        for (src, wide), full in zip(found, (c.key_source, c.value)):
+            s, w, f = probe.shape(src.name), probe.shape(wide.name), probe.shape(full.name)
+            if len(s) != 4 or len(w) != 5 or s[1] < 1 or H % s[1] != 0 or s[3] != D or s[0] != B \
+                    or tuple(w) != (s[0], s[1], H // s[1], s[2], s[3]) or tuple(f) != (s[0], H, s[2], s[3]):
+                return None
+            hkv.add(s[1])
+        return (found[0][0], found[1][0]) if len(hkv) == 1 else None
 
     def _combine_masks(self, c: _Core, probe: AttentionProbe, sq: int, sk: int, H: int):
         """Classify every mask term; intersect the static parts, keep one key padding input, and return the
@@ -308,7 +349,7 @@ class FuseAttentionCore(Fusion):
         def build() -> list[gs.Node]:
             new: list[gs.Node] = []
             emitter = AttentionEmitter(self)
-            key = c.key_source
+            key, value = c.kv_sources or (c.key_source, c.value)
             if c.key_perm is not None:
                 key = self.new_var("stof_key", dtype=c.key_source.dtype)
                 new.append(gs.Node("Transpose", self.ctx.unique("stof_key_transpose"), {"perm": c.key_perm},
@@ -325,7 +366,7 @@ class FuseAttentionCore(Fusion):
                 new.append(gs.Node("Add", self.ctx.unique("stof_bias_add"), {}, biases[:2], [total]))
                 biases = [total] + biases[2:]
             plan.bias = biases[0] if biases else None
-            emitter.node(plan, c.query, key, c.value, output, new)
+            emitter.node(plan, c.query, key, value, output, new)
             info["name"] = plan.name
             return new
         output = c.pv.outputs[0]  # captured now: build() runs after the matched nodes are disconnected

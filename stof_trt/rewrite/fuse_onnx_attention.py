@@ -4,7 +4,7 @@ Matched::
 
       Q [B,H,Sq,D] | [B,Sq,H·D]   K   V      attn_mask (bool: True = attend, or float: added)   (optional)
                      \\           |   /      /
-                       Attention (is_causal, scale, q_num_heads = kv_num_heads)   <- anchor
+                       Attention (is_causal, scale, q_num_heads, kv_num_heads)   <- anchor
 
 Replaced by (3-D inputs are split into heads and the output merged back)::
 
@@ -16,8 +16,8 @@ Replaced by (3-D inputs are split into heads and the output merged back)::
 
 ``is_causal`` becomes a static causal layout (top-left aligned); ``attn_mask`` is classified like a graph mask
 (static pattern / key padding / kept as attn_bias); opset 24's ``nonpad_kv_seqlen`` [B] becomes key padding (key k
-kept iff k < length). Grouped heads (kv_num_heads < q_num_heads, or fewer K/V heads in 4-D inputs) are repeated to
-the query heads (ort_contrib.expand_kv_heads). Left alone: past_key/value, softcap, or when present_* /
+kept iff k < length). Grouped heads (kv_num_heads < q_num_heads, or fewer K/V heads in 4-D inputs) pass K and V
+with their own heads: the node reads K/V head h / (H / Hkv), as the op repeats them. Left alone: past_key/value, softcap, or when present_* /
 qk_matmul_output outputs are used.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from .attention_common import (AttentionEmitter, AttentionPlan, AttentionProbe, 
                                from_heads, lengths_to_padding, to_heads)
 from .base import Fusion, Match
 from .mask_analysis import MaskTerm
-from .ort_contrib import check_heads, expand_kv_heads, keys_axis1
+from .ort_contrib import check_heads, keys_axis1
 
 
 def _present(node: gs.Node, i: int) -> bool:
@@ -143,7 +143,6 @@ class FuseOnnxAttention(Fusion):
                 out = from_heads(self, y, plan.heads * plan.head_dim, new, dtype=y.dtype)
             else:
                 qq, kk, vv, out = q, k, v, y
-            kk, vv = (expand_kv_heads(self, t, kv, plan.heads, plan.head_dim, new) for t in (kk, vv))
             emitter.node(plan, qq, kk, vv, out, new)
             info["name"] = plan.name
             return new

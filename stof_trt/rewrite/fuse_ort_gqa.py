@@ -26,7 +26,7 @@ import onnx_graphsurgeon as gs
 
 from .attention_common import AttentionEmitter, AttentionPlan, choose_layout, from_heads, lengths_to_padding, to_heads
 from .base import Fusion, Match
-from .ort_contrib import ORT_DOMAIN, check_heads, expand_kv_heads, outputs_used, present, tensor_shapes
+from .ort_contrib import ORT_DOMAIN, check_heads, outputs_used, present, tensor_shapes
 
 
 def sliding_causal(seq: int, window: int) -> np.ndarray:
@@ -109,8 +109,8 @@ class FuseOrtGroupQueryAttention(Fusion):
             new.append(gs.Node("Add", self.ctx.unique("stof_gqa_lengths"), {}, [seqlens, one], [lengths]))
             plan.padding_tensor = lengths_to_padding(self, lengths, k, new)
             qq = to_heads(self, q, plan.heads, plan.head_dim, new)
-            kk, vv = (expand_kv_heads(self, to_heads(self, t, kv, plan.head_dim, new), kv, plan.heads,
-                                      plan.head_dim, new) for t in (k, v))
+            # grouped heads stay grouped: the node reads K/V head h / (H / Hkv)
+            kk, vv = (to_heads(self, t, kv, plan.head_dim, new) for t in (k, v))
             out = from_heads(self, y, plan.heads * plan.head_dim, new, dtype=y.dtype)
             AttentionEmitter(self).node(plan, qq, kk, vv, out, new)
             info["name"] = plan.name

@@ -30,7 +30,7 @@ from ..format import TileLayout
 from .attention_common import AttentionEmitter, AttentionPlan, choose_layout, from_heads, lengths_to_padding, to_heads
 from .base import Fusion, Match
 from .matcher import const_value
-from .ort_contrib import (ORT_DOMAIN, check_heads, csr_block_mask, expand_kv_heads, layout_per_head, outputs_used,
+from .ort_contrib import (ORT_DOMAIN, check_heads, csr_block_mask, layout_per_head, outputs_used,
                           present, tensor_shapes)
 
 
@@ -126,8 +126,8 @@ class FuseOrtSparseAttention(Fusion):
             new: list[gs.Node] = []
             plan.padding_tensor = lengths_to_padding(self, lengths, k, new)
             qq = to_heads(self, q, plan.heads, plan.head_dim, new)
-            kk, vv = (expand_kv_heads(self, to_heads(self, t, kv, plan.head_dim, new), kv, plan.heads,
-                                      plan.head_dim, new) for t in (k, v))
+            # grouped heads stay grouped: the node reads K/V head h / (H / Hkv)
+            kk, vv = (to_heads(self, t, kv, plan.head_dim, new) for t in (k, v))
             out = from_heads(self, y, plan.heads * plan.head_dim, new, dtype=y.dtype)
             AttentionEmitter(self).node(plan, qq, kk, vv, out, new)
             info["name"] = plan.name

@@ -42,39 +42,6 @@ def tensor_shapes(fusion: Fusion, names: set[str]) -> dict[str, tuple]:
     return shapes
 
 
-def expand_kv_heads(fusion: Fusion, t: gs.Tensor, kv_heads: int, heads: int, head_dim: int,
-                    new: list[gs.Node]) -> gs.Tensor:
-    """[B, kv_heads, S, D] -> [B, heads, S, D], query head h reading K/V head h // (heads / kv_heads).
-
-    The STOF node takes one K/V head per query head; this is the one place the graph repeats grouped heads, so a
-    node that reads ``kv_num_heads`` itself replaces only this function."""
-    if kv_heads == heads:
-        return t
-    ctx = fusion.ctx
-    group = heads // kv_heads
-    u, e, out = (fusion.new_var(p, dtype=t.dtype) for p in ("stof_kv_unsq", "stof_kv_expand", "stof_kv_heads"))
-    new += [gs.Node("Unsqueeze", ctx.unique("stof_kv_unsq"), {}, [t, fusion.new_const("stof_axes2", np.array([2]))],
-                    [u]),
-            gs.Node("Expand", ctx.unique("stof_kv_expand"), {},
-                    [u, fusion.new_const("stof_kv_group", np.array([1, 1, group, 1, 1], np.int64))], [e]),
-            gs.Node("Reshape", ctx.unique("stof_kv_merge"), {},
-                    [e, fusion.new_const("stof_kv_shape", np.array([0, heads, -1, head_dim], np.int64))], [out])]
-    return out
-
-
-def keys_axis1(fusion: Fusion, k: gs.Tensor, new: list[gs.Node]) -> gs.Tensor:
-    """A float [1, Sk] zeros tensor from K [B, H, Sk, D], for helpers that read the key length from dim 1 (no
-    copy of K: only its shape is used)."""
-    ctx = fusion.ctx
-    shape, zeros = fusion.new_var("stof_sk_shape", dtype=np.int64), fusion.new_var("stof_sk_zeros", dtype=np.float32)
-    one = fusion.new_const("stof_one_i64", np.array([1], np.int64))
-    cat = fusion.new_var("stof_sk_dims", dtype=np.int64)
-    new += [gs.Node("Shape", ctx.unique("stof_sk"), {"start": 2, "end": 3}, [k], [shape]),
-            gs.Node("Concat", ctx.unique("stof_sk"), {"axis": 0}, [one, shape], [cat]),
-            gs.Node("ConstantOfShape", ctx.unique("stof_sk"), {}, [cat], [zeros])]
-    return zeros
-
-
 def check_heads(num_heads: int, kv_heads: int) -> str | None:
     """A reason the head counts cannot be grouped, or None."""
     if num_heads < 1 or kv_heads < 1 or num_heads % kv_heads:

@@ -445,6 +445,79 @@ def test_wgmma_tactics_bounded_by_the_bitmaps():
         assert [t for t in ids if tactic_info(t).family == FAMILY_HOPPER], ids
 
 
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+@pytest.mark.parametrize("group", [2, 4, 8])
+@pytest.mark.parametrize("D", HEAD_DIMS)
+@pytest.mark.parametrize("spec", ["causal", "sliding:window=128",
+                                  "bigbird:block=64,window=1,global=1,random=0.1,seed=1"])
+def test_grouped_query_attention(spec, D, group, strided):
+    """K/V with H / group heads (kv_heads): every listed tactic against float64 with K/V repeated per query head;
+    strided: K and V are head slices of one [B, Sk, 2·Hkv + 3, D] buffer (non-contiguous head and batch strides);
+    also with key_lengths (the TMA kernels' cp.async fallback) and without a workspace."""
+    B, H, S = 2, 8, 333
+    Hkv = H // group
+    gen = torch.Generator(device="cuda").manual_seed(100 * group + D)
+    dtype = torch.float16
+    q = torch.randn(B, H, S, D, generator=gen, device="cuda").to(dtype)
+    if strided:
+        kv = torch.randn(B, S, 2 * Hkv + 3, D, generator=gen, device="cuda").to(dtype)
+        k, v = kv[:, :, 1:1 + Hkv].transpose(1, 2), kv[:, :, 2 + Hkv:2 + 2 * Hkv].transpose(1, 2)
+        assert not k.is_contiguous() and k.stride(3) == 1
+    else:
+        k, v = (torch.randn(B, Hkv, S, D, generator=gen, device="cuda").to(dtype) for _ in range(2))
+    layout = compile_mask(parse_mask(spec), S, S, num_heads=H)
+    dl = DeviceLayout(layout)
+    dense = torch.from_numpy(np.ascontiguousarray(layout.to_dense()[:, :S, :S])).cuda()
+    kx, vx = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # query head h: K/V h // group
+    lengths = torch.tensor([S, 201], dtype=torch.int32, device="cuda")
+    keep = torch.arange(S, device="cuda")[None, :] < lengths[:, None].long()
+    refs = {False: reference(q, kx, vx, dense, D**-0.5), True: reference(q, kx, vx, dense, D**-0.5, keep)}
+    tactics = list_tactics(q, k, v, dl)
+    assert tactics
+    for t in tactics:
+        for use_len, ws in ((False, True), (True, True), (False, False)):
+            ref, has_key = refs[use_len]
+            out = torch.full_like(q, float("nan"))
+            sparse_attention(q, k, v, dl, tactic=t, out=out, key_lengths=lengths if use_len else None, workspace=ws)
+            torch.cuda.synchronize()
+            name = f"{spec} D={D} group={group} tactic {tactic_info(t).name} len={use_len} ws={ws}"
+            assert torch.isfinite(out).all(), name
+            err = rel_err(out, ref)
+            _log({"case": "gqa " + name, "err": err, "tol": TOL[dtype], "ok": err <= TOL[dtype]})
+            assert err <= TOL[dtype], f"{name}: rel err {err:.3e}"
+            assert bool((out[~has_key] == 0).all()), name
+
+
+def test_grouped_query_attention_bf16_and_bshd():
+    """bf16, tensors [B, S, H, D] (bhsd=False), group 4: every tactic."""
+    B, H, S, D, group = 2, 8, 256, 128, 4
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn(B, S, H, D, generator=gen, device="cuda").to(torch.bfloat16)
+    k, v = (torch.randn(B, S, H // group, D, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2))
+    layout = compile_mask(parse_mask("causal"), S, S)
+    dl = DeviceLayout(layout)
+    dense = torch.from_numpy(np.ascontiguousarray(layout.to_dense()[:, :S, :S])).cuda()
+    bh = lambda t: t.transpose(1, 2)  # noqa: E731
+    ref, _ = reference(bh(q), bh(k).repeat_interleave(group, 1), bh(v).repeat_interleave(group, 1), dense, D**-0.5)
+    for t in list_tactics(q, k, v, dl, bhsd=False):
+        out = sparse_attention(q, k, v, dl, tactic=t, bhsd=False)
+        torch.cuda.synchronize()
+        assert rel_err(bh(out), ref) <= TOL[torch.bfloat16], tactic_info(t).name
+
+
+def test_grouped_query_attention_errors():
+    layout = compile_mask(parse_mask("causal"), 128, 128)
+    dl = DeviceLayout(layout)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, 6, 128, 64, generator=gen, device="cuda").half()
+    k = torch.randn(1, 4, 128, 64, generator=gen, device="cuda").half()  # 6 % 4 != 0
+    with pytest.raises(StofKernelError, match="kv_heads") as ei:
+        sparse_attention(q, k, k, dl)
+    assert ei.value.status == 1
+    with pytest.raises(ValueError, match="same number of heads"):
+        sparse_attention(q, k[:, :3], k[:, :2], dl)
+
+
 def _problem(D=64, Sq=128, Sk=128, dtype=torch.float16):
     gen = torch.Generator(device="cuda").manual_seed(0)
     return rand_qkv(1, 2, Sq, Sk, D, dtype, gen)

@@ -44,14 +44,15 @@ def _model(nodes, inputs, outputs, inits, functions):
 
 
 def attention_model(layout, *, B, H, D, dtype=np.float16, padding=False, bias_shape=None, scale=None,
-                    dynamic=True, format_version=STOF_FORMAT_VERSION):
-    """One StofSparseAttention node; q/k/v (and key_padding_mask / attn_bias) are graph inputs."""
+                    dynamic=True, format_version=STOF_FORMAT_VERSION, kv_heads=None):
+    """One StofSparseAttention node; q/k/v (and key_padding_mask / attn_bias) are graph inputs; k/v have kv_heads
+    heads (grouped-query attention) when given."""
     et = NP2ONNX[dtype]
     sq = "Sq" if dynamic else layout.seq_q
     sk = "Sk" if dynamic else layout.seq_k
     inputs = [helper.make_tensor_value_info("q", et, [B, H, sq, D]),
-              helper.make_tensor_value_info("k", et, [B, H, sk, D]),
-              helper.make_tensor_value_info("v", et, [B, H, sk, D])]
+              helper.make_tensor_value_info("k", et, [B, kv_heads or H, sk, D]),
+              helper.make_tensor_value_info("v", et, [B, kv_heads or H, sk, D])]
     arrays = layout.arrays()
     inits = [numpy_helper.from_array(np.ascontiguousarray(arrays[n], np.int32), n)
              for n in ("row_ptr", "col_idx", "tile_bitmap_index", "bitmaps")]
@@ -116,6 +117,7 @@ def layernorm_model(N, dtype=np.float16, has_bias=True, has_sum=False, eps=1e-12
 def attention_ref(q, k, v, layout, scale, kpm=None, bias=None):
     q, k, v = (a.astype(np.float64) for a in (q, k, v))
     B, H, Sq, D = q.shape
+    k, v = (np.repeat(a, H // a.shape[1], axis=1) for a in (k, v))  # grouped K/V: query head h reads h // group
     Sk = k.shape[2]
     dense = layout.to_dense()[:, :Sq, :Sk]  # [L, Sq, Sk]
     allowed = np.stack([dense[h % layout.num_layouts] for h in range(H)])[None].repeat(B, 0)
@@ -238,6 +240,32 @@ def test_sparse_attention_cuda(spec, S, tile, B, H, D, dtype, padding, bias):
     ref = attention_ref(feeds["q"], feeds["k"], feeds["v"], layout, scale, kpm, feeds.get("bias"))
     tol = 2e-3 if dtype == np.float16 else 2e-5
     assert np.isfinite(got).all()
+    np.testing.assert_allclose(got.astype(np.float64), ref, atol=tol, rtol=tol)
+    cpu = _cpu_run(m, feeds)[0]
+    np.testing.assert_allclose(got.astype(np.float64), cpu.astype(np.float64), atol=2 * tol, rtol=2 * tol)
+
+
+@needs_lib
+@needs_cuda
+@pytest.mark.parametrize("D,dtype,padding", [(64, np.float16, False), (128, np.float16, True),
+                                             (48, np.float16, False), (64, np.float32, True)])
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_sparse_attention_grouped_kv(D, dtype, padding, kv_heads):
+    """K/V with fewer heads than Q (H=4): the tensor-core kernels (D 64/128, fp16) and the general kernel (D=48,
+    fp32) read K/V head h // (H / kv_heads), as the reference and the ONNX function on CPU do."""
+    B, H, S = 2, 4, 160
+    layout = compile_mask("causal", S, S)
+    m = attention_model(layout, B=B, H=H, D=D, dtype=dtype, padding=padding, kv_heads=kv_heads)
+    rng = np.random.default_rng(D + kv_heads)
+    feeds = {"q": rng.standard_normal((B, H, S, D)).astype(dtype)}
+    feeds.update({n: rng.standard_normal((B, kv_heads, S, D)).astype(dtype) for n in "kv"})
+    kpm = None
+    if padding:
+        kpm = (np.arange(S)[None, :] < np.array([S, 97])[:, None]).astype(np.int32)
+        feeds["kpm"] = kpm
+    (got,), _ = _cuda_run(m, feeds)
+    ref = attention_ref(feeds["q"], feeds["k"], feeds["v"], layout, 1.0 / math.sqrt(D), kpm)
+    tol = 2e-3 if dtype == np.float16 else 2e-5
     np.testing.assert_allclose(got.astype(np.float64), ref, atol=tol, rtol=tol)
     cpu = _cpu_run(m, feeds)[0]
     np.testing.assert_allclose(got.astype(np.float64), cpu.astype(np.float64), atol=2 * tol, rtol=2 * tol)

@@ -6,7 +6,8 @@
  * status code.  The mask is the tile layout of docs/format.md, held by a layout handle; the kernels are described
  * in docs/kernels.md.
  *
- *   O[b,h,q,:] = sum_k softmax_k(scale * Q[b,h,q,:].K[b,h,k,:] | allowed(b,h,q,k)) * V[b,h,k,:]
+ *   O[b,h,q,:] = sum_k softmax_k(scale * Q[b,h,q,:].K[b,g(h),k,:] | allowed(b,h,q,k)) * V[b,g(h),k,:]
+ *   g(h) = h / (H / kv_heads) (grouped-query attention; g(h) = h without it)
  *   allowed(b,h,q,k) = layout[h % L][q][k]  &&  k < key_lengths[b]  &&  key_padding_mask[b][k] != 0
  *   A query row with no allowed key gives O = 0.
  */
@@ -21,7 +22,7 @@ extern "C" {
 #endif
 
 #define STOF_FORMAT_VERSION 2  /* docs/format.md; layouts of version 1 are read as well */
-#define STOF_ABI_VERSION 7
+#define STOF_ABI_VERSION 8
 
 #if defined(_WIN32)
 #define STOF_API __declspec(dllexport)
@@ -156,6 +157,10 @@ typedef struct {
      * (stof_attn_params_init's default), 0 = as many as fit a share of L2, N >= 1 = N.  Same result. */
     int32_t sched_chunk;
     uint32_t options;                  /* STOF_OPT_* bits; 0 = every schedule the layout has */
+
+    /* Grouped-query attention: K and V have kv_heads heads, query head h reads K/V head h / (H / kv_heads) (their
+     * strides describe [B, kv_heads, Sk, D]).  0 or H = one K/V head per query head; else H % kv_heads == 0. */
+    int32_t kv_heads;
 } stof_attn_params_t;
 
 /* Zero the struct and fill the defaults (dtype fp16, scale 1, sched_chunk -1). */

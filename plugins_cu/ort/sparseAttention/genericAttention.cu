@@ -48,8 +48,9 @@ __global__ void __launch_bounds__(kWARPS * 32) genericSparseAttentionKernel(Gene
     if (qi >= p.seqQ) return;  // warp-uniform; no CTA-wide barrier below
     int const D = p.headDim;
     T const* gQ = static_cast<T const*>(p.q) + b * p.qStride[0] + h * p.qStride[1] + qi * p.qStride[2];  // (D)
-    T const* gK = static_cast<T const*>(p.k) + b * p.kStride[0] + h * p.kStride[1];  // (Sk, D) rows kStride[2]
-    T const* gV = static_cast<T const*>(p.v) + b * p.vStride[0] + h * p.vStride[1];  // (Sk, D) rows vStride[2]
+    int const hk = h / p.kvGroup;  // the K/V head
+    T const* gK = static_cast<T const*>(p.k) + b * p.kStride[0] + hk * p.kStride[1];  // (Sk, D) rows kStride[2]
+    T const* gV = static_cast<T const*>(p.v) + b * p.vStride[0] + hk * p.vStride[1];  // (Sk, D) rows vStride[2]
     T* gO = static_cast<T*>(p.o) + b * p.oStride[0] + h * p.oStride[1] + qi * p.oStride[2];  // (D)
     T const* gBias = static_cast<T const*>(p.bias);
     int64_t const biasRow = gBias ? b * p.biasStride[0] + h * p.biasStride[1] + qi * p.biasStride[2] : 0;
@@ -151,17 +152,18 @@ cudaError_t launchCols(GenericAttnParams const& p, cudaStream_t stream) {
 
 cudaError_t launchGenericSparseAttention(GenericAttnParams const& params, cudaStream_t stream) {
     GenericAttnParams p = params;
-    auto contiguous = [&](int64_t* st, int64_t seq) {
+    if (p.kvGroup < 1 || p.numHeads % p.kvGroup != 0) return cudaErrorInvalidValue;
+    auto contiguous = [&](int64_t* st, int64_t seq, int64_t heads) {
         if (st[0] == 0 && st[1] == 0 && st[2] == 0) {
             st[2] = p.headDim;
             st[1] = seq * p.headDim;
-            st[0] = p.numHeads * st[1];
+            st[0] = heads * st[1];
         }
     };
-    contiguous(p.qStride, p.seqQ);
-    contiguous(p.kStride, p.seqK);
-    contiguous(p.vStride, p.seqK);
-    contiguous(p.oStride, p.seqQ);
+    contiguous(p.qStride, p.seqQ, p.numHeads);
+    contiguous(p.kStride, p.seqK, p.numHeads / p.kvGroup);
+    contiguous(p.vStride, p.seqK, p.numHeads / p.kvGroup);
+    contiguous(p.oStride, p.seqQ, p.numHeads);
     if (p.headDim < 1 || p.headDim > kGENERIC_MAX_HEAD_DIM || p.batch < 1 || p.numHeads < 1 || p.seqQ < 1 ||
         p.seqK < 1 || p.batch > 65535 || p.numHeads > 65535)
         return cudaErrorInvalidValue;

@@ -17,10 +17,11 @@ enum class AttnDType : int32_t { kFP32 = 0, kFP16 = 1, kBF16 = 2 };
 struct GenericAttnParams {
     AttnDType dtype{AttnDType::kFP32};
     int32_t batch{0}, numHeads{0}, seqQ{0}, seqK{0}, headDim{0};
+    int32_t kvGroup{1};  // query heads per K/V head: K/V head = h / kvGroup (grouped-query attention)
     float scale{1.f};
     void const* q{nullptr};  // [B,H,Sq,D] (element strides below; D contiguous)
-    void const* k{nullptr};  // [B,H,Sk,D]
-    void const* v{nullptr};  // [B,H,Sk,D]
+    void const* k{nullptr};  // [B,H/kvGroup,Sk,D]
+    void const* v{nullptr};  // [B,H/kvGroup,Sk,D]
     void* o{nullptr};        // [B,H,Sq,D]
     // element strides (batch, head, sequence) of q, k, v, o; all zero = contiguous [B,H,S,D]
     int64_t qStride[3]{0, 0, 0}, kStride[3]{0, 0, 0}, vStride[3]{0, 0, 0}, oStride[3]{0, 0, 0};

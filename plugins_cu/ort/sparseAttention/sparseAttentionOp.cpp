@@ -162,13 +162,13 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
     for (size_t i = kROW_PTR; i <= kKEY_PADDING_MASK; ++i)
         if (in[i].present) expectType(in[i], ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32, kNames[i]);
     auto const& qs = in[kQUERY].shape;
-    int64_t B, H, Sq, D, Sk;
+    int64_t B, H, Sq, D, Sk, Hkv;  // Hkv: K/V heads (grouped-query attention when below H)
     // element strides (batch, head, sequence) of q, k, v and o, and the K / V offsets in the query tensor
     int64_t qSt[3], kSt[3], vSt[3], oSt[3], kOff = 0, vOff = 0;
     std::vector<int64_t> outShape;
     if (mPacked) {
         STOF_VALIDATE(qs[2] == 3, "packed query shape ", shapeStr(qs), " is not [B,S,3,H,D]");
-        B = qs[0], Sq = Sk = qs[1], H = qs[3], D = qs[4];
+        B = qs[0], Sq = Sk = qs[1], H = Hkv = qs[3], D = qs[4];
         int64_t const row = 3 * H * D;
         qSt[0] = kSt[0] = vSt[0] = Sq * row;
         qSt[1] = kSt[1] = vSt[1] = D;
@@ -179,13 +179,14 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
         outShape = {B, Sq, H, D};
     } else {
         auto const& ks = in[kKEY].shape;
-        B = qs[0], H = qs[1], Sq = qs[2], D = qs[3], Sk = ks[2];
-        STOF_VALIDATE(ks[0] == B && ks[1] == H && ks[3] == D, "key shape ", shapeStr(ks), " does not match query ",
-                      shapeStr(qs), " ([B,H,Sk,D] vs [B,H,Sq,D])");
+        B = qs[0], H = qs[1], Sq = qs[2], D = qs[3], Sk = ks[2], Hkv = ks[1];
+        // K/V with fewer heads than Q: query head h reads K/V head h / (H / Hkv)
+        STOF_VALIDATE(ks[0] == B && Hkv >= 1 && H % Hkv == 0 && ks[3] == D, "key shape ", shapeStr(ks),
+                      " does not match query ", shapeStr(qs), " ([B,Hkv,Sk,D] vs [B,H,Sq,D], H a multiple of Hkv)");
         STOF_VALIDATE(in[kVALUE].shape == ks, "value shape ", shapeStr(in[kVALUE].shape), " != key shape ",
                       shapeStr(ks));
         qSt[0] = oSt[0] = H * Sq * D, qSt[1] = oSt[1] = Sq * D, qSt[2] = oSt[2] = D;
-        kSt[0] = vSt[0] = H * Sk * D, kSt[1] = vSt[1] = Sk * D, kSt[2] = vSt[2] = D;
+        kSt[0] = vSt[0] = Hkv * Sk * D, kSt[1] = vSt[1] = Sk * D, kSt[2] = vSt[2] = D;
         outShape = qs;
     }
     STOF_VALIDATE(Sq <= mSeqQ && Sk <= mSeqK, "run-time Sq=", Sq, ", Sk=", Sk,
@@ -250,6 +251,7 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
         p.k_stride_b = kSt[0], p.k_stride_h = kSt[1], p.k_stride_s = kSt[2];
         p.v_stride_b = vSt[0], p.v_stride_h = vSt[1], p.v_stride_s = vSt[2];
         p.o_stride_b = oSt[0], p.o_stride_h = oSt[1], p.o_stride_s = oSt[2];
+        p.kv_heads = static_cast<int32_t>(Hkv);
         p.layout = lay->handle;
         p.key_padding_mask = kpm.present ? static_cast<int32_t const*>(kpm.data) : nullptr;
         char const* env = std::getenv("STOF_ORT_PRESEARCH");
@@ -282,6 +284,7 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
               : mType == ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16 ? AttnDType::kBF16
                                                                 : AttnDType::kFP32;
     g.batch = static_cast<int32_t>(B), g.numHeads = static_cast<int32_t>(H), g.headDim = static_cast<int32_t>(D);
+    g.kvGroup = static_cast<int32_t>(H / Hkv);
     g.seqQ = static_cast<int32_t>(Sq), g.seqK = static_cast<int32_t>(Sk), g.scale = mScale;
     g.q = in[kQUERY].data, g.k = kData, g.v = vData, g.o = o;
     for (int d = 0; d < 3; ++d) g.qStride[d] = qSt[d], g.kStride[d] = kSt[d], g.vStride[d] = vSt[d], g.oStride[d] = oSt[d];
