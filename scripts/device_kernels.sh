@@ -7,7 +7,7 @@
 # new build against it to the build stage (a refactoring that must not change the generated code).
 #
 # Files written (at most 8, the device tool's limit): log, build.log (ptxas resource usage per kernel),
-# correctness.jsonl (every case x tactic with its error), sanitize.log, bench_attention{.json,.md,.png}.
+# correctness.jsonl (every case x tactic with its error), sanitize.log, attention.{json,md} (scripts/bench_attention.py).
 set -o pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -54,7 +54,7 @@ fi
 if has test; then
   t0=$SECONDS
   rm -f "$OUT/correctness.jsonl"
-  # (eval, as for AB_ARGS: TEST_ARGS="-k 'a or b'" keeps its quoted words)
+  # (eval: TEST_ARGS="-k 'a or b'" keeps its quoted words)
   eval "STOF_TEST_REPORT=\"\$OUT/correctness.jsonl\" python -m pytest -q -p no:cacheprovider tests/gpu/test_attention_kernels.py ${TEST_ARGS:-}" 2>&1 | tail -40
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
   echo "tests done in $((SECONDS - t0)) s"

@@ -1,8 +1,8 @@
 """Tactic choice without measuring: a tactic cache's entry, else the pre-search's first choice.
 
 :func:`choose` answers for one problem (Python callers); :func:`add_presearch_entries` fills a cache with the
-pre-search's first choices for a model's attention nodes, so the ONNX Runtime plugin runs them instead of the
-kernel library's default where ``stof tune`` has measured nothing.  Measuring lives in stof_trt.tune, the cache
+pre-search's first choices for a model's attention nodes, so a session runs them without first-use timing where
+``stof tune`` has measured nothing (the library's stof_attn_select makes the same choice in C++).  Measuring lives in stof_trt.tune, the cache
 file in stof_trt.tactic_cache.
 """
 

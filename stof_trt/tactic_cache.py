@@ -3,9 +3,10 @@ stored under.
 
 ``stof tune`` (stof_trt.tune) times the pre-search shortlist of every StofSparseAttention node on the GPU and
 records the fastest tactic here; the ONNX Runtime plugin (libstof_ort.so) reads the file from the session option
-``stof.tactic_cache`` or ``$STOF_TACTIC_CACHE`` and looks each node up by the same key.  With no entry the plugin
-uses the kernel library's default; stof_trt.selection gives the pre-search's first choice instead.  This module
-only stores: choosing and measuring live in those two.
+``stof.tactic_cache`` or ``$STOF_TACTIC_CACHE`` and looks each node up by the same key.  With no entry the library
+times the pre-search's shortlist on first use (or, with that off, takes the pre-search's first choice) and merges
+its choice into the file (:meth:`TacticCache.merge_save` is the Python side of the same locked merge).  This module
+only stores: choosing lives in stof_trt.selection and the library, measuring in stof_trt.tune.
 
 File format (JSON, version 1)::
 
