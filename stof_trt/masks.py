@@ -75,6 +75,22 @@ class MaskSpec:
     def check_size(self, seq_q: int, seq_k: int) -> None:
         """Raise MaskSpecError if the spec cannot describe a seq_q x seq_k mask."""
 
+    def tile_keys(self, g: TileGrid, r0: np.ndarray, c0: np.ndarray) -> np.ndarray | None:
+        """int64 keys of the tiles at rows ``r0`` and columns ``c0`` (their first element): two tiles wholly inside
+        the matrix with the same key hold the same bits, so compile_mask evaluates one of them. None = no such
+        knowledge (every tile is evaluated)."""
+        return None
+
+    def candidate_counts(self, g: TileGrid) -> np.ndarray | None:
+        """Per tile row ``[Tq]`` (int64), an upper bound on the tiles ``candidates`` returns for it; None = every
+        tile may be stored. What lets compile_mask work in proportion to the stored tiles, not the grid."""
+        return None
+
+    def candidates(self, g: TileGrid, i0: int, i1: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """The tiles of tile rows ``[i0, i1)`` that may be stored (a superset of the non-EMPTY ones): (row, column)
+        int64 arrays in row-major order, no duplicates; None = all of them."""
+        return None
+
     def num_layouts(self, num_heads: int | None) -> int:
         if not self.per_head:
             return 1
@@ -98,6 +114,76 @@ class MaskSpec:
 
     def __and__(self, other: MaskSpec) -> MaskSpec:
         return Intersection((self, other))
+
+
+@dataclass(frozen=True)
+class TileGrid:
+    """The tile grid a mask is compiled on (``candidates`` speaks in its tile rows and columns)."""
+
+    seq_q: int
+    seq_k: int
+    tile_m: int
+    tile_n: int
+    head: int = 0
+
+    @property
+    def tq(self) -> int:
+        return -(-self.seq_q // self.tile_m)
+
+    @property
+    def tk(self) -> int:
+        return -(-self.seq_k // self.tile_n)
+
+
+def _band_columns(lo: int | None, hi: int | None, g: TileGrid, i0: int, i1: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per tile row of [i0, i1): the first and last tile column that ``lo <= k - q <= hi`` reaches (last < first
+    when none)."""
+    r0 = np.arange(i0, i1, dtype=np.int64) * g.tile_m
+    r1 = np.minimum(r0 + g.tile_m, g.seq_q) - 1
+    k0 = np.zeros_like(r0) if lo is None else np.maximum(0, r0 + lo)
+    k1 = np.full_like(r0, g.seq_k - 1) if hi is None else np.minimum(g.seq_k - 1, r1 + hi)
+    first = k0 // g.tile_n
+    last = np.where(k0 <= k1, k1 // g.tile_n, first - 1)
+    return first, last
+
+
+def _ranges_to_pairs(rows: np.ndarray, first: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Tiles (row, column) for column ranges [first, last] per row, row-major."""
+    n = np.maximum(last - first + 1, 0)
+    total = int(n.sum())
+    ti = np.repeat(rows, n)
+    start = np.repeat(np.cumsum(n) - n, n)
+    tj = np.repeat(first, n) + (np.arange(total, dtype=np.int64) - start)
+    return ti, tj
+
+
+class _Band:
+    """Candidates and tile keys of a pattern of ``k - q`` within a band ``lo <= k - q <= hi`` (mixin; ``_band``
+    gives (lo, hi), None = unbounded)."""
+
+    def tile_keys(self, g, r0, c0):
+        # The bits depend on k - q only; tiles wholly outside the band (and, below an unbounded side, wholly
+        # inside it) share one key.
+        lo, hi = self._band()
+        d = c0 - r0
+        if lo is not None:
+            d = np.maximum(d, lo - g.tile_n)
+        elif hi is not None:
+            d = np.maximum(d, hi - g.tile_n + 1)
+        if hi is not None:
+            d = np.minimum(d, hi + g.tile_m)
+        return d
+
+    def _band(self) -> tuple[int | None, int | None]:
+        raise NotImplementedError
+
+    def candidate_counts(self, g):
+        first, last = _band_columns(*self._band(), g, 0, g.tq)
+        return np.maximum(last - first + 1, 0)
+
+    def candidates(self, g, i0, i1):
+        first, last = _band_columns(*self._band(), g, i0, i1)
+        return _ranges_to_pairs(np.arange(i0, i1, dtype=np.int64), first, last)
 
 
 def _band_classify(lo: int | None, hi: int | None, r0, r1, c0, c1) -> np.ndarray:
@@ -133,13 +219,16 @@ class Full(MaskSpec):
 
 
 @dataclass(frozen=True)
-class Causal(MaskSpec):
+class Causal(_Band, MaskSpec):
     """``key <= query + offset`` (top-left aligned)."""
 
     offset: int = 0
 
+    def _band(self):
+        return None, self.offset
+
     def evaluate(self, q, k, *, seq_q, seq_k, head=0):
-        return k - q <= self.offset
+        return k - q <= min(self.offset, seq_k)
 
     def classify_tiles(self, r0, r1, c0, c1, *, seq_q, seq_k, head=0):
         return _band_classify(None, self.offset, r0, r1, c0, c1)
@@ -149,7 +238,7 @@ class Causal(MaskSpec):
 
 
 @dataclass(frozen=True)
-class Sliding(MaskSpec):
+class Sliding(_Band, MaskSpec):
     """``-left <= key - query <= right``."""
 
     left: int
@@ -159,9 +248,12 @@ class Sliding(MaskSpec):
         if self.left < 0 or self.right < 0:
             raise MaskSpecError(f"sliding window sides must be >= 0, got left={self.left}, right={self.right}")
 
+    def _band(self):
+        return -self.left, self.right
+
     def evaluate(self, q, k, *, seq_q, seq_k, head=0):
-        d = k - q
-        return (d >= -self.left) & (d <= self.right)
+        d = k - q   # sides clipped to the matrix: q and k may be int32
+        return (d >= -min(self.left, seq_q)) & (d <= min(self.right, seq_k))
 
     def classify_tiles(self, r0, r1, c0, c1, *, seq_q, seq_k, head=0):
         return _band_classify(-self.left, self.right, r0, r1, c0, c1)
@@ -173,7 +265,7 @@ class Sliding(MaskSpec):
 
 
 @dataclass(frozen=True)
-class Dilated(MaskSpec):
+class Dilated(_Band, MaskSpec):
     """A sliding window keeping every ``dilation``-th diagonal: ``-left <= d <= right`` and ``d % dilation == 0``."""
 
     left: int
@@ -186,10 +278,15 @@ class Dilated(MaskSpec):
         if self.left < 0 or self.right < 0:
             raise MaskSpecError("dilated window sides must be >= 0")
 
+    def _band(self):
+        return -self.left, self.right
+
     def evaluate(self, q, k, *, seq_q, seq_k, head=0):
         d = k - q
-        on_diag = (d & (self.dilation - 1)) == 0 if self.dilation & (self.dilation - 1) == 0 else d % self.dilation == 0
-        return (d >= -self.left) & (d <= self.right) & on_diag
+        # A dilation past the matrix keeps the main diagonal only; clipping keeps int32 arithmetic in range.
+        dil = min(self.dilation, seq_q + seq_k)
+        on_diag = (d & (dil - 1)) == 0 if dil & (dil - 1) == 0 else d % dil == 0
+        return (d >= -min(self.left, seq_q)) & (d <= min(self.right, seq_k)) & on_diag
 
     def classify_tiles(self, r0, r1, c0, c1, *, seq_q, seq_k, head=0):
         cls = _band_classify(-self.left, self.right, r0, r1, c0, c1)
@@ -207,24 +304,39 @@ class Dilated(MaskSpec):
 
 @dataclass(frozen=True)
 class Global(MaskSpec):
-    """Global tokens: a pair is allowed when its query or its key is one of ``tokens``."""
+    """Global tokens: a pair is allowed when its query or its key is one of ``tokens`` (a tuple, or a ``range``
+    for the first n tokens: never materialised past the sequence, so ``global:n=10**9`` costs what the sequence
+    costs)."""
 
-    tokens: tuple[int, ...]
+    tokens: tuple[int, ...] | range
 
     def __post_init__(self):
-        if any(t < 0 for t in self.tokens):
+        if isinstance(self.tokens, range):
+            if self.tokens.start < 0 or self.tokens.step != 1:
+                raise MaskSpecError("global token positions must be >= 0")
+        elif any(t < 0 for t in self.tokens):
             raise MaskSpecError("global token positions must be >= 0")
+
+    def _upto(self, limit: int) -> np.ndarray:
+        """The sorted global tokens below ``limit``."""
+        if isinstance(self.tokens, range):
+            return np.arange(self.tokens.start, min(self.tokens.stop, limit), dtype=np.int64)
+        g = self._sorted
+        return g[: np.searchsorted(g, limit)]
 
     @cached_property
     def _sorted(self) -> np.ndarray:
         return np.unique(np.asarray(self.tokens, dtype=np.int64))
 
     def evaluate(self, q, k, *, seq_q, seq_k, head=0):
-        g = self._sorted
+        if isinstance(self.tokens, range):
+            lo, hi = self.tokens.start, min(self.tokens.stop, max(seq_q, seq_k))
+            return ((q >= lo) & (q < hi)) | ((k >= lo) & (k < hi))
+        g = self._upto(max(seq_q, seq_k))
         return np.isin(q, g) | np.isin(k, g)
 
     def classify_tiles(self, r0, r1, c0, c1, *, seq_q, seq_k, head=0):
-        g = self._sorted
+        g = self._upto(max(seq_q, seq_k))
         n_rows = np.searchsorted(g, r1) - np.searchsorted(g, r0)  # global queries inside the tile's rows
         n_cols = np.searchsorted(g, c1) - np.searchsorted(g, c0)
         full = (n_rows == r1 - r0) | (n_cols == c1 - c0)
@@ -234,7 +346,40 @@ class Global(MaskSpec):
         out[np.broadcast_to(empty, out.shape)] = TILE_EMPTY
         return out
 
+    def tile_keys(self, g, r0, c0):
+        # The bits depend on which of the tile's rows and which of its columns are global: key (r0 or -1 where its
+        # rows hold no global token, c0 or -1 likewise).
+        t = self._upto(max(g.seq_q, g.seq_k))
+        rows = np.where(np.searchsorted(t, r0 + g.tile_m) > np.searchsorted(t, r0), r0, -1)
+        cols = np.where(np.searchsorted(t, c0 + g.tile_n) > np.searchsorted(t, c0), c0, -1)
+        return (rows + 1) * (g.seq_k + 1) + (cols + 1)
+
+    def _rows_cols(self, g: TileGrid) -> tuple[np.ndarray, np.ndarray]:
+        """Tile rows holding a global query, tile columns holding a global key."""
+        return np.unique(self._upto(g.seq_q) // g.tile_m), np.unique(self._upto(g.seq_k) // g.tile_n)
+
+    def candidate_counts(self, g):
+        rows, cols = self._rows_cols(g)
+        out = np.full(g.tq, cols.size, np.int64)
+        out[rows] = g.tk
+        return out
+
+    def candidates(self, g, i0, i1):
+        rows, cols = self._rows_cols(g)
+        rr = np.arange(i0, i1, dtype=np.int64)
+        is_global = np.isin(rr, rows)
+        n_g = int(is_global.sum())
+        ti_g, tj_g = _ranges_to_pairs(rr[is_global], np.zeros(n_g, np.int64), np.full(n_g, g.tk - 1, np.int64))
+        other = rr[~is_global]
+        ti_o = np.repeat(other, cols.size)
+        tj_o = np.tile(cols, other.size)
+        flat = np.concatenate([ti_g * g.tk + tj_g, ti_o * g.tk + tj_o])
+        flat.sort()
+        return flat // g.tk, flat % g.tk
+
     def __str__(self):
+        if isinstance(self.tokens, range):
+            return f"global:n={len(self.tokens)}"
         g = self._sorted
         if len(g) and np.array_equal(g, np.arange(len(g))):
             return f"global:n={len(g)}"
@@ -394,6 +539,19 @@ class _Combine(MaskSpec):
         for p in self.parts:
             p.check_size(seq_q, seq_k)
 
+    def tile_keys(self, g, r0, c0):
+        keys = [p.tile_keys(g, r0, c0) for p in self.parts]
+        if any(k is None for k in keys):
+            return None
+        if len(keys) == 1:
+            return keys[0]
+        out = np.zeros(np.shape(keys[0]), np.int64)
+        for k in keys:   # one key per combination of the parts' keys (mixed radix over their distinct values)
+            _, inv = np.unique(k, return_inverse=True)
+            n = int(inv.max()) + 1 if inv.size else 1
+            out = np.unique(out * n + inv.reshape(out.shape), return_inverse=True)[1].reshape(out.shape)
+        return out
+
     def num_layouts(self, num_heads):
         ns = {p.num_layouts(num_heads) for p in self.parts} - {1}
         if not ns:
@@ -407,6 +565,19 @@ class _Combine(MaskSpec):
 
 class Union(_Combine):
     """Allowed where any part allows."""
+
+    def candidate_counts(self, g):
+        counts = [p.candidate_counts(g) for p in self.parts]
+        if any(c is None for c in counts):
+            return None
+        return np.minimum(np.sum(counts, axis=0), g.tk)
+
+    def candidates(self, g, i0, i1):
+        pairs = [p.candidates(g, i0, i1) for p in self.parts]
+        if any(c is None for c in pairs):
+            return None
+        flat = np.unique(np.concatenate([ti * g.tk + tj for ti, tj in pairs]))
+        return flat // g.tk, flat % g.tk
 
     def evaluate(self, q, k, **kw):
         out = self.parts[0].evaluate(q, k, **kw)
@@ -428,6 +599,24 @@ class Union(_Combine):
 class Intersection(_Combine):
     """Allowed where every part allows."""
 
+    def _driver(self, g):
+        """The part with the fewest candidate tiles: its candidates cover the intersection's (a superset is all
+        ``candidates`` promises; classification drops the rest)."""
+        best, best_n = None, None
+        for p in self.parts:
+            c = p.candidate_counts(g)
+            if c is not None and (best_n is None or int(c.sum()) < best_n):
+                best, best_n = (p, c), int(c.sum())
+        return best
+
+    def candidate_counts(self, g):
+        d = self._driver(g)
+        return None if d is None else d[1]
+
+    def candidates(self, g, i0, i1):
+        d = self._driver(g)
+        return None if d is None else d[0].candidates(g, i0, i1)
+
     def evaluate(self, q, k, **kw):
         out = self.parts[0].evaluate(q, k, **kw)
         for p in self.parts[1:]:
@@ -447,7 +636,7 @@ class Intersection(_Combine):
 
 def longformer(window: int, global_tokens: int | tuple[int, ...]) -> MaskSpec:
     """Longformer: a symmetric sliding window plus global tokens (an int = the first n tokens)."""
-    tokens = tuple(range(global_tokens)) if isinstance(global_tokens, int) else tuple(global_tokens)
+    tokens = range(global_tokens) if isinstance(global_tokens, int) else tuple(global_tokens)
     return Union((Sliding(window, window), Global(tokens)))
 
 
@@ -533,7 +722,7 @@ def _atom(name: str, text: str) -> MaskSpec:
         a = _args(name, text, {"n": int, "tokens": tuple})
         if ("n" in a) == ("tokens" in a):
             raise MaskSpecError("mask 'global' needs exactly one of n= or tokens=")
-        return Global(tuple(range(a["n"])) if "n" in a else a["tokens"])
+        return Global(range(a["n"]) if "n" in a else a["tokens"])
     if name == "longformer":
         a = _args(name, text, {"window": int, "global": int, "tokens": tuple})
         _need(name, a, "window")
