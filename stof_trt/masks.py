@@ -147,6 +147,12 @@ def _band_columns(lo: int | None, hi: int | None, g: TileGrid, i0: int, i1: int)
     return first, last
 
 
+def _sorted_unique(a: np.ndarray) -> np.ndarray:
+    """np.unique of an int array by sorting (numpy's hash-based unique is several times slower here)."""
+    a = np.sort(a)
+    return a[np.concatenate(([True], a[1:] != a[:-1]))] if a.size else a
+
+
 def _ranges_to_pairs(rows: np.ndarray, first: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Tiles (row, column) for column ranges [first, last] per row, row-major."""
     n = np.maximum(last - first + 1, 0)
@@ -356,7 +362,7 @@ class Global(MaskSpec):
 
     def _rows_cols(self, g: TileGrid) -> tuple[np.ndarray, np.ndarray]:
         """Tile rows holding a global query, tile columns holding a global key."""
-        return np.unique(self._upto(g.seq_q) // g.tile_m), np.unique(self._upto(g.seq_k) // g.tile_n)
+        return _sorted_unique(self._upto(g.seq_q) // g.tile_m), _sorted_unique(self._upto(g.seq_k) // g.tile_n)
 
     def candidate_counts(self, g):
         rows, cols = self._rows_cols(g)
@@ -395,11 +401,18 @@ class BlockLayout(MaskSpec):
         if block < 1:
             raise MaskSpecError(f"block must be >= 1, got {block}")
         self.block = int(block)
-        self._layout = None if layout is None else np.asarray(layout).astype(bool)
+        if layout is not None:
+            layout = np.asarray(layout)
+            if layout.dtype != bool and (not np.issubdtype(layout.dtype, np.number) or
+                                         np.iscomplexobj(layout) or not np.isin(layout, (0, 1)).all()):
+                raise MaskSpecError(f"block layout {source} must be boolean or 0/1")
+        self._layout = None if layout is None else layout.astype(bool)
         self.source = source
         if self._layout is not None:
             if self._layout.ndim == 3:
                 self.per_head = True
+            if self._layout.ndim in (2, 3) and 0 in self._layout.shape:
+                raise MaskSpecError(f"block layout {source} is empty (shape {self._layout.shape})")
             elif self._layout.ndim != 2:
                 raise MaskSpecError(f"block layout must be 2-D [Qb,Kb] or 3-D [H,Qb,Kb], got {self._layout.shape}")
         self._cache: dict = {}
@@ -459,24 +472,42 @@ class BlockLayout(MaskSpec):
 
 class BigBird(BlockLayout):
     """BigBird on a block grid: band of ``window`` blocks each side, the first ``global_blocks`` block rows and
-    columns, and each remaining block with probability ``random`` (numpy default_rng(seed); per head:
-    default_rng([seed, head]))."""
+    columns, and each remaining block with probability ``random``: block row i draws its key blocks in order from
+    numpy ``default_rng([seed, i])`` (per head: ``[seed, head, i]``), so a shorter sequence's layout is the top-left
+    corner of a longer one's."""
 
     def __init__(self, block=64, window=1, global_blocks=1, random=0.0, seed=0, per_head=False):
         super().__init__(None, block)
-        if window < 0 or global_blocks < 0 or not 0.0 <= random <= 1.0:
-            raise MaskSpecError("bigbird needs window >= 0, global >= 0 and 0 <= random <= 1")
+        if window < 0 or global_blocks < 0 or not 0.0 <= random <= 1.0 or seed < 0:
+            raise MaskSpecError("bigbird needs window >= 0, global >= 0, 0 <= random <= 1 and seed >= 0")
         self.window, self.global_blocks, self.random, self.seed = int(window), int(global_blocks), float(random), int(seed)
         self.per_head = bool(per_head)
 
+    def check_size(self, seq_q, seq_k):
+        nbq, nbk = self.block_grid(seq_q, seq_k)
+        if nbq * nbk > self.MAX_GRID_BLOCKS:
+            raise MaskSpecError(
+                f"bigbird:block={self.block} at {seq_q}x{seq_k} tokens is a {nbq}x{nbk} block grid "
+                f"({nbq * nbk} blocks; its layout is held whole, at most {self.MAX_GRID_BLOCKS}): use a larger "
+                f"block or a shorter sequence")
+
+    #: The layout is a dense boolean grid plus int64 prefix sums (9 bytes per block): 2^27 blocks ~ 1.2 GB.
+    MAX_GRID_BLOCKS = 1 << 27
+
     def layout(self, seq_q, seq_k, head=0):
+        self.check_size(seq_q, seq_k)
         nbq, nbk = self.block_grid(seq_q, seq_k)
         qb = np.arange(nbq)[:, None]
         kb = np.arange(nbk)[None, :]
         lay = (np.abs(kb - qb) <= self.window) | (qb < self.global_blocks) | (kb < self.global_blocks)
         if self.random > 0:
-            rng = np.random.default_rng([self.seed, head] if self.per_head else self.seed)
-            lay = lay | (rng.random((nbq, nbk)) < self.random)
+            # Each block row draws from its own stream (seed, [head,] row), key blocks in order: the layout for a
+            # shorter sequence is the top-left corner of a longer one's, so one spec means one mask.
+            base = [self.seed, head] if self.per_head else [self.seed]
+            rand = np.empty((nbq, nbk), bool)
+            for i in range(nbq):
+                rand[i] = np.random.default_rng(base + [i]).random(nbk) < self.random
+            lay = lay | rand
         return lay
 
     def num_layouts(self, num_heads):
@@ -576,7 +607,7 @@ class Union(_Combine):
         pairs = [p.candidates(g, i0, i1) for p in self.parts]
         if any(c is None for c in pairs):
             return None
-        flat = np.unique(np.concatenate([ti * g.tk + tj for ti, tj in pairs]))
+        flat = _sorted_unique(np.concatenate([ti * g.tk + tj for ti, tj in pairs]))
         return flat // g.tk, flat % g.tk
 
     def evaluate(self, q, k, **kw):
@@ -644,6 +675,9 @@ def longformer(window: int, global_tokens: int | tuple[int, ...]) -> MaskSpec:
 # Parsing
 
 _INT_RE = re.compile(r"^-?\d+$")
+_INT_MAX = 2**31 - 1
+# Parentheses nested deeper than this are refused (the parser recurses once per level).
+MAX_NESTING = 64
 
 
 def _args(name: str, text: str, allowed: dict[str, type]) -> dict:
@@ -662,6 +696,8 @@ def _args(name: str, text: str, allowed: dict[str, type]) -> dict:
                 if not _INT_RE.match(val):
                     raise ValueError
                 out[key] = int(val)
+                if abs(out[key]) > _INT_MAX:   # the tile format and the kernels index with int32
+                    raise MaskSpecError(f"mask '{name}': {key}={val} is out of range (at most {_INT_MAX})")
             elif typ is float:
                 out[key] = float(val)
             elif typ is bool:
@@ -670,6 +706,8 @@ def _args(name: str, text: str, allowed: dict[str, type]) -> dict:
                 out[key] = val in ("1", "true")
             elif typ is tuple:
                 out[key] = tuple(int(t) for t in val.split(";") if t != "")
+                if any(abs(t) > _INT_MAX for t in out[key]):
+                    raise MaskSpecError(f"mask '{name}': a token of {key}= is out of range (at most {_INT_MAX})")
             else:
                 out[key] = val
         except ValueError:
@@ -763,18 +801,20 @@ def _split_top(text: str, sep: str) -> list[str]:
     return parts
 
 
-def _parse(text: str) -> MaskSpec:
+def _parse(text: str, depth: int = 0) -> MaskSpec:
     text = text.strip()
     if not text:
         raise MaskSpecError("empty mask spec")
+    if depth > MAX_NESTING:
+        raise MaskSpecError(f"mask spec nests parentheses deeper than {MAX_NESTING} levels")
     union = _split_top(text, "|")
     if len(union) > 1:
-        return Union(tuple(_parse(p) for p in union))
+        return Union(tuple(_parse(p, depth + 1) for p in union))
     inter = _split_top(text, "&")
     if len(inter) > 1:
-        return Intersection(tuple(_parse(p) for p in inter))
+        return Intersection(tuple(_parse(p, depth + 1) for p in inter))
     if text.startswith("(") and text.endswith(")"):
-        return _parse(text[1:-1])
+        return _parse(text[1:-1], depth + 1)
     name, _, rest = text.partition(":")
     return _atom(name.strip().lower(), rest.strip())
 
