@@ -11,6 +11,7 @@ Spec grammar (``parse_mask``)::
     inter  := atom ('&' atom)*            # logical AND, binds tighter than '|'
     atom   := '(' spec ')' | NAME [':' ARGS]
     ARGS   := key=value (',' key=value)*  # npy takes a path instead: npy:PATH
+    PATH   := text | 'text' | "text"      # quote a path holding | & ( ) , : npy:'masks/a|b.npy'
 
 Names and arguments:
 
@@ -467,7 +468,7 @@ class BlockLayout(MaskSpec):
         return out
 
     def __str__(self):
-        return f"blocks:{self.source},block={self.block}"
+        return f"blocks:{_quote_path(self.source)},block={self.block}"
 
 
 class BigBird(BlockLayout):
@@ -555,7 +556,7 @@ class DenseMask(MaskSpec):
         return self.head_array(seq_q, seq_k, head)[q, k]
 
     def __str__(self):
-        return f"npy:{self.source}"
+        return f"npy:{_quote_path(self.source)}"
 
 
 @dataclass(frozen=True)
@@ -773,20 +774,29 @@ def _atom(name: str, text: str) -> MaskSpec:
         return BigBird(a.get("block", 64), a.get("window", 1), a.get("global", 1), a.get("random", 0.0),
                        a.get("seed", 0), a.get("per_head", False))
     if name == "blocks":
-        path, _, rest = text.partition(",")
+        path, rest = _take_path(name, text)
         a = _args(name, rest, {"block": int})
         return BlockLayout(_load_npy(name, path), a.get("block", 64), source=path)
     if name == "npy":
-        return DenseMask(_load_npy(name, text), source=text)
+        path, rest = _take_path(name, text) if text[:1] in ("'", '"') else (text, "")
+        if rest:
+            raise MaskSpecError(f"mask 'npy' takes a path only, got ',{rest}'")
+        return DenseMask(_load_npy(name, path), source=path)
     raise MaskSpecError(
         f"unknown mask '{name}' (expected one of full, causal, sliding, dilated, global, longformer, bigbird, "
         "blocks, npy)")
 
 
 def _split_top(text: str, sep: str) -> list[str]:
-    parts, depth, start = [], 0, 0
+    parts, depth, start, quote = [], 0, 0, None
     for i, ch in enumerate(text):
-        if ch == "(":
+        if quote:   # a quoted path: '|', '&', parentheses and commas inside are part of it
+            if ch == quote:
+                quote = None
+            continue
+        if ch in "'\"":
+            quote = ch
+        elif ch == "(":
             depth += 1
         elif ch == ")":
             depth -= 1
@@ -795,10 +805,33 @@ def _split_top(text: str, sep: str) -> list[str]:
         elif ch == sep and depth == 0:
             parts.append(text[start:i])
             start = i + 1
+    if quote:
+        raise MaskSpecError(f"unclosed quote {quote} in mask spec '{text}'")
     if depth:
         raise MaskSpecError(f"unbalanced '(' in mask spec '{text}'")
     parts.append(text[start:])
     return parts
+
+
+def _quote_path(path: str) -> str:
+    """A path as a spec writes it: quoted when it holds a character the grammar reads."""
+    if not any(c in path for c in "|&(),'\""):
+        return path
+    return f"'{path}'" if "'" not in path else f'"{path}"'
+
+
+def _take_path(name: str, text: str) -> tuple[str, str]:
+    """Split ``PATH[,rest]``; a PATH in single or double quotes may hold '|', '&', ',' and parentheses."""
+    if text[:1] in ("'", '"'):
+        end = text.find(text[0], 1)
+        if end < 0:
+            raise MaskSpecError(f"mask '{name}': unclosed quote in {text}")
+        rest = text[end + 1:].strip()
+        if rest and not rest.startswith(","):
+            raise MaskSpecError(f"mask '{name}': expected ',' after the quoted path, got '{rest}'")
+        return text[1:end], rest[1:]
+    path, _, rest = text.partition(",")
+    return path, rest
 
 
 def _parse(text: str, depth: int = 0) -> MaskSpec:

@@ -5,7 +5,7 @@ runs on any ONNX runtime; with the STOF plugins it runs the sparse CUDA kernels.
 
 examples:
   stof rewrite bert.onnx -o bert.stof.onnx --mask longformer:window=256,global=32
-  stof rewrite gpt2.onnx -o gpt2.stof.onnx            # the causal mask found in the graph is used
+  stof rewrite gpt2.onnx                              # writes gpt2.stof.onnx; the graph's causal mask is used
   stof rewrite model.onnx -o out.onnx --mask 'sliding:window=128&causal' --json
 """
 
@@ -15,12 +15,17 @@ import os
 import time
 
 from ..errors import StofError
-from .common import check_output_path, load_model, print_json, print_table, save_model
+from .common import check_output_path, default_output, load_model, print_json, print_table, save_model
+
+# Sequence lengths the tile format can index (int32 element offsets within one row of tiles).
+MAX_SEQ_LEN = 2**31 - 1
 
 
 def add_args(p):
     p.add_argument("input", metavar="IN.onnx", help="exported ONNX model (external data is read too)")
-    p.add_argument("-o", "--output", required=True, metavar="OUT.onnx", help="where to write the rewritten model")
+    p.add_argument("-o", "--output", metavar="OUT.onnx",
+                   help="where to write the rewritten model (default: IN.stof.onnx beside the input; never the "
+                        "input itself)")
     p.add_argument("--mask", metavar="SPEC",
                    help="static attention sparsity for every attention node (see `stof --help`); intersected "
                         "with causal/sliding patterns found in the graph; padding masks stay run-time inputs")
@@ -45,18 +50,37 @@ def run(args) -> int:
     from ..masks import parse_mask
     from ..rewrite import rewrite_model
 
+    if args.output is None:
+        args.output = default_output(args.input)
+    # Everything the user gave is checked before the rewrite runs: nothing is computed for a path that cannot
+    # be written or a spec that cannot be built.
     check_output_path(args.input, args.output)
     mask = parse_mask(args.mask) if args.mask else None
     fmt.check_tile_shape(*args.tile)
-    if args.max_seq_len is not None and args.max_seq_len < 1:
-        raise StofError("--max-seq-len must be positive")
+    if args.max_seq_len is not None and not 1 <= args.max_seq_len <= MAX_SEQ_LEN:
+        raise StofError(f"--max-seq-len must be in [1, {MAX_SEQ_LEN}] (the tile format indexes with int32), "
+                        f"got {args.max_seq_len}")
+    if mask is not None and args.max_seq_len is not None:
+        try:
+            mask.check_size(args.max_seq_len, args.max_seq_len)
+        except StofError as e:
+            raise StofError(f"--mask at --max-seq-len {args.max_seq_len}: {e}") from None
     t0 = time.perf_counter()
     model = load_model(args.input, keep_external_data=True)
     data_dir = os.path.dirname(os.path.abspath(args.input))
-    new_model, report = rewrite_model(model, mask=mask, epilogues=not args.no_epilogue, tile_m=args.tile[0],
-                                      tile_n=args.tile[1], max_seq_len=args.max_seq_len,
-                                      external_data_dir=data_dir, packed_qkv=not args.no_packed_qkv,
-                                      dense_attention=args.dense_attention)
+    try:
+        new_model, report = rewrite_model(model, mask=mask, epilogues=not args.no_epilogue, tile_m=args.tile[0],
+                                          tile_n=args.tile[1], max_seq_len=args.max_seq_len,
+                                          external_data_dir=data_dir, packed_qkv=not args.no_packed_qkv,
+                                          dense_attention=args.dense_attention)
+    except MemoryError:
+        size = f" --max-seq-len {args.max_seq_len}" if args.max_seq_len else " this model"
+        raise StofError(f"not enough memory to rewrite for{size}: the probe's and the masks' arrays do not fit "
+                        "(give a smaller --max-seq-len)") from None
+    moved = report.keep_attention_in(new_model)
+    if moved:
+        report.notes.append(f"{moved} attention node(s) with no sparsity run as ONNX Runtime's Attention "
+                            "(--dense-attention ort); they are not listed above")
     save_model(new_model, args.output, external_data_dir=data_dir)
     info = report.to_dict()
     info.update(input=args.input, output=args.output, seconds=round(time.perf_counter() - t0, 3))
@@ -67,7 +91,7 @@ def run(args) -> int:
     return 0
 
 
-def print_report(info: dict) -> None:
+def print_report(info: dict, wrote: bool = True) -> None:
     """Tables from RewriteReport.to_dict() (stof_trt/rewrite/report.py)."""
     print(f"{info['input']} -> {info['output']}  ({info['seconds']} s)")
     patterns = info.get("patterns", {})
@@ -81,8 +105,19 @@ def print_report(info: dict) -> None:
                     ["pattern", "STOF op", "matched", "removed", "added", "ops removed"])
     else:
         print("nothing matched: the model comes back equivalent")
-    print(f"\nnodes: {info.get('nodes_before', '?')} -> {info.get('nodes_after', '?')} "
-          f"({removed} removed, {added} added)")
+    before, after = info.get("nodes_before"), info.get("nodes_after")
+    if isinstance(before, int) and isinstance(after, int):
+        # the rest is the cleanup after the patterns: constant folding of the shape arithmetic that fed removed
+        # subgraphs, nodes left without consumers
+        cleanup = before - removed + added - after
+        line = f"\nnodes: {before} -> {after}: {removed} removed and {added} added by the patterns"
+        if cleanup > 0:
+            line += f", {cleanup} removed by cleanup (folded shape arithmetic, unused nodes)"
+        elif cleanup < 0:
+            line += f", {-cleanup} added by cleanup"
+        print(line)
+    else:
+        print(f"\nnodes: {removed} removed, {added} added")
     att = info.get("attention", [])
     if att:
         print()
@@ -101,3 +136,5 @@ def print_report(info: dict) -> None:
             print(f"  {item.get('node', '?')} ({item.get('op_type', '?')}): {item.get('reason', '?')}")
     for note in info.get("notes", []):
         print(f"note: {note}")
+    if wrote and info.get("output"):
+        print(f"\nwrote {info['output']}")
