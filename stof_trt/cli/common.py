@@ -161,14 +161,6 @@ def quiet_onnxruntime() -> None:
         pass
 
 
-def check_output_path(inp: str, out: str) -> None:
-    if os.path.abspath(inp) == os.path.abspath(out) or (os.path.exists(out) and os.path.samefile(inp, out)):
-        raise StofError(f"output path {out} is the input: refusing to overwrite the input model")
-    d = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(d):
-        raise StofError(f"output directory does not exist: {d}")
-
-
 def save_model(model, out: str, external_data_dir: str | None = None) -> None:
     """Write atomically (temp file + rename); external data when the model is over protobuf's 2 GiB limit.
     Weights still in external files (``load_model(keep_external_data=True)``) are read from

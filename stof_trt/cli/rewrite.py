@@ -67,6 +67,8 @@ def run(args) -> int:
             raise StofError(f"--mask at --max-seq-len {args.max_seq_len}: {e}") from None
     t0 = time.perf_counter()
     model = load_model(args.input, keep_external_data=True)
+    if args.max_seq_len is not None:
+        check_probe_memory(model, args.max_seq_len)
     data_dir = os.path.dirname(os.path.abspath(args.input))
     try:
         new_model, report = rewrite_model(model, mask=mask, epilogues=not args.no_epilogue, tile_m=args.tile[0],
@@ -89,6 +91,48 @@ def run(args) -> int:
     else:
         print_report(info)
     return 0
+
+
+def check_probe_memory(model, seq: int) -> None:
+    """Refuse a --max-seq-len whose probe inputs alone would not fit in memory: the rewrite runs the mask subgraph
+    on inputs of that length (symbolic dims after the batch taken as ``seq``), and its intermediates take several
+    times the inputs."""
+    from onnx import helper
+
+    inits = {t.name for t in model.graph.initializer}
+    total = 0
+    for vi in model.graph.input:
+        if vi.name in inits or not vi.type.HasField("tensor_type"):
+            continue
+        tt = vi.type.tensor_type
+        try:
+            item = helper.tensor_dtype_to_np_dtype(tt.elem_type).itemsize
+        except Exception:  # noqa: BLE001 - an exotic type: the rewrite says what it thinks of it
+            continue
+        n = 1
+        for d in list(tt.shape.dim)[1:]:
+            n *= d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else seq
+        total += n * item
+    need = 4 * total
+    avail = _available_memory()
+    if avail and need > avail:
+        raise StofError(f"--max-seq-len {seq} needs about {need / 2**30:.1f} GiB for the model's probe (inputs of "
+                        f"{total / 2**30:.1f} GiB and their intermediates); {avail / 2**30:.1f} GiB is available: "
+                        "give a smaller --max-seq-len")
+
+
+def _available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def print_report(info: dict, wrote: bool = True) -> None:
