@@ -67,7 +67,10 @@ def run(args) -> int:
                         "CPU with --provider cpu (STOF nodes run as their ONNX functions), or install "
                         "onnxruntime-gpu")
     # Every STOF node's layout is checked as `stof inspect` does: a damaged layout must not run.
-    attention_nodes(load_model(args.model))
+    try:
+        attention_nodes(load_model(args.model))
+    except StofError as e:
+        raise StofError(f"{args.model}: a STOF attention node's layout is invalid ({e})") from None
     if args.output_dir:
         make_output_dir(args.output_dir)
     given = load_inputs(args.input)
