@@ -62,6 +62,9 @@ STOF_FORMAT_VERSIONS_READ = (1, 2)
 _CHUNK_ELEMENTS = 1 << 24
 # Tiles of the grid classified per block of tile rows in compile_mask (~ a few x 32 MB of index arrays).
 _GRID_CHUNK_TILES = 1 << 22
+# Most stored tiles compile_mask builds: ~17 bytes each while compiling (index, class, column, bitmap number), so
+# 2^28 tiles take ~4.5 GB; more is refused before anything is allocated (a causal mask at 2^22 tokens is 2^31).
+MAX_STORED_TILES = 1 << 28
 
 
 class TileClass(enum.IntEnum):
@@ -488,6 +491,19 @@ def compile_mask(mask: MaskSpec | str | np.ndarray, seq_q: int, seq_k: int | Non
     b = np.arange(tile_n, dtype=np.int32)[None, None, :]
     per_chunk = max(1, _CHUNK_ELEMENTS // (tile_m * tile_n))
 
+    # Refuse before allocating when the stored tiles cannot be held (their bound is cheap: O(Tq) per layout).
+    bounds = []
+    for h in range(L):
+        c = spec.candidate_counts(TileGrid(seq_q, seq_k, tile_m, tile_n, h))
+        bounds.append(c if c is not None else np.full(tq, tk, np.int64))
+        if not spec.per_head:
+            bounds *= L
+            break
+    most = int(sum(int(c.sum()) for c in bounds))
+    if most > MAX_STORED_TILES:
+        raise StofError(f"mask '{spec}' at {seq_q}x{seq_k} in {tile_m}x{tile_n} tiles may store up to {most} tiles "
+                        f"(at most {MAX_STORED_TILES} are compiled): use a sparser mask, larger tiles or a shorter "
+                        "sequence")
     flats, classes, part_words, part_ids = [], [], [], []
     n_words = 0
     for h in range(L):
@@ -496,9 +512,7 @@ def compile_mask(mask: MaskSpec | str | np.ndarray, seq_q: int, seq_k: int | Non
         # Only the tiles the spec says may be stored are classified (a band's few per tile row, not the grid), a
         # block of tile rows at a time holding about _GRID_CHUNK_TILES of them: time and memory grow with the
         # stored tiles, not with Tq x Tk.
-        counts = spec.candidate_counts(grid)
-        if counts is None:
-            counts = np.full(tq, tk, np.int64)
+        counts = bounds[h]
         for rs, re in _row_blocks(counts, _GRID_CHUNK_TILES):
             pairs = spec.candidates(grid, rs, re)
             if pairs is None:

@@ -143,3 +143,11 @@ def test_band_compile_keeps_only_the_band():
     # 2^20 tokens: a grid of 2^28 tiles, of which a few per tile row are stored
     lay = compile_mask("longformer:window=256,global=32", 2**20, 2**20)
     assert lay.nnz < 3 * 2**14 * 6
+
+
+@pytest.mark.parametrize("spec", ["causal", "full", "global:n=1000000000"])
+def test_compile_refuses_more_stored_tiles_than_it_can_hold(spec):
+    from stof_trt.errors import StofError
+
+    with pytest.raises(StofError, match="may store up to"):
+        compile_mask(spec, 2**22, 2**22)
