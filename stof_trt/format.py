@@ -466,11 +466,15 @@ def compile_mask(mask: MaskSpec | str | np.ndarray, seq_q: int, seq_k: int | Non
                  tile_n: int = 64, num_heads: int | None = None) -> TileLayout:
     """Compile a mask spec (or spec string, or dense bool array) for a ``seq_q x seq_k`` attention.
 
-    Tiles the spec can classify from index ranges alone (bands, global tokens, block layouts) are never
-    evaluated element-wise; only UNKNOWN tiles are, in bounded chunks. The tile grid is classified a block of tile
-    rows at a time and only the stored tiles are kept (PARTIAL ones as packed bitmaps), so memory grows with the
-    stored tiles, not with Tq x Tk: a 2^20-token band compiles in ~0.2 GB. No Python loop runs over tiles or
-    elements (only over layouts when the mask differs per head, and over blocks of tile rows)."""
+    Work and memory grow with the stored tiles, not with the Tq x Tk grid: the spec names the tiles that may be
+    stored (``MaskSpec.candidates``: a band's few per tile row; every tile for a spec that cannot say), only those
+    are classified from index ranges (bands, global tokens, block layouts), and of the tiles left UNKNOWN one per
+    bit pattern (``MaskSpec.tile_keys``: a band's tiles on one diagonal offset) is evaluated element-wise, in
+    bounded chunks. ``sliding:window=128`` and ``longformer:window=256,global=32`` compile at 2^22 tokens in well
+    under 2 s on two CPU cores. A mask that may store more than ``MAX_STORED_TILES`` tiles (causal or dense at
+    millions of tokens) is refused before anything is allocated. No Python loop runs over tiles or elements (only
+    over layouts when the mask differs per head, and over blocks of tile rows).
+    """
     seq_k = seq_q if seq_k is None else seq_k
     check_tile_shape(tile_m, tile_n)
     if not (isinstance(seq_q, (int, np.integer)) and isinstance(seq_k, (int, np.integer))) or seq_q < 1 or seq_k < 1:

@@ -32,8 +32,10 @@ npy            PATH (a .npy bool/0-1 array [Sq,Sk] or [H,Sq,Sk])            M[q,
 =============  ==========================================================  =====================================
 
 Every spec knows how to (1) evaluate itself on index arrays and (2) classify whole tiles as certainly empty,
-certainly full or unknown from the tile's index ranges alone. (2) is what makes compiling a 32k x 32k mask fast:
-only unknown tiles are evaluated element by element (see ``stof_trt.format.compile_mask``).
+certainly full or unknown from the tile's index ranges alone; band-like specs also (3) name the tiles that may be
+stored (``candidates``) and (4) give tiles with the same bits one key (``tile_keys``). (2)-(4) are what make
+compiling a band at millions of tokens fast: the work follows the stored tiles, and only one unknown tile per bit
+pattern is evaluated element by element (see ``stof_trt.format.compile_mask``).
 """
 
 from __future__ import annotations
