@@ -483,7 +483,8 @@ class BigBird(BlockLayout):
         super().__init__(None, block)
         if window < 0 or global_blocks < 0 or not 0.0 <= random <= 1.0 or seed < 0:
             raise MaskSpecError("bigbird needs window >= 0, global >= 0, 0 <= random <= 1 and seed >= 0")
-        self.window, self.global_blocks, self.random, self.seed = int(window), int(global_blocks), float(random), int(seed)
+        self.window, self.global_blocks = int(window), int(global_blocks)
+        self.random, self.seed = float(random), int(seed)
         self.per_head = bool(per_head)
 
     def check_size(self, seq_q, seq_k):

@@ -206,7 +206,8 @@ def test_npy_path_with_a_bar_in_quotes(tmp_path):
     from stof_trt.masks import parse_mask
 
     spec = parse_mask(f"npy:'{d / 'm.npy'}'|global:n=1")
-    assert np.array_equal(spec.dense(128, 128), np.tril(np.ones((128, 128), bool)) | parse_mask("global:n=1").dense(128, 128))
+    want = np.tril(np.ones((128, 128), bool)) | parse_mask("global:n=1").dense(128, 128)
+    assert np.array_equal(spec.dense(128, 128), want)
     assert str(parse_mask(str(spec))) == str(spec)
     rc, out, _ = run_cli("--help")
     assert "quotes" in out
