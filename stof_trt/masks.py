@@ -26,7 +26,7 @@ dilated        window=W, dilation=2; causal=0|1                             |d| 
 global         n=G | tokens=i;j;k                                           query or key is a global token
 longformer     window=W, global=G (first G tokens) | tokens=i;j;k          sliding(W) | global
 bigbird        block=64, window=1, global=1, random=0.0, seed=0,            on the block grid: |qb-kb| <= window,
-               per_head=0                                                   qb or kb < global, or a random block
+               per_head=0, draw=row|grid                                    qb or kb < global, or a random block
 blocks         PATH.npy, block=64                                           layout[q // block, k // block]
 npy            PATH (a .npy bool/0-1 array [Sq,Sk] or [H,Sq,Sk])            M[q, k] (top-left corner used)
 =============  ==========================================================  =====================================
@@ -479,8 +479,13 @@ class BigBird(BlockLayout):
     numpy ``default_rng([seed, i])`` (per head: ``[seed, head, i]``), so a shorter sequence's layout is the top-left
     corner of a longer one's."""
 
-    def __init__(self, block=64, window=1, global_blocks=1, random=0.0, seed=0, per_head=False):
+    def __init__(self, block=64, window=1, global_blocks=1, random=0.0, seed=0, per_head=False, draw="row"):
         super().__init__(None, block)
+        if draw not in ("row", "grid"):
+            raise MaskSpecError(f"bigbird draw must be 'row' or 'grid', got '{draw}'")
+        # "grid": the whole block grid from one stream (default_rng(seed) / [seed, head]), as layouts were drawn
+        # before the per-row streams; not prefix-stable, kept to rebuild the layouts of recorded benchmark runs.
+        self.draw = draw
         if window < 0 or global_blocks < 0 or not 0.0 <= random <= 1.0 or seed < 0:
             raise MaskSpecError("bigbird needs window >= 0, global >= 0, 0 <= random <= 1 and seed >= 0")
         self.window, self.global_blocks = int(window), int(global_blocks)
@@ -508,9 +513,12 @@ class BigBird(BlockLayout):
             # Each block row draws from its own stream (seed, [head,] row), key blocks in order: the layout for a
             # shorter sequence is the top-left corner of a longer one's, so one spec means one mask.
             base = [self.seed, head] if self.per_head else [self.seed]
-            rand = np.empty((nbq, nbk), bool)
-            for i in range(nbq):
-                rand[i] = np.random.default_rng(base + [i]).random(nbk) < self.random
+            if self.draw == "grid":
+                rand = np.random.default_rng(base if self.per_head else self.seed).random((nbq, nbk)) < self.random
+            else:
+                rand = np.empty((nbq, nbk), bool)
+                for i in range(nbq):
+                    rand[i] = np.random.default_rng(base + [i]).random(nbk) < self.random
             lay = lay | rand
         return lay
 
@@ -521,7 +529,7 @@ class BigBird(BlockLayout):
         s = f"bigbird:block={self.block},window={self.window},global={self.global_blocks}"
         if self.random:
             s += f",random={self.random:g},seed={self.seed}"
-        return s + (",per_head=1" if self.per_head else "")
+        return s + (",per_head=1" if self.per_head else "") + (",draw=grid" if self.draw == "grid" else "")
 
 
 class DenseMask(MaskSpec):
@@ -669,6 +677,16 @@ class Intersection(_Combine):
         return "&".join(f"({p})" if isinstance(p, Union) else str(p) for p in self.parts)
 
 
+def grid_drawn(spec: MaskSpec) -> MaskSpec:
+    """``spec`` with every BigBird drawing its random blocks from one stream over the grid (``draw=grid``): the
+    layouts of benchmark runs recorded before the per-row streams."""
+    if isinstance(spec, BigBird):
+        return BigBird(spec.block, spec.window, spec.global_blocks, spec.random, spec.seed, spec.per_head, "grid")
+    if isinstance(spec, _Combine):
+        return type(spec)(tuple(grid_drawn(p) for p in spec.parts))
+    return spec
+
+
 def longformer(window: int, global_tokens: int | tuple[int, ...]) -> MaskSpec:
     """Longformer: a symmetric sliding window plus global tokens (an int = the first n tokens)."""
     tokens = range(global_tokens) if isinstance(global_tokens, int) else tuple(global_tokens)
@@ -773,9 +791,9 @@ def _atom(name: str, text: str) -> MaskSpec:
         return longformer(a["window"], a["tokens"] if "tokens" in a else a.get("global", 0))
     if name == "bigbird":
         a = _args(name, text, {"block": int, "window": int, "global": int, "random": float, "seed": int,
-                               "per_head": bool})
+                               "per_head": bool, "draw": str})
         return BigBird(a.get("block", 64), a.get("window", 1), a.get("global", 1), a.get("random", 0.0),
-                       a.get("seed", 0), a.get("per_head", False))
+                       a.get("seed", 0), a.get("per_head", False), a.get("draw", "row"))
     if name == "blocks":
         path, rest = _take_path(name, text)
         a = _args(name, rest, {"block": int})

@@ -153,3 +153,13 @@ def test_compile_refuses_more_stored_tiles_than_it_can_hold(spec):
 
     with pytest.raises(StofError, match="may store up to"):
         compile_mask(spec, 2**22, 2**22)
+
+
+def test_bigbird_grid_draw_rebuilds_recorded_layouts():
+    """draw=grid: one stream over the block grid, as the recorded benchmark runs were drawn."""
+    from stof_trt.masks import grid_drawn
+
+    spec = grid_drawn(parse_mask("bigbird:block=16,window=0,global=0,random=0.3,seed=4"))
+    assert str(spec).endswith(",draw=grid") and str(parse_mask(str(spec))) == str(spec)
+    want = np.random.default_rng(4).random((7, 7)) < 0.3
+    assert np.array_equal(spec.layout(100, 100) & ~np.eye(7, dtype=bool), want & ~np.eye(7, dtype=bool))
