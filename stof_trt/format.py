@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import StofError
-from .masks import TILE_EMPTY, TILE_FULL, TILE_UNKNOWN, DenseMask, MaskSpec, parse_mask
+from .masks import TILE_EMPTY, TILE_FULL, TILE_UNKNOWN, DenseMask, MaskSpec, TileGrid, parse_mask
 
 __all__ = ["STOF_FORMAT_VERSION", "TileClass", "TileLayout", "compile_mask", "check_tile_shape"]
 
@@ -63,6 +63,9 @@ STOF_FORMAT_VERSIONS_READ = (1, 2)
 _CHUNK_ELEMENTS = 1 << 24
 # Tiles of the grid classified per block of tile rows in compile_mask (~ a few x 32 MB of index arrays).
 _GRID_CHUNK_TILES = 1 << 22
+# Most stored tiles compile_mask builds: ~17 bytes each while compiling (index, class, column, bitmap number), so
+# 2^28 tiles take ~4.5 GB; more is refused before anything is allocated (a causal mask at 2^22 tokens is 2^31).
+MAX_STORED_TILES = 1 << 28
 
 
 class TileClass(enum.IntEnum):
@@ -397,10 +400,12 @@ def _pack_bitmaps(bits, tile_m, tile_n) -> np.ndarray:
     return np.ascontiguousarray(packed).view("<u4").astype(np.uint32).view(np.int32)
 
 
-def _assemble_stored(shape, flat, classes, part_words, seq_q, seq_k, tile_m, tile_n, mask_spec) -> TileLayout:
+def _assemble_stored(shape, flat, classes, part_words, seq_q, seq_k, tile_m, tile_n, mask_spec,
+                     part_ids=None) -> TileLayout:
     """Build a TileLayout of grid shape (L, Tq, Tk) from its stored tiles: flat, their ascending indices into the
     grid (storage order); classes, their TileClass (FULL or PARTIAL); part_words [P, tm*tn/32], the PARTIAL ones'
-    bitmaps (_pack_bitmaps) in the same order."""
+    bitmaps (_pack_bitmaps) in the same order, or, with part_ids, candidate rows that the PARTIAL tiles index (tile
+    e's bits are part_words[part_ids[e]]; rows may repeat)."""
     L, tq, tk = shape
     nnz = flat.size
     row_ptr = np.zeros(L * tq + 1, np.int64)
@@ -409,36 +414,68 @@ def _assemble_stored(shape, flat, classes, part_words, seq_q, seq_k, tile_m, til
     is_part = classes == TileClass.PARTIAL
     tile_bitmap_index = np.full(nnz, -1, np.int32)
     words = tile_m * tile_n // 32
-    if part_words.shape[0]:
-        bitmaps = part_words
+    if part_ids is None:
+        part_ids = np.arange(part_words.shape[0], dtype=np.int64)
+    if part_ids.size:
         # Identical bitmaps stored once, numbered in order of first use (format version 2): a band's or a causal
         # mask's PARTIAL tiles repeat a few patterns, so the kernels read a few cached rows instead of a distinct
         # row per tile (tactic 24: Longformer 6-7 %, dilated 4.5 %, sliding 1-4 %, causal S <= 2048 1.5 % faster).
-        _, first, inverse = np.unique(bitmaps, axis=0, return_index=True, return_inverse=True)
-        inverse = inverse.reshape(-1)
-        keep = np.sort(first)                                   # first uses, in storage order
-        number = np.empty(bitmaps.shape[0], np.int64)
-        number[keep] = np.arange(keep.size)                     # a first use's new row
-        tile_bitmap_index[is_part] = number[first[inverse]].astype(np.int32)
-        bitmaps = bitmaps[keep]
+        uniq, canon = np.unique(part_words, axis=0, return_inverse=True)
+        tile_canon = canon.reshape(-1)[part_ids]                 # per PARTIAL tile, its distinct bitmap
+        used, first = np.unique(tile_canon, return_index=True)   # the bitmaps in use and their first users
+        by_use = used[np.argsort(first, kind="stable")]          # in order of first use
+        number = np.empty(uniq.shape[0], np.int64)
+        number[by_use] = np.arange(by_use.size)
+        tile_bitmap_index[is_part] = number[tile_canon].astype(np.int32)
+        bitmaps = uniq[by_use]
     else:
         bitmaps = np.zeros((1, words), np.int32)
     if nnz == 0:
         col_idx = np.zeros(1, np.int32)
         tile_bitmap_index = np.full(1, -1, np.int32)
     return TileLayout(int(seq_q), int(seq_k), int(tile_m), int(tile_n), int(L), row_ptr.astype(np.int32),
-                      col_idx, tile_bitmap_index, bitmaps.reshape(-1, words), mask_spec)
+                      col_idx, tile_bitmap_index, np.ascontiguousarray(bitmaps).reshape(-1, words), mask_spec)
+
+
+def _representatives(spec: MaskSpec, grid: TileGrid, ti: np.ndarray, tj: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(rep, inv): the tiles rep (indices into ti/tj) stand for all, tile e having the bits of tile rep[inv[e]].
+    Without keys every tile stands for itself."""
+    keys = spec.tile_keys(grid, ti * grid.tile_m, tj * grid.tile_n) if ti.size else None
+    if keys is None:
+        idx = np.arange(ti.size)
+        return idx, idx
+    edge = ((ti + 1) * grid.tile_m > grid.seq_q) | ((tj + 1) * grid.tile_n > grid.seq_k)
+    keys = np.where(edge, keys.max() + 1 + np.arange(ti.size, dtype=np.int64), keys)   # cut tiles: keys of their own
+    _, rep, inv = np.unique(keys, return_index=True, return_inverse=True)
+    return rep, inv.reshape(-1)
+
+
+def _row_blocks(counts: np.ndarray, budget: int):
+    """Split tile rows into consecutive blocks [start, end) of about ``budget`` candidate tiles each (at least one
+    row)."""
+    ends = np.searchsorted(np.cumsum(counts), np.arange(budget, int(counts.sum()) + budget, budget), side="right")
+    start = 0
+    for e in list(np.unique(ends)) + [counts.size]:
+        e = max(int(e), start + 1) if start < counts.size else start
+        e = min(e, counts.size)
+        if e > start:
+            yield start, e
+            start = e
 
 
 def compile_mask(mask: MaskSpec | str | np.ndarray, seq_q: int, seq_k: int | None = None, *, tile_m: int = 64,
                  tile_n: int = 64, num_heads: int | None = None) -> TileLayout:
     """Compile a mask spec (or spec string, or dense bool array) for a ``seq_q x seq_k`` attention.
 
-    Tiles the spec can classify from index ranges alone (bands, global tokens, block layouts) are never
-    evaluated element-wise; only UNKNOWN tiles are, in bounded chunks. The tile grid is classified a block of tile
-    rows at a time and only the stored tiles are kept (PARTIAL ones as packed bitmaps), so memory grows with the
-    stored tiles, not with Tq x Tk: a 2^20-token band compiles in ~0.2 GB. No Python loop runs over tiles or
-    elements (only over layouts when the mask differs per head, and over blocks of tile rows)."""
+    Work and memory grow with the stored tiles, not with the Tq x Tk grid: the spec names the tiles that may be
+    stored (``MaskSpec.candidates``: a band's few per tile row; every tile for a spec that cannot say), only those
+    are classified from index ranges (bands, global tokens, block layouts), and of the tiles left UNKNOWN one per
+    bit pattern (``MaskSpec.tile_keys``: a band's tiles on one diagonal offset) is evaluated element-wise, in
+    bounded chunks. ``sliding:window=128`` and ``longformer:window=256,global=32`` compile at 2^22 tokens in well
+    under 2 s on two CPU cores. A mask that may store more than ``MAX_STORED_TILES`` tiles (causal or dense at
+    millions of tokens) is refused before anything is allocated. No Python loop runs over tiles or elements (only
+    over layouts when the mask differs per head, and over blocks of tile rows).
+    """
     seq_k = seq_q if seq_k is None else seq_k
     check_tile_shape(tile_m, tile_n)
     if not (isinstance(seq_q, (int, np.integer)) and isinstance(seq_k, (int, np.integer))) or seq_q < 1 or seq_k < 1:
@@ -453,47 +490,77 @@ def compile_mask(mask: MaskSpec | str | np.ndarray, seq_q: int, seq_k: int | Non
         return TileLayout.from_dense(dense, tile_m, tile_n, mask_spec=str(spec))
 
     tq, tk = -(-seq_q // tile_m), -(-seq_k // tile_n)
-    c0 = (np.arange(tk, dtype=np.int64) * tile_n)[None, :]
-    c1 = np.minimum(c0 + tile_n, seq_k)
     valid_rows, valid_cols = _valid_extents(seq_q, seq_k, tile_m, tile_n)
     # int32 indices: element-wise evaluation is memory-bound, and int32 division is several times faster.
     a = np.arange(tile_m, dtype=np.int32)[None, :, None]
     b = np.arange(tile_n, dtype=np.int32)[None, None, :]
     per_chunk = max(1, _CHUNK_ELEMENTS // (tile_m * tile_n))
-    # Tile rows are classified a block at a time and only the stored tiles are kept: memory grows with the stored
-    # tiles, not with the Tq x Tk grid (a 2^19-token band took 1.8 GB of host memory when the grid was held whole).
-    rows_per_block = max(1, _GRID_CHUNK_TILES // tk)
 
-    flats, classes, part_words = [], [], []
+    # Refuse before allocating when the stored tiles cannot be held (their bound is cheap: O(Tq) per layout).
+    bounds = []
+    for h in range(L):
+        c = spec.candidate_counts(TileGrid(seq_q, seq_k, tile_m, tile_n, h))
+        bounds.append(c if c is not None else np.full(tq, tk, np.int64))
+        if not spec.per_head:
+            bounds *= L
+            break
+    most = int(sum(int(c.sum()) for c in bounds))
+    if most > MAX_STORED_TILES:
+        raise StofError(f"mask '{spec}' at {seq_q}x{seq_k} in {tile_m}x{tile_n} tiles may store up to {most} tiles "
+                        f"(at most {MAX_STORED_TILES} are compiled): use a sparser mask, larger tiles or a shorter "
+                        "sequence")
+    flats, classes, part_words, part_ids = [], [], [], []
+    n_words = 0
     for h in range(L):
         kw = dict(seq_q=seq_q, seq_k=seq_k, head=h)
-        for rs in range(0, tq, rows_per_block):
-            re = min(tq, rs + rows_per_block)
-            r0 = (np.arange(rs, re, dtype=np.int64) * tile_m)[:, None]
-            r1 = np.minimum(r0 + tile_m, seq_q)
-            cls = np.array(np.broadcast_to(spec.classify_tiles(r0, r1, c0, c1, **kw), (re - rs, tk)), np.int8)
-            ui, uj = np.nonzero(cls == TILE_UNKNOWN)               # row-major: storage order
-            for s in range(0, ui.size, per_chunk):
-                ti, tj = ui[s:s + per_chunk], uj[s:s + per_chunk]  # (ti: row within the block)
-                q = (ti + rs).astype(np.int32)[:, None, None] * np.int32(tile_m) + a   # [U, tm, 1]
-                k = tj.astype(np.int32)[:, None, None] * np.int32(tile_n) + b          # [U, 1, tn]
+        grid = TileGrid(seq_q, seq_k, tile_m, tile_n, h)
+        # Only the tiles the spec says may be stored are classified (a band's few per tile row, not the grid), a
+        # block of tile rows at a time holding about _GRID_CHUNK_TILES of them: time and memory grow with the
+        # stored tiles, not with Tq x Tk.
+        counts = bounds[h]
+        for rs, re in _row_blocks(counts, _GRID_CHUNK_TILES):
+            pairs = spec.candidates(grid, rs, re)
+            if pairs is None:
+                ti = np.repeat(np.arange(rs, re, dtype=np.int64), tk)
+                tj = np.tile(np.arange(tk, dtype=np.int64), re - rs)
+            else:
+                ti, tj = pairs
+            r0 = ti * tile_m
+            c0 = tj * tile_n
+            cls = np.array(np.broadcast_to(spec.classify_tiles(r0, np.minimum(r0 + tile_m, seq_q), c0,
+                                                               np.minimum(c0 + tile_n, seq_k), **kw), ti.shape),
+                           np.int8)
+            unknown = np.flatnonzero(cls == TILE_UNKNOWN)          # ascending: storage order
+            # Tiles the spec gives one key (a band's tiles on one diagonal offset) hold the same bits: evaluate one
+            # per key. Tiles cut by the matrix edge keep their own.
+            rep, inv = _representatives(spec, grid, ti[unknown], tj[unknown])
+            rep_cls = np.empty(rep.size, np.int8)
+            rep_words = []
+            for s in range(0, rep.size, per_chunk):
+                u = unknown[rep[s:s + per_chunk]]
+                q = ti[u].astype(np.int32)[:, None, None] * np.int32(tile_m) + a   # [U, tm, 1]
+                k = tj[u].astype(np.int32)[:, None, None] * np.int32(tile_n) + b   # [U, 1, tn]
                 inside = (q < seq_q) & (k < seq_k)
                 bits = spec.evaluate(np.minimum(q, np.int32(seq_q - 1)), np.minimum(k, np.int32(seq_k - 1)),
                                      **kw) & inside
                 count = bits.sum(axis=(1, 2))
-                valid = valid_rows[ti + rs] * valid_cols[tj]
+                valid = valid_rows[ti[u]] * valid_cols[tj[u]]
                 full, empty = count == valid, count == 0
-                cls[ti[full], tj[full]] = TileClass.FULL
-                cls[ti[empty], tj[empty]] = TileClass.EMPTY
-                part = ~(full | empty)
-                cls[ti[part], tj[part]] = TileClass.PARTIAL
-                # ascending, as the PARTIAL tiles are stored; packed at once (8x smaller than the bools)
-                part_words.append(_pack_bitmaps(bits[part], tile_m, tile_n))
-            assert not np.any(cls == TILE_UNKNOWN)
-            si, sj = np.nonzero(cls != TileClass.EMPTY)
-            flats.append((h * tq + rs + si.astype(np.int64)) * tk + sj)
-            classes.append(cls[si, sj])
+                rep_cls[s:s + per_chunk] = np.where(full, TileClass.FULL,
+                                                    np.where(empty, TileClass.EMPTY, TileClass.PARTIAL))
+                rep_words.append(_pack_bitmaps(bits, tile_m, tile_n))   # 8x smaller than the bools
+            if rep.size:
+                cls[unknown] = rep_cls[inv]
+                part_words.extend(rep_words)
+                # per PARTIAL tile in ascending (storage) order, the row of its representative's bits
+                part_ids.append(n_words + inv[rep_cls[inv] == TileClass.PARTIAL])
+                n_words += rep.size
+            stored = np.flatnonzero(cls != TileClass.EMPTY)
+            flats.append((h * tq + ti[stored]) * tk + tj[stored])
+            classes.append(cls[stored])
     flat = np.concatenate(flats) if flats else np.zeros(0, np.int64)
     cls_stored = np.concatenate(classes) if classes else np.zeros(0, np.int8)
     words = np.concatenate(part_words) if part_words else np.zeros((0, tile_m * tile_n // 32), np.int32)
-    return _assemble_stored((L, tq, tk), flat, cls_stored, words, seq_q, seq_k, tile_m, tile_n, str(spec))
+    ids = np.concatenate(part_ids) if part_ids else np.zeros(0, np.int64)
+    return _assemble_stored((L, tq, tk), flat, cls_stored, words, seq_q, seq_k, tile_m, tile_n, str(spec),
+                            part_ids=ids)

@@ -11,6 +11,7 @@ Spec grammar (``parse_mask``)::
     inter  := atom ('&' atom)*            # logical AND, binds tighter than '|'
     atom   := '(' spec ')' | NAME [':' ARGS]
     ARGS   := key=value (',' key=value)*  # npy takes a path instead: npy:PATH
+    PATH   := text | 'text' | "text"      # quote a path holding | & ( ) , : npy:'masks/a|b.npy'
 
 Names and arguments:
 
@@ -25,14 +26,16 @@ dilated        window=W, dilation=2; causal=0|1                             |d| 
 global         n=G | tokens=i;j;k                                           query or key is a global token
 longformer     window=W, global=G (first G tokens) | tokens=i;j;k          sliding(W) | global
 bigbird        block=64, window=1, global=1, random=0.0, seed=0,            on the block grid: |qb-kb| <= window,
-               per_head=0                                                   qb or kb < global, or a random block
+               per_head=0, draw=row|grid                                    qb or kb < global, or a random block
 blocks         PATH.npy, block=64                                           layout[q // block, k // block]
 npy            PATH (a .npy bool/0-1 array [Sq,Sk] or [H,Sq,Sk])            M[q, k] (top-left corner used)
 =============  ==========================================================  =====================================
 
 Every spec knows how to (1) evaluate itself on index arrays and (2) classify whole tiles as certainly empty,
-certainly full or unknown from the tile's index ranges alone. (2) is what makes compiling a 32k x 32k mask fast:
-only unknown tiles are evaluated element by element (see ``stof_trt.format.compile_mask``).
+certainly full or unknown from the tile's index ranges alone; band-like specs also (3) name the tiles that may be
+stored (``candidates``) and (4) give tiles with the same bits one key (``tile_keys``). (2)-(4) are what make
+compiling a band at millions of tokens fast: the work follows the stored tiles, and only one unknown tile per bit
+pattern is evaluated element by element (see ``stof_trt.format.compile_mask``).
 """
 
 from __future__ import annotations
@@ -75,6 +78,22 @@ class MaskSpec:
     def check_size(self, seq_q: int, seq_k: int) -> None:
         """Raise MaskSpecError if the spec cannot describe a seq_q x seq_k mask."""
 
+    def tile_keys(self, g: TileGrid, r0: np.ndarray, c0: np.ndarray) -> np.ndarray | None:
+        """int64 keys of the tiles at rows ``r0`` and columns ``c0`` (their first element): two tiles wholly inside
+        the matrix with the same key hold the same bits, so compile_mask evaluates one of them. None = no such
+        knowledge (every tile is evaluated)."""
+        return None
+
+    def candidate_counts(self, g: TileGrid) -> np.ndarray | None:
+        """Per tile row ``[Tq]`` (int64), an upper bound on the tiles ``candidates`` returns for it; None = every
+        tile may be stored. What lets compile_mask work in proportion to the stored tiles, not the grid."""
+        return None
+
+    def candidates(self, g: TileGrid, i0: int, i1: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """The tiles of tile rows ``[i0, i1)`` that may be stored (a superset of the non-EMPTY ones): (row, column)
+        int64 arrays in row-major order, no duplicates; None = all of them."""
+        return None
+
     def num_layouts(self, num_heads: int | None) -> int:
         if not self.per_head:
             return 1
@@ -98,6 +117,82 @@ class MaskSpec:
 
     def __and__(self, other: MaskSpec) -> MaskSpec:
         return Intersection((self, other))
+
+
+@dataclass(frozen=True)
+class TileGrid:
+    """The tile grid a mask is compiled on (``candidates`` speaks in its tile rows and columns)."""
+
+    seq_q: int
+    seq_k: int
+    tile_m: int
+    tile_n: int
+    head: int = 0
+
+    @property
+    def tq(self) -> int:
+        return -(-self.seq_q // self.tile_m)
+
+    @property
+    def tk(self) -> int:
+        return -(-self.seq_k // self.tile_n)
+
+
+def _band_columns(lo: int | None, hi: int | None, g: TileGrid, i0: int, i1: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per tile row of [i0, i1): the first and last tile column that ``lo <= k - q <= hi`` reaches (last < first
+    when none)."""
+    r0 = np.arange(i0, i1, dtype=np.int64) * g.tile_m
+    r1 = np.minimum(r0 + g.tile_m, g.seq_q) - 1
+    k0 = np.zeros_like(r0) if lo is None else np.maximum(0, r0 + lo)
+    k1 = np.full_like(r0, g.seq_k - 1) if hi is None else np.minimum(g.seq_k - 1, r1 + hi)
+    first = k0 // g.tile_n
+    last = np.where(k0 <= k1, k1 // g.tile_n, first - 1)
+    return first, last
+
+
+def _sorted_unique(a: np.ndarray) -> np.ndarray:
+    """np.unique of an int array by sorting (numpy's hash-based unique is several times slower here)."""
+    a = np.sort(a)
+    return a[np.concatenate(([True], a[1:] != a[:-1]))] if a.size else a
+
+
+def _ranges_to_pairs(rows: np.ndarray, first: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Tiles (row, column) for column ranges [first, last] per row, row-major."""
+    n = np.maximum(last - first + 1, 0)
+    total = int(n.sum())
+    ti = np.repeat(rows, n)
+    start = np.repeat(np.cumsum(n) - n, n)
+    tj = np.repeat(first, n) + (np.arange(total, dtype=np.int64) - start)
+    return ti, tj
+
+
+class _Band:
+    """Candidates and tile keys of a pattern of ``k - q`` within a band ``lo <= k - q <= hi`` (mixin; ``_band``
+    gives (lo, hi), None = unbounded)."""
+
+    def tile_keys(self, g, r0, c0):
+        # The bits depend on k - q only; tiles wholly outside the band (and, below an unbounded side, wholly
+        # inside it) share one key.
+        lo, hi = self._band()
+        d = c0 - r0
+        if lo is not None:
+            d = np.maximum(d, lo - g.tile_n)
+        elif hi is not None:
+            d = np.maximum(d, hi - g.tile_n + 1)
+        if hi is not None:
+            d = np.minimum(d, hi + g.tile_m)
+        return d
+
+    def _band(self) -> tuple[int | None, int | None]:
+        raise NotImplementedError
+
+    def candidate_counts(self, g):
+        first, last = _band_columns(*self._band(), g, 0, g.tq)
+        return np.maximum(last - first + 1, 0)
+
+    def candidates(self, g, i0, i1):
+        first, last = _band_columns(*self._band(), g, i0, i1)
+        return _ranges_to_pairs(np.arange(i0, i1, dtype=np.int64), first, last)
 
 
 def _band_classify(lo: int | None, hi: int | None, r0, r1, c0, c1) -> np.ndarray:
@@ -133,13 +228,16 @@ class Full(MaskSpec):
 
 
 @dataclass(frozen=True)
-class Causal(MaskSpec):
+class Causal(_Band, MaskSpec):
     """``key <= query + offset`` (top-left aligned)."""
 
     offset: int = 0
 
+    def _band(self):
+        return None, self.offset
+
     def evaluate(self, q, k, *, seq_q, seq_k, head=0):
-        return k - q <= self.offset
+        return k - q <= min(self.offset, seq_k)
 
     def classify_tiles(self, r0, r1, c0, c1, *, seq_q, seq_k, head=0):
         return _band_classify(None, self.offset, r0, r1, c0, c1)
@@ -149,7 +247,7 @@ class Causal(MaskSpec):
 
 
 @dataclass(frozen=True)
-class Sliding(MaskSpec):
+class Sliding(_Band, MaskSpec):
     """``-left <= key - query <= right``."""
 
     left: int
@@ -159,9 +257,12 @@ class Sliding(MaskSpec):
         if self.left < 0 or self.right < 0:
             raise MaskSpecError(f"sliding window sides must be >= 0, got left={self.left}, right={self.right}")
 
+    def _band(self):
+        return -self.left, self.right
+
     def evaluate(self, q, k, *, seq_q, seq_k, head=0):
-        d = k - q
-        return (d >= -self.left) & (d <= self.right)
+        d = k - q   # sides clipped to the matrix: q and k may be int32
+        return (d >= -min(self.left, seq_q)) & (d <= min(self.right, seq_k))
 
     def classify_tiles(self, r0, r1, c0, c1, *, seq_q, seq_k, head=0):
         return _band_classify(-self.left, self.right, r0, r1, c0, c1)
@@ -173,7 +274,7 @@ class Sliding(MaskSpec):
 
 
 @dataclass(frozen=True)
-class Dilated(MaskSpec):
+class Dilated(_Band, MaskSpec):
     """A sliding window keeping every ``dilation``-th diagonal: ``-left <= d <= right`` and ``d % dilation == 0``."""
 
     left: int
@@ -186,10 +287,15 @@ class Dilated(MaskSpec):
         if self.left < 0 or self.right < 0:
             raise MaskSpecError("dilated window sides must be >= 0")
 
+    def _band(self):
+        return -self.left, self.right
+
     def evaluate(self, q, k, *, seq_q, seq_k, head=0):
         d = k - q
-        on_diag = (d & (self.dilation - 1)) == 0 if self.dilation & (self.dilation - 1) == 0 else d % self.dilation == 0
-        return (d >= -self.left) & (d <= self.right) & on_diag
+        # A dilation past the matrix keeps the main diagonal only; clipping keeps int32 arithmetic in range.
+        dil = min(self.dilation, seq_q + seq_k)
+        on_diag = (d & (dil - 1)) == 0 if dil & (dil - 1) == 0 else d % dil == 0
+        return (d >= -min(self.left, seq_q)) & (d <= min(self.right, seq_k)) & on_diag
 
     def classify_tiles(self, r0, r1, c0, c1, *, seq_q, seq_k, head=0):
         cls = _band_classify(-self.left, self.right, r0, r1, c0, c1)
@@ -207,24 +313,39 @@ class Dilated(MaskSpec):
 
 @dataclass(frozen=True)
 class Global(MaskSpec):
-    """Global tokens: a pair is allowed when its query or its key is one of ``tokens``."""
+    """Global tokens: a pair is allowed when its query or its key is one of ``tokens`` (a tuple, or a ``range``
+    for the first n tokens: never materialised past the sequence, so ``global:n=10**9`` costs what the sequence
+    costs)."""
 
-    tokens: tuple[int, ...]
+    tokens: tuple[int, ...] | range
 
     def __post_init__(self):
-        if any(t < 0 for t in self.tokens):
+        if isinstance(self.tokens, range):
+            if self.tokens.start < 0 or self.tokens.step != 1:
+                raise MaskSpecError("global token positions must be >= 0")
+        elif any(t < 0 for t in self.tokens):
             raise MaskSpecError("global token positions must be >= 0")
+
+    def _upto(self, limit: int) -> np.ndarray:
+        """The sorted global tokens below ``limit``."""
+        if isinstance(self.tokens, range):
+            return np.arange(self.tokens.start, min(self.tokens.stop, limit), dtype=np.int64)
+        g = self._sorted
+        return g[: np.searchsorted(g, limit)]
 
     @cached_property
     def _sorted(self) -> np.ndarray:
         return np.unique(np.asarray(self.tokens, dtype=np.int64))
 
     def evaluate(self, q, k, *, seq_q, seq_k, head=0):
-        g = self._sorted
+        if isinstance(self.tokens, range):
+            lo, hi = self.tokens.start, min(self.tokens.stop, max(seq_q, seq_k))
+            return ((q >= lo) & (q < hi)) | ((k >= lo) & (k < hi))
+        g = self._upto(max(seq_q, seq_k))
         return np.isin(q, g) | np.isin(k, g)
 
     def classify_tiles(self, r0, r1, c0, c1, *, seq_q, seq_k, head=0):
-        g = self._sorted
+        g = self._upto(max(seq_q, seq_k))
         n_rows = np.searchsorted(g, r1) - np.searchsorted(g, r0)  # global queries inside the tile's rows
         n_cols = np.searchsorted(g, c1) - np.searchsorted(g, c0)
         full = (n_rows == r1 - r0) | (n_cols == c1 - c0)
@@ -234,7 +355,40 @@ class Global(MaskSpec):
         out[np.broadcast_to(empty, out.shape)] = TILE_EMPTY
         return out
 
+    def tile_keys(self, g, r0, c0):
+        # The bits depend on which of the tile's rows and which of its columns are global: key (r0 or -1 where its
+        # rows hold no global token, c0 or -1 likewise).
+        t = self._upto(max(g.seq_q, g.seq_k))
+        rows = np.where(np.searchsorted(t, r0 + g.tile_m) > np.searchsorted(t, r0), r0, -1)
+        cols = np.where(np.searchsorted(t, c0 + g.tile_n) > np.searchsorted(t, c0), c0, -1)
+        return (rows + 1) * (g.seq_k + 1) + (cols + 1)
+
+    def _rows_cols(self, g: TileGrid) -> tuple[np.ndarray, np.ndarray]:
+        """Tile rows holding a global query, tile columns holding a global key."""
+        return _sorted_unique(self._upto(g.seq_q) // g.tile_m), _sorted_unique(self._upto(g.seq_k) // g.tile_n)
+
+    def candidate_counts(self, g):
+        rows, cols = self._rows_cols(g)
+        out = np.full(g.tq, cols.size, np.int64)
+        out[rows] = g.tk
+        return out
+
+    def candidates(self, g, i0, i1):
+        rows, cols = self._rows_cols(g)
+        rr = np.arange(i0, i1, dtype=np.int64)
+        is_global = np.isin(rr, rows)
+        n_g = int(is_global.sum())
+        ti_g, tj_g = _ranges_to_pairs(rr[is_global], np.zeros(n_g, np.int64), np.full(n_g, g.tk - 1, np.int64))
+        other = rr[~is_global]
+        ti_o = np.repeat(other, cols.size)
+        tj_o = np.tile(cols, other.size)
+        flat = np.concatenate([ti_g * g.tk + tj_g, ti_o * g.tk + tj_o])
+        flat.sort()
+        return flat // g.tk, flat % g.tk
+
     def __str__(self):
+        if isinstance(self.tokens, range):
+            return f"global:n={len(self.tokens)}"
         g = self._sorted
         if len(g) and np.array_equal(g, np.arange(len(g))):
             return f"global:n={len(g)}"
@@ -250,11 +404,18 @@ class BlockLayout(MaskSpec):
         if block < 1:
             raise MaskSpecError(f"block must be >= 1, got {block}")
         self.block = int(block)
-        self._layout = None if layout is None else np.asarray(layout).astype(bool)
+        if layout is not None:
+            layout = np.asarray(layout)
+            if layout.dtype != bool and (not np.issubdtype(layout.dtype, np.number) or
+                                         np.iscomplexobj(layout) or not np.isin(layout, (0, 1)).all()):
+                raise MaskSpecError(f"block layout {source} must be boolean or 0/1")
+        self._layout = None if layout is None else layout.astype(bool)
         self.source = source
         if self._layout is not None:
             if self._layout.ndim == 3:
                 self.per_head = True
+            if self._layout.ndim in (2, 3) and 0 in self._layout.shape:
+                raise MaskSpecError(f"block layout {source} is empty (shape {self._layout.shape})")
             elif self._layout.ndim != 2:
                 raise MaskSpecError(f"block layout must be 2-D [Qb,Kb] or 3-D [H,Qb,Kb], got {self._layout.shape}")
         self._cache: dict = {}
@@ -309,29 +470,56 @@ class BlockLayout(MaskSpec):
         return out
 
     def __str__(self):
-        return f"blocks:{self.source},block={self.block}"
+        return f"blocks:{_quote_path(self.source)},block={self.block}"
 
 
 class BigBird(BlockLayout):
     """BigBird on a block grid: band of ``window`` blocks each side, the first ``global_blocks`` block rows and
-    columns, and each remaining block with probability ``random`` (numpy default_rng(seed); per head:
-    default_rng([seed, head]))."""
+    columns, and each remaining block with probability ``random``: block row i draws its key blocks in order from
+    numpy ``default_rng([seed, i])`` (per head: ``[seed, head, i]``), so a shorter sequence's layout is the top-left
+    corner of a longer one's."""
 
-    def __init__(self, block=64, window=1, global_blocks=1, random=0.0, seed=0, per_head=False):
+    def __init__(self, block=64, window=1, global_blocks=1, random=0.0, seed=0, per_head=False, draw="row"):
         super().__init__(None, block)
-        if window < 0 or global_blocks < 0 or not 0.0 <= random <= 1.0:
-            raise MaskSpecError("bigbird needs window >= 0, global >= 0 and 0 <= random <= 1")
-        self.window, self.global_blocks, self.random, self.seed = int(window), int(global_blocks), float(random), int(seed)
+        if draw not in ("row", "grid"):
+            raise MaskSpecError(f"bigbird draw must be 'row' or 'grid', got '{draw}'")
+        # "grid": the whole block grid from one stream (default_rng(seed) / [seed, head]), as layouts were drawn
+        # before the per-row streams; not prefix-stable, kept to rebuild the layouts of recorded benchmark runs.
+        self.draw = draw
+        if window < 0 or global_blocks < 0 or not 0.0 <= random <= 1.0 or seed < 0:
+            raise MaskSpecError("bigbird needs window >= 0, global >= 0, 0 <= random <= 1 and seed >= 0")
+        self.window, self.global_blocks = int(window), int(global_blocks)
+        self.random, self.seed = float(random), int(seed)
         self.per_head = bool(per_head)
 
+    def check_size(self, seq_q, seq_k):
+        nbq, nbk = self.block_grid(seq_q, seq_k)
+        if nbq * nbk > self.MAX_GRID_BLOCKS:
+            raise MaskSpecError(
+                f"bigbird:block={self.block} at {seq_q}x{seq_k} tokens is a {nbq}x{nbk} block grid "
+                f"({nbq * nbk} blocks; its layout is held whole, at most {self.MAX_GRID_BLOCKS}): use a larger "
+                f"block or a shorter sequence")
+
+    #: The layout is a dense boolean grid plus int64 prefix sums (9 bytes per block): 2^27 blocks ~ 1.2 GB.
+    MAX_GRID_BLOCKS = 1 << 27
+
     def layout(self, seq_q, seq_k, head=0):
+        self.check_size(seq_q, seq_k)
         nbq, nbk = self.block_grid(seq_q, seq_k)
         qb = np.arange(nbq)[:, None]
         kb = np.arange(nbk)[None, :]
         lay = (np.abs(kb - qb) <= self.window) | (qb < self.global_blocks) | (kb < self.global_blocks)
         if self.random > 0:
-            rng = np.random.default_rng([self.seed, head] if self.per_head else self.seed)
-            lay = lay | (rng.random((nbq, nbk)) < self.random)
+            # Each block row draws from its own stream (seed, [head,] row), key blocks in order: the layout for a
+            # shorter sequence is the top-left corner of a longer one's, so one spec means one mask.
+            base = [self.seed, head] if self.per_head else [self.seed]
+            if self.draw == "grid":
+                rand = np.random.default_rng(base if self.per_head else self.seed).random((nbq, nbk)) < self.random
+            else:
+                rand = np.empty((nbq, nbk), bool)
+                for i in range(nbq):
+                    rand[i] = np.random.default_rng(base + [i]).random(nbk) < self.random
+            lay = lay | rand
         return lay
 
     def num_layouts(self, num_heads):
@@ -341,7 +529,7 @@ class BigBird(BlockLayout):
         s = f"bigbird:block={self.block},window={self.window},global={self.global_blocks}"
         if self.random:
             s += f",random={self.random:g},seed={self.seed}"
-        return s + (",per_head=1" if self.per_head else "")
+        return s + (",per_head=1" if self.per_head else "") + (",draw=grid" if self.draw == "grid" else "")
 
 
 class DenseMask(MaskSpec):
@@ -379,7 +567,7 @@ class DenseMask(MaskSpec):
         return self.head_array(seq_q, seq_k, head)[q, k]
 
     def __str__(self):
-        return f"npy:{self.source}"
+        return f"npy:{_quote_path(self.source)}"
 
 
 @dataclass(frozen=True)
@@ -394,6 +582,19 @@ class _Combine(MaskSpec):
         for p in self.parts:
             p.check_size(seq_q, seq_k)
 
+    def tile_keys(self, g, r0, c0):
+        keys = [p.tile_keys(g, r0, c0) for p in self.parts]
+        if any(k is None for k in keys):
+            return None
+        if len(keys) == 1:
+            return keys[0]
+        out = np.zeros(np.shape(keys[0]), np.int64)
+        for k in keys:   # one key per combination of the parts' keys (mixed radix over their distinct values)
+            _, inv = np.unique(k, return_inverse=True)
+            n = int(inv.max()) + 1 if inv.size else 1
+            out = np.unique(out * n + inv.reshape(out.shape), return_inverse=True)[1].reshape(out.shape)
+        return out
+
     def num_layouts(self, num_heads):
         ns = {p.num_layouts(num_heads) for p in self.parts} - {1}
         if not ns:
@@ -407,6 +608,19 @@ class _Combine(MaskSpec):
 
 class Union(_Combine):
     """Allowed where any part allows."""
+
+    def candidate_counts(self, g):
+        counts = [p.candidate_counts(g) for p in self.parts]
+        if any(c is None for c in counts):
+            return None
+        return np.minimum(np.sum(counts, axis=0), g.tk)
+
+    def candidates(self, g, i0, i1):
+        pairs = [p.candidates(g, i0, i1) for p in self.parts]
+        if any(c is None for c in pairs):
+            return None
+        flat = _sorted_unique(np.concatenate([ti * g.tk + tj for ti, tj in pairs]))
+        return flat // g.tk, flat % g.tk
 
     def evaluate(self, q, k, **kw):
         out = self.parts[0].evaluate(q, k, **kw)
@@ -428,6 +642,24 @@ class Union(_Combine):
 class Intersection(_Combine):
     """Allowed where every part allows."""
 
+    def _driver(self, g):
+        """The part with the fewest candidate tiles: its candidates cover the intersection's (a superset is all
+        ``candidates`` promises; classification drops the rest)."""
+        best, best_n = None, None
+        for p in self.parts:
+            c = p.candidate_counts(g)
+            if c is not None and (best_n is None or int(c.sum()) < best_n):
+                best, best_n = (p, c), int(c.sum())
+        return best
+
+    def candidate_counts(self, g):
+        d = self._driver(g)
+        return None if d is None else d[1]
+
+    def candidates(self, g, i0, i1):
+        d = self._driver(g)
+        return None if d is None else d[0].candidates(g, i0, i1)
+
     def evaluate(self, q, k, **kw):
         out = self.parts[0].evaluate(q, k, **kw)
         for p in self.parts[1:]:
@@ -445,9 +677,19 @@ class Intersection(_Combine):
         return "&".join(f"({p})" if isinstance(p, Union) else str(p) for p in self.parts)
 
 
+def grid_drawn(spec: MaskSpec) -> MaskSpec:
+    """``spec`` with every BigBird drawing its random blocks from one stream over the grid (``draw=grid``): the
+    layouts of benchmark runs recorded before the per-row streams."""
+    if isinstance(spec, BigBird):
+        return BigBird(spec.block, spec.window, spec.global_blocks, spec.random, spec.seed, spec.per_head, "grid")
+    if isinstance(spec, _Combine):
+        return type(spec)(tuple(grid_drawn(p) for p in spec.parts))
+    return spec
+
+
 def longformer(window: int, global_tokens: int | tuple[int, ...]) -> MaskSpec:
     """Longformer: a symmetric sliding window plus global tokens (an int = the first n tokens)."""
-    tokens = tuple(range(global_tokens)) if isinstance(global_tokens, int) else tuple(global_tokens)
+    tokens = range(global_tokens) if isinstance(global_tokens, int) else tuple(global_tokens)
     return Union((Sliding(window, window), Global(tokens)))
 
 
@@ -455,6 +697,9 @@ def longformer(window: int, global_tokens: int | tuple[int, ...]) -> MaskSpec:
 # Parsing
 
 _INT_RE = re.compile(r"^-?\d+$")
+_INT_MAX = 2**31 - 1
+# Parentheses nested deeper than this are refused (the parser recurses once per level).
+MAX_NESTING = 64
 
 
 def _args(name: str, text: str, allowed: dict[str, type]) -> dict:
@@ -473,6 +718,8 @@ def _args(name: str, text: str, allowed: dict[str, type]) -> dict:
                 if not _INT_RE.match(val):
                     raise ValueError
                 out[key] = int(val)
+                if abs(out[key]) > _INT_MAX:   # the tile format and the kernels index with int32
+                    raise MaskSpecError(f"mask '{name}': {key}={val} is out of range (at most {_INT_MAX})")
             elif typ is float:
                 out[key] = float(val)
             elif typ is bool:
@@ -481,6 +728,8 @@ def _args(name: str, text: str, allowed: dict[str, type]) -> dict:
                 out[key] = val in ("1", "true")
             elif typ is tuple:
                 out[key] = tuple(int(t) for t in val.split(";") if t != "")
+                if any(abs(t) > _INT_MAX for t in out[key]):
+                    raise MaskSpecError(f"mask '{name}': a token of {key}= is out of range (at most {_INT_MAX})")
             else:
                 out[key] = val
         except ValueError:
@@ -533,7 +782,7 @@ def _atom(name: str, text: str) -> MaskSpec:
         a = _args(name, text, {"n": int, "tokens": tuple})
         if ("n" in a) == ("tokens" in a):
             raise MaskSpecError("mask 'global' needs exactly one of n= or tokens=")
-        return Global(tuple(range(a["n"])) if "n" in a else a["tokens"])
+        return Global(range(a["n"]) if "n" in a else a["tokens"])
     if name == "longformer":
         a = _args(name, text, {"window": int, "global": int, "tokens": tuple})
         _need(name, a, "window")
@@ -542,24 +791,33 @@ def _atom(name: str, text: str) -> MaskSpec:
         return longformer(a["window"], a["tokens"] if "tokens" in a else a.get("global", 0))
     if name == "bigbird":
         a = _args(name, text, {"block": int, "window": int, "global": int, "random": float, "seed": int,
-                               "per_head": bool})
+                               "per_head": bool, "draw": str})
         return BigBird(a.get("block", 64), a.get("window", 1), a.get("global", 1), a.get("random", 0.0),
-                       a.get("seed", 0), a.get("per_head", False))
+                       a.get("seed", 0), a.get("per_head", False), a.get("draw", "row"))
     if name == "blocks":
-        path, _, rest = text.partition(",")
+        path, rest = _take_path(name, text)
         a = _args(name, rest, {"block": int})
         return BlockLayout(_load_npy(name, path), a.get("block", 64), source=path)
     if name == "npy":
-        return DenseMask(_load_npy(name, text), source=text)
+        path, rest = _take_path(name, text) if text[:1] in ("'", '"') else (text, "")
+        if rest:
+            raise MaskSpecError(f"mask 'npy' takes a path only, got ',{rest}'")
+        return DenseMask(_load_npy(name, path), source=path)
     raise MaskSpecError(
         f"unknown mask '{name}' (expected one of full, causal, sliding, dilated, global, longformer, bigbird, "
         "blocks, npy)")
 
 
 def _split_top(text: str, sep: str) -> list[str]:
-    parts, depth, start = [], 0, 0
+    parts, depth, start, quote = [], 0, 0, None
     for i, ch in enumerate(text):
-        if ch == "(":
+        if quote:   # a quoted path: '|', '&', parentheses and commas inside are part of it
+            if ch == quote:
+                quote = None
+            continue
+        if ch in "'\"":
+            quote = ch
+        elif ch == "(":
             depth += 1
         elif ch == ")":
             depth -= 1
@@ -568,24 +826,49 @@ def _split_top(text: str, sep: str) -> list[str]:
         elif ch == sep and depth == 0:
             parts.append(text[start:i])
             start = i + 1
+    if quote:
+        raise MaskSpecError(f"unclosed quote {quote} in mask spec '{text}'")
     if depth:
         raise MaskSpecError(f"unbalanced '(' in mask spec '{text}'")
     parts.append(text[start:])
     return parts
 
 
-def _parse(text: str) -> MaskSpec:
+def _quote_path(path: str) -> str:
+    """A path as a spec writes it: quoted when it holds a character the grammar reads."""
+    if not any(c in path for c in "|&(),'\""):
+        return path
+    return f"'{path}'" if "'" not in path else f'"{path}"'
+
+
+def _take_path(name: str, text: str) -> tuple[str, str]:
+    """Split ``PATH[,rest]``; a PATH in single or double quotes may hold '|', '&', ',' and parentheses."""
+    if text[:1] in ("'", '"'):
+        end = text.find(text[0], 1)
+        if end < 0:
+            raise MaskSpecError(f"mask '{name}': unclosed quote in {text}")
+        rest = text[end + 1:].strip()
+        if rest and not rest.startswith(","):
+            raise MaskSpecError(f"mask '{name}': expected ',' after the quoted path, got '{rest}'")
+        return text[1:end], rest[1:]
+    path, _, rest = text.partition(",")
+    return path, rest
+
+
+def _parse(text: str, depth: int = 0) -> MaskSpec:
     text = text.strip()
     if not text:
         raise MaskSpecError("empty mask spec")
+    if depth > MAX_NESTING:
+        raise MaskSpecError(f"mask spec nests parentheses deeper than {MAX_NESTING} levels")
     union = _split_top(text, "|")
     if len(union) > 1:
-        return Union(tuple(_parse(p) for p in union))
+        return Union(tuple(_parse(p, depth + 1) for p in union))
     inter = _split_top(text, "&")
     if len(inter) > 1:
-        return Intersection(tuple(_parse(p) for p in inter))
+        return Intersection(tuple(_parse(p, depth + 1) for p in inter))
     if text.startswith("(") and text.endswith(")"):
-        return _parse(text[1:-1])
+        return _parse(text[1:-1], depth + 1)
     name, _, rest = text.partition(":")
     return _atom(name.strip().lower(), rest.strip())
 

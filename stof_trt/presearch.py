@@ -303,8 +303,9 @@ def calibrate(bench_json, gpu: GpuProps | None = None, keys=None, relative: bool
 
 
 def cell_layout(cell: dict):
-    """The layout of a benchmark JSON cell: compile_mask of its "spec" at S_q = "S", S_k = "Sk" (or "S")."""
+    """The layout of a benchmark JSON cell: compile_mask of its "spec" at S_q = "S", S_k = "Sk" (or "S"). The
+    recorded runs drew BigBird's random blocks from one stream over the grid (``draw=grid``)."""
     from .format import compile_mask
-    from .masks import parse_mask
+    from .masks import grid_drawn, parse_mask
 
-    return compile_mask(parse_mask(cell["spec"]), cell["S"], cell.get("Sk", cell["S"]))
+    return compile_mask(grid_drawn(parse_mask(cell["spec"])), cell["S"], cell.get("Sk", cell["S"]))

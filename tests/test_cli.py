@@ -223,3 +223,31 @@ def test_rewrite_packed_qkv_flag(bert_path, tmp_path):
     for out, _ in outs.values():
         got = ort.InferenceSession(out, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
         assert np.abs(got - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max())
+
+
+def test_dense_attention_ort_report_lists_only_nodes_in_the_output(bert_path, tmp_path):
+    out = str(tmp_path / "ort.onnx")
+    rc, stdout, stderr = run_cli("rewrite", bert_path, "-o", out, "--max-seq-len", "96", "--dense-attention", "ort",
+                                 "--json")
+    assert rc == 0, stderr
+    info = json.loads(stdout)
+    names = {n.name for n in onnx.load(out).graph.node}
+    assert all(a["name"] in names for a in info["attention"])
+    if not any(n.op_type == "StofSparseAttention" for n in onnx.load(out).graph.node):
+        assert info["attention"] == [] and any("--dense-attention ort" in n for n in info["notes"])
+    before, after = info["nodes_before"], info["nodes_after"]
+    removed = sum(p["nodes_removed"] for p in info["patterns"].values())
+    added = sum(p["nodes_added"] for p in info["patterns"].values())
+    assert before - removed + added - info["nodes_removed_by_cleanup"] == after
+
+
+def test_demo_sliding_spec_matches_and_cleans_up(tmp_path):
+    """The README-style spec: padded query rows are not compared, and the temporary directory goes away."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("onnxruntime")
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    p = subprocess.run([sys.executable, "-m", "stof_trt.cli", "demo", "--seq-len", "128", "--layers", "1",
+                        "--mask", "sliding:window=32"], capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "MATCH" in p.stdout and "MISMATCH" not in p.stdout and "real tokens" in p.stdout
+    assert not [f for f in os.listdir(tmp_path) if f.startswith("stof-demo-")]   # (others' files may remain)

@@ -76,7 +76,8 @@ def test_local_attention_band_recognised(causal):
     model = exported("local_attention", window=window, causal=causal)
     new, report = rewrite_model(model, max_seq_len=S_MAX, **TILE)
     assert_fused(new, {"StofSparseAttention": 2, "Softmax": 0, "Where": 0})
-    name = f"causal sliding window {window + 1}" if causal else f"sliding window {2 * window + 1}"
+    name = f"sliding:window={window},causal=1 (0 <= q-k <= {window})" if causal else \
+        f"sliding:window={window} (|q-k| <= {window})"
     for a in _attention(report):
         assert a["mask_source"].startswith(f"graph {name}"), a["mask_source"]
         assert a["key_padding"] and not a["attn_bias"]
@@ -318,7 +319,7 @@ def test_gpt_neo_alternating_global_and_local_layers():
     new, report = rewrite_model(model, max_seq_len=S_MAX, **TILE)
     assert_fused(new, {"StofSparseAttention": 2, "Softmax": 0})
     sources = [a["mask_source"] for a in _attention(report)]
-    assert sources[0].startswith("graph causal +") and sources[1].startswith("graph causal sliding window 5")
+    assert sources[0].startswith("graph causal +") and sources[1].startswith("graph sliding:window=4,causal=1")
     assert len({a["layout_signature"] for a in _attention(report)}) == 2
     rng = np.random.default_rng(15)
     assert_parity(model, new, token_feeds(rng, 2, S_MAX))

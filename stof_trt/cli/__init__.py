@@ -37,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Mask specs: causal | sliding:window=W | dilated:window=W,dilation=D | global:n=G | "
                "longformer:window=W,global=G | bigbird:block=B,window=1,global=1,random=P,seed=S | "
                "blocks:LAYOUT.npy,block=B | npy:MASK.npy; combine with '|' (union), '&' (intersection), "
-               "parentheses. See `python -c 'import stof_trt.masks as m; help(m)'`.")
+               "parentheses (at most 64 levels). A path holding | & ( ) or , goes in quotes inside the spec: "
+               "--mask \"npy:'a|b.npy'\". Windows are half-widths: sliding:window=W allows |q-k| <= W. "
+               "See `python -c 'import stof_trt.masks as m; help(m)'`.")
     p.add_argument("--version", action="version", version=f"stof-trt {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -52,14 +54,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from .common import quiet_onnxruntime
+
+    quiet_onnxruntime()
     try:
-        return int(args._run(args) or 0)
+        rc = int(args._run(args) or 0)
+        sys.stdout.flush()   # a closed pipe shows here, not at the interpreter's exit
+        return rc
     except StofError as e:
         print(f"stof: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("stof: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`stof inspect --json | head`): stop quietly, as other command-line tools do.
+        _silence_stdout()
+        return 141
+    except MemoryError:
+        print("stof: error: not enough memory for this size (a smaller --max-seq-len, batch or mask helps)",
+              file=sys.stderr)
+        return 2
     except Exception as e:  # a bug, not the user's fault: one line, the traceback on request
         if os.environ.get("STOF_DEBUG"):
             raise
@@ -67,6 +82,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stof: internal error: {type(e).__name__}: {msg} (set STOF_DEBUG=1 for the traceback; please report)",
               file=sys.stderr)
         return 1
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's final flush does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import os
 import numpy as np
 
 from ..errors import StofError
-from .common import print_json, print_table
+from .common import ort_error, print_json, print_table
 
 
 def add_args(p):
@@ -96,7 +96,7 @@ def bench_models(models: list[tuple[str, str]], feeds2: dict, feeds3: dict, *, i
         try:
             times = sort.time_session(sess, feeds, warmup=warmup, iters=iters, binding=b)
         except Exception as e:  # noqa: BLE001
-            raise StofError(f"{label}: onnxruntime run failed: {str(e).strip().splitlines()[0]}") from None
+            raise StofError(f"{label}: {ort_error(e, path)}") from None
         outs = b.outputs()
         rows.append({"model": label, "path": path, **sort.latency_stats(times), "output": outs[0],
                      "stof_nodes": is_stof})

@@ -35,15 +35,130 @@ def load_model(path: str, *, keep_external_data: bool = False):
         raise StofError(f"{path} is not a readable ONNX model ({msg})") from None
     if not model.graph.node and not model.graph.input:
         raise StofError(f"{path} is not an ONNX model (no graph)")
+    check_initializers(model, path)
     return model
 
 
-def check_output_path(inp: str, out: str) -> None:
-    if os.path.abspath(inp) == os.path.abspath(out) or (os.path.exists(out) and os.path.samefile(inp, out)):
+_ITEMSIZE = {"FLOAT": 4, "UINT8": 1, "INT8": 1, "UINT16": 2, "INT16": 2, "INT32": 4, "INT64": 8, "BOOL": 1,
+             "FLOAT16": 2, "DOUBLE": 8, "UINT32": 4, "UINT64": 8, "COMPLEX64": 8, "COMPLEX128": 16, "BFLOAT16": 2,
+             "FLOAT8E4M3FN": 1, "FLOAT8E4M3FNUZ": 1, "FLOAT8E5M2": 1, "FLOAT8E5M2FNUZ": 1}
+
+
+def check_initializers(model, path: str) -> None:
+    """Raise StofError when an initializer's stored bytes do not match its shape and type (a truncated or edited
+    file): numpy would fail on it deep inside the rewrite."""
+    import onnx
+
+    for t in _all_tensors(model):
+        if not t.HasField("raw_data") or t.data_location == onnx.TensorProto.EXTERNAL:
+            continue
+        try:
+            itemsize = _ITEMSIZE.get(onnx.TensorProto.DataType.Name(t.data_type))
+        except ValueError:
+            raise StofError(f"{path}: tensor '{t.name}' has an unknown data type {t.data_type}") from None
+        if itemsize is None:   # packed sub-byte or string types: onnx's own checks speak for them
+            continue
+        n = 1
+        for d in t.dims:
+            if d < 0:
+                raise StofError(f"{path}: tensor '{t.name}' has a negative dimension {list(t.dims)}")
+            n *= d
+        want = n * itemsize
+        if len(t.raw_data) != want:
+            raise StofError(f"{path}: tensor '{t.name}' holds {len(t.raw_data)} bytes, its shape {list(t.dims)} "
+                            f"and type need {want} (a damaged file?)")
+
+
+def default_output(inp: str, suffix: str = ".stof.onnx") -> str:
+    """IN.onnx -> IN.stof.onnx, beside the input."""
+    base = inp[:-5] if inp.endswith(".onnx") else inp
+    return base + suffix
+
+
+def check_output_path(inp: str | None, out: str) -> None:
+    """Refuse an output path that cannot be written, before any work: the input itself, a directory, a missing
+    or read-only directory, a name too long for the file system."""
+    if inp is not None and (os.path.abspath(inp) == os.path.abspath(out) or
+                            (os.path.exists(out) and os.path.exists(inp) and os.path.samefile(inp, out))):
         raise StofError(f"output path {out} is the input: refusing to overwrite the input model")
+    if os.path.isdir(out):
+        raise StofError(f"output path {out} is a directory: give a file name")
     d = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(d):
         raise StofError(f"output directory does not exist: {d}")
+    name = os.path.basename(out)
+    try:
+        name_max = os.pathconf(d, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    if len(name.encode()) > name_max:
+        raise StofError(f"output file name is {len(name.encode())} bytes, longer than this file system allows "
+                        f"({name_max})")
+    try:   # the model is written through a temporary file in the same directory: try one
+        fd, tmp = tempfile.mkstemp(prefix=".stof-", suffix=".probe", dir=d)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise StofError(f"cannot write to {d} ({e.strerror or type(e).__name__})") from None
+
+
+def make_output_dir(d: str, what: str = "output directory") -> None:
+    """Create ``d`` (and parents) or raise a one-line StofError."""
+    if os.path.exists(d) and not os.path.isdir(d):
+        raise StofError(f"{what} {d} exists and is not a directory")
+    try:
+        os.makedirs(d, exist_ok=True)
+    except OSError as e:
+        raise StofError(f"cannot create {what} {d} ({e.strerror or type(e).__name__})") from None
+    if not os.access(d, os.W_OK):
+        raise StofError(f"{what} {d} is not writable")
+
+
+def ort_error(e: BaseException, model=None) -> StofError:
+    """A one-line StofError for an exception ONNX Runtime raised while running ``model`` (path or ModelProto),
+    saying what the user can change."""
+    text = str(e).strip()
+    first = text.splitlines()[0] if text else type(e).__name__
+    low = text.lower()
+    if "cudaexecutionprovider" in low or "cuda" in low and ("not available" in low or "libcu" in low):
+        return StofError(f"the CUDA execution provider cannot run here ({first[:160]}); run on the CPU with "
+                         "--provider cpu")
+    if any(w in low for w in ("invalid expand shape", "broadcast", "not broadcastable", "shape mismatch",
+                              "got invalid dimensions", "index out of", "out of range", "indices element")):
+        limit = _seq_limit(model)
+        hint = (f"the model was built for sequence length <= {limit}: feed shorter inputs or rewrite with a "
+                f"larger --max-seq-len" if limit else "check the input shapes (--shapes / --input)")
+        return StofError(f"the model cannot run on these input shapes: {hint} (onnxruntime: {_short(first)})")
+    return StofError(f"onnxruntime run failed: {_short(first)}")
+
+
+def _short(msg: str, n: int = 200) -> str:
+    msg = msg.split("] ", 1)[-1] if msg.startswith("[ONNXRuntimeError]") else msg
+    return msg if len(msg) <= n else msg[:n - 3] + "..."
+
+
+def _seq_limit(model) -> int | None:
+    """The smallest sequence length the STOF attention nodes of ``model`` were compiled for (None: none found)."""
+    try:
+        import onnx
+
+        from ..nodes import attention_nodes
+
+        m = model if hasattr(model, "graph") else onnx.load(str(model))
+        seqs = [min(n.layout.seq_q, n.layout.seq_k) for n in attention_nodes(m)]
+        return min(seqs) if seqs else None
+    except Exception:  # noqa: BLE001 - a hint only
+        return None
+
+
+def quiet_onnxruntime() -> None:
+    """CLI sessions print errors as one line of their own: ONNX Runtime's log keeps to fatal messages."""
+    try:
+        import onnxruntime as ort
+
+        ort.set_default_logger_severity(4)
+    except Exception:  # noqa: BLE001 - onnxruntime missing: commands that need it say so
+        pass
 
 
 def save_model(model, out: str, external_data_dir: str | None = None) -> None:
@@ -61,7 +176,10 @@ def save_model(model, out: str, external_data_dir: str | None = None) -> None:
         except Exception as e:  # noqa: BLE001 - a data file went missing meanwhile
             raise StofError(f"cannot read the model's external data: {str(e).splitlines()[0][:150]}") from None
     big = _model_bytes(model) > _PROTO_LIMIT
-    fd, tmp = tempfile.mkstemp(prefix=".stof-", suffix=".onnx", dir=d)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".stof-", suffix=".onnx", dir=d)
+    except OSError as e:
+        raise StofError(f"cannot write to {d} ({e.strerror or type(e).__name__})") from None
     os.close(fd)
     try:
         if big:
@@ -81,6 +199,10 @@ def save_model(model, out: str, external_data_dir: str | None = None) -> None:
             onnx.save_model(model, tmp)
         os.chmod(tmp, _file_mode())   # mkstemp creates 0600; give the usual permissions
         os.replace(tmp, out)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise StofError(f"cannot write {out} ({e.strerror or type(e).__name__})") from None
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)

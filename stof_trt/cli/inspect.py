@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import textwrap
 
-from .common import load_model, print_json, print_table
+from .common import load_model, make_output_dir, print_json, print_table
 
 STOF_DOMAIN = "stof"
 
@@ -67,7 +67,7 @@ def run(args) -> int:
     pngs = []
     if not args.no_png and layouts:
         out_dir = args.out_dir or os.path.splitext(args.model)[0] + ".masks"
-        os.makedirs(out_dir, exist_ok=True)
+        make_output_dir(out_dir, "--out-dir")
         for sig, (layout, names) in layouts.items():
             path = os.path.join(out_dir, f"layout-{sig[:12]}.png")
             draw_layout(layout, path, f"{layout.mask_spec or 'mask'} — used by {len(names)} node(s)")

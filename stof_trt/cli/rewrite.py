@@ -5,7 +5,7 @@ runs on any ONNX runtime; with the STOF plugins it runs the sparse CUDA kernels.
 
 examples:
   stof rewrite bert.onnx -o bert.stof.onnx --mask longformer:window=256,global=32
-  stof rewrite gpt2.onnx -o gpt2.stof.onnx            # the causal mask found in the graph is used
+  stof rewrite gpt2.onnx                              # writes gpt2.stof.onnx; the graph's causal mask is used
   stof rewrite model.onnx -o out.onnx --mask 'sliding:window=128&causal' --json
 """
 
@@ -15,12 +15,17 @@ import os
 import time
 
 from ..errors import StofError
-from .common import check_output_path, load_model, print_json, print_table, save_model
+from .common import check_output_path, default_output, load_model, print_json, print_table, save_model
+
+# Sequence lengths the tile format can index (int32 element offsets within one row of tiles).
+MAX_SEQ_LEN = 2**31 - 1
 
 
 def add_args(p):
     p.add_argument("input", metavar="IN.onnx", help="exported ONNX model (external data is read too)")
-    p.add_argument("-o", "--output", required=True, metavar="OUT.onnx", help="where to write the rewritten model")
+    p.add_argument("-o", "--output", metavar="OUT.onnx",
+                   help="where to write the rewritten model (default: IN.stof.onnx beside the input; never the "
+                        "input itself)")
     p.add_argument("--mask", metavar="SPEC",
                    help="static attention sparsity for every attention node (see `stof --help`); intersected "
                         "with causal/sliding patterns found in the graph; padding masks stay run-time inputs")
@@ -45,18 +50,39 @@ def run(args) -> int:
     from ..masks import parse_mask
     from ..rewrite import rewrite_model
 
+    if args.output is None:
+        args.output = default_output(args.input)
+    # Everything the user gave is checked before the rewrite runs: nothing is computed for a path that cannot
+    # be written or a spec that cannot be built.
     check_output_path(args.input, args.output)
     mask = parse_mask(args.mask) if args.mask else None
     fmt.check_tile_shape(*args.tile)
-    if args.max_seq_len is not None and args.max_seq_len < 1:
-        raise StofError("--max-seq-len must be positive")
+    if args.max_seq_len is not None and not 1 <= args.max_seq_len <= MAX_SEQ_LEN:
+        raise StofError(f"--max-seq-len must be in [1, {MAX_SEQ_LEN}] (the tile format indexes with int32), "
+                        f"got {args.max_seq_len}")
+    if mask is not None and args.max_seq_len is not None:
+        try:
+            mask.check_size(args.max_seq_len, args.max_seq_len)
+        except StofError as e:
+            raise StofError(f"--mask at --max-seq-len {args.max_seq_len}: {e}") from None
     t0 = time.perf_counter()
     model = load_model(args.input, keep_external_data=True)
+    if args.max_seq_len is not None:
+        check_probe_memory(model, args.max_seq_len)
     data_dir = os.path.dirname(os.path.abspath(args.input))
-    new_model, report = rewrite_model(model, mask=mask, epilogues=not args.no_epilogue, tile_m=args.tile[0],
-                                      tile_n=args.tile[1], max_seq_len=args.max_seq_len,
-                                      external_data_dir=data_dir, packed_qkv=not args.no_packed_qkv,
-                                      dense_attention=args.dense_attention)
+    try:
+        new_model, report = rewrite_model(model, mask=mask, epilogues=not args.no_epilogue, tile_m=args.tile[0],
+                                          tile_n=args.tile[1], max_seq_len=args.max_seq_len,
+                                          external_data_dir=data_dir, packed_qkv=not args.no_packed_qkv,
+                                          dense_attention=args.dense_attention)
+    except MemoryError:
+        size = f" --max-seq-len {args.max_seq_len}" if args.max_seq_len else " this model"
+        raise StofError(f"not enough memory to rewrite for{size}: the probe's and the masks' arrays do not fit "
+                        "(give a smaller --max-seq-len)") from None
+    moved = report.keep_attention_in(new_model)
+    if moved:
+        report.notes.append(f"{moved} attention node(s) with no sparsity run as ONNX Runtime's Attention "
+                            "(--dense-attention ort); they are not listed above")
     save_model(new_model, args.output, external_data_dir=data_dir)
     info = report.to_dict()
     info.update(input=args.input, output=args.output, seconds=round(time.perf_counter() - t0, 3))
@@ -67,7 +93,49 @@ def run(args) -> int:
     return 0
 
 
-def print_report(info: dict) -> None:
+def check_probe_memory(model, seq: int) -> None:
+    """Refuse a --max-seq-len whose probe inputs alone would not fit in memory: the rewrite runs the mask subgraph
+    on inputs of that length (symbolic dims after the batch taken as ``seq``), and its intermediates take several
+    times the inputs."""
+    from onnx import helper
+
+    inits = {t.name for t in model.graph.initializer}
+    total = 0
+    for vi in model.graph.input:
+        if vi.name in inits or not vi.type.HasField("tensor_type"):
+            continue
+        tt = vi.type.tensor_type
+        try:
+            item = helper.tensor_dtype_to_np_dtype(tt.elem_type).itemsize
+        except Exception:  # noqa: BLE001 - an exotic type: the rewrite says what it thinks of it
+            continue
+        n = 1
+        for d in list(tt.shape.dim)[1:]:
+            n *= d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else seq
+        total += n * item
+    need = 4 * total
+    avail = _available_memory()
+    if avail and need > avail:
+        raise StofError(f"--max-seq-len {seq} needs about {need / 2**30:.1f} GiB for the model's probe (inputs of "
+                        f"{total / 2**30:.1f} GiB and their intermediates); {avail / 2**30:.1f} GiB is available: "
+                        "give a smaller --max-seq-len")
+
+
+def _available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def print_report(info: dict, wrote: bool = True) -> None:
     """Tables from RewriteReport.to_dict() (stof_trt/rewrite/report.py)."""
     print(f"{info['input']} -> {info['output']}  ({info['seconds']} s)")
     patterns = info.get("patterns", {})
@@ -81,8 +149,19 @@ def print_report(info: dict) -> None:
                     ["pattern", "STOF op", "matched", "removed", "added", "ops removed"])
     else:
         print("nothing matched: the model comes back equivalent")
-    print(f"\nnodes: {info.get('nodes_before', '?')} -> {info.get('nodes_after', '?')} "
-          f"({removed} removed, {added} added)")
+    before, after = info.get("nodes_before"), info.get("nodes_after")
+    if isinstance(before, int) and isinstance(after, int):
+        # the rest is the cleanup after the patterns: constant folding of the shape arithmetic that fed removed
+        # subgraphs, nodes left without consumers
+        cleanup = before - removed + added - after
+        line = f"\nnodes: {before} -> {after}: {removed} removed and {added} added by the patterns"
+        if cleanup > 0:
+            line += f", {cleanup} removed by cleanup (folded shape arithmetic, unused nodes)"
+        elif cleanup < 0:
+            line += f", {-cleanup} added by cleanup"
+        print(line)
+    else:
+        print(f"\nnodes: {removed} removed, {added} added")
     att = info.get("attention", [])
     if att:
         print()
@@ -101,3 +180,5 @@ def print_report(info: dict) -> None:
             print(f"  {item.get('node', '?')} ({item.get('op_type', '?')}): {item.get('reason', '?')}")
     for note in info.get("notes", []):
         print(f"note: {note}")
+    if wrote and info.get("output"):
+        print(f"\nwrote {info['output']}")

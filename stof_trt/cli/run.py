@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 from ..errors import StofError
-from .common import print_json, print_table
+from .common import load_model, make_output_dir, ort_error, print_json, print_table
 
 
 def add_args(p):
@@ -30,7 +30,7 @@ def add_args(p):
                    help="attention nodes without a tactic-cache entry use the pre-search's first choice for this "
                         "run's (batch, seq) instead of the kernel library's default")
     p.add_argument("--cuda-graphs", action="store_true", help="run through a captured CUDA graph (IO binding)")
-    p.add_argument("-o", "--output-dir", metavar="DIR", help="save each output as DIR/<name>.npy")
+    p.add_argument("-o", "--output-dir", metavar="DIR", help="save each output as DIR/<name>.npy (created if needed)")
     p.add_argument("--time", type=int, default=0, metavar="N", help="also time N runs (IO binding; median/p90)")
     p.add_argument("--verbose", action="store_true", help="print the plugin's tactic choices")
     p.add_argument("--json", action="store_true")
@@ -58,10 +58,21 @@ def run(args) -> int:
 
     from .. import ort as sort
 
-    if not os.path.isfile(args.model):
-        raise StofError(f"no such file: {args.model}")
-    if args.output_dir and not os.path.isdir(args.output_dir):
-        raise StofError(f"output directory does not exist: {args.output_dir}")
+    import onnxruntime as ort
+
+    from ..nodes import attention_nodes
+
+    if args.provider == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
+        raise StofError("no CUDA execution provider in this onnxruntime (a CPU-only install or no GPU): run on the "
+                        "CPU with --provider cpu (STOF nodes run as their ONNX functions), or install "
+                        "onnxruntime-gpu")
+    # Every STOF node's layout is checked as `stof inspect` does: a damaged layout must not run.
+    try:
+        attention_nodes(load_model(args.model))
+    except StofError as e:
+        raise StofError(f"{args.model}: a STOF attention node's layout is invalid ({e})") from None
+    if args.output_dir:
+        make_output_dir(args.output_dir)
     given = load_inputs(args.input)
     pre = None
     if args.presearch:
@@ -70,8 +81,14 @@ def run(args) -> int:
         if not dims:
             raise StofError("--presearch needs an input of rank >= 2 (batch, seq) from --input or --shapes")
         pre = [dims[0]]
-    sess = sort.session(args.model, providers=args.provider, device_id=args.device, tactic_cache=args.tactic_cache,
-                        cuda_graphs=args.cuda_graphs, verbose=args.verbose, presearch_shapes=pre)
+    try:
+        sess = sort.session(args.model, providers=args.provider, device_id=args.device,
+                            tactic_cache=args.tactic_cache, cuda_graphs=args.cuda_graphs, verbose=args.verbose,
+                            presearch_shapes=pre)
+    except StofError as e:
+        if args.provider == "cuda" and "CUDA" in str(e):
+            raise StofError(f"{e}; or run on the CPU with --provider cpu") from None
+        raise
     names = {i.name for i in sess.get_inputs()}
     unknown = set(given) - names
     if unknown:
@@ -93,7 +110,7 @@ def run(args) -> int:
     except StofError:
         raise
     except Exception as e:  # noqa: BLE001 - ORT's run errors (bad shapes, ...) are user errors here
-        raise StofError(f"onnxruntime run failed: {str(e).strip().splitlines()[0]}") from None
+        raise ort_error(e, args.model) from None
     info = {"model": args.model, "provider": args.provider, "outputs": []}
     for o, arr in zip(sess.get_outputs(), outs):
         a = arr.astype(np.float64) if arr.dtype.kind == "f" else arr

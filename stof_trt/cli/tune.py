@@ -28,7 +28,8 @@ def add_args(p):
     p.add_argument("-k", type=int, default=3, help="shortlist length from the pre-search (default 3)")
     p.add_argument("--all", action="store_true", help="time every valid tactic, not only the shortlist")
     p.add_argument("--presearch-only", action="store_true",
-                   help="record the pre-search's first choice without timing (a baseline cache)")
+                   help="record the pre-search's first choice without timing (a baseline cache); still runs on the "
+                        "GPU: the cache is keyed by the GPU, and the kernel library says which tactics it has")
     p.add_argument("--reps", type=int, default=7, help="timed repetitions per tactic (median)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")

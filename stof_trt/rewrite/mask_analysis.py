@@ -89,10 +89,11 @@ def name_pattern(static: np.ndarray) -> str:
         if m.any():
             lo, hi = int(d[m].min()), int(d[m].max())
             if np.array_equal(m, (d >= lo) & (d <= hi)):
+                # named as the mask spec that builds it: "window" is the half-width |q-k| <= W everywhere
                 if lo == 0:
-                    return f"causal sliding window {hi + 1}"
+                    return f"sliding:window={hi},causal=1 (0 <= q-k <= {hi})"
                 if lo == -hi:
-                    return f"sliding window {2 * hi + 1} (|q-k| <= {hi})"
+                    return f"sliding:window={hi} (|q-k| <= {hi})"
                 return f"band q-k in [{lo}, {hi}]"
     return "custom per-head pattern" if L > 1 else "custom static pattern"
 

@@ -32,6 +32,22 @@ class RewriteReport:
         if info.get("kind") == "attention":
             self.attention.append({k: v for k, v in info.items() if k != "kind"})
 
+    def keep_attention_in(self, model) -> int:
+        """Drop attention entries whose node is not in ``model`` (a later pattern replaced it, e.g.
+        dense_attention="ort" handing it to ONNX Runtime's Attention); returns how many were dropped."""
+        names = {n.name for n in model.graph.node}
+        kept = [a for a in self.attention if a.get("name") in names]
+        dropped = len(self.attention) - len(kept)
+        self.attention[:] = kept
+        return dropped
+
+    def nodes_by_cleanup(self) -> int:
+        """Nodes the graph cleanup removed after the patterns ran (constant folding of shape arithmetic left by
+        removed subgraphs, dead nodes): nodes_before - removed + added - nodes_after."""
+        removed = sum(e["nodes_removed"] for e in self.patterns.values())
+        added = sum(e["nodes_added"] for e in self.patterns.values())
+        return self.nodes_before - removed + added - self.nodes_after
+
     def left_alone(self, pattern: str, name: str, op_type: str, reason: str) -> None:
         self.left_alone_list.append({"pattern": pattern, "node": name, "op_type": op_type, "reason": reason})
 
@@ -50,6 +66,7 @@ class RewriteReport:
             "opset": self.opset,
             "nodes_before": self.nodes_before,
             "nodes_after": self.nodes_after,
+            "nodes_removed_by_cleanup": self.nodes_by_cleanup(),
             "patterns": {k: {**v, "removed_op_types": dict(v["removed_op_types"])} for k, v in self.patterns.items()},
             "attention": list(self.attention),
             "left_alone": list(self.left_alone_list),

@@ -1,0 +1,242 @@
+"""Bad input to the CLI: one line on stderr, exit status 2, nothing written, the input untouched; and the
+smaller behaviours a new user meets (default output, created directories, quiet pipes, ORT errors in one line)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from stof_trt.cli import main
+from stof_trt.cli.rewrite import print_report
+from stof_trt.format import STOF_FORMAT_VERSION, compile_mask
+
+
+def run_cli(*args, env=None):
+    p = subprocess.run([sys.executable, "-m", "stof_trt.cli", *args], capture_output=True, text=True, timeout=600,
+                       env=env)
+    return p.returncode, p.stdout, p.stderr
+
+
+def tiny_model(path):
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((8, 8)).astype(np.float32), "W")
+    g = helper.make_graph([helper.make_node("MatMul", ["X", "W"], ["Y"])], "tiny",
+                          [helper.make_tensor_value_info("X", TensorProto.FLOAT, [2, 8])],
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [2, 8])], [w])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def attention_model(path, tamper=False):
+    """One StofSparseAttention node (causal, 128 tokens), no function: enough for the checks made on load."""
+    lay = compile_mask("causal", 128, 128)
+    arrays = dict(lay.arrays())
+    if tamper:
+        rp = arrays["row_ptr"].copy()
+        rp[1] += 1     # one more tile in row 0: a layout `stof inspect` rejects
+        arrays["row_ptr"] = rp
+    inits = [numpy_helper.from_array(a, k) for k, a in arrays.items()]
+    node = helper.make_node("StofSparseAttention", ["Q", "K", "V", *arrays], ["O"], name="att", domain="stof",
+                            scale=0.125, tile_m=64, tile_n=64, seq_q=128, seq_k=128, num_layouts=1,
+                            format_version=STOF_FORMAT_VERSION, mask_spec=lay.mask_spec)
+    vi = [helper.make_tensor_value_info(x, TensorProto.FLOAT, [1, 2, 128, 64]) for x in "QKV"]
+    m = helper.make_model(helper.make_graph([node], "g", vi, [helper.make_tensor_value_info("O", TensorProto.FLOAT,
+                                                                                           None)], inits),
+                          opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("stof", 1)])
+    onnx.save(m, path)
+    return path
+
+
+def assert_one_line_error(rc, stdout, stderr, *words):
+    assert rc == 2, (rc, stdout, stderr)
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("stof: error: "), stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+    assert "internal error" not in stderr and "Traceback" not in stderr
+
+
+def snapshot(d):
+    return {p: (os.path.getsize(os.path.join(d, p)), os.path.getmtime(os.path.join(d, p))) for p in os.listdir(d)}
+
+
+@pytest.mark.parametrize("case", ["unwritable_dir", "existing_dir", "proc", "long_name", "bad_raw_data",
+                                  "bigbird_seed", "dilation_overflow", "global_huge", "nested", "max_seq_len"])
+def test_rewrite_user_errors(tmp_path, case):
+    good = tiny_model(str(tmp_path / "m.onnx"))
+    (tmp_path / "dir.onnx").mkdir()
+    bad = onnx.load(good)
+    bad.graph.initializer[0].raw_data = bad.graph.initializer[0].raw_data[:-4]
+    onnx.save(bad, str(tmp_path / "bad.onnx"))
+    out = str(tmp_path / "out.onnx")
+    args, words = {
+        "unwritable_dir": ([good, "-o", "/proc/self/stof-out.onnx"], ["cannot write"]),
+        "existing_dir": ([good, "-o", str(tmp_path / "dir.onnx")], ["directory"]),
+        "proc": ([good, "-o", "/proc/stof.onnx"], ["cannot write"]),
+        "long_name": ([good, "-o", str(tmp_path / ("x" * 260 + ".onnx"))], ["longer than"]),
+        "bad_raw_data": ([str(tmp_path / "bad.onnx"), "-o", out], ["'W'", "bytes"]),
+        "bigbird_seed": ([good, "-o", out, "--mask", "bigbird:random=0.1,seed=-1"], ["seed"]),
+        "dilation_overflow": ([good, "-o", out, "--mask", f"dilated:window=8,dilation={10**12}"], ["out of range"]),
+        "global_huge": ([good, "-o", out, "--mask", f"global:n={10**12}"], ["out of range"]),
+        "nested": ([good, "-o", out, "--mask", "(" * 2000 + "causal" + ")" * 2000], ["deeper than 64"]),
+        "max_seq_len": ([good, "-o", out, "--max-seq-len", str(10**10)], ["--max-seq-len"]),
+    }[case]
+    before = snapshot(tmp_path)
+    rc, stdout, stderr = run_cli("rewrite", *args)
+    assert_one_line_error(rc, stdout, stderr, *words)
+    assert snapshot(tmp_path) == before          # nothing written, nothing touched
+
+
+def test_rewrite_refuses_a_length_whose_probe_does_not_fit(tmp_path):
+    """--max-seq-len 10^9 on a model with [batch, seq] int64 inputs: tens of GiB, refused with the numbers."""
+    x = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"])
+    y = helper.make_tensor_value_info("y", TensorProto.INT64, ["batch", "seq"])
+    m = helper.make_model(helper.make_graph([helper.make_node("Identity", ["input_ids"], ["y"])], "g", [x], [y]),
+                          opset_imports=[helper.make_opsetid("", 17)])
+    path = str(tmp_path / "ids.onnx")
+    onnx.save(m, path)
+    before = snapshot(tmp_path)
+    rc, stdout, stderr = run_cli("rewrite", path, "--max-seq-len", "1000000000")
+    assert_one_line_error(rc, stdout, stderr, "--max-seq-len 1000000000", "GiB")
+    assert snapshot(tmp_path) == before
+
+
+def test_rewrite_writes_beside_the_input_by_default(tmp_path):
+    good = tiny_model(str(tmp_path / "m.onnx"))
+    rc, stdout, stderr = run_cli("rewrite", good)
+    assert rc == 0, stderr
+    assert os.path.isfile(tmp_path / "m.stof.onnx")
+    assert f"wrote {tmp_path / 'm.stof.onnx'}" in stdout
+
+
+def test_inspect_out_dir_that_is_a_file(tmp_path):
+    path = attention_model(str(tmp_path / "a.onnx"))
+    (tmp_path / "f").write_text("x")
+    before = snapshot(tmp_path)
+    rc, stdout, stderr = run_cli("inspect", path, "--out-dir", str(tmp_path / "f"))
+    assert_one_line_error(rc, stdout, stderr, "not a directory")
+    assert snapshot(tmp_path) == before
+
+
+def test_run_refuses_a_tampered_layout_on_the_cpu(tmp_path):
+    pytest.importorskip("onnxruntime")
+    path = attention_model(str(tmp_path / "a.onnx"), tamper=True)
+    rc, stdout, stderr = run_cli("run", path, "--provider", "cpu")
+    assert_one_line_error(rc, stdout, stderr)
+    rc, _, stderr = run_cli("inspect", path)
+    assert rc == 2
+
+
+def test_run_creates_its_output_directory(tmp_path):
+    pytest.importorskip("onnxruntime")
+    path = tiny_model(str(tmp_path / "m.onnx"))
+    out = tmp_path / "new" / "outputs"
+    rc, stdout, stderr = run_cli("run", path, "--provider", "cpu", "-o", str(out), "--json")
+    assert rc == 0, stderr
+    assert json.loads(stdout)["outputs"][0]["saved"] == str(out / "Y.npy")
+    assert np.load(out / "Y.npy").shape == (2, 8)
+    (tmp_path / "file").write_text("x")
+    rc, stdout, stderr = run_cli("run", path, "--provider", "cpu", "-o", str(tmp_path / "file"))
+    assert_one_line_error(rc, stdout, stderr, "not a directory")
+
+
+def test_run_without_a_gpu_suggests_the_cpu(tmp_path):
+    ort = pytest.importorskip("onnxruntime")
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this onnxruntime has the CUDA EP")
+    rc, stdout, stderr = run_cli("run", tiny_model(str(tmp_path / "m.onnx")))
+    assert_one_line_error(rc, stdout, stderr, "--provider cpu")
+
+
+def test_onnxruntime_shape_errors_are_one_line_and_quiet(tmp_path):
+    pytest.importorskip("onnxruntime")
+    path = tiny_model(str(tmp_path / "m.onnx"))
+    np.save(tmp_path / "x.npy", np.ones((3, 5), np.float32))
+    rc, stdout, stderr = run_cli("run", path, "--provider", "cpu", "--input", f"X={tmp_path / 'x.npy'}")
+    assert_one_line_error(rc, stdout, stderr, "input shapes")
+    assert "[E:onnxruntime" not in stderr and "[W:onnxruntime" not in stderr
+
+
+def test_onnxruntime_error_names_the_compiled_length(tmp_path):
+    from stof_trt.cli.common import ort_error
+
+    path = attention_model(str(tmp_path / "a.onnx"))
+    e = ort_error(RuntimeError("[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Non-zero status code returned while "
+                               "running Expand node. invalid expand shape"), path)
+    assert "sequence length <= 128" in str(e) and "\n" not in str(e)
+    e = ort_error(RuntimeError("CUDAExecutionProvider is not available"), path)
+    assert "--provider cpu" in str(e)
+
+
+def test_broken_pipe_is_quiet(tmp_path, monkeypatch, capsys):
+    path = attention_model(str(tmp_path / "a.onnx"))
+
+    class Closed:
+        def write(self, s):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def fileno(self):
+            raise OSError("no file")
+
+    monkeypatch.setattr(sys, "stdout", Closed())
+    rc = main(["inspect", path, "--json", "--no-png"])
+    err = capsys.readouterr().err
+    assert rc == 141 and err == ""
+
+
+def test_broken_pipe_through_head(tmp_path):
+    """`stof inspect --json | head -c 1` with more JSON than a pipe holds: quiet, status 141 (SIGPIPE's)."""
+    lay = compile_mask("causal", 128, 128)
+    inits = [numpy_helper.from_array(a, k) for k, a in lay.arrays().items()]
+    n = 600
+    nodes = [helper.make_node("StofSparseAttention", ["Q", "K", "V", *lay.arrays()], [f"O{i}"], name=f"att{i}",
+                              domain="stof", scale=0.125, tile_m=64, tile_n=64, seq_q=128, seq_k=128,
+                              num_layouts=1, format_version=STOF_FORMAT_VERSION, mask_spec=lay.mask_spec)
+             for i in range(n)]
+    vi = [helper.make_tensor_value_info(x, TensorProto.FLOAT, [1, 2, 128, 64]) for x in "QKV"]
+    outs = [helper.make_tensor_value_info(f"O{i}", TensorProto.FLOAT, None) for i in range(n)]
+    path = str(tmp_path / "many.onnx")
+    onnx.save(helper.make_model(helper.make_graph(nodes, "g", vi, outs, inits),
+                                opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("stof", 1)]), path)
+    p = subprocess.run(["bash", "-c", f"{sys.executable} -m stof_trt.cli inspect {path} --json --no-png | head -c 1; "
+                                      "echo \" ${PIPESTATUS[0]}\""], capture_output=True, text=True, timeout=300)
+    assert p.stderr == "", p.stderr
+    assert p.stdout == "{ 141\n"
+
+
+def test_npy_path_with_a_bar_in_quotes(tmp_path):
+    d = tmp_path / "a|b"
+    d.mkdir()
+    np.save(d / "m.npy", np.tril(np.ones((128, 128), bool)))
+    from stof_trt.masks import parse_mask
+
+    spec = parse_mask(f"npy:'{d / 'm.npy'}'|global:n=1")
+    want = np.tril(np.ones((128, 128), bool)) | parse_mask("global:n=1").dense(128, 128)
+    assert np.array_equal(spec.dense(128, 128), want)
+    assert str(parse_mask(str(spec))) == str(spec)
+    rc, out, _ = run_cli("--help")
+    assert "quotes" in out
+
+
+def test_demo_flags_have_help():
+    rc, out, _ = run_cli("demo", "--help")
+    assert rc == 0
+    for flag, word in (("--batch", "batch size"), ("--layers", "layers"), ("--seed", "seed of"), ("--json", "JSON")):
+        line = out[out.index("\n  " + flag):]
+        assert word in line[:300], flag
+
+
+def test_summary_node_counts_add_up(capsys):
+    print_report({"input": "in.onnx", "output": "out.onnx", "seconds": 1.0, "nodes_before": 286, "nodes_after": 103,
+                  "patterns": {"attention_core": {"fused_op_type": "StofSparseAttention", "matched": 6,
+                                                  "nodes_removed": 66, "nodes_added": 18, "removed_op_types": {}}}})
+    out = capsys.readouterr().out
+    assert "286 -> 103: 66 removed and 18 added by the patterns, 135 removed by cleanup" in out
+    assert "wrote out.onnx" in out
