@@ -42,6 +42,20 @@ def tensor_shapes(fusion: Fusion, names: set[str]) -> dict[str, tuple]:
     return shapes
 
 
+def keys_axis1(fusion: Fusion, k: gs.Tensor, new: list[gs.Node]) -> gs.Tensor:
+    """A float [1, Sk] zeros tensor from K [B, H, Sk, D], for helpers that read the key length from dim 1 (no
+    copy of K: only its shape is used)."""
+    ctx = fusion.ctx
+    shape, zeros = fusion.new_var("stof_sk_shape", dtype=np.int64), fusion.new_var("stof_sk_zeros", dtype=np.float32)
+    one = fusion.new_const("stof_one_i64", np.array([1], np.int64))
+    cat = fusion.new_var("stof_sk_dims", dtype=np.int64)
+    new += [gs.Node("Shape", ctx.unique("stof_sk"), {"start": 2, "end": 3}, [k], [shape]),
+            gs.Node("Concat", ctx.unique("stof_sk"), {"axis": 0}, [one, shape], [cat]),
+            gs.Node("ConstantOfShape", ctx.unique("stof_sk"), {}, [cat], [zeros])]
+    return zeros
+
+
+
 def check_heads(num_heads: int, kv_heads: int) -> str | None:
     """A reason the head counts cannot be grouped, or None."""
     if num_heads < 1 or kv_heads < 1 or num_heads % kv_heads:
