@@ -99,9 +99,10 @@ def blocks_to_csr(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def build(case: dict, fp16: bool, seed: int = 0, presents: bool = False) -> onnx.ModelProto:
-    """The one-layer model of ``case``. ``presents``: SparseAttention's present_key / present_value become graph
-    outputs (ORT's CUDA kernel writes K/V into the past buffers in place, so the timed original binds them to the
-    same device buffers; the rewrite is made from the model without them, a prompt whose cache is discarded)."""
+    """The one-layer model of ``case``. ``presents``: the present_key / present_value of SparseAttention and
+    GroupQueryAttention become graph outputs (ORT's CUDA kernels need them; SparseAttention's writes K/V into the
+    past buffers in place, so the timed original binds them to the same device buffers); the rewrite is made from
+    the model without them, a prompt whose cache is discarded."""
     T = TensorProto.FLOAT16 if fp16 else TensorProto.FLOAT
     npt = np.float16 if fp16 else np.float32
     rng = np.random.default_rng(seed)
@@ -117,11 +118,17 @@ def build(case: dict, fp16: bool, seed: int = 0, presents: bool = False) -> onnx
     KV = case["KV"]
     qkv = [_vi("q", T, [B, S, H * D]), _vi("k", T, [B, S, KV * D]), _vi("v", T, [B, S, KV * D])]
     if case["op"] == "gqa":
-        node = helper.make_node("GroupQueryAttention", ["q", "k", "v", "", "", "seqlens_k", "total"], ["y"],
+        # ORT's CUDA kernel requires the present outputs (the original on the GPU gets them; the rewrite is made
+        # from the model without them, a prompt whose cache is discarded)
+        outs = ["y", "present_key", "present_value"] if presents else ["y"]
+        node = helper.make_node("GroupQueryAttention", ["q", "k", "v", "", "", "seqlens_k", "total"], outs,
                                 domain="com.microsoft", num_heads=H, kv_num_heads=KV,
                                 local_window_size=case["window"])
+        vis = [_vi("y", T, [B, S, H * D])]
+        if presents:
+            vis += [_vi("present_key", T, [B, KV, S, D]), _vi("present_value", T, [B, KV, S, D])]
         return _model([node], qkv + [_vi("seqlens_k", TensorProto.INT32, [B]), _vi("total", TensorProto.INT32, [])],
-                      [_vi("y", T, [B, S, H * D])])
+                      vis)
     bs = case["block"]
     nb = -(-S // bs)
     rows, cols = blocks_to_csr(local_stride_blocks(case["layouts"], nb, case["local"], case["stride"]))
@@ -259,7 +266,7 @@ def device_run(names, iters, warmup, tile, sizes="issue", presearch=False) -> li
         row = {"case": name, **case, **info}
         outs = {}
         shared = case["op"] == "sparse"
-        original = build(case, fp16=True, presents=True) if shared else model
+        original = build(case, fp16=True, presents=True) if case["op"] in ("sparse", "gqa") else model
         for variant, m, register in (("ort", original, False), ("stof", new, True)):
             extra = {"presearch_shapes": [(case["B"], case["S"])]} if presearch and register else {}
             sess = session(m, providers="cuda", register=register, **extra)

@@ -386,7 +386,7 @@ def test_bench_ort_ops_dry_run(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=str(root))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
     cmd = [sys.executable, str(root / "scripts" / "bench_ort_ops.py")]
     r = subprocess.run(cmd + ["--dry-run", "--sizes", "small", "--out", str(tmp_path)], env=env, capture_output=True,
                        text=True, timeout=300)
