@@ -20,9 +20,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from pathlib import Path
 
+from ._files import write_json_atomic
 from .errors import StofError
 
 __all__ = ["FORMAT", "VERSION", "default_path", "profile_path", "make_profile", "write", "load", "coef_of",
@@ -62,18 +62,7 @@ def write(path: str | os.PathLike, doc: dict) -> Path:
     """Write atomically (temp file + rename), creating the directory."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".stof-profile-", suffix=".json", dir=p.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, p)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return p
+    return write_json_atomic(p, doc, prefix=".stof-profile-")
 
 
 def load(path: str | os.PathLike) -> dict:

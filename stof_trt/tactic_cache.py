@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ._files import write_json_atomic
 from .errors import StofError
 
 __all__ = ["FORMAT", "VERSION", "shape_bucket", "node_signature", "CacheKey", "TacticCache", "gpu_identity"]
@@ -131,19 +131,7 @@ class TacticCache:
         d = p.resolve().parent
         if not d.is_dir():
             raise StofError(f"directory does not exist: {d}")
-        fd, tmp = tempfile.mkstemp(prefix=".stof-cache-", suffix=".json", dir=d)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.to_json(), f, indent=1)
-                f.write("\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, p)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        p = write_json_atomic(p, self.to_json(), prefix=".stof-cache-")
         self.path = p
         return p
 

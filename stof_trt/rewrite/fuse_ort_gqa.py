@@ -24,9 +24,9 @@ import math
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from .attention_common import AttentionEmitter, AttentionPlan, choose_layout, from_heads, lengths_to_padding, to_heads
+from .attention_common import AttentionPlan, choose_layout, lengths_to_padding
 from .base import Fusion, Match
-from .ort_contrib import ORT_DOMAIN, check_heads, outputs_used, present, tensor_shapes
+from .ort_contrib import ORT_DOMAIN, check_heads, emit_grouped_node, outputs_used, present, tensor_shapes
 
 
 def sliding_causal(seq: int, window: int) -> np.ndarray:
@@ -108,11 +108,7 @@ class FuseOrtGroupQueryAttention(Fusion):
             one = self.new_const("stof_one_i32", np.array(1, np.int32))
             new.append(gs.Node("Add", self.ctx.unique("stof_gqa_lengths"), {}, [seqlens, one], [lengths]))
             plan.padding_tensor = lengths_to_padding(self, lengths, k, new)
-            qq = to_heads(self, q, plan.heads, plan.head_dim, new)
-            # grouped heads stay grouped: the node reads K/V head h / (H / Hkv)
-            kk, vv = (to_heads(self, t, kv, plan.head_dim, new) for t in (k, v))
-            out = from_heads(self, y, plan.heads * plan.head_dim, new, dtype=y.dtype)
-            AttentionEmitter(self).node(plan, qq, kk, vv, out, new)
+            emit_grouped_node(self, plan, q, k, v, y, kv, new)
             info["name"] = plan.name
             return new
 

@@ -27,10 +27,10 @@ import onnx_graphsurgeon as gs
 from ..errors import StofError
 from ..format import TileLayout
 
-from .attention_common import AttentionEmitter, AttentionPlan, choose_layout, from_heads, lengths_to_padding, to_heads
+from .attention_common import AttentionPlan, choose_layout, lengths_to_padding
 from .base import Fusion, Match
 from .matcher import const_value
-from .ort_contrib import (ORT_DOMAIN, check_heads, csr_block_mask, layout_per_head, outputs_used,
+from .ort_contrib import (ORT_DOMAIN, check_heads, emit_grouped_node, csr_block_mask, layout_per_head, outputs_used,
                           present, tensor_shapes)
 
 
@@ -125,11 +125,7 @@ class FuseOrtSparseAttention(Fusion):
         def build():
             new: list[gs.Node] = []
             plan.padding_tensor = lengths_to_padding(self, lengths, k, new)
-            qq = to_heads(self, q, plan.heads, plan.head_dim, new)
-            # grouped heads stay grouped: the node reads K/V head h / (H / Hkv)
-            kk, vv = (to_heads(self, t, kv, plan.head_dim, new) for t in (k, v))
-            out = from_heads(self, y, plan.heads * plan.head_dim, new, dtype=y.dtype)
-            AttentionEmitter(self).node(plan, qq, kk, vv, out, new)
+            emit_grouped_node(self, plan, q, k, v, y, kv, new)
             info["name"] = plan.name
             return new
 

@@ -8,6 +8,7 @@ import onnx_graphsurgeon as gs
 from ..errors import StofError
 from ..format import TileLayout
 
+from .attention_common import AttentionEmitter, AttentionPlan, from_heads, to_heads
 from .base import Fusion
 
 ORT_DOMAIN = "com.microsoft"
@@ -54,6 +55,16 @@ def keys_axis1(fusion: Fusion, k: gs.Tensor, new: list[gs.Node]) -> gs.Tensor:
             gs.Node("ConstantOfShape", ctx.unique("stof_sk"), {}, [cat], [zeros])]
     return zeros
 
+
+
+def emit_grouped_node(fusion: Fusion, plan: AttentionPlan, q: gs.Tensor, k: gs.Tensor, v: gs.Tensor, y: gs.Tensor,
+                      kv_heads: int, new: list[gs.Node]) -> None:
+    """The STOF node for [B, S, heads*D] Q and [B, S, kv_heads*D] K/V into [B, S, heads*D] Y: grouped heads stay
+    grouped (the node reads K/V head h / (heads / kv_heads))."""
+    qq = to_heads(fusion, q, plan.heads, plan.head_dim, new)
+    kk, vv = (to_heads(fusion, t, kv_heads, plan.head_dim, new) for t in (k, v))
+    out = from_heads(fusion, y, plan.heads * plan.head_dim, new, dtype=y.dtype)
+    AttentionEmitter(fusion).node(plan, qq, kk, vv, out, new)
 
 
 def check_heads(num_heads: int, kv_heads: int) -> str | None:
