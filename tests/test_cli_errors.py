@@ -243,3 +243,31 @@ def test_summary_node_counts_add_up(capsys):
     out = capsys.readouterr().out
     assert "286 -> 103: 66 removed and 18 added by the patterns, 135 removed by cleanup" in out
     assert "wrote out.onnx" in out
+
+
+def test_run_past_the_compiled_length_names_the_limit(tmp_path):
+    """A BERT rewritten with no flag is compiled for its 512 position embeddings (stof.max_seq_len): `stof run` and
+    `stof bench` at 513 tokens refuse in one line naming the limit, before any run; 512 runs."""
+    pytest.importorskip("onnxruntime")
+    from models_util import exported
+
+    orig = str(tmp_path / "bert.onnx")
+    onnx.save(exported("bert"), orig)
+    new = str(tmp_path / "bert.stof.onnx")
+    rc, _, stderr = run_cli("rewrite", orig, "-o", new)
+    assert rc == 0, stderr
+    meta = {p.key: p.value for p in onnx.load(new).metadata_props}
+    limit = int(meta["stof.max_seq_len"])
+    assert limit == 512
+    out = tmp_path / "outs"
+    before = snapshot(tmp_path)
+    over = f"input_ids=1x{limit + 1},attention_mask=1x{limit + 1}"
+    rc, stdout, stderr = run_cli("run", new, "--provider", "cpu", "--shapes", over, "-o", str(out))
+    assert_one_line_error(rc, stdout, stderr, f"at most {limit} tokens", "stof.max_seq_len", "--max-seq-len",
+                          str(limit + 1))
+    rc, stdout, stderr = run_cli("bench", orig, new, "--shapes", over)
+    assert_one_line_error(rc, stdout, stderr, f"at most {limit} tokens", "stof.max_seq_len")
+    assert snapshot(tmp_path) == before
+    rc, stdout, stderr = run_cli("run", new, "--provider", "cpu", "--shapes",
+                                 f"input_ids=1x{limit},attention_mask=1x{limit}")
+    assert rc == 0, stderr
