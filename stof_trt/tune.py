@@ -352,6 +352,10 @@ def target_gpu(name: str, *, cc: str = "9.0", sm_count: int | None = None, profi
         sm_count = presearch.H100_SXM.sm_count
     if not 1 <= sm_count <= 4096:
         raise StofError(f"--sm-count must be in [1, 4096], got {sm_count}")
+    try:
+        presearch.native_library()
+    except RuntimeError as e:
+        raise StofError(str(e)) from None
     major, minor = int(m.group(1)), int(m.group(2))
     h, scale = presearch.H100_SXM, sm_count / presearch.H100_SXM.sm_count
     props = dataclasses.replace(h, name=name, sm_count=sm_count, mma_tflops=h.mma_tflops * scale,
