@@ -82,7 +82,11 @@ def probe_problems(model, feeds: dict, sess_kwargs: dict | None = None, *, cpu: 
     if cpu:
         sess = sort.session(m, providers="cpu", register=False)
         names = {i.name for i in sess.get_inputs()}
-        outs = sess.run(None, {k: v for k, v in feeds.items() if k in names})
+        try:
+            outs = sess.run(None, {k: v for k, v in feeds.items() if k in names})
+        except Exception as e:  # noqa: BLE001 - ORT's run errors (shapes the model refuses) are user errors here
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise StofError(f"onnxruntime could not run the model on the CPU: {msg[:200]}") from None
         vals = {o.name: _HostValue(a) for o, a in zip(sess.get_outputs(), outs)}
         return _problems(nodes, vals)
     sess = sort.session(m, **(sess_kwargs or {}))

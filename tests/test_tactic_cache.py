@@ -239,4 +239,8 @@ def test_presearch_only_tune_for_a_named_gpu_without_one(kernels, tmp_path):
     before = cache.read_text()
     p = cli("tune", model, "--shapes", "input_ids=1x64,attention_mask=1x64", "--gpu", "NVIDIA H200", "-o", str(cache))
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "--presearch-only" in p.stderr, p.stderr
+    # a length over the model's compiled one is refused as `stof run` refuses it
+    p = cli("tune", model, "--shapes", "input_ids=1x513,attention_mask=1x513", "--presearch-only", "--gpu",
+            "NVIDIA H200", "-o", str(cache))
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "at most 512 tokens" in p.stderr, p.stderr
     assert cache.read_text() == before

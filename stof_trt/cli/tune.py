@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 
 from ..errors import StofError
-from .common import load_model, print_json, print_table
+from .common import check_seq_limit, load_model, print_json, print_table
 
 
 def add_args(p):
@@ -75,7 +75,15 @@ def run(args) -> int:
             raise StofError("--gpu NAME is for --presearch-only (timing runs on this machine's GPU)")
         target = target_gpu(args.gpu, cc=args.cc, sm_count=args.sm_count, profile=args.profile)
     model = load_model(args.model)
+    for s in args.shapes:
+        check_seq_limit(model, sort.parse_shapes([s]))
     cache = TacticCache.load_or_new(args.output)
+    if target is None:
+        import onnxruntime as ort
+
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            raise StofError("no CUDA execution provider in this onnxruntime (a CPU-only install or no GPU): tuning "
+                            "times on the GPU; for a pre-search cache without one, pass --presearch-only --gpu NAME")
     sess = sort.session(model, providers="cpu", register=False) if target else sort.session(model)
     feeds_list = [sort.random_feeds(sess, sort.parse_shapes([s]), seed=args.seed) for s in args.shapes]
     del sess
