@@ -21,7 +21,7 @@ from .errors import StofError
 from .nodes import AttentionNode, attention_nodes
 from .tactic_cache import CacheKey, TacticCache, gpu_identity, node_signature, shape_bucket
 
-__all__ = ["probe_problems", "Problem", "time_tactics", "tune_model", "TuneResult"]
+__all__ = ["probe_problems", "Problem", "time_tactics", "tune_model", "TuneResult", "TargetGpu", "target_gpu"]
 
 
 @dataclass
@@ -44,9 +44,21 @@ class Problem:
         return CacheKey(gpu, cc, sig, shape_bucket(self.batch, self.seq_q, self.seq_k), lay.signature())
 
 
-def probe_problems(model, feeds: dict, sess_kwargs: dict | None = None) -> list[Problem]:
+@dataclass(frozen=True)
+class TargetGpu:
+    """A GPU named by the user instead of read from a device (``stof tune --presearch-only --gpu``): the cache key's
+    identity, the pre-search's properties for it and, from a profile, its fitted constants."""
+
+    name: str
+    cc: str
+    props: object              # presearch.GpuProps
+    coef: dict | None = None   # {(tactic, head_dim): (a, b, c, d)}
+
+
+def probe_problems(model, feeds: dict, sess_kwargs: dict | None = None, *, cpu: bool = False) -> list[Problem]:
     """Run the model once on the CUDA EP with extra outputs (q, k, key padding of each attention node) bound on
-    the device, and read their shapes (and the small padding masks)."""
+    the device, and read their shapes (and the small padding masks). ``cpu``: on the CPU EP instead (the STOF
+    nodes run as their ONNX functions; the shapes are the same)."""
     import copy
 
     import onnx
@@ -67,6 +79,16 @@ def probe_problems(model, feeds: dict, sess_kwargs: dict | None = None) -> list[
                 extra.append(name)
     for name in extra:
         m.graph.output.append(onnx.helper.make_tensor_value_info(name, dtype_of.get(name, 0), None))
+    if cpu:
+        sess = sort.session(m, providers="cpu", register=False)
+        names = {i.name for i in sess.get_inputs()}
+        try:
+            outs = sess.run(None, {k: v for k, v in feeds.items() if k in names})
+        except Exception as e:  # noqa: BLE001 - ORT's run errors (shapes the model refuses) are user errors here
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise StofError(f"onnxruntime could not run the model on the CPU: {msg[:200]}") from None
+        vals = {o.name: _HostValue(a) for o, a in zip(sess.get_outputs(), outs)}
+        return _problems(nodes, vals)
     sess = sort.session(m, **(sess_kwargs or {}))
     binding = sess.io_binding()
     for i in sess.get_inputs():
@@ -77,6 +99,26 @@ def probe_problems(model, feeds: dict, sess_kwargs: dict | None = None) -> list[
         binding.bind_output(name, "cuda", 0)
     sess.run_with_iobinding(binding)
     vals = dict(zip(out_names, binding.get_outputs()))
+    return _problems(nodes, vals)
+
+
+class _HostValue:
+    """A numpy output read through the few OrtValue methods _problems uses."""
+
+    def __init__(self, a: np.ndarray):
+        self._a = a
+
+    def shape(self):
+        return list(self._a.shape)
+
+    def data_type(self):
+        return f"tensor({self._a.dtype.name})"
+
+    def numpy(self):
+        return self._a
+
+
+def _problems(nodes, vals) -> list[Problem]:
     probs = []
     for nd in nodes:
         q, k = vals[nd.query], vals[nd.key]
@@ -188,14 +230,18 @@ class TuneResult:
 
 def tune_model(model, feeds_list: list[dict], cache: TacticCache, *, k: int = 3, all_tactics: bool = False,
                presearch_only: bool = False, reps: int = 7, progress: bool = True,
-               sess_kwargs: dict | None = None) -> list[TuneResult]:
-    """Tune every attention problem of `model` for each feeds dict; update `cache` in place."""
+               sess_kwargs: dict | None = None, target: TargetGpu | None = None) -> list[TuneResult]:
+    """Tune every attention problem of `model` for each feeds dict; update `cache` in place. ``target``: a GPU named
+    instead of this machine's (pre-search only; no GPU needed): the problems are read on the CPU EP and the valid
+    tactics are the pre-search's for the target's properties."""
     from . import kernels, presearch
 
-    gpu, cc = gpu_identity()
+    if target is not None and not presearch_only:
+        raise StofError("a named target GPU is for the pre-search only: timing runs on this machine's GPU")
+    gpu, cc = (target.name, target.cc) if target is not None else gpu_identity()
     problems: dict[CacheKey, list[Problem]] = {}
     for feeds in feeds_list:
-        for p in probe_problems(model, feeds, sess_kwargs):
+        for p in probe_problems(model, feeds, sess_kwargs, cpu=target is not None):
             problems.setdefault(p.key(gpu, cc), []).append(p)
     results = []
     items = list(problems.items())
@@ -214,6 +260,20 @@ def tune_model(model, feeds_list: list[dict], cache: TacticCache, *, k: int = 3,
             if bar:
                 bar.update(1)
             continue  # the general kernel (fp32 / bias): nothing to choose
+        if target is not None:
+            # no library to ask: the pre-search's own validity rules for the target's properties
+            ranked = presearch.rank(p.node.layout, batch=p.batch, heads=p.heads, head_dim=p.head_dim, seq_q=p.seq_q,
+                                    seq_k=p.seq_k, gpu=target.props, coef=target.coef)
+            if not ranked:
+                raise StofError(f"no tactic for node {names[0]} (head dim {p.head_dim}) on {target.name}")
+            first = int(ranked[0][0])
+            r = TuneResult(key, names, first, [first], {}, first, None)
+            results.append(r)
+            cache.put(key, first, tactic_name=_tactic_name(first), source="presearch", presearch_tactic=first,
+                      nodes=names)
+            if bar:
+                bar.update(1)
+            continue
         # the library's valid tactics for this exact problem (the pre-search may know tactics this build lacks)
         import torch
 
@@ -266,3 +326,43 @@ def _tactic_name(tid: int) -> str:
         if t.id == tid:
             return t.name
     return f"tactic{tid}"
+
+
+def target_gpu(name: str, *, cc: str = "9.0", sm_count: int | None = None, profile: str | None = None) -> TargetGpu:
+    """A TargetGpu from the user's description: ``name`` as the library reports the device (e.g. "NVIDIA H200"),
+    compute capability ``cc``, SM count (default: the profile's, else the H100's 132) and, optionally, a pre-search
+    profile of ``stof calibrate`` whose constants rank the tactics as the library does on that GPU. Properties not
+    given are the H100 SXM's, scaled by the SM count as presearch.gpu_props scales them."""
+    import dataclasses
+    import re
+
+    from . import presearch, profiles
+
+    if not name or not name.strip():
+        raise StofError("--gpu needs a name, e.g. --gpu 'NVIDIA H200'")
+    m = re.fullmatch(r"(\d+)\.(\d)", cc or "")
+    if not m:
+        raise StofError(f"--cc must be MAJOR.MINOR (e.g. 9.0), got {cc!r}")
+    coef = None
+    if profile is not None:
+        doc = profiles.load(profile)
+        if doc["gpu"]["name"] != name:
+            raise StofError(f"profile {profile} is for {doc['gpu']['name']!r}, not {name!r}")
+        if sm_count is not None and sm_count != doc["gpu"]["sm_count"]:
+            raise StofError(f"profile {profile} is for {doc['gpu']['sm_count']} SMs, not {sm_count}")
+        sm_count = doc["gpu"]["sm_count"]
+        coef = profiles.coef_of(doc, profile)
+    if sm_count is None:
+        sm_count = presearch.H100_SXM.sm_count
+    if not 1 <= sm_count <= 4096:
+        raise StofError(f"--sm-count must be in [1, 4096], got {sm_count}")
+    try:
+        presearch.native_library()
+    except RuntimeError as e:
+        raise StofError(str(e)) from None
+    major, minor = int(m.group(1)), int(m.group(2))
+    h, scale = presearch.H100_SXM, sm_count / presearch.H100_SXM.sm_count
+    props = dataclasses.replace(h, name=name, sm_count=sm_count, mma_tflops=h.mma_tflops * scale,
+                                l2_bw=h.l2_bw * scale, sm=major * 10 + minor,
+                                wgmma_tflops=h.wgmma_tflops * scale if major == 9 else 0.0)
+    return TargetGpu(name, f"{major}.{minor}", props, coef)

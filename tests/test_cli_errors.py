@@ -243,3 +243,70 @@ def test_summary_node_counts_add_up(capsys):
     out = capsys.readouterr().out
     assert "286 -> 103: 66 removed and 18 added by the patterns, 135 removed by cleanup" in out
     assert "wrote out.onnx" in out
+
+
+def test_run_past_the_compiled_length_names_the_limit(tmp_path):
+    """A BERT rewritten with no flag is compiled for its 512 position embeddings (stof.max_seq_len): `stof run` and
+    `stof bench` at 513 tokens refuse in one line naming the limit, before any run; 512 runs."""
+    pytest.importorskip("onnxruntime")
+    from models_util import exported
+
+    orig = str(tmp_path / "bert.onnx")
+    onnx.save(exported("bert"), orig)
+    new = str(tmp_path / "bert.stof.onnx")
+    rc, _, stderr = run_cli("rewrite", orig, "-o", new)
+    assert rc == 0, stderr
+    meta = {p.key: p.value for p in onnx.load(new).metadata_props}
+    limit = int(meta["stof.max_seq_len"])
+    assert limit == 512
+    out = tmp_path / "outs"
+    before = snapshot(tmp_path)
+    over = f"input_ids=1x{limit + 1},attention_mask=1x{limit + 1}"
+    rc, stdout, stderr = run_cli("run", new, "--provider", "cpu", "--shapes", over, "-o", str(out))
+    assert_one_line_error(rc, stdout, stderr, f"at most {limit} tokens", "stof.max_seq_len", "--max-seq-len",
+                          str(limit + 1))
+    rc, stdout, stderr = run_cli("bench", orig, new, "--shapes", over)
+    assert_one_line_error(rc, stdout, stderr, f"at most {limit} tokens", "stof.max_seq_len")
+    assert snapshot(tmp_path) == before
+    rc, stdout, stderr = run_cli("run", new, "--provider", "cpu", "--shapes",
+                                 f"input_ids=1x{limit},attention_mask=1x{limit}")
+    assert rc == 0, stderr
+
+
+def test_max_seq_len_whose_probe_does_not_fit_is_refused_with_numbers(tmp_path, monkeypatch, capsys):
+    """The memory estimate of the rewrite's evaluation at --max-seq-len covers the attention scores of every head
+    and the graph masks, not only the inputs: with less memory available than that estimate (but more than the
+    inputs need) the rewrite refuses in one line with the numbers, before evaluating the model at that length."""
+    from models_util import exported
+
+    from stof_trt.rewrite import attention_common as ac
+    from stof_trt.rewrite import probe as probe_mod
+
+    model = exported("bert")                          # 4 heads, 512 positions, a graph-built padding mask
+    path = str(tmp_path / "bert.onnx")
+    onnx.save(model, path)
+    S = 384
+    est = ac.probe_bytes(model, S, heads=4, masks=True)
+    assert est["scores"] == ac.SCORE_COPIES * 4 * 4 * S * S
+    assert est["masks"] == 5 * ac.AttentionProbe.BATCH * 4 * S * S
+    assert est["total"] > 50 * est["inputs"]          # an inputs-only estimate would let it through
+    assert ac.probe_bytes(model, 2 * S, heads=4, masks=True)["scores"] == 4 * est["scores"]
+    runs = []
+    real_run = probe_mod.Probe.run
+
+    def run(self, batch, seq, overrides=None):
+        runs.append(seq)
+        return real_run(self, batch, seq, overrides)
+
+    monkeypatch.setattr(probe_mod.Probe, "run", run)
+    monkeypatch.setattr(ac, "available_memory", lambda: est["total"] - 1)
+    before = snapshot(tmp_path)
+    rc = main(["rewrite", path, "-o", str(tmp_path / "out.onnx"), "--max-seq-len", str(S)])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert_one_line_error(2, "", err, f"max_seq_len={S}", "[1, 4, S, S]", "MiB", "available")
+    assert max(runs) <= 1, runs                       # refused before the model ran at that length
+    assert snapshot(tmp_path) == before
+    monkeypatch.setattr(ac, "available_memory", lambda: est["total"])
+    assert main(["rewrite", path, "-o", str(tmp_path / "out.onnx"), "--max-seq-len", str(S)]) == 0
+    assert S in runs

@@ -163,3 +163,84 @@ def test_attention_nodes_refuse_what_they_cannot_trust():
         attention_nodes(_one_node_model(lay, bad))
     with pytest.raises(StofError, match="format_version 99"):
         attention_nodes(_one_node_model(lay, good, format_version=99))
+
+
+def test_presearch_only_tune_for_a_named_gpu_without_one(kernels, tmp_path):
+    """`stof tune --presearch-only --gpu NAME` on a machine with no GPU and no CUDA EP: the problems come from a
+    CPU run, the tactics from the pre-search for that GPU, and every entry is keyed as the library's reader on that
+    GPU looks it up."""
+    import subprocess
+    import sys
+
+    import onnx
+    import torch
+    from models_util import exported
+
+    from stof_trt import presearch as ps
+    from stof_trt.nodes import attention_nodes
+
+    src, model = str(tmp_path / "bert16.onnx"), str(tmp_path / "bert16.stof.onnx")
+    onnx.save(exported("bert", half=True, hidden=128, heads=2), src)   # head dim 64: tensor-core tactics
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "stof_trt.cli", *args], capture_output=True, text=True,
+                              timeout=600)
+
+    assert cli("rewrite", src, "-o", model).returncode == 0
+    node = attention_nodes(onnx.load(model))[0]
+    dl = kernels.DeviceLayout(node.layout, device="cpu")
+    shapes = [(2, 128), (1, 512)]
+    shape_args = [a for B, S in shapes for a in ("--shapes", f"input_ids={B}x{S},attention_mask={B}x{S}")]
+
+    def problem(B, S):
+        q = torch.zeros(B, 2, S, 64, dtype=torch.float16)      # host memory: select launches nothing
+        return q, torch.ones(B, S, dtype=torch.int32)
+
+    def tune(cache, *gpu_args):
+        p = cli("tune", model, *shape_args, "--presearch-only", *gpu_args, "-o", str(cache), "--json")
+        assert p.returncode == 0, p.stderr
+        entries = json.loads(cache.read_text())["entries"]
+        assert len(entries) == len(shapes)
+        assert kernels.load_tactic_cache(cache) == len(shapes)
+        return {e["bucket"]: e for e in entries}
+
+    # an H200: the pre-search may choose a wgmma tactic, which this GPU-less host's library cannot run and so skips;
+    # the same entries with a tactic valid here are hits, so the keys are the reader's
+    h200 = kernels.device_desc(name="NVIDIA H200", cc="9.0")
+    cache = tmp_path / "h200.json"
+    entries = tune(cache, "--gpu", "NVIDIA H200")
+    assert {(e["gpu"], e["cc"]) for e in entries.values()} == {("NVIDIA H200", "9.0")}
+    hopper = ps.valid_tactics(64, 64, 64, hopper=True)
+    assert all(e["tactic"] in hopper and e["source"] == "presearch" for e in entries.values())
+    doc = json.loads(cache.read_text())
+    for B, S in shapes:
+        q, kpm = problem(B, S)
+        valid = kernels.list_tactics(q, q, q, dl)
+        pre = kernels.select_tactic(q, q, q, dl, key_padding_mask=kpm, device=h200)[0]
+        pick = next(t for t in reversed(valid) if t != pre)
+        for e in doc["entries"]:
+            if e["bucket"] == shape_bucket(B, S, S):
+                e["tactic"] = pick
+        (tmp_path / "h200_here.json").write_text(json.dumps(doc))
+        kernels.load_tactic_cache(tmp_path / "h200_here.json")
+        assert kernels.select_tactic(q, q, q, dl, key_padding_mask=kpm, device=h200,
+                                     tactic_cache=tmp_path / "h200_here.json") == (pick, "cache")
+    # an Ampere GPU: its pre-search chooses among tactics this host's library runs too, so the entries hit as written
+    a100 = kernels.device_desc(name="NVIDIA A100-SXM4-80GB", cc="8.0")
+    entries = tune(tmp_path / "a100.json", "--gpu", "NVIDIA A100-SXM4-80GB", "--cc", "8.0", "--sm-count", "108")
+    for B, S in shapes:
+        q, kpm = problem(B, S)
+        want = entries[shape_bucket(B, S, S)]["tactic"]
+        assert kernels.select_tactic(q, q, q, dl, key_padding_mask=kpm, device=a100,
+                                     tactic_cache=tmp_path / "a100.json") == (want, "cache")
+        assert kernels.select_tactic(q, q, q, dl, key_padding_mask=kpm, device=h200,
+                                     tactic_cache=tmp_path / "a100.json")[1] != "cache"   # keyed by the named GPU
+    # timing needs the GPU itself: --gpu without --presearch-only is a one-line error, nothing written
+    before = cache.read_text()
+    p = cli("tune", model, "--shapes", "input_ids=1x64,attention_mask=1x64", "--gpu", "NVIDIA H200", "-o", str(cache))
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "--presearch-only" in p.stderr, p.stderr
+    # a length over the model's compiled one is refused as `stof run` refuses it
+    p = cli("tune", model, "--shapes", "input_ids=1x513,attention_mask=1x513", "--presearch-only", "--gpu",
+            "NVIDIA H200", "-o", str(cache))
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "at most 512 tokens" in p.stderr, p.stderr
+    assert cache.read_text() == before

@@ -20,7 +20,7 @@ import os
 import numpy as np
 
 from ..errors import StofError
-from .common import ort_error, print_json, print_table
+from .common import check_seq_limit, ort_error, print_json, print_table
 
 
 def add_args(p):
@@ -152,6 +152,7 @@ def run(args) -> int:
     import onnx
 
     rm = onnx.load(args.rewritten, load_external_data=False)
+    check_seq_limit(rm, sort.parse_shapes(args.shapes))
     feeds = _random_feeds_from_model(rm, sort.parse_shapes(args.shapes), args.seed)
     S = next((v.shape[1] for k, v in feeds.items() if k == "attention_mask"), None)
     dense = mask.dense(S, S) if (mask is not None and S) else None

@@ -151,6 +151,29 @@ def _seq_limit(model) -> int | None:
         return None
 
 
+def check_seq_limit(model, shapes: dict) -> None:
+    """Refuse, before any run, a sequence length over the rewritten model's ``stof.max_seq_len`` metadata (the
+    length its layouts were compiled for): ``shapes`` maps input names to the shapes about to be fed; the sequence
+    length is each input's size on an axis after the batch that the model leaves symbolic."""
+    meta = {p.key: p.value for p in model.metadata_props}
+    try:
+        limit = int(meta["stof.max_seq_len"])
+    except (KeyError, ValueError):
+        return
+    inits = {t.name for t in model.graph.initializer}
+    for vi in model.graph.input:
+        shape = shapes.get(vi.name)
+        if vi.name in inits or shape is None or not vi.type.HasField("tensor_type"):
+            continue
+        for axis, d in enumerate(vi.type.tensor_type.shape.dim):
+            if axis == 0 or axis >= len(shape) or d.HasField("dim_value"):
+                continue
+            if shape[axis] > limit:
+                raise StofError(f"input '{vi.name}' has sequence length {shape[axis]}: the model runs at most "
+                                f"{limit} tokens (stof.max_seq_len; rewrite with --max-seq-len to change it, up to "
+                                "the original model's limit)")
+
+
 def quiet_onnxruntime() -> None:
     """CLI sessions print errors as one line of their own: ONNX Runtime's log keeps to fatal messages."""
     try:

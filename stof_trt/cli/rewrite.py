@@ -94,45 +94,22 @@ def run(args) -> int:
 
 
 def check_probe_memory(model, seq: int) -> None:
-    """Refuse a --max-seq-len whose probe inputs alone would not fit in memory: the rewrite runs the mask subgraph
-    on inputs of that length (symbolic dims after the batch taken as ``seq``), and its intermediates take several
-    times the inputs."""
-    from onnx import helper
+    """Refuse, before the model is analysed, a --max-seq-len whose evaluation cannot fit even at its least: the
+    rewrite runs the model at that length (stof_trt.rewrite.attention_common.probe_bytes), whose attention scores
+    alone are [1, H, S, S] with H >= 1. The rewrite checks again with the model's head count and masks."""
+    from ..rewrite.attention_common import available_memory, probe_bytes
 
-    inits = {t.name for t in model.graph.initializer}
-    total = 0
-    for vi in model.graph.input:
-        if vi.name in inits or not vi.type.HasField("tensor_type"):
-            continue
-        tt = vi.type.tensor_type
-        try:
-            item = helper.tensor_dtype_to_np_dtype(tt.elem_type).itemsize
-        except Exception:  # noqa: BLE001 - an exotic type: the rewrite says what it thinks of it
-            continue
-        n = 1
-        for d in list(tt.shape.dim)[1:]:
-            n *= d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else seq
-        total += n * item
-    need = 4 * total
-    avail = _available_memory()
-    if avail and need > avail:
-        raise StofError(f"--max-seq-len {seq} needs about {need / 2**30:.1f} GiB for the model's probe (inputs of "
-                        f"{total / 2**30:.1f} GiB and their intermediates); {avail / 2**30:.1f} GiB is available: "
-                        "give a smaller --max-seq-len")
+    parts = probe_bytes(model, seq, heads=1, masks=False)
+    avail = available_memory()
+    if avail and parts["total"] > avail:
+        raise StofError(f"--max-seq-len {seq} needs at least {gib(parts['total'])} to evaluate the model at that "
+                        f"length (one head's attention scores [1, 1, S, S] {gib(parts['scores'])}, inputs and "
+                        f"activations {gib(parts['inputs'])}); {gib(avail)} is available: give a smaller "
+                        "--max-seq-len")
 
 
-def _available_memory() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, AttributeError):
-        return None
+def gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def print_report(info: dict, wrote: bool = True) -> None:

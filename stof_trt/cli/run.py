@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 from ..errors import StofError
-from .common import load_model, make_output_dir, ort_error, print_json, print_table
+from .common import check_seq_limit, load_model, make_output_dir, ort_error, print_json, print_table
 
 
 def add_args(p):
@@ -67,13 +67,16 @@ def run(args) -> int:
                         "CPU with --provider cpu (STOF nodes run as their ONNX functions), or install "
                         "onnxruntime-gpu")
     # Every STOF node's layout is checked as `stof inspect` does: a damaged layout must not run.
+    model = load_model(args.model)
     try:
-        attention_nodes(load_model(args.model))
+        attention_nodes(model)
     except StofError as e:
         raise StofError(f"{args.model}: a STOF attention node's layout is invalid ({e})") from None
+    given = load_inputs(args.input)
+    check_seq_limit(model, {**sort.parse_shapes(args.shapes), **{n: a.shape for n, a in given.items()}})
+    del model
     if args.output_dir:
         make_output_dir(args.output_dir)
-    given = load_inputs(args.input)
     pre = None
     if args.presearch:
         dims = [tuple(a.shape[:2]) for a in given.values() if a.ndim >= 2]

@@ -9,6 +9,13 @@ examples:
   stof tune bert.stof.onnx --shapes input_ids=8x4096,attention_mask=8x4096 \\
       --shapes input_ids=8x512,attention_mask=8x512 -o h100.json
   stof tune gpt2.stof.onnx --shapes input_ids=8x2048,attention_mask=8x2048 -o h100.json --all --json
+  stof tune bert.stof.onnx --shapes input_ids=8x4096,attention_mask=8x4096 -o h200.json \\
+      --presearch-only --gpu "NVIDIA H200"          # no GPU needed: a baseline cache for an H200
+
+With --gpu NAME (--presearch-only only) no GPU or CUDA execution provider is used: the model runs on the CPU EP to
+learn each attention node's problem, the valid tactics are the pre-search's for that GPU, and the cache is keyed
+by NAME and --cc as the library reads them on that GPU (NAME as cudaGetDeviceProperties reports it, e.g.
+"NVIDIA H200", "NVIDIA H100 80GB HBM3").
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from __future__ import annotations
 import os
 
 from ..errors import StofError
-from .common import load_model, print_json, print_table
+from .common import check_seq_limit, load_model, print_json, print_table
 
 
 def add_args(p):
@@ -28,8 +35,18 @@ def add_args(p):
     p.add_argument("-k", type=int, default=3, help="shortlist length from the pre-search (default 3)")
     p.add_argument("--all", action="store_true", help="time every valid tactic, not only the shortlist")
     p.add_argument("--presearch-only", action="store_true",
-                   help="record the pre-search's first choice without timing (a baseline cache); still runs on the "
-                        "GPU: the cache is keyed by the GPU, and the kernel library says which tactics it has")
+                   help="record the pre-search's first choice without timing (a baseline cache); on this machine's "
+                        "GPU, or with --gpu for a named one without any GPU")
+    p.add_argument("--gpu", metavar="NAME",
+                   help="with --presearch-only: the GPU the cache is for, as the library reports its name (e.g. "
+                        "'NVIDIA H200'); runs on the CPU, no GPU needed")
+    p.add_argument("--cc", default="9.0", metavar="X.Y", help="with --gpu: its compute capability (default 9.0)")
+    p.add_argument("--sm-count", type=int, metavar="N",
+                   help="with --gpu: its SM count (default: the profile's, else 132; the H100's properties are "
+                        "scaled by it)")
+    p.add_argument("--profile", metavar="FILE.json",
+                   help="with --gpu: a pre-search profile of that GPU (`stof calibrate`) whose constants rank the "
+                        "tactics")
     p.add_argument("--reps", type=int, default=7, help="timed repetitions per tactic (median)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
@@ -39,7 +56,7 @@ def add_args(p):
 def run(args) -> int:
     from .. import ort as sort
     from ..tactic_cache import TacticCache
-    from ..tune import tune_model
+    from ..tune import target_gpu, tune_model
 
     if not args.shapes:
         raise StofError("give at least one --shapes set (e.g. --shapes input_ids=8x512,attention_mask=8x512)")
@@ -48,13 +65,30 @@ def run(args) -> int:
     out_dir = os.path.dirname(os.path.abspath(args.output))
     if not os.path.isdir(out_dir):
         raise StofError(f"output directory does not exist: {out_dir}")
+    target = None
+    if args.gpu is None:
+        for flag, v in (("--sm-count", args.sm_count), ("--profile", args.profile)):
+            if v is not None:
+                raise StofError(f"{flag} describes the GPU of --gpu NAME: give --gpu too")
+    else:
+        if not args.presearch_only:
+            raise StofError("--gpu NAME is for --presearch-only (timing runs on this machine's GPU)")
+        target = target_gpu(args.gpu, cc=args.cc, sm_count=args.sm_count, profile=args.profile)
     model = load_model(args.model)
+    for s in args.shapes:
+        check_seq_limit(model, sort.parse_shapes([s]))
     cache = TacticCache.load_or_new(args.output)
-    sess = sort.session(model)
+    if target is None:
+        import onnxruntime as ort
+
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            raise StofError("no CUDA execution provider in this onnxruntime (a CPU-only install or no GPU): tuning "
+                            "times on the GPU; for a pre-search cache without one, pass --presearch-only --gpu NAME")
+    sess = sort.session(model, providers="cpu", register=False) if target else sort.session(model)
     feeds_list = [sort.random_feeds(sess, sort.parse_shapes([s]), seed=args.seed) for s in args.shapes]
     del sess
     results = tune_model(model, feeds_list, cache, k=args.k, all_tactics=args.all, presearch_only=args.presearch_only,
-                         reps=args.reps, progress=not args.no_progress and not args.json)
+                         reps=args.reps, progress=not args.no_progress and not args.json, target=target)
     if not results:
         raise StofError(f"{args.model} has no fp16/bf16 StofSparseAttention node to tune")
     cache.merge_save(args.output)  # other writers (first-use timing, other tunes) keep their entries

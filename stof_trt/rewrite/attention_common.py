@@ -251,6 +251,8 @@ def compiled_length(ctx, graph: gs.Graph, shape_names: set[str], mask_terms: lis
     tensors = graph.tensors()
     first = sorted(shape_names, key=lambda n: order.get(id(tensors[n]), 1 << 30))[:1]
     probe = Probe(model, sorted({t.tensor for t in mask_terms}), first)
+    if given is not None:
+        _check_probe_memory(model, given, _heads_at_length_one(probe, first), bool(mask_terms))
     limit = _longest_runnable(probe, cap)
     notes = ctx.report.notes
     if given is not None:
@@ -284,6 +286,85 @@ def _mask_probe_bytes(seq: int) -> int:
 
 def _longest_mask_probe() -> int:
     return int((MASK_PROBE_BYTES / (5 * AttentionProbe.BATCH * 4)) ** 0.5)
+
+
+#: Score-sized tensors of one attention that the shape probe holds at once: Q·Kᵀ, its scaled/masked copy, softmax.
+SCORE_COPIES = 3
+#: The model's activations between attentions, as a multiple of its inputs (hidden states, Q/K/V, MLP).
+ACTIVATION_FACTOR = 4
+
+
+def probe_bytes(model, seq: int, heads: int, masks: bool) -> dict[str, int]:
+    """What evaluating ``model`` at ``seq`` for the analysis allocates, by part (bytes): ``inputs`` (every input at
+    the mask probe's batch, symbolic dims after the batch taken as ``seq``, and the activations they feed),
+    ``scores`` (the shape probe runs the model to its last attention at batch 1: SCORE_COPIES float32
+    [1, heads, S, S] tensors live at once), ``masks`` (the mask probe's kept [B, 1, S, S] evaluations, when the
+    graph builds masks); ``total`` is their sum. An estimate made before anything is allocated."""
+    from onnx import helper
+
+    inits = {t.name for t in model.graph.initializer}
+    per_batch = 0
+    for vi in model.graph.input:
+        if vi.name in inits or not vi.type.HasField("tensor_type"):
+            continue
+        tt = vi.type.tensor_type
+        try:
+            item = helper.tensor_dtype_to_np_dtype(tt.elem_type).itemsize
+        except Exception:  # noqa: BLE001 - an exotic type: the probe says what it thinks of it
+            continue
+        n = 1
+        for d in list(tt.shape.dim)[1:]:
+            n *= d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else seq
+        per_batch += n * item
+    parts = {"inputs": ACTIVATION_FACTOR * AttentionProbe.BATCH * per_batch,
+             "scores": SCORE_COPIES * max(1, heads) * 4 * seq * seq,
+             "masks": _mask_probe_bytes(seq) if masks else 0}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def available_memory() -> int | None:
+    """Bytes this process can still allocate without swapping (MemAvailable), None when unknown."""
+    import os
+
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _heads_at_length_one(probe, first: list[str]) -> int:
+    """Heads of the earliest attention input, read from its shape at batch 1 and length 1 (elements per head-dim
+    row: H for [1, H, 1, D], 3H for a packed [1, 1, 3, H, D]); 1 when it cannot be read."""
+    if not first:
+        return 1
+    try:
+        shape = probe.run(1, 1)[1][first[0]]
+    except StofError:
+        return 1
+    return max(1, int(np.prod(shape[:-1], dtype=np.int64))) if len(shape) >= 2 else 1
+
+
+def _check_probe_memory(model, seq: int, heads: int, masks: bool) -> None:
+    parts = probe_bytes(model, seq, heads, masks)
+    avail = available_memory()
+    if avail and parts["total"] > avail:
+        g = {k: _size(v) for k, v in parts.items()}
+        raise StofError(f"max_seq_len={seq} needs about {g['total']} to evaluate the model at that length "
+                        f"(attention scores [1, {heads}, S, S] {g['scores']}, graph masks {g['masks']}, inputs and "
+                        f"activations {g['inputs']}); {_size(avail)} is available: give a smaller max_seq_len "
+                        "(stof rewrite --max-seq-len)")
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _longest_runnable(probe, cap: int) -> int:
