@@ -94,22 +94,11 @@ def run(args) -> int:
 
 
 def check_probe_memory(model, seq: int) -> None:
-    """Refuse, before the model is analysed, a --max-seq-len whose evaluation cannot fit even at its least: the
-    rewrite runs the model at that length (stof_trt.rewrite.attention_common.probe_bytes), whose attention scores
-    alone are [1, H, S, S] with H >= 1. The rewrite checks again with the model's head count and masks."""
-    from ..rewrite.attention_common import available_memory, probe_bytes
+    """Refuse, before the model is analysed, a --max-seq-len whose evaluation cannot fit even at its least (one
+    head, no graph masks); the rewrite checks again with the model's head count and masks."""
+    from ..rewrite.attention_common import check_probe_memory as check
 
-    parts = probe_bytes(model, seq, heads=1, masks=False)
-    avail = available_memory()
-    if avail and parts["total"] > avail:
-        raise StofError(f"--max-seq-len {seq} needs at least {gib(parts['total'])} to evaluate the model at that "
-                        f"length (one head's attention scores [1, 1, S, S] {gib(parts['scores'])}, inputs and "
-                        f"activations {gib(parts['inputs'])}); {gib(avail)} is available: give a smaller "
-                        "--max-seq-len")
-
-
-def gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    check(model, seq, heads=1, masks=False, what=f"--max-seq-len {seq}")
 
 
 def print_report(info: dict, wrote: bool = True) -> None:

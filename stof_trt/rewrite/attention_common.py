@@ -252,7 +252,7 @@ def compiled_length(ctx, graph: gs.Graph, shape_names: set[str], mask_terms: lis
     first = sorted(shape_names, key=lambda n: order.get(id(tensors[n]), 1 << 30))[:1]
     probe = Probe(model, sorted({t.tensor for t in mask_terms}), first)
     if given is not None:
-        _check_probe_memory(model, given, _heads_at_length_one(probe, first), bool(mask_terms))
+        check_probe_memory(model, given, _heads_at_length_one(probe, first), bool(mask_terms))
     limit = _longest_runnable(probe, cap)
     notes = ctx.report.notes
     if given is not None:
@@ -352,13 +352,16 @@ def _heads_at_length_one(probe, first: list[str]) -> int:
     return max(1, int(np.prod(shape[:-1], dtype=np.int64))) if len(shape) >= 2 else 1
 
 
-def _check_probe_memory(model, seq: int, heads: int, masks: bool) -> None:
+def check_probe_memory(model, seq: int, heads: int, masks: bool, what: str | None = None) -> None:
+    """Refuse a compiled length whose shape probe would not fit in memory (probe_bytes), with the numbers;
+    ``what`` names the length as the caller's user gave it."""
     parts = probe_bytes(model, seq, heads, masks)
     avail = available_memory()
     if avail and parts["total"] > avail:
         g = {k: _size(v) for k, v in parts.items()}
-        raise StofError(f"max_seq_len={seq} needs about {g['total']} to evaluate the model at that length "
-                        f"(attention scores [1, {heads}, S, S] {g['scores']}, graph masks {g['masks']}, inputs and "
+        masks_part = f", graph masks {g['masks']}" if masks else ""
+        raise StofError(f"{what or f'max_seq_len={seq}'} needs about {g['total']} to evaluate the model at that "
+                        f"length (attention scores [1, {heads}, S, S] {g['scores']}{masks_part}, inputs and "
                         f"activations {g['inputs']}); {_size(avail)} is available: give a smaller max_seq_len "
                         "(stof rewrite --max-seq-len)")
 
