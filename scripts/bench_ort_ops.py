@@ -15,6 +15,7 @@ rewritten one with libstof_ort) with IO binding, fp16; latency median / p90 over
 (max |diff| relative to max |original|). Writes OUT/ort_ops.json and OUT/ort_ops.md.
 
     python3 scripts/bench_ort_ops.py --out OUT [--cases longformer_b8,gqa_sliding] [--iters 50] [--presearch]
+    python3 scripts/bench_ort_ops.py --out OUT --cases longformer_b1 --profile   # + where the GPU time goes
     python3 scripts/bench_ort_ops.py --sizes check --out OUT      # device: small sizes, + float64 reference
     python3 scripts/bench_ort_ops.py --dry-run [--sizes small]   # CPU: build + rewrite (+ check, small sizes)
 
@@ -30,6 +31,7 @@ does not (LongformerAttention, SparseAttention: CUDA-only).
 from __future__ import annotations
 
 import argparse
+import tempfile
 import json
 import sys
 import time
@@ -253,7 +255,10 @@ def dry_run(names, sizes, tile) -> list[dict]:
     return rows
 
 
-def device_run(names, iters, warmup, tile, sizes="issue", presearch=False) -> list[dict]:
+def device_run(names, iters, warmup, tile, sizes="issue", presearch=False, profile=False) -> list[dict]:
+    import onnxruntime as ort
+
+    from stof_trt.bench.gpu_profile import cuda_kernel_profile, ort_node_profile
     from stof_trt.ort import Binding, latency_stats, session, time_session
 
     rows = []
@@ -269,13 +274,25 @@ def device_run(names, iters, warmup, tile, sizes="issue", presearch=False) -> li
         original = build(case, fp16=True, presents=True) if case["op"] in ("sparse", "gqa") else model
         for variant, m, register in (("ort", original, False), ("stof", new, True)):
             extra = {"presearch_shapes": [(case["B"], case["S"])]} if presearch and register else {}
-            sess = session(m, providers="cuda", register=register, **extra)
+            so = ort.SessionOptions()
+            if profile:
+                so.enable_profiling = True
+                so.profile_file_prefix = str(Path(tempfile.mkdtemp(prefix="stof-prof-")) / "ort")
+            sess = session(m, providers="cuda", register=register, session_options=so, **extra)
             b = Binding(sess, f)
             if shared and variant == "ort":
                 _share_past_present(b)
             row[variant] = latency_stats(time_session(sess, f, warmup=warmup, iters=iters, binding=b))
             outs[variant] = b.outputs()[0]
             log(name, variant, f"median {row[variant]['median_ms']:.3f} ms  p90 {row[variant]['p90_ms']:.3f} ms")
+            if profile:  # after the timed runs, so the profile's overhead does not enter the times
+                prof = cuda_kernel_profile(b.run)
+                prof.update(ort_node_profile(sess.end_profiling()))
+                row.setdefault("profile", {})[variant] = prof
+                if "classes_ms" in prof:
+                    log(name, variant, f"{prof['gpu_kernel_ms_per_run']:.3f} ms of kernels per run: " + ", ".join(
+                        f"{k} {v['ms']:.3f} ({v['launches']:.0f})" for k, v in prof["classes_ms"].items()))
+                log(name, variant, "ops by provider:", prof.get("ort_ops_by_provider"))
             del sess, b
         row["max_rel_diff"] = rel_diff(outs["stof"], outs["ort"])
         if sizes != "issue":  # both against the operator's documented semantics
@@ -323,6 +340,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tile", default="64,64", help="STOF tile_m,tile_n of the rewrite")
     ap.add_argument("--presearch", action="store_true",
                     help="STOF nodes without a tactic-cache entry use the pre-search's first choice")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timed runs: per-kernel GPU time (CUPTI via torch.profiler) and ONNX Runtime's "
+                         "node profile of both models (key `profile` of each row)")
     ap.add_argument("--dry-run", action="store_true", help="CPU only: build and rewrite (and check, small sizes)")
     ap.add_argument("--sizes", choices=tuple(SIZES), default="issue",
                     help="issue: the issue's sizes; check: small device sizes compared with a float64 reference; "
@@ -355,7 +375,7 @@ def main(argv=None) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     try:
-        rows = device_run(names, args.iters, args.warmup, tile, args.sizes, args.presearch)
+        rows = device_run(names, args.iters, args.warmup, tile, args.sizes, args.presearch, args.profile)
     except StofError as exc:  # no CUDA EP, no libstof_ort: one line, not a traceback
         print(f"error: {exc} (on a machine without a GPU use --dry-run)", file=sys.stderr)
         return 2
