@@ -46,7 +46,8 @@ from pathlib import Path
 from ._files import write_json_atomic
 from .errors import StofError
 
-__all__ = ["FORMAT", "VERSION", "SCHEMES_VERSION", "SchemeKey", "shape_bucket", "node_signature", "CacheKey", "TacticCache", "gpu_identity"]
+__all__ = ["FORMAT", "VERSION", "SCHEMES_VERSION", "SchemeKey", "shape_bucket", "node_signature", "CacheKey",
+           "TacticCache", "gpu_identity"]
 
 FORMAT = "stof-tactic-cache"
 VERSION = 1

@@ -214,7 +214,8 @@ def test_rewrite_honours_cached_schemes_and_matches_the_original(bert, tmp_path,
 
 @pytest.mark.parametrize("shape", [
     S.ChainShape("residual_ln", 24, 16, 8, "float"), S.ChainShape("residual_ln", 24, 16, 8, "float", sum_output=True),
-    S.ChainShape("bias_gelu", 24, 16, 8, "float", "gelu_erf"), S.ChainShape("bias_gelu", 24, 16, 8, "float", "gelu_tanh")])
+    S.ChainShape("bias_gelu", 24, 16, 8, "float", "gelu_erf"),
+    S.ChainShape("bias_gelu", 24, 16, 8, "float", "gelu_tanh")])
 def test_one_block_models_compute_the_same_for_every_scheme(shape):
     rng = np.random.default_rng(0)
     feeds = {"X": rng.standard_normal((24, 8)).astype(np.float32)}
@@ -227,12 +228,10 @@ def test_one_block_models_compute_the_same_for_every_scheme(shape):
         outs[t.name] = session(m).run(None, feeds)
         assert len(outs[t.name]) == 2 * (2 if shape.sum_output else 1)
     ref = outs[S.default_scheme(shape.kind).name]
-    x = feeds["X"].astype(np.float64)
     assert np.abs(ref[0]).max() > 0.1 and not np.allclose(ref[0], ref[1])   # copies have their own weights
     for name, o in outs.items():
         for a, b in zip(o, ref):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
-    assert x.shape == (24, 8)
 
 
 # -- tune report from fake timings --------------------------------------------------------------------------------
