@@ -218,6 +218,18 @@ class SchemeResult:
         return self.times.get(self.model_first)
 
     @property
+    def fixed_rule(self) -> tuple:
+        """(scheme, algo) of the fixed rules' scheme at the heuristic's first algorithm."""
+        tpl = S.default_scheme(self.shape.kind)
+        return (tpl.name, 0 if tpl.tunable else -1)
+
+    @property
+    def gain(self) -> float | None:
+        """fixed rules' time / best time (>= 1): what measuring the schemes gains over the fixed rules."""
+        fixed = self.times.get(self.fixed_rule)
+        return fixed / self.best_ms if fixed and self.best_ms else None
+
+    @property
     def ratio(self) -> float | None:
         """model's first choice time / best time (>= 1; 1.0 when the model picked the winner)."""
         if not self.times or not self.best_ms:
@@ -276,7 +288,7 @@ def tune_schemes(model, feeds_list: list[dict], cache: TacticCache, *, gpu: tupl
         info = {"source": "measured" if timed else "model", "model_first": first[0],
                 "nodes": sorted({n for _, _, names in sites_info for n in names})}
         if timed:
-            info.update(time_ms=round(r.best_ms, 5), model_first_algo=first[1],
+            info.update(time_ms=round(r.best_ms, 5), model_first_algo=first[1], gain=round(r.gain, 4),
                         model_first_ms=round(r.model_first_ms, 5), ratio=round(r.ratio, 4),
                         candidates={f"{s}/{a}": round(v, 5) for (s, a), v in r.times.items()})
         cache.put_scheme(key, scheme, -1 if algo == 0 else algo, **info)  # index 0 is the default
@@ -293,7 +305,8 @@ def block_rows(results: list[SchemeResult]) -> list[dict]:
                          "tokens": r.shape.tokens, "nodes": names, "scheme": r.best[0], "algo": r.best[1],
                          "time_ms": r.best_ms, "model_first": r.model_first[0], "model_first_algo": r.model_first[1],
                          "model_first_ms": r.model_first_ms, "ratio": r.ratio,
-                         "predicted_ms": r.predicted.get(r.best[0])})
+                         "fixed_rule": r.fixed_rule[0], "fixed_rule_ms": r.times.get(r.fixed_rule),
+                         "gain": r.gain, "predicted_ms": r.predicted.get(r.best[0])})
     order = {"attn_out": 0, "ffn1": 1, "ffn2": 2}
     rows.sort(key=lambda x: (x["block"], order.get(x["role"], 3), x["bucket"]))
     return rows

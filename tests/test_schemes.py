@@ -259,12 +259,14 @@ def test_tune_report_from_fake_timings(bert):
         [(b, r) for b in (0, 1) for r in ("attn_out", "ffn1", "ffn2")]
     for r in rows:
         assert set(r) >= {"block", "role", "chain", "bucket", "nodes", "scheme", "algo", "time_ms", "model_first",
-                          "model_first_ms", "ratio"}
+                          "model_first_ms", "ratio", "fixed_rule", "fixed_rule_ms", "gain"}
         assert r["ratio"] == pytest.approx(r["model_first_ms"] / r["time_ms"]) and r["ratio"] > 1
+        assert r["fixed_rule"] == r["model_first"] and r["gain"] == pytest.approx(r["ratio"])
     from stof_trt.cli.tune import _scheme_info
 
     info = json.loads(json.dumps(_scheme_info(res)))
     assert info["model_within_5pct"] == 0.0 and len(info["blocks"]) == 12
+    assert info["chain_ms_fixed_rules"] > info["chain_ms_measured"] > 0
     e = next(iter(cache.schemes.values()))
     assert e["source"] == "measured" and e["ratio"] > 1 and len(e["candidates"]) >= 2
     # the measured choices drive the next rewrite
@@ -303,3 +305,44 @@ def test_cli_rewrite_with_schemes(bert, tmp_path):
     assert main(["rewrite", str(src), "-o", str(tmp_path / "p.onnx"), "--schemes-gpu", "G"]) == 2
     assert main(["rewrite", str(src), "-o", str(tmp_path / "p.onnx"), "--schemes", str(tmp_path / "c.json"),
                  "--schemes-gpu", "H"]) == 2
+
+
+def test_library_reader_and_writer_keep_the_scheme_section(kernels, tmp_path):
+    """The plugin's C++ cache reader ignores the section and its writer (first-use timing) keeps it."""
+    p = tmp_path / "c.json"
+    c = TacticCache()
+    c.put_scheme(_skey(), "gemm_bias+add_ln", 2, source="measured")
+    c.save(p)
+    assert kernels.load_tactic_cache(p) == 0
+    kernels.store_tactic(p, "NVIDIA H200", "9.0", "StofSparseAttention|float16|H12|D64|tile64x64|L1|seq512x512|kpm1",
+                         "B8|Sq512|Sk512", "0" * 40, 1, 0.5)
+    back = TacticCache.load(p)
+    assert len(back) == 1 and back.schemes == c.schemes
+    assert kernels.load_tactic_cache(p) == 1
+
+
+def test_cli_tune_presearch_only_for_a_named_gpu_reports_schemes(bert, tmp_path, capsys):
+    """No GPU: the chains' token counts come from a CPU run and the cost model's first choices are recorded."""
+    from stof_trt import presearch
+    from stof_trt.cli import main
+
+    try:
+        presearch.native_library()
+    except RuntimeError:
+        pytest.skip("no libstof_host / libstof_kernels")
+    _, new = bert
+    onnx.save(new, tmp_path / "m.stof.onnx")
+    out = tmp_path / "c.json"
+    assert main(["tune", str(tmp_path / "m.stof.onnx"), "--shapes", "input_ids=4x32,attention_mask=4x32",
+                 "--presearch-only", "--gpu", "NVIDIA H200", "--schemes-only", "-o", str(out), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    rows = info["schemes"]["blocks"]
+    assert [(r["block"], r["role"], r["scheme"], r["tokens"]) for r in rows] == [
+        (b, role, sch, 128) for b in (0, 1) for role, sch in (("attn_out", "matmul+bias_add_ln"),
+                                                              ("ffn1", "gemm_bias_gelu"),
+                                                              ("ffn2", "matmul+bias_add_ln"))]
+    assert info["problems"] == [] and info["schemes"]["model_within_5pct"] is None
+    doc = json.loads(out.read_text())
+    assert doc["entries"] == [] and {e["gpu"] for e in doc["schemes"]["entries"]} == {"NVIDIA H200"}
+    assert main(["tune", str(tmp_path / "m.stof.onnx"), "--shapes", "input_ids=4x32,attention_mask=4x32",
+                 "--no-schemes", "--schemes-only", "-o", str(out)]) == 2
