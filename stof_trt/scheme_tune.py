@@ -265,7 +265,9 @@ def tune_schemes(model, feeds_list: list[dict], cache: TacticCache, *, gpu: tupl
         for s in sites:
             shape = s.shape(tokens[s.x.name])
             key = SchemeKey(name, cc, shape.signature(), shape.bucket())
-            groups.setdefault(key, [shape, []])[1].append(s)
+            group = groups.setdefault(key, [shape, []])[1]
+            if all(g is not s for g in group):  # two shape sets in one bucket: each chain once
+                group.append(s)
     timer = timer or (lambda shape, cands: time_candidates(shape, cands, reps=reps, copies=copies, opset=opset,
                                                            sess_kwargs=sess_kwargs))
     results = []

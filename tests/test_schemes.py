@@ -255,6 +255,9 @@ def test_tune_report_from_fake_timings(bert):
         assert all(a in (0, 1) for n, a in cands if S.template(shape.kind, n).tunable)
     rows = block_rows(res)
     assert len(rows) == 12                                  # 2 blocks x 3 chains x 2 buckets
+    again = tune_schemes(new, feeds + [token_feeds(np.random.default_rng(2), 2, 32)], TacticCache(),
+                         gpu=("Fake GPU", "9.0"), cpu_probe=True, timer=fake, algos=2)
+    assert len(block_rows(again)) == 12                     # a third shape set in the T64 bucket adds no rows
     assert [(r["block"], r["role"]) for r in rows if r["bucket"] == "T64"] == \
         [(b, r) for b in (0, 1) for r in ("attn_out", "ffn1", "ffn2")]
     for r in rows:

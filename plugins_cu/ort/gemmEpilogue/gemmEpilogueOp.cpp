@@ -35,7 +35,7 @@ GemmEpilogueKernel::GemmEpilogueKernel(OrtKernelInfo const* info, ONNXTensorElem
     }
     if (mAlgo < -1 || mAlgo > 1023)
         throw StofOrtError(ORT_INVALID_ARGUMENT, strCat("node '", mName, "': algo ", mAlgo,
-                                                         " (the cuBLASLt heuristic index, >= 0; -1 = the first)"));
+                                                         " (the cuBLASLt heuristic index, 0..1023; -1 = the first)"));
 }
 
 GemmEpilogueKernel::~GemmEpilogueKernel() { stof_gemm_context_destroy(mGemm); }
