@@ -40,7 +40,8 @@ def add_args(p):
                    help="one set of input shapes (repeat for several buckets)")
     p.add_argument("-o", "--output", required=True, metavar="CACHE.json",
                    help="tactic cache to create or update (entries for other keys are kept)")
-    p.add_argument("-k", type=int, default=3, help="shortlist length from the pre-search and from the fusion schemes' cost model (default 3)")
+    p.add_argument("-k", type=int, default=3,
+                   help="shortlist length from the pre-search and from the fusion schemes' cost model (default 3)")
     p.add_argument("--all", action="store_true", help="time every valid tactic, not only the shortlist")
     p.add_argument("--presearch-only", action="store_true",
                    help="record the pre-search's first choice without timing (a baseline cache); on this machine's "
