@@ -349,3 +349,21 @@ def test_cli_tune_presearch_only_for_a_named_gpu_reports_schemes(bert, tmp_path,
     assert doc["entries"] == [] and {e["gpu"] for e in doc["schemes"]["entries"]} == {"NVIDIA H200"}
     assert main(["tune", str(tmp_path / "m.stof.onnx"), "--shapes", "input_ids=4x32,attention_mask=4x32",
                  "--no-schemes", "--schemes-only", "-o", str(out)]) == 2
+
+
+def test_report_with_untimed_chains():
+    """Rows without times (a bf16 chain next to timed ones) leave the sums to the timed chains."""
+    from stof_trt.cli.tune import _scheme_info
+    from stof_trt.scheme_tune import SchemeResult
+
+    shape = BERT_BASE["ffn1"]
+    first = ("gemm_bias_gelu", 0)
+    timed = SchemeResult(SchemeKey("G", "9.0", shape.signature(), "T4096"), shape, [(0, "ffn1", ["a"])], {}, first,
+                         {first: 0.05, ("gemm_bias_gelu", 1): 0.04}, ("gemm_bias_gelu", 1))
+    bf16 = dataclasses.replace(shape, dtype="bfloat16")
+    untimed = SchemeResult(SchemeKey("G", "9.0", bf16.signature(), "T4096"), bf16, [(1, "ffn1", ["b"])], {}, first,
+                           best=first)
+    info = _scheme_info([timed, untimed])
+    assert info["chain_ms_measured"] == pytest.approx(0.04) and info["chain_ms_fixed_rules"] == pytest.approx(0.05)
+    assert info["model_within_5pct"] == 0.0
+    assert [r["gain"] for r in info["blocks"]] == [pytest.approx(1.25), None]

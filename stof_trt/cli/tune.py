@@ -161,12 +161,12 @@ def _scheme_info(results) -> dict:
     from ..scheme_tune import block_rows
 
     blocks = block_rows(results)
-    ratios = [r["ratio"] for r in blocks if r["ratio"] is not None]
+    timed = [r for r in blocks if r["ratio"] is not None]   # bf16 chains and --presearch-only: not timed
     return {"blocks": blocks,
-            "model_within_5pct": (sum(x <= 1.05 for x in ratios) / len(ratios)) if ratios else None,
-            "chain_ms_model_first": sum(r["model_first_ms"] for r in blocks) if ratios else None,
-            "chain_ms_measured": sum(r["time_ms"] for r in blocks) if ratios else None,
-            "chain_ms_fixed_rules": sum(r["fixed_rule_ms"] for r in blocks) if ratios else None}
+            "model_within_5pct": (sum(r["ratio"] <= 1.05 for r in timed) / len(timed)) if timed else None,
+            "chain_ms_model_first": sum(r["model_first_ms"] for r in timed) if timed else None,
+            "chain_ms_measured": sum(r["time_ms"] for r in timed) if timed else None,
+            "chain_ms_fixed_rules": sum(r["fixed_rule_ms"] for r in timed) if timed else None}
 
 
 def _ms(v):
