@@ -290,22 +290,29 @@ def tune_schemes(model, feeds_list: list[dict], cache: TacticCache, *, gpu: tupl
         info = {"source": "measured" if timed else "model", "model_first": first[0],
                 "nodes": sorted({n for _, _, names in sites_info for n in names})}
         if timed:
-            info.update(time_ms=round(r.best_ms, 5), model_first_algo=first[1], gain=round(r.gain, 4),
+            info.update(time_ms=round(r.best_ms, 5), model_first_algo=_attr(first[1]), gain=round(r.gain, 4),
                         model_first_ms=round(r.model_first_ms, 5), ratio=round(r.ratio, 4),
                         candidates={f"{s}/{a}": round(v, 5) for (s, a), v in r.times.items()})
-        cache.put_scheme(key, scheme, -1 if algo == 0 else algo, **info)  # index 0 is the default
+        cache.put_scheme(key, scheme, _attr(algo), **info)
         results.append(r)
     return results
 
 
+def _attr(algo: int) -> int:
+    """A measured heuristic index as the node's attribute says it (-1: the first result)."""
+    return -1 if algo == 0 else algo
+
+
 def block_rows(results: list[SchemeResult]) -> list[dict]:
-    """One row per chain of the model (block order): the JSON report of ``stof tune``."""
+    """One row per chain of the model (block order): the JSON report of ``stof tune``; ``algo`` as the node's
+    attribute (-1: the heuristic's first result)."""
     rows = []
     for r in results:
         for block, role, names in r.sites:
             rows.append({"block": block, "role": role, "chain": r.key.chain, "bucket": r.key.bucket,
-                         "tokens": r.shape.tokens, "nodes": names, "scheme": r.best[0], "algo": r.best[1],
-                         "time_ms": r.best_ms, "model_first": r.model_first[0], "model_first_algo": r.model_first[1],
+                         "tokens": r.shape.tokens, "nodes": names, "scheme": r.best[0], "algo": _attr(r.best[1]),
+                         "time_ms": r.best_ms, "model_first": r.model_first[0],
+                         "model_first_algo": _attr(r.model_first[1]),
                          "model_first_ms": r.model_first_ms, "ratio": r.ratio,
                          "fixed_rule": r.fixed_rule[0], "fixed_rule_ms": r.times.get(r.fixed_rule),
                          "gain": r.gain, "predicted_ms": r.predicted.get(r.best[0])})
