@@ -57,6 +57,7 @@ def test_bad_algo_attribute_is_an_error():
     w = numpy_helper.from_array(np.ones((8, 8), np.float16), "W")
     b = numpy_helper.from_array(np.zeros(8, np.float16), "b")
     node = helper.make_node("StofGemmEpilogue", ["X", "W", "b"], ["Y"], domain=DOMAIN, activation="none", algo=-2)
+    node.overload = "none"
     g = helper.make_graph([node], "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT16, [4, 8])],
                           [helper.make_tensor_value_info("Y", TensorProto.FLOAT16, [4, 8])], [w, b])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)],
