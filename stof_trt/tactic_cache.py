@@ -17,6 +17,19 @@ File format (JSON, version 1)::
                   "tactic": 3, "tactic_name": "block_m32_n64_w2_s2", "time_ms": 0.41, "source": "measured",
                   "presearch_tactic": 1, "presearch_time_ms": 0.47, "candidates": {"1": 0.47, "3": 0.41}}]}
 
+An optional ``"schemes"`` section (its own ``version``, 1) holds the measured fusion scheme of each GEMM chain after
+attention (stof_trt.schemes, stof_trt.scheme_tune); the plugin's reader ignores it and its writer keeps it::
+
+    "schemes": {"version": 1,
+                "entries": [{"gpu": "NVIDIA H200", "cc": "9.0", "chain": "bias_gelu|float16|N3072|K768|gelu_erf",
+                             "bucket": "T4096", "scheme": "gemm_bias_gelu", "algo": 2, "time_ms": 0.061,
+                             "source": "measured", "model_first": "gemm_bias_gelu", "model_first_ms": 0.064,
+                             "candidates": {"gemm_bias_gelu/0": 0.064, "gemm_bias_gelu/2": 0.061}}]}
+
+``chain`` is :meth:`stof_trt.schemes.ChainShape.signature`, ``bucket`` :func:`stof_trt.schemes.token_bucket`;
+``scheme`` names a template, ``algo`` the cuBLASLt heuristic index its GEMM node runs (-1: the first).  A file
+without the section is a cache with no scheme entries.
+
 Key fields (all strings, compared exactly): ``gpu`` and ``cc`` (device name and compute capability),
 ``node`` (:func:`node_signature`), ``bucket`` (:func:`shape_bucket`), ``mask`` (the layout's SHA-1 signature,
 docs/format.md).  ``tactic`` is the id the plugin runs; the rest is informational.  The plugin's C++ reader
@@ -33,11 +46,14 @@ from pathlib import Path
 from ._files import write_json_atomic
 from .errors import StofError
 
-__all__ = ["FORMAT", "VERSION", "shape_bucket", "node_signature", "CacheKey", "TacticCache", "gpu_identity"]
+__all__ = ["FORMAT", "VERSION", "SCHEMES_VERSION", "SchemeKey", "shape_bucket", "node_signature", "CacheKey",
+           "TacticCache", "gpu_identity"]
 
 FORMAT = "stof-tactic-cache"
 VERSION = 1
 _KEY_FIELDS = ("gpu", "cc", "node", "bucket", "mask")
+SCHEMES_VERSION = 1
+_SCHEME_KEY_FIELDS = ("gpu", "cc", "chain", "bucket")
 
 
 def _pow2(v: int, lo: int) -> int:
@@ -71,12 +87,27 @@ class CacheKey:
         return {f: getattr(self, f) for f in _KEY_FIELDS}
 
 
+@dataclass(frozen=True)
+class SchemeKey:
+    """Key of a fusion-scheme entry: GPU name, compute capability, chain signature, token bucket."""
+
+    gpu: str
+    cc: str
+    chain: str
+    bucket: str
+
+    def as_dict(self) -> dict:
+        return {f: getattr(self, f) for f in _SCHEME_KEY_FIELDS}
+
+
 @dataclass
 class TacticCache:
-    """In-memory cache; ``entries`` maps CacheKey -> entry dict (the JSON entry without the key fields)."""
+    """In-memory cache; ``entries`` maps CacheKey -> entry dict (the JSON entry without the key fields);
+    ``schemes`` maps SchemeKey -> fusion-scheme entry dict."""
 
     entries: dict = field(default_factory=dict)
     path: Path | None = None
+    schemes: dict = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "TacticCache":
@@ -100,6 +131,7 @@ class TacticCache:
                 raise StofError(f"tactic cache {p}: entry with bad tactic {t!r}")
             key = CacheKey(*(e[f] for f in _KEY_FIELDS))
             cache.entries[key] = {k: v for k, v in e.items() if k not in _KEY_FIELDS}
+        cache.schemes = _load_schemes(doc.get("schemes"), p)
         return cache
 
     @classmethod
@@ -119,9 +151,48 @@ class TacticCache:
         e = self.entries.get(key)
         return int(e["tactic"]) if e else 0
 
+    def put_scheme(self, key: SchemeKey, scheme: str, algo: int = -1, **info) -> None:
+        _check_scheme(key.chain, scheme, algo, "")
+        self.schemes[key] = {"scheme": scheme, "algo": int(algo), **info}
+
+    def get_scheme(self, key: SchemeKey) -> dict | None:
+        return self.schemes.get(key)
+
+    def scheme_choices(self, gpu: str | None = None, cc: str | None = None, tokens: int | None = None) -> dict:
+        """{chain signature: (scheme, algo)} for one GPU, the input of ``rewrite_model(schemes=...)``.
+
+        gpu / cc: the GPU's name and compute capability (None: the only GPU with scheme entries).  tokens: take
+        each chain's entry of this token count's bucket (None: each chain's largest bucket)."""
+        from .schemes import token_bucket
+
+        gpus = sorted({(k.gpu, k.cc) for k in self.schemes if (gpu is None or k.gpu == gpu) and
+                       (cc is None or k.cc == cc)})
+        if not gpus:
+            have = sorted({k.gpu for k in self.schemes})
+            raise StofError(f"no fusion-scheme entries for GPU {gpu!r} in the tactic cache (it has: "
+                            f"{', '.join(have) or 'none'})" if gpu else "the tactic cache has no fusion-scheme entries")
+        if len(gpus) > 1:
+            raise StofError("the tactic cache has fusion schemes for several GPUs (" +
+                            ", ".join(f"{g} ({c})" for g, c in gpus) + "): name one")
+        (g, c), = gpus
+        want = token_bucket(tokens) if tokens is not None else None
+        best: dict = {}
+        for k, e in self.schemes.items():
+            if (k.gpu, k.cc) != (g, c) or (want is not None and k.bucket != want):
+                continue
+            size = int(k.bucket[1:])
+            if k.chain not in best or size > best[k.chain][0]:
+                best[k.chain] = (size, (e["scheme"], int(e.get("algo", -1))))
+        return {chain: v for chain, (_, v) in best.items()}
+
     def to_json(self) -> dict:
         rows = [{**k.as_dict(), **v} for k, v in sorted(self.entries.items(), key=lambda kv: tuple(kv[0].as_dict().values()))]
-        return {"format": FORMAT, "version": VERSION, "entries": rows}
+        doc = {"format": FORMAT, "version": VERSION, "entries": rows}
+        if self.schemes:
+            doc["schemes"] = {"version": SCHEMES_VERSION, "entries": [
+                {**k.as_dict(), **v} for k, v in sorted(self.schemes.items(),
+                                                       key=lambda kv: tuple(kv[0].as_dict().values()))]}
+        return doc
 
     def save(self, path: str | os.PathLike | None = None) -> Path:
         """Write atomically (temp file + rename), replacing the file; merge_save keeps other writers' entries."""
@@ -151,15 +222,46 @@ class TacticCache:
             raise StofError(f"cannot lock {p}.lock ({e.strerror})") from None
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            merged = TacticCache.load(p).entries if p.is_file() else {}
-            merged.update(self.entries)
-            self.entries = merged
+            old = TacticCache.load(p) if p.is_file() else TacticCache()
+            old.entries.update(self.entries)
+            old.schemes.update(self.schemes)
+            self.entries, self.schemes = old.entries, old.schemes
             return self.save(p)
         finally:
             os.close(lock)  # releases the lock
 
     def __len__(self) -> int:
         return len(self.entries)
+
+
+def _check_scheme(chain: str, scheme, algo, where: str) -> None:
+    from .schemes import TEMPLATES
+
+    kind = chain.split("|", 1)[0]
+    if kind not in TEMPLATES:
+        raise StofError(f"{where}fusion-scheme entry for an unknown chain {chain!r}")
+    if not isinstance(scheme, str) or scheme not in {t.name for t in TEMPLATES[kind]}:
+        raise StofError(f"{where}fusion-scheme entry with unknown scheme {scheme!r} for {kind}")
+    if not isinstance(algo, int) or isinstance(algo, bool) or algo < -1:
+        raise StofError(f"{where}fusion-scheme entry with bad algo {algo!r} (an index >= 0, or -1)")
+
+
+def _load_schemes(section, p: Path) -> dict:
+    """The "schemes" section of a cache file: {SchemeKey: entry}."""
+    if section is None:
+        return {}
+    where = f"tactic cache {p}: "
+    if not isinstance(section, dict) or section.get("version") != SCHEMES_VERSION:
+        v = section.get("version") if isinstance(section, dict) else None
+        raise StofError(f"{where}\"schemes\" version {v}, this release reads {SCHEMES_VERSION}")
+    out = {}
+    for e in section.get("entries", []):
+        if not isinstance(e, dict) or any(not isinstance(e.get(f), str) for f in _SCHEME_KEY_FIELDS):
+            raise StofError(f"{where}a fusion-scheme entry lacks one of {_SCHEME_KEY_FIELDS}")
+        _check_scheme(e["chain"], e.get("scheme"), e.get("algo", -1), where)
+        out[SchemeKey(*(e[f] for f in _SCHEME_KEY_FIELDS))] = {k: v for k, v in e.items()
+                                                                if k not in _SCHEME_KEY_FIELDS}
+    return out
 
 
 def gpu_identity(device: int | None = None) -> tuple[str, str]:

@@ -42,6 +42,15 @@ def add_args(p):
                         "(default) or ONNX Runtime's contrib Attention (measured slower with 2-D padding masks; "
                         "docs/performance.md). 'ort' converts only packed attention: it does nothing with "
                         "--no-packed-qkv or --no-epilogue (the report notes attention left on STOF)")
+    p.add_argument("--schemes", metavar="CACHE.json",
+                   help="a tactic cache with measured fusion schemes (`stof tune`): each GEMM chain after attention "
+                        "gets its measured scheme and cuBLASLt algorithm (docs/schemes.md); chains without one get "
+                        "the cost model's first choice")
+    p.add_argument("--schemes-gpu", metavar="NAME",
+                   help="with --schemes: the GPU whose schemes to use (default: the only one in the cache)")
+    p.add_argument("--scheme-tokens", type=int, metavar="T",
+                   help="token count (batch x sequence) the schemes are chosen for: the cache's bucket of T and the "
+                        "cost model's ranking (default: each chain's largest measured bucket; the model at 4096)")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of tables")
 
 
@@ -65,6 +74,15 @@ def run(args) -> int:
             mask.check_size(args.max_seq_len, args.max_seq_len)
         except StofError as e:
             raise StofError(f"--mask at --max-seq-len {args.max_seq_len}: {e}") from None
+    choices = None
+    if args.scheme_tokens is not None and args.scheme_tokens < 1:
+        raise StofError(f"--scheme-tokens must be >= 1, got {args.scheme_tokens}")
+    if args.schemes_gpu is not None and args.schemes is None:
+        raise StofError("--schemes-gpu names the GPU of --schemes CACHE.json: give --schemes too")
+    if args.schemes is not None:
+        from ..tactic_cache import TacticCache
+
+        choices = TacticCache.load(args.schemes).scheme_choices(args.schemes_gpu, tokens=args.scheme_tokens)
     t0 = time.perf_counter()
     model = load_model(args.input, keep_external_data=True)
     if args.max_seq_len is not None:
@@ -74,7 +92,8 @@ def run(args) -> int:
         new_model, report = rewrite_model(model, mask=mask, epilogues=not args.no_epilogue, tile_m=args.tile[0],
                                           tile_n=args.tile[1], max_seq_len=args.max_seq_len,
                                           external_data_dir=data_dir, packed_qkv=not args.no_packed_qkv,
-                                          dense_attention=args.dense_attention)
+                                          dense_attention=args.dense_attention, schemes=choices,
+                                          scheme_tokens=args.scheme_tokens)
     except MemoryError:
         size = f" --max-seq-len {args.max_seq_len}" if args.max_seq_len else " this model"
         raise StofError(f"not enough memory to rewrite for{size}: the probe's and the masks' arrays do not fit "

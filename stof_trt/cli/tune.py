@@ -11,6 +11,14 @@ examples:
   stof tune gpt2.stof.onnx --shapes input_ids=8x2048,attention_mask=8x2048 -o h100.json --all --json
   stof tune bert.stof.onnx --shapes input_ids=8x4096,attention_mask=8x4096 -o h200.json \\
       --presearch-only --gpu "NVIDIA H200"          # no GPU needed: a baseline cache for an H200
+  stof rewrite bert.onnx --schemes h100.json -o bert.tuned.onnx   # apply the measured fusion schemes
+
+Fusion schemes (docs/schemes.md): the GEMM chains after attention (output projection + residual + LayerNorm,
+FFN1 + bias + GELU, FFN2 + residual + LayerNorm) are timed too: the cost model's shortlist of schemes x the first
+--scheme-algos cuBLASLt algorithms, as one-block models on the CUDA EP; the fastest goes into the cache's
+scheme section (with --presearch-only: the cost model's first choice). `stof rewrite --schemes CACHE` applies
+them. --json lists every block's chains: the scheme and algorithm that won, its time, the cost model's first
+choice and its time ratio to the winner.
 
 With --gpu NAME (--presearch-only only) no GPU or CUDA execution provider is used: the model runs on the CPU EP to
 learn each attention node's problem, the valid tactics are the pre-search's for that GPU, and the cache is keyed
@@ -32,7 +40,8 @@ def add_args(p):
                    help="one set of input shapes (repeat for several buckets)")
     p.add_argument("-o", "--output", required=True, metavar="CACHE.json",
                    help="tactic cache to create or update (entries for other keys are kept)")
-    p.add_argument("-k", type=int, default=3, help="shortlist length from the pre-search (default 3)")
+    p.add_argument("-k", type=int, default=3,
+                   help="shortlist length from the pre-search and from the fusion schemes' cost model (default 3)")
     p.add_argument("--all", action="store_true", help="time every valid tactic, not only the shortlist")
     p.add_argument("--presearch-only", action="store_true",
                    help="record the pre-search's first choice without timing (a baseline cache); on this machine's "
@@ -47,6 +56,10 @@ def add_args(p):
     p.add_argument("--profile", metavar="FILE.json",
                    help="with --gpu: a pre-search profile of that GPU (`stof calibrate`) whose constants rank the "
                         "tactics")
+    p.add_argument("--no-schemes", action="store_true", help="tune the attention tactics only")
+    p.add_argument("--schemes-only", action="store_true", help="tune the fusion schemes only")
+    p.add_argument("--scheme-algos", type=int, default=4, metavar="N",
+                   help="cuBLASLt heuristic results timed per scheme with a StofGemmEpilogue node (default 4)")
     p.add_argument("--reps", type=int, default=7, help="timed repetitions per tactic (median)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
@@ -60,8 +73,10 @@ def run(args) -> int:
 
     if not args.shapes:
         raise StofError("give at least one --shapes set (e.g. --shapes input_ids=8x512,attention_mask=8x512)")
-    if args.k < 1 or args.reps < 1:
-        raise StofError("-k and --reps must be >= 1")
+    if args.k < 1 or args.reps < 1 or args.scheme_algos < 1:
+        raise StofError("-k, --reps and --scheme-algos must be >= 1")
+    if args.no_schemes and args.schemes_only:
+        raise StofError("--no-schemes and --schemes-only exclude each other")
     out_dir = os.path.dirname(os.path.abspath(args.output))
     if not os.path.isdir(out_dir):
         raise StofError(f"output directory does not exist: {out_dir}")
@@ -87,10 +102,20 @@ def run(args) -> int:
     sess = sort.session(model, providers="cpu", register=False) if target else sort.session(model)
     feeds_list = [sort.random_feeds(sess, sort.parse_shapes([s]), seed=args.seed) for s in args.shapes]
     del sess
-    results = tune_model(model, feeds_list, cache, k=args.k, all_tactics=args.all, presearch_only=args.presearch_only,
-                         reps=args.reps, progress=not args.no_progress and not args.json, target=target)
-    if not results:
-        raise StofError(f"{args.model} has no fp16/bf16 StofSparseAttention node to tune")
+    results = [] if args.schemes_only else \
+        tune_model(model, feeds_list, cache, k=args.k, all_tactics=args.all, presearch_only=args.presearch_only,
+                   reps=args.reps, progress=not args.no_progress and not args.json, target=target)
+    scheme_results = []
+    if not args.no_schemes:
+        from ..scheme_tune import tune_schemes
+
+        scheme_results = tune_schemes(model, feeds_list, cache, gpu=(target.name, target.cc) if target else None,
+                                      props=target.props if target else None, k=args.k, algos=args.scheme_algos,
+                                      reps=args.reps, measure=not args.presearch_only, cpu_probe=target is not None)
+    if not results and not scheme_results:
+        what = "GEMM chain after attention" if args.schemes_only else "fp16/bf16 StofSparseAttention node" if \
+            args.no_schemes else "fp16/bf16 StofSparseAttention node or GEMM chain"
+        raise StofError(f"{args.model} has no {what} to tune")
     cache.merge_save(args.output)  # other writers (first-use timing, other tunes) keep their entries
     rows = []
     for r in results:
@@ -104,17 +129,44 @@ def run(args) -> int:
     info = {"cache": args.output, "entries": len(cache), "problems": rows,
             "attention_ms_presearch": total_pre or None, "attention_ms_measured": total_best or None,
             "gain": (total_pre / total_best) if total_best else None}
+    if scheme_results:
+        info["schemes"] = _scheme_info(scheme_results)
     if args.json:
         print_json(info)
         return 0
-    print_table([[x["bucket"], x["node"].split("|", 1)[1], x["nodes"], x["presearch"], _ms(x["presearch_ms"]),
+    if rows:
+        print_table([[x["bucket"], x["node"].split("|", 1)[1], x["nodes"], x["presearch"], _ms(x["presearch_ms"]),
                   x["best"], _ms(x["best_ms"]), f"{x['gain']:.3f}x" if x["gain"] else "-"] for x in rows],
-                ["bucket", "problem", "nodes", "pre-search", "ms", "measured best", "ms", "gain"])
+                    ["bucket", "problem", "nodes", "pre-search", "ms", "measured best", "ms", "gain"])
     if info["gain"]:
         print(f"\nattention time per model run (sum over nodes): pre-search {total_pre:.3f} ms -> measured "
               f"{total_best:.3f} ms ({info['gain']:.3f}x)")
-    print(f"wrote {args.output} ({len(cache)} entries)")
+    if scheme_results:
+        sch = info["schemes"]
+        print_table([[r["block"], r["role"], r["chain"].split("|", 1)[1], r["bucket"], r["scheme"], r["algo"],
+                      _ms(r["time_ms"]), f"{r['gain']:.3f}x" if r["gain"] else "-", r["model_first"],
+                      f"{r['ratio']:.3f}x" if r["ratio"] else "-"] for r in sch["blocks"]],
+                    ["block", "role", "chain", "bucket", "scheme", "algo", "ms", "vs fixed rules", "model's first",
+                     "its time / best"])
+        if sch["model_within_5pct"] is not None:
+            print(f"\nGEMM chains per model run: fixed rules {sch['chain_ms_fixed_rules']:.3f} ms -> measured "
+                  f"{sch['chain_ms_measured']:.3f} ms; the cost model's first choice within 5% of the measured best "
+                  f"for {100 * sch['model_within_5pct']:.0f}% of chains")
+    print(f"wrote {args.output} ({len(cache)} entries, {len(cache.schemes)} fusion schemes)")
     return 0
+
+
+def _scheme_info(results) -> dict:
+    """The JSON report of the fusion schemes: one row per chain (block order) and the cost model's hit rate."""
+    from ..scheme_tune import block_rows
+
+    blocks = block_rows(results)
+    timed = [r for r in blocks if r["ratio"] is not None]   # bf16 chains and --presearch-only: not timed
+    return {"blocks": blocks,
+            "model_within_5pct": (sum(r["ratio"] <= 1.05 for r in timed) / len(timed)) if timed else None,
+            "chain_ms_model_first": sum(r["model_first_ms"] for r in timed) if timed else None,
+            "chain_ms_measured": sum(r["time_ms"] for r in timed) if timed else None,
+            "chain_ms_fixed_rules": sum(r["fixed_rule_ms"] for r in timed) if timed else None}
 
 
 def _ms(v):

@@ -203,10 +203,20 @@ def sparse_attention_function(opset: int, has_padding: bool, has_bias: bool,
 GEMM_ACTIVATIONS = ("none", "gelu_erf", "gelu_tanh")
 
 
-def gemm_epilogue_function(opset: int, activation: str) -> onnx.FunctionProto:
-    """Y = act(X·W + bias); gelu_erf: 0.5·y·(1 + erf(y/√2)); gelu_tanh: 0.5·y·(1 + tanh(√(2/π)·(y + 0.044715·y³)))."""
+def gemm_overload(activation: str, has_bias: bool = True) -> str:
+    """The function overload of a StofGemmEpilogue node: its activation, "_nobias" appended without a bias."""
+    if activation not in GEMM_ACTIVATIONS:
+        raise ValueError(activation)
+    return activation if has_bias else f"{activation}_nobias"
+
+
+def gemm_epilogue_function(opset: int, activation: str, has_bias: bool = True) -> onnx.FunctionProto:
+    """Y = act(X·W + bias); gelu_erf: 0.5·y·(1 + erf(y/√2)); gelu_tanh: 0.5·y·(1 + tanh(√(2/π)·(y + 0.044715·y³))).
+
+    The attribute ``algo`` (the cuBLASLt algorithm the kernel runs) does not change the result: the body ignores it."""
     b = _Body(opset)
-    y = b.op("Add", b.op("MatMul", "X", "W"), "bias", out="Y" if activation == "none" else None)
+    out = "Y" if activation == "none" else None
+    y = b.op("Add", b.op("MatMul", "X", "W"), "bias", out=out) if has_bias else b.op("MatMul", "X", "W", out=out)
     if activation == "gelu_erf":
         t = b.op("Add", b.op("Erf", b.op("Div", y, b.like(math.sqrt(2.0), y))), b.like(1.0, y))
         b.op("Mul", b.op("Mul", y, t), b.like(0.5, y), out="Y")
@@ -216,7 +226,8 @@ def gemm_epilogue_function(opset: int, activation: str) -> onnx.FunctionProto:
         b.op("Mul", b.op("Mul", y, b.like(0.5, y)), b.op("Add", t, b.like(1.0, y)), out="Y")
     elif activation != "none":
         raise ValueError(activation)
-    return _function("StofGemmEpilogue", GEMM_INPUTS, ["Y"], b, ["activation"], activation, opset,
+    return _function("StofGemmEpilogue", GEMM_INPUTS if has_bias else GEMM_INPUTS[:2], ["Y"], b,
+                     ["activation", "algo"], gemm_overload(activation, has_bias), opset,
                      "MatMul + bias + activation (docs/nodes.md).")
 
 
@@ -254,7 +265,8 @@ def build_functions(needed: set[tuple[str, str]], opset: int) -> list[onnx.Funct
             out.append(sparse_attention_function(opset, "padding" in overload, "bias" in overload,
                                                  "packed" in overload))
         elif op_type == "StofGemmEpilogue":
-            out.append(gemm_epilogue_function(opset, overload))
+            act = overload[:-len("_nobias")] if overload.endswith("_nobias") else overload
+            out.append(gemm_epilogue_function(opset, act, not overload.endswith("_nobias")))
         elif op_type == "StofAddLayerNorm":
             out.append(add_layernorm_function(opset, "bias" in overload, "sum" in overload))
         else:

@@ -56,7 +56,8 @@ def default_opset(model: onnx.ModelProto) -> int:
 
 def rewrite_model(model: onnx.ModelProto, *, mask=None, epilogues: bool = True, tile_m: int = 64, tile_n: int = 64,
                   max_seq_len: int | None = None, external_data_dir: str | None = None,
-                  packed_qkv: bool = True, dense_attention: str = "stof") -> tuple[onnx.ModelProto, RewriteReport]:
+                  packed_qkv: bool = True, dense_attention: str = "stof", schemes: dict | None = None,
+                  scheme_tokens: int | None = None) -> tuple[onnx.ModelProto, RewriteReport]:
     """Rewrite masked attention cores and epilogues of ``model`` into STOF nodes (domain ``stof``).
 
     Args:
@@ -74,6 +75,8 @@ def rewrite_model(model: onnx.ModelProto, *, mask=None, epilogues: bool = True, 
             ``Attention`` (com.microsoft; its fused kernels), the model then needing ONNX Runtime for it. Needs
             packed_qkv=True and (for three MatMul + bias projections) epilogues=True; dense attention left on the
             STOF kernels is listed in the report's notes.
+        schemes: {chain signature: (scheme, algo)}: measured fusion schemes (TacticCache.scheme_choices); chains
+            without one get the cost model's first choice at ``scheme_tokens`` tokens (docs/schemes.md).
         external_data_dir: for a model loaded with ``onnx.load(..., load_external_data=False)`` (needed when a
             single tensor is over 2 GB): the directory its external data locations are relative to. Those
             weights are read where a value is needed and stay external in the returned model.
@@ -85,12 +88,14 @@ def rewrite_model(model: onnx.ModelProto, *, mask=None, epilogues: bool = True, 
     token = EXTERNAL_DATA_DIR.set(external_data_dir)
     try:
         return _rewrite_model(model, mask=mask, epilogues=epilogues, tile_m=tile_m, tile_n=tile_n,
-                              max_seq_len=max_seq_len, packed_qkv=packed_qkv, dense_attention=dense_attention)
+                              max_seq_len=max_seq_len, packed_qkv=packed_qkv, dense_attention=dense_attention,
+                              schemes=schemes, scheme_tokens=scheme_tokens)
     finally:
         EXTERNAL_DATA_DIR.reset(token)
 
 
-def _rewrite_model(model, *, mask, epilogues, tile_m, tile_n, max_seq_len, packed_qkv=True, dense_attention="stof"):
+def _rewrite_model(model, *, mask, epilogues, tile_m, tile_n, max_seq_len, packed_qkv=True, dense_attention="stof",
+                   schemes=None, scheme_tokens=None):
     from ..format import check_tile_shape
     from ..masks import parse_mask
 
@@ -121,11 +126,15 @@ def _rewrite_model(model, *, mask, epilogues, tile_m, tile_n, max_seq_len, packe
     report.nodes_before = len(graph.nodes)
     ctx = RewriteContext(graph=graph, report=report, opset=opset,
                          options={"mask": mask, "epilogues": epilogues, "tile_m": tile_m, "tile_n": tile_n, "max_seq_len": max_seq_len,
-                                  "_original_model": model})
+                                  "_original_model": model, "schemes": schemes, "scheme_tokens": scheme_tokens})
     if opset != default_opset(original):
         report.notes.append(f"model converted from opset {default_opset(original)} to {opset}")
     for fusion in _fusions(epilogues, packed_qkv, dense_attention):
         fusion(ctx).apply()
+    if epilogues:
+        from .schemes import apply_schemes
+
+        apply_schemes(ctx)
     report.nodes_after = len(graph.nodes)
     if dense_attention == "ort":
         _note_dense_on_stof(report, packed_qkv, epilogues)

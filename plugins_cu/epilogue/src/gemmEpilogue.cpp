@@ -22,6 +22,7 @@ cudaError_t launchGeluErfInPlace(int32_t dtype, void* y, int64_t count, cudaStre
 namespace {
 
 constexpr size_t kWorkspaceBytes = 32u << 20;  // cuBLAS's advice for Hopper
+constexpr int kMaxHeuristics = 16;               // heuristic results asked for; `algo` indexes them
 
 #define STOF_EPI_CUBLAS(call)                                                                                 \
     do {                                                                                                     \
@@ -30,7 +31,7 @@ constexpr size_t kWorkspaceBytes = 32u << 20;  // cuBLAS's advice for Hopper
                        static_cast<int>(s_));                                                                \
     } while (0)
 
-using PlanKey = std::tuple<int32_t, int64_t, int64_t, int64_t, int32_t, bool, uint32_t, size_t>;
+using PlanKey = std::tuple<int32_t, int64_t, int64_t, int64_t, int32_t, bool, uint32_t, size_t, int32_t>;
 
 struct Plan {
     cublasLtMatmulDesc_t mOp{nullptr};
@@ -62,7 +63,7 @@ struct stof_gemm_context {
 namespace {
 
 stof_epi_status_t buildPlan(stof_gemm_context* ctx, PlanKey const& key, Plan& plan) {
-    auto [dtype, m, n, k, act, hasBias, align, wsBytes] = key;
+    auto [dtype, m, n, k, act, hasBias, align, wsBytes, algo] = key;
     cudaDataType_t dt = dtype == STOF_EPI_FP32 ? CUDA_R_32F : dtype == STOF_EPI_FP16 ? CUDA_R_16F : CUDA_R_16BF;
     STOF_EPI_CUBLAS(cublasLtMatmulDescCreate(&plan.mOp, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     cublasOperation_t opN = CUBLAS_OP_N;
@@ -93,15 +94,16 @@ stof_epi_status_t buildPlan(stof_gemm_context* ctx, PlanKey const& key, Plan& pl
                       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
         STOF_EPI_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align)));
     }
-    cublasLtMatmulHeuristicResult_t result{};
+    cublasLtMatmulHeuristicResult_t results[kMaxHeuristics] = {};
     int found = 0;
     STOF_EPI_CUBLAS(cublasLtMatmulAlgoGetHeuristic(ctx->mHandle, plan.mOp, plan.mA, plan.mB, plan.mC, plan.mC, pref,
-                                                   1, &result, &found));
+                                                   kMaxHeuristics, results, &found));
     STOF_EPI_CHECK(found > 0, STOF_EPI_ERROR_CUBLAS,
                    "cuBLASLt found no algorithm for GEMM M=%lld N=%lld K=%lld dtype %d epilogue %d",
                    static_cast<long long>(m), static_cast<long long>(n), static_cast<long long>(k), dtype,
                    static_cast<int>(epi));
-    plan.mAlgo = result.algo;
+    // an index past the heuristic's list (it varies with the shape) runs the first result, like -1
+    plan.mAlgo = results[algo >= 0 && algo < found ? algo : 0].algo;
     return STOF_EPI_SUCCESS;
 }
 
@@ -140,6 +142,15 @@ extern "C" stof_epi_status_t stof_gemm_epilogue_run(stof_gemm_context_t ctx, int
                                                     int64_t k, const void* x, const void* w, const void* bias,
                                                     int32_t activation, void* y, void* workspace,
                                                     size_t workspaceBytes, stof_epi_stream_t stream) {
+    return stof_gemm_epilogue_run_algo(ctx, dtype, m, n, k, x, w, bias, activation, -1, y, workspace, workspaceBytes,
+                                       stream);
+}
+
+extern "C" stof_epi_status_t stof_gemm_epilogue_run_algo(stof_gemm_context_t ctx, int32_t dtype, int64_t m,
+                                                         int64_t n, int64_t k, const void* x, const void* w,
+                                                         const void* bias, int32_t activation, int32_t algo, void* y,
+                                                         void* workspace, size_t workspaceBytes,
+                                                         stof_epi_stream_t stream) {
     try {
         STOF_EPI_CHECK(ctx != nullptr && x != nullptr && w != nullptr && y != nullptr,
                        STOF_EPI_ERROR_INVALID_ARGUMENT, "null context or tensor pointer");
@@ -148,13 +159,14 @@ extern "C" stof_epi_status_t stof_gemm_epilogue_run(stof_gemm_context_t ctx, int
         STOF_EPI_CHECK(activation >= STOF_ACT_NONE && activation <= STOF_ACT_GELU_TANH,
                        STOF_EPI_ERROR_INVALID_ARGUMENT, "unknown activation %d", activation);
         STOF_EPI_CHECK(m > 0 && n > 0 && k > 0, STOF_EPI_ERROR_INVALID_ARGUMENT, "GEMM sizes must be positive");
+        STOF_EPI_CHECK(algo >= -1, STOF_EPI_ERROR_INVALID_ARGUMENT, "algo must be >= -1, got %d", algo);
         STOF_EPI_CHECK(workspace != nullptr || workspaceBytes == 0, STOF_EPI_ERROR_INVALID_ARGUMENT,
                        "workspace NULL with %zu bytes", workspaceBytes);
         uint32_t align = alignmentOf(x);
         for (void const* p : {static_cast<void const*>(w), static_cast<void const*>(y), bias}) {
             if (p != nullptr) align = std::min(align, alignmentOf(p));
         }
-        PlanKey key{dtype, m, n, k, activation, bias != nullptr, align, workspaceBytes};
+        PlanKey key{dtype, m, n, k, activation, bias != nullptr, align, workspaceBytes, algo < 0 ? 0 : algo};
         std::lock_guard<std::mutex> lock(ctx->mMutex);
         auto it = ctx->mPlans.find(key);
         if (it == ctx->mPlans.end()) {

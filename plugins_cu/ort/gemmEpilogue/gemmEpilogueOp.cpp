@@ -29,6 +29,13 @@ GemmEpilogueKernel::GemmEpilogueKernel(OrtKernelInfo const* info, ONNXTensorElem
     else if (act == "gelu_tanh") mActivation = STOF_ACT_GELU_TANH;
     else throw StofOrtError(ORT_INVALID_ARGUMENT, strCat("node '", mName, "': unknown activation '", act,
                                                          "' (none, gelu_erf, gelu_tanh)"));
+    try {
+        mAlgo = ki.GetAttribute<int64_t>("algo");
+    } catch (Ort::Exception const&) {
+    }
+    if (mAlgo < -1 || mAlgo > 1023)
+        throw StofOrtError(ORT_INVALID_ARGUMENT, strCat("node '", mName, "': algo ", mAlgo,
+                                                         " (the cuBLASLt heuristic index, 0..1023; -1 = the first)"));
 }
 
 GemmEpilogueKernel::~GemmEpilogueKernel() { stof_gemm_context_destroy(mGemm); }
@@ -84,9 +91,10 @@ void GemmEpilogueKernel::compute(Ort::KernelContext& ctx) {
         gemm = mGemm;
     }
     ScopedScratch ws(ctx, stof_gemm_workspace_size());
-    stof_epi_status_t s = stof_gemm_epilogue_run(gemm, epiDType(mType), M, N, K, x.data, w.data,
-                                                 bias.present ? bias.data : nullptr, mActivation, yData, ws.data(),
-                                                 ws.bytes(), reinterpret_cast<stof_epi_stream_t>(stream));
+    stof_epi_status_t s = stof_gemm_epilogue_run_algo(gemm, epiDType(mType), M, N, K, x.data, w.data,
+                                                      bias.present ? bias.data : nullptr, mActivation,
+                                                      static_cast<int32_t>(mAlgo), yData, ws.data(), ws.bytes(),
+                                                      reinterpret_cast<stof_epi_stream_t>(stream));
     STOF_REQUIRE(s == STOF_EPI_SUCCESS, s == STOF_EPI_ERROR_INVALID_ARGUMENT ? ORT_INVALID_ARGUMENT : ORT_FAIL,
                  "stof_gemm_epilogue_run: ", stof_epi_status_string(s), ": ", stof_epi_last_error_message());
 }

@@ -23,6 +23,7 @@ private:
     ONNXTensorElementDataType mType;
     std::string mName;
     int32_t mActivation{STOF_ACT_NONE};
+    int64_t mAlgo{-1};  // attribute `algo`: cuBLASLt heuristic index (-1 = the first)
     std::mutex mInitMutex;  // ORT may run one kernel instance from several threads (concurrent Run calls)
     stof_gemm_context_t mGemm{nullptr};
 };

@@ -18,7 +18,7 @@
 extern "C" {
 #endif
 
-#define STOF_EPILOGUE_ABI_VERSION 1
+#define STOF_EPILOGUE_ABI_VERSION 2
 
 typedef struct CUstream_st* stof_epi_stream_t;
 
@@ -55,6 +55,14 @@ stof_epi_status_t stof_gemm_epilogue_run(stof_gemm_context_t ctx, int32_t dtype,
                                          const void* x, const void* w, const void* bias, int32_t activation,
                                          void* y, void* workspace, size_t workspace_bytes,
                                          stof_epi_stream_t stream);
+
+/* As stof_gemm_epilogue_run, running cuBLASLt's algorithm number `algo` of its heuristic's results for this problem
+ * (cublasLtMatmulAlgoGetHeuristic, up to 16 asked for): -1 = the first (what stof_gemm_epilogue_run runs); an index
+ * past the results the heuristic returns runs the first too.  Results are equal up to rounding for every algo. */
+stof_epi_status_t stof_gemm_epilogue_run_algo(stof_gemm_context_t ctx, int32_t dtype, int64_t m, int64_t n, int64_t k,
+                                              const void* x, const void* w, const void* bias, int32_t activation,
+                                              int32_t algo, void* y, void* workspace, size_t workspace_bytes,
+                                              stof_epi_stream_t stream);
 
 /* X, residual, Y: [rows, n]; gamma, beta: [n]; bias: [n] or NULL; sum: [rows, n] or NULL (receives
  * S = X + bias + residual, the pre-norm value).  Statistics in fp32 (two-pass). */
