@@ -4,7 +4,11 @@
 #include <cstdarg>
 #include <cstdio>
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <string>
 #include <vector>
 
 #include "host/host.h"
@@ -43,23 +47,126 @@ const TacticDesc* find_tactic(int id) {
 
 int family_index(const TacticDesc& t) { return t.index; }
 
-// Compute capability of the current device (cached per device; -1 when unknown).
-int current_sm() {
-    static int cache[64];
-    static bool init[64];
+#ifndef STOF_CUDA_ARCHITECTURES
+#define STOF_CUDA_ARCHITECTURES "unknown"  // CMake passes the list it built for
+#endif
+
+// Compiled for every architecture of the build like the kernels: whether it has an image for a device is whether
+// the kernels do.
+__global__ void code_probe_kernel() {}
+
+// What a device can run, found once per device: compute capability and the opt-in shared memory of one block
+// (attributes: no CUDA context needed), and, on the first run there, whether this build has code for it (probe: the
+// error of loading code_probe_kernel, which needs the device's context).
+struct DeviceCaps {
+    int sm = -1;
+    int smem_optin = 0;
+    std::atomic<bool> probed{false};
+    cudaError_t probe = cudaSuccess;
+};
+constexpr int kMaxDevices = 64;
+std::mutex gCapsMutex;
+DeviceCaps gCaps[kMaxDevices];
+std::atomic<bool> gCapsKnown[kMaxDevices];
+
+// The current device's capabilities; nullptr when there is no current device (host-only use).
+const DeviceCaps* device_caps() {
     int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return -1;
-    if (!init[dev]) {
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) {
+        cudaGetLastError();
+        return nullptr;
+    }
+    if (gCapsKnown[dev].load(std::memory_order_acquire)) return &gCaps[dev];
+    std::lock_guard<std::mutex> lock(gCapsMutex);
+    if (!gCapsKnown[dev].load(std::memory_order_relaxed)) {
+        DeviceCaps& c = gCaps[dev];
         int major = 0, minor = 0;
         if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-            cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
+            cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess ||
+            cudaDeviceGetAttribute(&c.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
             cudaGetLastError();
-            return -1;
+            return nullptr;
         }
-        cache[dev] = major * 10 + minor;
-        init[dev] = true;
+        c.sm = major * 10 + minor;
+        gCapsKnown[dev].store(true, std::memory_order_release);
     }
-    return cache[dev];
+    return &gCaps[dev];
+}
+
+// Compute capability of the current device (-1 when unknown).
+int current_sm() {
+    const DeviceCaps* c = device_caps();
+    return c ? c->sm : -1;
+}
+
+// CUDA when this build has no code for the current device (or it cannot be asked), with a message that names the
+// GPU, its architecture and the build's; SUCCESS otherwise.
+stof_status_t check_device_code() {
+    int dev = 0;
+    cudaError_t err = cudaGetDevice(&dev);
+    const DeviceCaps* c = err == cudaSuccess ? device_caps() : nullptr;
+    if (c == nullptr) {
+        if (err == cudaSuccess) err = cudaErrorInvalidDevice;
+        cudaGetLastError();
+        return fail(STOF_ERROR_CUDA, "no usable CUDA device: %s", cudaGetErrorString(err));
+    }
+    DeviceCaps& caps = gCaps[dev];
+    if (!caps.probed.load(std::memory_order_acquire)) {
+        std::lock_guard<std::mutex> lock(gCapsMutex);
+        if (!caps.probed.load(std::memory_order_relaxed)) {
+            cudaFuncAttributes attr{};
+            caps.probe = cudaFuncGetAttributes(&attr, code_probe_kernel);
+            cudaGetLastError();  // not sticky: leave nothing behind for the caller's next CUDA call
+            caps.probed.store(true, std::memory_order_release);
+        }
+    }
+    if (c->probe == cudaSuccess) return STOF_SUCCESS;
+    char name[256] = "";
+    cudaDeviceProp prop{};
+    if (cudaGetDeviceProperties(&prop, dev) == cudaSuccess) std::snprintf(name, sizeof(name), "%s", prop.name);
+    cudaGetLastError();
+    if (c->probe == cudaErrorNoKernelImageForDevice || c->probe == cudaErrorInvalidDeviceFunction) {
+        if (c->sm < 80)
+            return fail(STOF_ERROR_CUDA, "GPU %d (%s, sm_%d) is not supported: the STOF kernels need sm_80 or newer",
+                        dev, name, c->sm);
+        return fail(STOF_ERROR_CUDA,
+                    "this libstof_kernels has no code for GPU %d (%s, sm_%d): it is built for CUDA architectures %s; "
+                    "rebuild on this machine (pip install . or cmake build for its GPU) or with "
+                    "CMAKE_CUDA_ARCHITECTURES=%d%s",
+                    dev, name, c->sm, STOF_CUDA_ARCHITECTURES, c->sm, c->sm == 90 ? "a" : "");
+    }
+    return fail(STOF_ERROR_CUDA, "GPU %d (%s, sm_%d) cannot load the STOF kernels: %s", dev, name, c->sm,
+                cudaGetErrorString(c->probe));
+}
+
+// STOF_KERNEL_FAMILIES: a comma-separated subset of hopper, block, row that the library may use (read once; unset:
+// every family the GPU can run).  For running the families of other GPUs on this one, e.g. block,row on an H100.
+struct FamilyMask {
+    unsigned bits = 0;  // 1 << family
+    bool bad = false;
+};
+const FamilyMask& family_mask() {
+    static const FamilyMask m = [] {
+        FamilyMask r;
+        const char* v = std::getenv("STOF_KERNEL_FAMILIES");
+        if (v == nullptr || *v == '\0') {
+            r.bits = ~0u;
+            return r;
+        }
+        std::string s(v);
+        size_t pos = 0;
+        while (pos <= s.size()) {
+            const size_t end = std::min(s.find(',', pos), s.size());
+            const std::string w = s.substr(pos, end - pos);
+            if (w == "block") r.bits |= 1u << 1;
+            else if (w == "row") r.bits |= 1u << 2;
+            else if (w == "hopper") r.bits |= 1u << 3;
+            else r.bad = true;
+            pos = end + 1;
+        }
+        return r;
+    }();
+    return m;
 }
 
 LaunchFn launcher_for(const TacticDesc& t, const stof_attn_params_t& p) {
@@ -77,6 +184,9 @@ bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u
 
 stof_status_t validate(const stof_attn_params_t* p) {
     if (p == nullptr) return fail(STOF_ERROR_INVALID_ARGUMENT, "params is NULL");
+    if (family_mask().bad)
+        return fail(STOF_ERROR_INVALID_ARGUMENT, "STOF_KERNEL_FAMILIES=%s: expected a comma-separated list of "
+                    "hopper, block, row", std::getenv("STOF_KERNEL_FAMILIES"));
     if (p->dtype != STOF_DTYPE_FP16 && p->dtype != STOF_DTYPE_BF16)
         return fail(STOF_ERROR_UNSUPPORTED, "dtype %d not supported (0 = fp16, 1 = bf16)", p->dtype);
     if (p->head_dim != 64 && p->head_dim != 128)
@@ -125,6 +235,14 @@ uint64_t layout_bitmap_bytes(const stof_layout_st& L) {
 
 bool tactic_valid(const TacticDesc& t, const stof_attn_params_t& p) {
     const stof_layout_st& L = *p.layout;
+    if ((family_mask().bits & (1u << t.family)) == 0) return false;
+    // the mma.sync kernels' shared memory (blockwise.cuh kSmemSize) must fit one block of the GPU: 3-stage tactics
+    // at head dim 128 need 112 KiB, more than sm_86 / sm_89 give (99 KiB)
+    if (t.family == 1) {
+        const DeviceCaps* c = device_caps();
+        const int smem = (t.block_m + 2 * t.stages * t.block_n) * p.head_dim * 2;
+        if (c != nullptr && smem > c->smem_optin) return false;
+    }
     if (t.family == 1 && (L.tile_m % t.block_m != 0 || L.tile_n % t.block_n != 0)) return false;
     // wgmma CTAs: 64 rows per warpgroup, each inside one tile row; a CTA may span several tile rows
     if (t.family == 3 && (L.tile_m % 64 != 0 || L.tile_n % t.block_n != 0)) return false;
@@ -248,6 +366,8 @@ stof_status_t stof_attn_workspace_size(const stof_attn_params_t* p, int32_t tact
 stof_status_t stof_attn_run(const stof_attn_params_t* p, int32_t tactic, stof_stream_t stream) {
     stof_status_t s = validate(p);
     if (s != STOF_SUCCESS) return s;
+    s = check_device_code();
+    if (s != STOF_SUCCESS) return s;
     const TacticDesc* t = nullptr;
     if (tactic <= 0) {
         for (const auto& c : kTactics)
@@ -279,6 +399,23 @@ stof_status_t stof_attn_run(const stof_attn_params_t* p, int32_t tactic, stof_st
     stof::host::clear_error();
     return STOF_SUCCESS;
 }
+
+stof_status_t stof_device_check(int32_t device) {
+    int current = 0;
+    cudaError_t err = cudaGetDevice(&current);
+    if (err == cudaSuccess && device >= 0 && device != current) err = cudaSetDevice(device);
+    if (err != cudaSuccess) {
+        cudaGetLastError();
+        return fail(STOF_ERROR_CUDA, "CUDA device %d: %s", device, cudaGetErrorString(err));
+    }
+    stof_status_t s = check_device_code();
+    if (device >= 0 && device != current) cudaSetDevice(current);
+    cudaGetLastError();
+    if (s == STOF_SUCCESS) stof::host::clear_error();
+    return s;
+}
+
+const char* stof_cuda_architectures(void) { return STOF_CUDA_ARCHITECTURES; }
 
 const char* stof_status_string(stof_status_t s) {
     switch (s) {
