@@ -124,3 +124,38 @@ def test_library_reports_its_architectures(kernels):
     if archs is None:
         pytest.skip("a library built before stof_cuda_architectures")
     assert archs and all(re.fullmatch(r"\d+a?(-real|-virtual)?", a) for a in archs.split()), archs
+
+
+# the families a host-only caller sees (no GPU needed: nothing launches), in a child process because the library
+# reads STOF_KERNEL_FAMILIES once
+_FAMILIES_CHILD = r"""
+import json, torch
+from stof_trt.format import compile_mask
+from stof_trt import kernels
+dl = kernels.DeviceLayout(compile_mask("longformer:window=128,global=16", 1024, 1024), device="cpu")
+q = torch.zeros(2, 4, 1024, 64, dtype=torch.float16)
+try:
+    ids = kernels.list_tactics(q, q, q, dl)
+    dev = kernels.device_desc(name="NVIDIA H100 80GB HBM3", cc="9.0")
+    t, src = kernels.select_tactic(q, q, q, dl, device=dev)
+    print(json.dumps({"families": sorted({kernels.tactic_info(i).family for i in ids}),
+                      "selected": kernels.tactic_info(t).family}))
+except kernels.StofKernelError as e:
+    print(json.dumps({"status": e.status, "error": str(e)}))
+"""
+
+
+@pytest.mark.parametrize("value,families", [("row", [2]), ("block", [1]), ("block,row", [1, 2]),
+                                            ("hopper,row", [2]), ("blocks", None), ("block,", None)])
+def test_kernel_families_restrict_the_listed_tactics(kernels, value, families):
+    env = dict(os.environ, STOF_KERNEL_FAMILIES=value, PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-c", _FAMILIES_CHILD], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    import json
+
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    if families is None:  # a word that is not a family: every call says so
+        assert out["status"] == 1 and f"STOF_KERNEL_FAMILIES={value}" in out["error"], out
+    else:  # no GPU here: hopper is never listed, the others as asked
+        assert out["families"] == families and out["selected"] in families, out

@@ -366,8 +366,6 @@ stof_status_t stof_attn_workspace_size(const stof_attn_params_t* p, int32_t tact
 stof_status_t stof_attn_run(const stof_attn_params_t* p, int32_t tactic, stof_stream_t stream) {
     stof_status_t s = validate(p);
     if (s != STOF_SUCCESS) return s;
-    s = check_device_code();
-    if (s != STOF_SUCCESS) return s;
     const TacticDesc* t = nullptr;
     if (tactic <= 0) {
         for (const auto& c : kTactics)
@@ -392,6 +390,8 @@ stof_status_t stof_attn_run(const stof_attn_params_t* p, int32_t tactic, stof_st
             return fail(STOF_ERROR_INVALID_ARGUMENT, "the layout is uploaded to device %d, the current device is %d",
                         p->layout->device, dev);
     }
+    s = check_device_code();  // after the argument checks: those errors are the caller's to fix first
+    if (s != STOF_SUCCESS) return s;
     const LaunchFn fn = launcher_for(*t, *p);
     const cudaError_t err = fn(kernel_params(*p), reinterpret_cast<cudaStream_t>(stream));
     if (err != cudaSuccess)
@@ -403,8 +403,11 @@ stof_status_t stof_attn_run(const stof_attn_params_t* p, int32_t tactic, stof_st
 stof_status_t stof_device_check(int32_t device) {
     int current = 0;
     cudaError_t err = cudaGetDevice(&current);
-    if (err == cudaSuccess && device >= 0 && device != current) err = cudaSetDevice(device);
     if (err != cudaSuccess) {
+        cudaGetLastError();
+        return fail(STOF_ERROR_CUDA, "no usable CUDA device: %s", cudaGetErrorString(err));
+    }
+    if (device >= 0 && device != current && (err = cudaSetDevice(device)) != cudaSuccess) {
         cudaGetLastError();
         return fail(STOF_ERROR_CUDA, "CUDA device %d: %s", device, cudaGetErrorString(err));
     }
