@@ -4,11 +4,8 @@
 #include <cstdarg>
 #include <cstdio>
 #include <algorithm>
-#include <atomic>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
-#include <string>
 #include <vector>
 
 #include "host/host.h"
@@ -47,127 +44,14 @@ const TacticDesc* find_tactic(int id) {
 
 int family_index(const TacticDesc& t) { return t.index; }
 
-#ifndef STOF_CUDA_ARCHITECTURES
-#define STOF_CUDA_ARCHITECTURES "unknown"  // CMake passes the list it built for
-#endif
-
-// Compiled for every architecture of the build like the kernels: whether it has an image for a device is whether
-// the kernels do.
-__global__ void code_probe_kernel() {}
-
-// What a device can run, found once per device: compute capability and the opt-in shared memory of one block
-// (attributes: no CUDA context needed), and, on the first run there, whether this build has code for it (probe: the
-// error of loading code_probe_kernel, which needs the device's context).
-struct DeviceCaps {
-    int sm = -1;
-    int smem_optin = 0;
-    std::atomic<bool> probed{false};
-    cudaError_t probe = cudaSuccess;
-};
-constexpr int kMaxDevices = 64;
-std::mutex gCapsMutex;
-DeviceCaps gCaps[kMaxDevices];
-std::atomic<bool> gCapsKnown[kMaxDevices];
-
-// The current device's capabilities; nullptr when there is no current device (host-only use).
-const DeviceCaps* device_caps() {
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) {
-        cudaGetLastError();
-        return nullptr;
-    }
-    if (gCapsKnown[dev].load(std::memory_order_acquire)) return &gCaps[dev];
-    std::lock_guard<std::mutex> lock(gCapsMutex);
-    if (!gCapsKnown[dev].load(std::memory_order_relaxed)) {
-        DeviceCaps& c = gCaps[dev];
-        int major = 0, minor = 0;
-        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-            cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess ||
-            cudaDeviceGetAttribute(&c.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
-            cudaGetLastError();
-            return nullptr;
-        }
-        c.sm = major * 10 + minor;
-        gCapsKnown[dev].store(true, std::memory_order_release);
-    }
-    return &gCaps[dev];
-}
-
 // Compute capability of the current device (-1 when unknown).
 int current_sm() {
-    const DeviceCaps* c = device_caps();
+    const stof::host::DeviceCaps* c = stof::host::current_device_caps();
     return c ? c->sm : -1;
 }
 
-// CUDA when this build has no code for the current device (or it cannot be asked), with a message that names the
-// GPU, its architecture and the build's; SUCCESS otherwise.
-stof_status_t check_device_code() {
-    int dev = 0;
-    cudaError_t err = cudaGetDevice(&dev);
-    const DeviceCaps* c = err == cudaSuccess ? device_caps() : nullptr;
-    if (c == nullptr) {
-        if (err == cudaSuccess) err = cudaErrorInvalidDevice;
-        cudaGetLastError();
-        return fail(STOF_ERROR_CUDA, "no usable CUDA device: %s", cudaGetErrorString(err));
-    }
-    DeviceCaps& caps = gCaps[dev];
-    if (!caps.probed.load(std::memory_order_acquire)) {
-        std::lock_guard<std::mutex> lock(gCapsMutex);
-        if (!caps.probed.load(std::memory_order_relaxed)) {
-            cudaFuncAttributes attr{};
-            caps.probe = cudaFuncGetAttributes(&attr, code_probe_kernel);
-            cudaGetLastError();  // not sticky: leave nothing behind for the caller's next CUDA call
-            caps.probed.store(true, std::memory_order_release);
-        }
-    }
-    if (c->probe == cudaSuccess) return STOF_SUCCESS;
-    char name[256] = "";
-    cudaDeviceProp prop{};
-    if (cudaGetDeviceProperties(&prop, dev) == cudaSuccess) std::snprintf(name, sizeof(name), "%s", prop.name);
-    cudaGetLastError();
-    if (c->probe == cudaErrorNoKernelImageForDevice || c->probe == cudaErrorInvalidDeviceFunction) {
-        if (c->sm < 80)
-            return fail(STOF_ERROR_CUDA, "GPU %d (%s, sm_%d) is not supported: the STOF kernels need sm_80 or newer",
-                        dev, name, c->sm);
-        return fail(STOF_ERROR_CUDA,
-                    "this libstof_kernels has no code for GPU %d (%s, sm_%d): it is built for CUDA architectures %s; "
-                    "rebuild on this machine (pip install . or cmake build for its GPU) or with "
-                    "CMAKE_CUDA_ARCHITECTURES=%d%s",
-                    dev, name, c->sm, STOF_CUDA_ARCHITECTURES, c->sm, c->sm == 90 ? "a" : "");
-    }
-    return fail(STOF_ERROR_CUDA, "GPU %d (%s, sm_%d) cannot load the STOF kernels: %s", dev, name, c->sm,
-                cudaGetErrorString(c->probe));
-}
-
-// STOF_KERNEL_FAMILIES: a comma-separated subset of hopper, block, row that the library may use (read once; unset:
-// every family the GPU can run).  For running the families of other GPUs on this one, e.g. block,row on an H100.
-struct FamilyMask {
-    unsigned bits = 0;  // 1 << family
-    bool bad = false;
-};
-const FamilyMask& family_mask() {
-    static const FamilyMask m = [] {
-        FamilyMask r;
-        const char* v = std::getenv("STOF_KERNEL_FAMILIES");
-        if (v == nullptr || *v == '\0') {
-            r.bits = ~0u;
-            return r;
-        }
-        std::string s(v);
-        size_t pos = 0;
-        while (pos <= s.size()) {
-            const size_t end = std::min(s.find(',', pos), s.size());
-            const std::string w = s.substr(pos, end - pos);
-            if (w == "block") r.bits |= 1u << 1;
-            else if (w == "row") r.bits |= 1u << 2;
-            else if (w == "hopper") r.bits |= 1u << 3;
-            else r.bad = true;
-            pos = end + 1;
-        }
-        return r;
-    }();
-    return m;
-}
+// Compiled for every architecture of the build, like the kernels (stof::host::check_device_code loads it).
+__global__ void code_probe_kernel() {}
 
 LaunchFn launcher_for(const TacticDesc& t, const stof_attn_params_t& p) {
     const int dt = p.dtype, d = p.head_dim == 64 ? 0 : 1;
@@ -184,7 +68,9 @@ bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u
 
 stof_status_t validate(const stof_attn_params_t* p) {
     if (p == nullptr) return fail(STOF_ERROR_INVALID_ARGUMENT, "params is NULL");
-    if (family_mask().bad)
+    bool bad_families = false;
+    stof::host::kernel_family_mask(&bad_families);
+    if (bad_families)
         return fail(STOF_ERROR_INVALID_ARGUMENT, "STOF_KERNEL_FAMILIES=%s: expected a comma-separated list of "
                     "hopper, block, row", std::getenv("STOF_KERNEL_FAMILIES"));
     if (p->dtype != STOF_DTYPE_FP16 && p->dtype != STOF_DTYPE_BF16)
@@ -235,14 +121,11 @@ uint64_t layout_bitmap_bytes(const stof_layout_st& L) {
 
 bool tactic_valid(const TacticDesc& t, const stof_attn_params_t& p) {
     const stof_layout_st& L = *p.layout;
-    if ((family_mask().bits & (1u << t.family)) == 0) return false;
-    // the mma.sync kernels' shared memory (blockwise.cuh kSmemSize) must fit one block of the GPU: 3-stage tactics
-    // at head dim 128 need 112 KiB, more than sm_86 / sm_89 give (99 KiB)
-    if (t.family == 1) {
-        const DeviceCaps* c = device_caps();
-        const int smem = (t.block_m + 2 * t.stages * t.block_n) * p.head_dim * 2;
-        if (c != nullptr && smem > c->smem_optin) return false;
-    }
+    if ((stof::host::kernel_family_mask(nullptr) & (1u << t.family)) == 0) return false;
+    // the mma.sync kernels' shared memory (blockwise.cuh kSmemSize) must fit one block of the GPU: 3 stages at head
+    // dim 128 need 112 KiB, more than sm_86 / sm_89 give (99 KiB)
+    const stof::host::DeviceCaps* caps = t.family == 1 ? stof::host::current_device_caps() : nullptr;
+    if (caps != nullptr && (t.block_m + 2 * t.stages * t.block_n) * p.head_dim * 2 > caps->smem_optin) return false;
     if (t.family == 1 && (L.tile_m % t.block_m != 0 || L.tile_n % t.block_n != 0)) return false;
     // wgmma CTAs: 64 rows per warpgroup, each inside one tile row; a CTA may span several tile rows
     if (t.family == 3 && (L.tile_m % 64 != 0 || L.tile_n % t.block_n != 0)) return false;
@@ -300,6 +183,8 @@ stof_status_t write_ids(const int32_t* src, int32_t count, int32_t* ids, int32_t
 }
 
 }  // namespace
+
+const void* stof::host::code_probe() { return reinterpret_cast<const void*>(&code_probe_kernel); }
 
 extern "C" {
 
@@ -390,7 +275,7 @@ stof_status_t stof_attn_run(const stof_attn_params_t* p, int32_t tactic, stof_st
             return fail(STOF_ERROR_INVALID_ARGUMENT, "the layout is uploaded to device %d, the current device is %d",
                         p->layout->device, dev);
     }
-    s = check_device_code();  // after the argument checks: those errors are the caller's to fix first
+    s = stof::host::check_device_code();  // after the argument checks: those are the caller's to fix first
     if (s != STOF_SUCCESS) return s;
     const LaunchFn fn = launcher_for(*t, *p);
     const cudaError_t err = fn(kernel_params(*p), reinterpret_cast<cudaStream_t>(stream));
@@ -399,26 +284,6 @@ stof_status_t stof_attn_run(const stof_attn_params_t* p, int32_t tactic, stof_st
     stof::host::clear_error();
     return STOF_SUCCESS;
 }
-
-stof_status_t stof_device_check(int32_t device) {
-    int current = 0;
-    cudaError_t err = cudaGetDevice(&current);
-    if (err != cudaSuccess) {
-        cudaGetLastError();
-        return fail(STOF_ERROR_CUDA, "no usable CUDA device: %s", cudaGetErrorString(err));
-    }
-    if (device >= 0 && device != current && (err = cudaSetDevice(device)) != cudaSuccess) {
-        cudaGetLastError();
-        return fail(STOF_ERROR_CUDA, "CUDA device %d: %s", device, cudaGetErrorString(err));
-    }
-    stof_status_t s = check_device_code();
-    if (device >= 0 && device != current) cudaSetDevice(current);
-    cudaGetLastError();
-    if (s == STOF_SUCCESS) stof::host::clear_error();
-    return s;
-}
-
-const char* stof_cuda_architectures(void) { return STOF_CUDA_ARCHITECTURES; }
 
 const char* stof_status_string(stof_status_t s) {
     switch (s) {
