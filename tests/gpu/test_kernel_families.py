@@ -1,6 +1,7 @@
 """Kernel families by GPU: the library runs the families of other GPUs on this one when STOF_KERNEL_FAMILIES
 restricts them (block-wise and row-wise on an H100/H200 as on an A100 or RTX 4090), says in one line when the build
-has no code for the GPU, and the build has code for the GPU it runs on.
+has no code for the GPU, and the build has code for the GPU it runs on.  The forced families run through the C ABI
+(every listed tactic, tactic 0 and the selection) and through ONNX Runtime's plugin.
 
 Each case with STOF_KERNEL_FAMILIES runs in a child process (the library reads the variable once per process) and
 checks its output against a float64 reference on fresh random inputs.  Set STOF_FOREIGN_KERNELS_LIB to a
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -152,3 +154,46 @@ def test_a_build_without_code_for_this_gpu_says_so():
     # a run reports the same line as a CUDA status, not a launch failure
     out = _child(None, lib=lib)
     assert out.get("status") == 4 and "no code for GPU" in out["error"], out
+
+
+# a STOF node on ONNX Runtime's CUDA EP with the plugin (the path of `stof run`): the tactic the plugin picks (its
+# verbose line) and the output against float64
+ORT_CHILD = r"""
+import json, math, re, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from test_ort_plugin import _cuda_run, attention_model, attention_ref
+from stof_trt import kernels
+from stof_trt.format import compile_mask
+D = int(sys.argv[2])
+B, H, S = 2, 4, 512
+layout = compile_mask("longformer:window=64,global=8", S, S)
+m = attention_model(layout, B=B, H=H, D=D)
+rng = np.random.default_rng(5 + D)
+feeds = {n: rng.standard_normal((B, H, S, D)).astype(np.float16) for n in "qkv"}
+(got,), _ = _cuda_run(m, feeds, verbose=True)
+ref = attention_ref(feeds["q"], feeds["k"], feeds["v"], layout, 1.0 / math.sqrt(D))
+err = float(np.linalg.norm(got.astype(np.float64) - ref) / np.linalg.norm(ref))
+print(json.dumps({"err": err, "finite": bool(np.isfinite(got).all())}))
+"""
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("families,allowed", [("block,row", {1, 2}), ("row", {2})])
+def test_forced_families_on_onnx_runtime(families, allowed, D):
+    pytest.importorskip("onnxruntime")
+    from stof_trt import ort as sort
+
+    if not sort.library_available():
+        pytest.skip("libstof_ort.so not built")
+    env = dict(os.environ, STOF_KERNEL_FAMILIES=families, STOF_FIRST_USE_TIMING="0",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("STOF_TACTIC_CACHE", None)
+    r = subprocess.run([sys.executable, "-c", ORT_CHILD, str(Path(__file__).parent), str(D)], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["finite"] and out["err"] <= 2e-3, out
+    picks = [int(t) for t in re.findall(r"-> \w+ (\d+) \(", r.stderr)]
+    assert picks, r.stderr[-2000:]
+    assert {kernels.tactic_info(t).family for t in picks} <= allowed, (picks, r.stderr[-2000:])
