@@ -96,8 +96,8 @@ stof_status_t check_device_code() {
                         dev, name, sm);
         return fail(STOF_ERROR_CUDA,
                     "this libstof_kernels has no code for GPU %d (%s, sm_%d): it is built for CUDA architectures %s; "
-                    "rebuild on this machine (pip install . or cmake build for its GPU) or with "
-                    "CMAKE_CUDA_ARCHITECTURES=%d%s",
+                    "rebuild it on this machine (pip install . and cmake -S . -B build build for its GPU) or with "
+                    "CMAKE_CUDA_ARCHITECTURES=%d%s (docs/installation.md)",
                     dev, name, sm, STOF_CUDA_ARCHITECTURES, sm, sm == 90 ? "a" : "");
     }
     return fail(STOF_ERROR_CUDA, "GPU %d (%s, sm_%d) cannot load the STOF kernels: %s", dev, name, sm,
