@@ -191,7 +191,8 @@ STOF_API const char* stof_attn_tactic_name(int32_t tactic);
  * see stof_attn_params_t.workspace. */
 STOF_API stof_status_t stof_attn_workspace_size(const stof_attn_params_t* p, int32_t tactic, size_t* bytes);
 
-/* Run the forward pass on the stream.  tactic 0 (or < 0) = the library's first valid tactic. */
+/* Run the forward pass on the stream.  tactic 0 (or < 0) = the library's first valid tactic.  On a GPU this build
+ * has no code for: STOF_ERROR_CUDA and one line naming the GPU and the build's architectures (stof_device_check). */
 STOF_API stof_status_t stof_attn_run(const stof_attn_params_t* p, int32_t tactic, stof_stream_t stream);
 
 /* --- analytical pre-search (host only: plugins_cu/src/presearch.cc, also in libstof_host; stof_trt.presearch
