@@ -39,7 +39,7 @@ __all__ = [
     "StofKernelError", "load_library", "library_available", "DeviceLayout", "Tactic", "all_tactics",
     "tactic_info", "list_tactics", "sparse_attention", "Runner", "STATUS", "ABI_VERSION", "select_tactic",
     "DeviceDesc", "device_desc", "shape_bucket", "load_tactic_cache", "store_tactic",
-    "profile_path", "profile_coef",
+    "profile_path", "profile_coef", "check_device", "cuda_architectures",
 ]
 
 ABI_VERSION = 8  # STOF_ABI_VERSION of the header this module mirrors
@@ -186,9 +186,12 @@ def load_library(path: str | os.PathLike | None = None) -> ctypes.CDLL:
         "stof_tactic_cache_store": ([ctypes.c_char_p] * 6 + [i32, ctypes.c_double], c_int),
         "stof_presearch_profile_path": ([ctypes.POINTER(DeviceDesc), ctypes.c_char_p, ctypes.c_size_t], c_int),
         "stof_presearch_profile_coef": ([ctypes.c_char_p, ctypes.POINTER(DeviceDesc), vp, i32, _i32p], c_int),
+        "stof_device_check": ([i32], c_int),
+        "stof_cuda_architectures": ([], ctypes.c_char_p),
     }
     optional = {"stof_attn_select_on_stream", "stof_tactic_cache_store", "stof_presearch_profile_path",
-                "stof_presearch_profile_coef"}  # first-use timing: newer builds only
+                "stof_presearch_profile_coef",  # first-use timing: newer builds only
+                "stof_device_check", "stof_cuda_architectures"}
     for name, (args, res) in sigs.items():
         fn = getattr(lib, name, None)
         if fn is None and name in optional:
@@ -205,6 +208,33 @@ def library_available() -> bool:
         return True
     except (FileNotFoundError, OSError):
         return False
+
+
+def cuda_architectures(lib=None) -> str | None:
+    """The CUDA architectures the loaded library is built for ("80 86 89 90a"); None for a build that does not
+    say."""
+    lib = lib or load_library()
+    fn = getattr(lib, "stof_cuda_architectures", None)
+    if fn is None:
+        return None
+    fn.argtypes, fn.restype = [], ctypes.c_char_p
+    return fn().decode()
+
+
+def check_device(device: int | None = None, lib=None) -> None:
+    """Raise ``StofError`` (one line: the GPU, its architecture, the build's and how to rebuild) when the library
+    has no code for CUDA device ``device`` (None: the current one), e.g. a build for sm_90a on an A100.  Creates the
+    device's CUDA context; a build without the check passes."""
+    from .errors import StofError
+
+    lib = lib or load_library()
+    fn = getattr(lib, "stof_device_check", None)
+    if fn is None:
+        return
+    fn.argtypes, fn.restype = [ctypes.c_int32], ctypes.c_int
+    lib.stof_last_error_message.argtypes, lib.stof_last_error_message.restype = [], ctypes.c_char_p
+    if fn(-1 if device is None else int(device)) != 0:
+        raise StofError(lib.stof_last_error_message().decode())
 
 
 def _check(status: int) -> None:

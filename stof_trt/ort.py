@@ -166,7 +166,21 @@ def session(model, *, providers=None, device_id: int = 0, cuda_options: dict | N
         # ORT falls back to the CPU EP when the CUDA EP cannot load (missing CUDA/cuDNN libraries): never time that
         raise StofError(f"the CUDA execution provider did not load (session providers: {sess.get_providers()}); "
                         "check the CUDA/cuDNN libraries (onnxruntime.preload_dlls())")
+    if register and "CUDAExecutionProvider" in sess.get_providers():
+        _check_device(device_id)
     return sess
+
+
+def _check_device(device_id: int) -> None:
+    """StofError when the kernel library that libstof_ort loaded has no code for the GPU (e.g. built for sm_90a, run
+    on an A100): one clear line now rather than a failing first run."""
+    from .kernels import check_device
+
+    try:  # the copy libstof_ort linked, already in the process (matched by its soname)
+        lib = ctypes.CDLL("libstof_kernels.so")
+    except OSError:
+        return
+    check_device(device_id, lib=lib)
 
 
 def _with_presearch(model, tactic_cache, shapes, device_id: int) -> str:

@@ -4,6 +4,7 @@
 #include <cstdarg>
 #include <cstdio>
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -43,24 +44,14 @@ const TacticDesc* find_tactic(int id) {
 
 int family_index(const TacticDesc& t) { return t.index; }
 
-// Compute capability of the current device (cached per device; -1 when unknown).
+// Compute capability of the current device (-1 when unknown).
 int current_sm() {
-    static int cache[64];
-    static bool init[64];
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return -1;
-    if (!init[dev]) {
-        int major = 0, minor = 0;
-        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-            cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) {
-            cudaGetLastError();
-            return -1;
-        }
-        cache[dev] = major * 10 + minor;
-        init[dev] = true;
-    }
-    return cache[dev];
+    const stof::host::DeviceCaps* c = stof::host::current_device_caps();
+    return c ? c->sm : -1;
 }
+
+// Compiled for every architecture of the build, like the kernels (stof::host::check_device_code loads it).
+__global__ void code_probe_kernel() {}
 
 LaunchFn launcher_for(const TacticDesc& t, const stof_attn_params_t& p) {
     const int dt = p.dtype, d = p.head_dim == 64 ? 0 : 1;
@@ -77,6 +68,11 @@ bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u
 
 stof_status_t validate(const stof_attn_params_t* p) {
     if (p == nullptr) return fail(STOF_ERROR_INVALID_ARGUMENT, "params is NULL");
+    bool bad_families = false;
+    stof::host::kernel_family_mask(&bad_families);
+    if (bad_families)
+        return fail(STOF_ERROR_INVALID_ARGUMENT, "STOF_KERNEL_FAMILIES=%s: expected a comma-separated list of "
+                    "hopper, block, row", std::getenv("STOF_KERNEL_FAMILIES"));
     if (p->dtype != STOF_DTYPE_FP16 && p->dtype != STOF_DTYPE_BF16)
         return fail(STOF_ERROR_UNSUPPORTED, "dtype %d not supported (0 = fp16, 1 = bf16)", p->dtype);
     if (p->head_dim != 64 && p->head_dim != 128)
@@ -125,6 +121,11 @@ uint64_t layout_bitmap_bytes(const stof_layout_st& L) {
 
 bool tactic_valid(const TacticDesc& t, const stof_attn_params_t& p) {
     const stof_layout_st& L = *p.layout;
+    if ((stof::host::kernel_family_mask(nullptr) & (1u << t.family)) == 0) return false;
+    // the mma.sync kernels' shared memory (blockwise.cuh kSmemSize) must fit one block of the GPU: 3 stages at head
+    // dim 128 need 112 KiB, more than sm_86 / sm_89 give (99 KiB)
+    const stof::host::DeviceCaps* caps = t.family == 1 ? stof::host::current_device_caps() : nullptr;
+    if (caps != nullptr && (t.block_m + 2 * t.stages * t.block_n) * p.head_dim * 2 > caps->smem_optin) return false;
     if (t.family == 1 && (L.tile_m % t.block_m != 0 || L.tile_n % t.block_n != 0)) return false;
     // wgmma CTAs: 64 rows per warpgroup, each inside one tile row; a CTA may span several tile rows
     if (t.family == 3 && (L.tile_m % 64 != 0 || L.tile_n % t.block_n != 0)) return false;
@@ -182,6 +183,8 @@ stof_status_t write_ids(const int32_t* src, int32_t count, int32_t* ids, int32_t
 }
 
 }  // namespace
+
+const void* stof::host::code_probe() { return reinterpret_cast<const void*>(&code_probe_kernel); }
 
 extern "C" {
 
@@ -272,6 +275,8 @@ stof_status_t stof_attn_run(const stof_attn_params_t* p, int32_t tactic, stof_st
             return fail(STOF_ERROR_INVALID_ARGUMENT, "the layout is uploaded to device %d, the current device is %d",
                         p->layout->device, dev);
     }
+    s = stof::host::check_device_code();  // after the argument checks: those are the caller's to fix first
+    if (s != STOF_SUCCESS) return s;
     const LaunchFn fn = launcher_for(*t, *p);
     const cudaError_t err = fn(kernel_params(*p), reinterpret_cast<cudaStream_t>(stream));
     if (err != cudaSuccess)

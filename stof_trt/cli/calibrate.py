@@ -63,6 +63,7 @@ def run(args) -> int:
 
     if not kernels.library_available():
         raise StofError("libstof_kernels.so not found (build it, or set STOF_KERNELS_LIB)")
+    kernels.check_device()  # a build without code for this GPU: one line, not a failing grid
     gpu = cal.gpu_key()
     out = args.output or str(profiles.profile_path(gpu["name"], gpu["sm_count"]))
     progress = None if args.no_progress or args.json else (lambda s: print(f"[calibrate] {s}", file=sys.stderr,

@@ -180,7 +180,7 @@ STOF_API stof_status_t stof_attn_list_tactics(const stof_attn_params_t* p, int32
 STOF_API stof_status_t stof_attn_all_tactics(int32_t* ids, int32_t cap, int32_t* n);
 
 /* Static description of a tactic; returns STOF_ERROR_INVALID_TACTIC for an unknown id.
- * family: 1 = block-wise (tensor cores), 2 = row-wise.  Any out-pointer may be NULL. */
+ * family: 1 = block-wise (mma.sync tensor cores), 2 = row-wise, 3 = Hopper (wgmma).  Any out-pointer may be NULL. */
 STOF_API stof_status_t stof_attn_tactic_info(int32_t tactic, int32_t* family, int32_t* block_m,
                                              int32_t* block_n, int32_t* num_warps, int32_t* stages);
 
@@ -191,7 +191,8 @@ STOF_API const char* stof_attn_tactic_name(int32_t tactic);
  * see stof_attn_params_t.workspace. */
 STOF_API stof_status_t stof_attn_workspace_size(const stof_attn_params_t* p, int32_t tactic, size_t* bytes);
 
-/* Run the forward pass on the stream.  tactic 0 (or < 0) = the library's first valid tactic. */
+/* Run the forward pass on the stream.  tactic 0 (or < 0) = the library's first valid tactic.  On a GPU this build
+ * has no code for: STOF_ERROR_CUDA and one line naming the GPU and the build's architectures (stof_device_check). */
 STOF_API stof_status_t stof_attn_run(const stof_attn_params_t* p, int32_t tactic, stof_stream_t stream);
 
 /* --- analytical pre-search (host only: plugins_cu/src/presearch.cc, also in libstof_host; stof_trt.presearch
@@ -353,6 +354,23 @@ STOF_API stof_status_t stof_presearch_profile_coef(const char* path, const stof_
 /* The tactic cache's shape bucket: B, Sq and Sk rounded up to powers of two (Sq, Sk at least 64),
  * "B8|Sq4096|Sk4096"; writes at most cap bytes with the NUL. */
 STOF_API stof_status_t stof_shape_bucket(int64_t batch, int64_t seq_q, int64_t seq_k, char* out, size_t cap);
+
+/* --- the GPU and the build ----------------------------------------------------------------------------------- */
+
+/* STOF_SUCCESS when this build has code for CUDA device `device` (< 0: the current one) and can load it there; else
+ * STOF_ERROR_CUDA with a one-line message naming the GPU, its architecture and the build's (e.g. a build for sm_90a
+ * on an sm_80 GPU, or a GPU older than sm_80).  stof_attn_run makes the same check on its first call per device.
+ * Creates the device's CUDA context. */
+STOF_API stof_status_t stof_device_check(int32_t device);
+
+/* The CUDA architectures this library is built for, as CMake got them ("80 86 89 90a"). Static storage. */
+STOF_API const char* stof_cuda_architectures(void);
+
+/* Kernel families (stof_attn_tactic_info's family) by GPU: wgmma/TMA (3) only on sm_90 with sm_90a code, block-wise
+ * mma.sync (1) and row-wise (2) on every sm_80+ GPU, block-wise tactics only where their shared memory fits one
+ * block (3 stages at head dim 128 need 112 KiB: not on sm_86 / sm_89).  The environment variable
+ * STOF_KERNEL_FAMILIES (a comma-separated subset of hopper, block, row; read once per process) restricts them
+ * further, e.g. "block,row" runs an H100 as an A100-class GPU; any other word makes every call INVALID_ARGUMENT. */
 
 /* --- status --------------------------------------------------------------------------------------------------- */
 

@@ -22,6 +22,25 @@ stof_status_t fail(stof_status_t s, const char* fmt, ...)
     ;
 void clear_error();
 
+// What the current device can run (device.cc): compute capability (major * 10 + minor) and the opt-in shared memory
+// of one block; nullptr without a current device (host-only use).  Cached per device.
+struct DeviceCaps {
+    int sm = -1;
+    int smem_optin = 0;
+};
+const DeviceCaps* current_device_caps();
+
+// SUCCESS when this build has code for the current device; else CUDA with one line naming the GPU, its architecture
+// and the build's.  Loads code_probe() there on the first call per device.
+stof_status_t check_device_code();
+
+// A kernel compiled like every other (stof_attention.cu): whether it loads on a device is whether the kernels do.
+const void* code_probe();
+
+// The families (bit 1 << family) that STOF_KERNEL_FAMILIES allows (read once; unset: all); *malformed (may be NULL)
+// = it holds a word that is not a family.
+unsigned kernel_family_mask(bool* malformed);
+
 // SHA-1 (FIPS 180-4), only to reproduce TileLayout.signature(); not for security.
 class Sha1 {
 public:
