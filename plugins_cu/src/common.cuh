@@ -52,6 +52,9 @@ struct KernelParams {
     // as kv_head() computes it (after every other field: a build without it keeps the others' offsets)
     int kv_group;
     uint32_t kv_mul, kv_keep;
+    // Packed variable-length sequences ([B+1] or null): batch b's rows start at row seq_offsets[b] (the batch
+    // strides are 0 then: kernel_params) and it has n_b = seq_offsets[b+1] - seq_offsets[b] queries and keys
+    const int32_t* seq_offsets;
 };
 
 // h / p.kv_group in three instructions per work item, not a division: kv_mul = floor(2^32 / kv_group) + 1 and
@@ -272,11 +275,28 @@ __device__ __forceinline__ RowWalk row_walk(const KernelParams& p, int h, int q0
     return w;
 }
 
-// Effective key length of batch b (run-time Sk combined with key_lengths).
+// Packed sequences: n_b of batch b (seq_offsets set; the caller guarantees n_b <= seq_q, seq_k: clamped anyway).
+__device__ __forceinline__ int packed_len(const KernelParams& p, int b) {
+    return max(__ldg(p.seq_offsets + b + 1) - __ldg(p.seq_offsets + b), 0);
+}
+
+// Effective key length of batch b (run-time Sk combined with key_lengths, or a packed sequence's length).
 __device__ __forceinline__ int effective_kv_len(const KernelParams& p, int b) {
     int n = p.seq_k;
     if (p.key_lengths != nullptr) n = min(n, max(__ldg(p.key_lengths + b), 0));
+    if (p.seq_offsets != nullptr) n = min(n, packed_len(p, b));
     return n;
+}
+
+// Effective query rows of batch b: run-time Sq, or a packed sequence's length (rows past it belong to the next
+// sequence: never loaded as queries, never stored).
+__device__ __forceinline__ int effective_q_len(const KernelParams& p, int b) {
+    return p.seq_offsets != nullptr ? min(p.seq_q, packed_len(p, b)) : p.seq_q;
+}
+
+// Row of q/k/v/o where batch b starts: seq_offsets[b] for packed sequences, else 0 (the batch strides place it).
+__device__ __forceinline__ int64_t seq_row0(const KernelParams& p, int b) {
+    return p.seq_offsets != nullptr ? static_cast<int64_t>(__ldg(p.seq_offsets + b)) : 0;
 }
 
 }  // namespace stof

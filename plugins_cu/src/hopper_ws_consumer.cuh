@@ -192,8 +192,10 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
         }
         if constexpr (!kStagedO) {
             named_barrier_sync(1 + w, 128);
-            Elem* gO = static_cast<Elem*>(p.o) + item.b * p.o_sb + item.h * p.o_sh;
-            store_o<Elem, kBlockM, 64, WT::kChunks, 128>(item.sQ, gO, p.o_ss, item.q0, 64 * w, p.seq_q, ctid);
+            // packed sequences (the non-persistent cp.async kernel only): rows from seq_offsets[b], n_b of them
+            Elem* gO = static_cast<Elem*>(p.o) + item.b * p.o_sb + item.h * p.o_sh + seq_row0(p, item.b) * p.o_ss;
+            store_o<Elem, kBlockM, 64, WT::kChunks, 128>(item.sQ, gO, p.o_ss, item.q0, 64 * w,
+                                                         effective_q_len(p, item.b), ctid);
         }
         item_done(item);
     };
