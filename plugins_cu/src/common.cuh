@@ -275,28 +275,31 @@ __device__ __forceinline__ RowWalk row_walk(const KernelParams& p, int h, int q0
     return w;
 }
 
-// Packed sequences: n_b of batch b (seq_offsets set; the caller guarantees n_b <= seq_q, seq_k: clamped anyway).
-__device__ __forceinline__ int packed_len(const KernelParams& p, int b) {
-    return max(__ldg(p.seq_offsets + b + 1) - __ldg(p.seq_offsets + b), 0);
-}
-
-// Effective key length of batch b (run-time Sk combined with key_lengths, or a packed sequence's length).
+// Effective key length of batch b (run-time Sk combined with key_lengths).
 __device__ __forceinline__ int effective_kv_len(const KernelParams& p, int b) {
     int n = p.seq_k;
     if (p.key_lengths != nullptr) n = min(n, max(__ldg(p.key_lengths + b), 0));
-    if (p.seq_offsets != nullptr) n = min(n, packed_len(p, b));
     return n;
 }
 
-// Effective query rows of batch b: run-time Sq, or a packed sequence's length (rows past it belong to the next
-// sequence: never loaded as queries, never stored).
-__device__ __forceinline__ int effective_q_len(const KernelParams& p, int b) {
-    return p.seq_offsets != nullptr ? min(p.seq_q, packed_len(p, b)) : p.seq_q;
+// Packed sequences (seq_offsets set): batch b's length n_b, which bounds its queries and keys (rows past it belong
+// to the next sequence: never loaded as queries, never stored), and its first row of q/k/v/o (the batch strides are
+// 0 then: kernel_params).  The caller guarantees n_b <= seq_q, seq_k.  The kernels apply them in a branch on the
+// null pointer, after the unpacked set-up: folded into that set-up, ptxas allocates more registers for it.
+__device__ __forceinline__ int packed_len(const KernelParams& p, int b) {
+    return max(__ldg(p.seq_offsets + b + 1) - __ldg(p.seq_offsets + b), 0);
+}
+__device__ __forceinline__ int64_t packed_row0(const KernelParams& p, int b) {
+    return static_cast<int64_t>(__ldg(p.seq_offsets + b));
 }
 
-// Row of q/k/v/o where batch b starts: seq_offsets[b] for packed sequences, else 0 (the batch strides place it).
-__device__ __forceinline__ int64_t seq_row0(const KernelParams& p, int b) {
-    return p.seq_offsets != nullptr ? static_cast<int64_t>(__ldg(p.seq_offsets + b)) : 0;
+// The key bound of the warp-specialised kernels: key_lengths and, in their cp.async form (kMayPack; the launchers
+// never run the TMA form with packed sequences, whose code stays without the check), packed sequences.
+template <bool kMayPack>
+__device__ __forceinline__ int ws_kv_len(const KernelParams& p, int b) {
+    const int n = effective_kv_len(p, b);
+    if constexpr (kMayPack) return p.seq_offsets != nullptr ? min(n, packed_len(p, b)) : n;
+    return n;
 }
 
 }  // namespace stof

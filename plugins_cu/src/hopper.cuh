@@ -566,21 +566,29 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
     const BlockWork work = block_work<kBlockM>(p);
     const int qb = work.qb, h = work.h, b = work.b;
     const int q0 = qb * kBlockM;
-    const int q_len = effective_q_len(p, b);
-    if (q0 >= q_len) return;  // a tile row past the run-time Sq (ordered schedule) or the packed sequence
-    const int kv_len = effective_kv_len(p, b);
+    if (q0 >= p.seq_q) return;  // a tile row past the run-time Sq (ordered schedule)
+    int q_len = p.seq_q, n_packed = INT_MAX;
+    if (p.seq_offsets != nullptr) {  // packed sequences: n_b rows (the base pointers move below)
+        n_packed = packed_len(p, b);
+        q_len = min(q_len, n_packed);
+        if (q0 >= q_len) return;
+    }
+    const int kv_len = min(effective_kv_len(p, b), n_packed);
     const int layout_row0 = (h % p.num_layouts) * p.tq;
     int rows[HT::kWG];  // flattened (layout, tile row) of each warpgroup, -1 when its rows are all >= Sq
 #pragma unroll
     for (int w = 0; w < HT::kWG; ++w) rows[w] = q0 + 64 * w < q_len ? layout_row0 + (q0 + 64 * w) / p.tile_m : -1;
     const int my_a0 = (q0 + 64 * wg) % p.tile_m;  // first bitmap row of this warpgroup inside its tile
 
-    const int64_t r0 = seq_row0(p, b);  // packed sequences: the batch's first row
-    const Elem* gQ = static_cast<const Elem*>(p.q) + b * p.q_sb + h * p.q_sh + r0 * p.q_ss;
+    const Elem* gQ = static_cast<const Elem*>(p.q) + b * p.q_sb + h * p.q_sh;
     const int hk = kv_head(p, h);  // the K/V head: once per work item, never per step
-    const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_sb + hk * p.k_sh + r0 * p.k_ss;
-    const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_sb + hk * p.v_sh + r0 * p.v_ss;
-    Elem* gO = static_cast<Elem*>(p.o) + b * p.o_sb + h * p.o_sh + r0 * p.o_ss;
+    const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_sb + hk * p.k_sh;
+    const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_sb + hk * p.v_sh;
+    Elem* gO = static_cast<Elem*>(p.o) + b * p.o_sb + h * p.o_sh;
+    if (p.seq_offsets != nullptr) {  // packed sequences: rows from seq_offsets[b]
+        const int64_t r0 = packed_row0(p, b);
+        gQ += r0 * p.q_ss, gK += r0 * p.k_ss, gV += r0 * p.v_ss, gO += r0 * p.o_ss;
+    }
     const int32_t* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.seq_k : nullptr;
     const float sl2 = p.scale_log2;
     // The scale is folded into the exp2 FFMA whatever its sign (folded_exp2_scale; Q negated below for scale < 0),
@@ -748,20 +756,28 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kHeadDim == 64 ? 3 : 2) hopp
     const BlockWork work = block_work<kBlockM>(p);
     const int qb = work.qb, h = work.h, b = work.b;
     const int q0 = qb * kBlockM;
-    const int q_len = effective_q_len(p, b);
-    if (q0 >= q_len) return;  // a tile row past the run-time Sq (ordered schedule) or the packed sequence
-    const int kv_len = effective_kv_len(p, b);
+    if (q0 >= p.seq_q) return;  // a tile row past the run-time Sq (ordered schedule)
+    int q_len = p.seq_q, n_packed = INT_MAX;
+    if (p.seq_offsets != nullptr) {  // packed sequences: n_b rows (the base pointers move below)
+        n_packed = packed_len(p, b);
+        q_len = min(q_len, n_packed);
+        if (q0 >= q_len) return;
+    }
+    const int kv_len = min(effective_kv_len(p, b), n_packed);
     const RowWalk walk = row_walk(p, h, q0, kv_len);
     const int a0 = walk.a0, e_begin = walk.e_begin, e_end = walk.e_end;
     const int nsub = p.tile_n / kBlockN;
     const int n_iter = (e_end - e_begin) * nsub;
 
-    const int64_t r0 = seq_row0(p, b);  // packed sequences: the batch's first row
-    const Elem* gQ = static_cast<const Elem*>(p.q) + b * p.q_sb + h * p.q_sh + r0 * p.q_ss;
+    const Elem* gQ = static_cast<const Elem*>(p.q) + b * p.q_sb + h * p.q_sh;
     const int hk = kv_head(p, h);  // the K/V head: once per work item, never per step
-    const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_sb + hk * p.k_sh + r0 * p.k_ss;
-    const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_sb + hk * p.v_sh + r0 * p.v_ss;
-    Elem* gO = static_cast<Elem*>(p.o) + b * p.o_sb + h * p.o_sh + r0 * p.o_ss;
+    const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_sb + hk * p.k_sh;
+    const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_sb + hk * p.v_sh;
+    Elem* gO = static_cast<Elem*>(p.o) + b * p.o_sb + h * p.o_sh;
+    if (p.seq_offsets != nullptr) {  // packed sequences: rows from seq_offsets[b]
+        const int64_t r0 = packed_row0(p, b);
+        gQ += r0 * p.q_ss, gK += r0 * p.k_ss, gV += r0 * p.v_ss, gO += r0 * p.o_ss;
+    }
     const int32_t* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.seq_k : nullptr;
     const float sl2 = p.scale_log2;
     const bool fold = sl2 > 0.f;

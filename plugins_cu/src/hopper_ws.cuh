@@ -56,9 +56,15 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
     const BlockWork work = block_work<kBlockM>(p);
     const int qb = work.qb, h = work.h, b = work.b;
     const int q0 = qb * kBlockM;
-    const int q_len = effective_q_len(p, b);
-    if (q0 >= q_len) return;  // a tile row past the run-time Sq (ordered schedule) or the packed sequence
-    const int64_t r0 = seq_row0(p, b);  // packed sequences (cp.async form only): the batch's first row
+    if (q0 >= p.seq_q) return;  // a tile row past the run-time Sq (ordered schedule)
+    // packed sequences (the launcher runs the cp.async form only): n_b rows from row seq_offsets[b]
+    int q_len = p.seq_q;
+    int64_t r0 = 0;
+    if (!WT::kTma && p.seq_offsets != nullptr) {
+        q_len = min(q_len, packed_len(p, b));
+        if (q0 >= q_len) return;
+        r0 = packed_row0(p, b);
+    }
 
     if (tid == 0) {
 #pragma unroll
@@ -85,7 +91,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
             }
             return;
         } else {
-            const int kv_len = effective_kv_len(p, b);
+            const int kv_len = ws_kv_len<!WT::kTma>(p, b);
             const int hk = kv_head(p, h);  // the K/V head
             const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_sb + hk * p.k_sh + r0 * p.k_ss;
             const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_sb + hk * p.v_sh + r0 * p.v_ss;
@@ -143,7 +149,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
     bool has_steps;  // from the walk's first entries
     {
         MergedCursor<WT::kConsumers> cur;
-        ws_item_cursor(cur, p, q0, h, effective_kv_len(p, b));
+        ws_item_cursor(cur, p, q0, h, ws_kv_len<!WT::kTma>(p, b));
         int ent[WT::kConsumers];
         has_steps = cur.peek(ent) != INT_MAX;
     }

@@ -28,16 +28,22 @@ __global__ void __launch_bounds__(RT::kThreads) row_attn_fwd(const KernelParams 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int qrow = blockIdx.x * RT::kNWarps + warp;
     const int h = blockIdx.y, b = blockIdx.z;
-    if (qrow >= effective_q_len(p, b)) return;  // no block-level barriers below
+    if (qrow >= p.seq_q) return;  // no block-level barriers below
 
-    const int64_t r0 = seq_row0(p, b);  // packed sequences: the batch's first row
-    const Elem* gQ = static_cast<const Elem*>(p.q) + b * p.q_sb + h * p.q_sh + (r0 + qrow) * p.q_ss;
+    const Elem* gQ = static_cast<const Elem*>(p.q) + b * p.q_sb + h * p.q_sh + static_cast<int64_t>(qrow) * p.q_ss;
     const int hk = kv_head(p, h);  // the K/V head: once per work item, never per step
-    const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_sb + hk * p.k_sh + r0 * p.k_ss;
-    const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_sb + hk * p.v_sh + r0 * p.v_ss;
-    Elem* gO = static_cast<Elem*>(p.o) + b * p.o_sb + h * p.o_sh + (r0 + qrow) * p.o_ss;
+    const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_sb + hk * p.k_sh;
+    const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_sb + hk * p.v_sh;
+    Elem* gO = static_cast<Elem*>(p.o) + b * p.o_sb + h * p.o_sh + static_cast<int64_t>(qrow) * p.o_ss;
+    int n_packed = INT_MAX;
+    if (p.seq_offsets != nullptr) {  // packed sequences: rows from seq_offsets[b], n_b of them
+        n_packed = packed_len(p, b);
+        if (qrow >= n_packed) return;
+        const int64_t r0 = packed_row0(p, b);
+        gQ += r0 * p.q_ss, gK += r0 * p.k_ss, gV += r0 * p.v_ss, gO += r0 * p.o_ss;
+    }
     const int32_t* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.seq_k : nullptr;
-    const int kv_len = effective_kv_len(p, b);
+    const int kv_len = min(effective_kv_len(p, b), n_packed);
 
     // q row in registers, pre-multiplied by scale*log2(e).
     float q[D];
