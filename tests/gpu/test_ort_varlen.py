@@ -101,7 +101,6 @@ def test_t3hd_bad_shapes_are_one_line_errors(bad):
     S, H, D = 128, 2, 64
     layout = compile_mask("causal", S, S)
     m = t3hd_model(layout, H=H, D=D, bias=bad == "bias")
-    lengths = [100, 28]
     offsets = np.array([0, 100, 128], np.int32)
     feeds = {"qkv": np.zeros((128, 3, H, D), np.float16), "kpm": np.ones((2, S), np.int32), "offsets": offsets}
     if bad == "tokens":  # T above B*S
@@ -115,7 +114,6 @@ def test_t3hd_bad_shapes_are_one_line_errors(bad):
         feeds["bias"] = np.zeros((2, H, S, S), np.float16)
     else:  # S over the compiled length
         feeds["kpm"] = np.ones((2, S + 64), np.int32)
-    del lengths
     with pytest.raises(Exception) as ei:  # noqa: B017 - ORT's error types differ by version
         sess = sort.session(m)
         sess.run(None, feeds)

@@ -151,7 +151,8 @@ typedef struct {
     /* Device memory of at least stof_attn_workspace_size() bytes, 16-byte aligned, for this call only (the next
      * call may reuse it once this one's stream work is ordered before it), or NULL.  The persistent tactics use it
      * for a work counter (one CTA per SM taking work items in the schedule's order) unless key_lengths or
-     * seq_offsets is given; with NULL they run one CTA per work item.  Same result either way; no initialisation needed. */
+     * seq_offsets is given; with NULL they run one CTA per work item.  Same result either way; no initialisation
+     * needed. */
     void* workspace;
     int64_t workspace_bytes;
 
