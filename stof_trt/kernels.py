@@ -42,7 +42,7 @@ __all__ = [
     "profile_path", "profile_coef", "check_device", "cuda_architectures",
 ]
 
-ABI_VERSION = 8  # STOF_ABI_VERSION of the header this module mirrors
+ABI_VERSION = 9  # STOF_ABI_VERSION of the header this module mirrors
 
 STATUS = {0: "SUCCESS", 1: "INVALID_ARGUMENT", 2: "UNSUPPORTED", 3: "INVALID_TACTIC", 4: "CUDA",
           5: "INSUFFICIENT_BUFFER"}
@@ -82,6 +82,7 @@ class _Params(ctypes.Structure):
         ("workspace", ctypes.c_void_p), ("workspace_bytes", ctypes.c_int64),
         ("sched_chunk", ctypes.c_int32), ("options", ctypes.c_uint32),
         ("kv_heads", ctypes.c_int32),
+        ("seq_offsets", ctypes.c_void_p),
     ]
 
 
@@ -349,9 +350,13 @@ def _as_torch(x):
 
 
 def _make_params(q, k, v, o, dl: DeviceLayout, scale, key_lengths, key_padding_mask, bhsd: bool,
-                 row_order: bool = True, sched_chunk: int | None = None, pair_order: bool = True) -> _Params:
+                 row_order: bool = True, sched_chunk: int | None = None, pair_order: bool = True,
+                 seq_offsets=None, max_seqlen: int | None = None) -> _Params:
     import torch
 
+    if seq_offsets is not None:
+        return _make_packed_params(q, k, v, o, dl, scale, key_lengths, key_padding_mask, row_order, sched_chunk,
+                                   pair_order, seq_offsets, max_seqlen)
     if q.dtype not in (torch.float16, torch.bfloat16):
         dt = -1
     else:
@@ -398,6 +403,36 @@ def _make_params(q, k, v, o, dl: DeviceLayout, scale, key_lengths, key_padding_m
     return p
 
 
+def _make_packed_params(q, k, v, o, dl: DeviceLayout, scale, key_lengths, key_padding_mask, row_order: bool,
+                        sched_chunk: int | None, pair_order: bool, seq_offsets, max_seqlen: int | None) -> _Params:
+    """Packed variable-length sequences: q/o [T, H, D], k/v [T, Hkv, D] (any row and head strides, the last dim
+    contiguous: views of a [T, 3, H, D] projection work), seq_offsets int32 [B+1] on the tensors' device.  The
+    run-time Sq = Sk = max_seqlen (None: the layout's sizes), which must bound every sequence's length."""
+    import torch
+
+    for name, t in (("q", q), ("k", k), ("v", v), ("o", o)):
+        if t.dim() != 3 or t.stride(2) != 1:
+            raise ValueError(f"{name} must be 3-D [T, H, D] with a contiguous last dim when seq_offsets is given, "
+                             f"got shape {tuple(t.shape)} strides {t.stride()}")
+        if t.shape[0] != q.shape[0]:
+            raise ValueError(f"{name} has {t.shape[0]} tokens, q has {q.shape[0]}")
+    if (seq_offsets.dtype != torch.int32 or seq_offsets.dim() != 1 or not seq_offsets.is_contiguous()
+            or seq_offsets.numel() < 2):
+        raise ValueError("seq_offsets must be a contiguous int32 [B+1] tensor with B >= 1")
+    # the 4-D path with a batch of one gives every other field (dtype, heads, strides, options)
+    q4, k4, v4, o4 = (t.unsqueeze(0) for t in (q, k, v, o))
+    p = _make_params(q4, k4, v4, o4, dl, scale, None, None, False, row_order, sched_chunk, pair_order)
+    # key_lengths / key_padding_mask go to the library as given: it refuses them with seq_offsets
+    for name, t in (("key_lengths", key_lengths), ("key_padding_mask", key_padding_mask)):
+        if t is not None:
+            setattr(p, name, t.data_ptr())
+    p.batch = seq_offsets.numel() - 1
+    p.seq_q, p.seq_k = (dl.seq_q, dl.seq_k) if max_seqlen is None else (int(max_seqlen), int(max_seqlen))
+    p.q_stride_b = p.k_stride_b = p.v_stride_b = p.o_stride_b = 0
+    p.seq_offsets = seq_offsets.data_ptr()
+    return p
+
+
 def _attach_workspace(lib, p: _Params, tactic: int, device, given=None):
     """Allocate the workspace the library asks for (the persistent tactics' work counter) and point p at it, or
     use `given` (a CUDA tensor of at least that many bytes, 16-byte aligned; its contents need no initialisation);
@@ -432,10 +467,12 @@ def _keep_for_stream(ws, stream, device) -> None:
 
 
 def list_tactics(q, k, v, dl: DeviceLayout, *, bhsd: bool = True, row_order: bool = True,
-                 sched_chunk: int | None = None) -> list[int]:
-    """Tactic ids valid for this problem (library's static order)."""
+                 sched_chunk: int | None = None, seq_offsets=None, max_seqlen: int | None = None) -> list[int]:
+    """Tactic ids valid for this problem (library's static order); seq_offsets: packed sequences, as
+    ``sparse_attention``."""
     lib = load_library()
-    p = _make_params(q, k, v, q, dl, None, None, None, bhsd, row_order, sched_chunk)
+    p = _make_params(q, k, v, q, dl, None, None, None, bhsd, row_order, sched_chunk, seq_offsets=seq_offsets,
+                     max_seqlen=max_seqlen)
     ids = (ctypes.c_int32 * 128)()
     n = ctypes.c_int32()
     _check(lib.stof_attn_list_tactics(ctypes.byref(p), ids, 128, ctypes.byref(n)))
@@ -463,7 +500,8 @@ def device_desc(device: int | None = None, *, name: str | None = None, cc: str |
 
 def select_tactic(q, k, v, dl: DeviceLayout, *, key_padding_mask=None, bhsd: bool = True,
                   tactic_cache: str | os.PathLike | None = None, device: DeviceDesc | None = None,
-                  presearch: bool = True, timing: bool = False, stream=None) -> tuple[int, str]:
+                  presearch: bool = True, timing: bool = False, stream=None, seq_offsets=None,
+                  max_seqlen: int | None = None) -> tuple[int, str]:
     """The library's tactic for this problem and where it came from: ``"cache"`` (the tactic cache's entry, when
     valid here), ``"timed"`` (``timing=True``: the fastest of the pre-search's shortlist, timed now on the current
     GPU on scratch output, or earlier in this process), ``"presearch"`` (the pre-search's fastest valid tactic) or
@@ -471,9 +509,10 @@ def select_tactic(q, k, v, dl: DeviceLayout, *, key_padding_mask=None, bhsd: boo
     timed choice is written to ``tactic_cache`` (created when missing); q, k and v are only read, and the
     environment variable STOF_FIRST_USE_TIMING=0 turns timing off.  ``device``: a ``device_desc()`` (None: the
     current CUDA device).  ``stream``: where the timing runs (None: torch's current stream).  Memoised per layout
-    handle."""
+    handle.  ``seq_offsets`` / ``max_seqlen``: packed sequences, as ``sparse_attention``."""
     lib = load_library()
-    p = _make_params(q, k, v, q, dl, None, None, key_padding_mask, bhsd)
+    p = _make_params(q, k, v, q, dl, None, None, key_padding_mask, bhsd, seq_offsets=seq_offsets,
+                     max_seqlen=max_seqlen)
     t, src = ctypes.c_int32(), ctypes.c_int32()
     path = None if tactic_cache is None else os.fsencode(tactic_cache)
     flags = (0 if presearch else SELECT_NO_PRESEARCH) | (SELECT_TIME if timing else 0)
@@ -546,7 +585,7 @@ def shape_bucket(batch: int, seq_q: int, seq_k: int) -> str:
 def sparse_attention(q, k, v, dl: DeviceLayout, *, scale: float | None = None, tactic: int = 0,
                      key_lengths=None, key_padding_mask=None, out=None, bhsd: bool = True, stream=None,
                      row_order: bool = True, sched_chunk: int | None = None, workspace=True,
-                     pair_order: bool = True):
+                     pair_order: bool = True, seq_offsets=None, max_seqlen: int | None = None):
     """O = softmax(scale * Q K^T, masked by the layout and padding) V on the current (or given) CUDA stream.
 
     q: [B,H,Sq,D] (or [B,Sq,H,D] with bhsd=False), k/v: [B,Hkv,Sk,D] with H % Hkv == 0 (grouped-query attention:
@@ -557,6 +596,10 @@ def sparse_attention(q, k, v, dl: DeviceLayout, *, scale: float | None = None, t
     library's L2-sized default, 1 = one pair at a time; same result); None = the layout's choice.
     workspace=False passes no workspace (the persistent tactics then run one CTA per work item; same result); a
     CUDA tensor is used as the workspace (any contents).  Returns `out` (allocated if None).
+    seq_offsets (a CUDA int32 [B+1] tensor): packed variable-length sequences; q/k/v/out are then [T, H, D]
+    (k/v [T, Hkv, D]) and sequence b is rows seq_offsets[b] .. seq_offsets[b+1]-1 (self-attention, the layout
+    applied to its first n_b rows and columns); rows of `out` outside every sequence are not written.  max_seqlen
+    bounds every n_b (None: the layout's sizes).  Not with key_lengths or key_padding_mask.
     """
     import torch
 
@@ -565,7 +608,7 @@ def sparse_attention(q, k, v, dl: DeviceLayout, *, scale: float | None = None, t
     if out is None:
         out = torch.empty_like(q)
     p = _make_params(q, k, v, out, dl, scale, key_lengths, key_padding_mask, bhsd, row_order, sched_chunk,
-                     pair_order)
+                     pair_order, seq_offsets, max_seqlen)
     if workspace is None or isinstance(workspace, (bool, int)):
         ws = _attach_workspace(lib, p, tactic, q.device) if workspace else None
     else:
@@ -585,14 +628,15 @@ class Runner:
 
     def __init__(self, q, k, v, dl: DeviceLayout, *, out=None, tactic: int = 0, scale=None, key_lengths=None,
                  key_padding_mask=None, bhsd: bool = True, stream=None, row_order: bool = True,
-                 sched_chunk: int | None = None, workspace: bool = True, pair_order: bool = True):
+                 sched_chunk: int | None = None, workspace: bool = True, pair_order: bool = True,
+                 seq_offsets=None, max_seqlen: int | None = None):
         import torch
 
         self._lib = load_library()
         self.out = torch.empty_like(q) if out is None else out
-        self._keep = (q, k, v, dl, key_lengths, key_padding_mask)  # keep the memory alive
+        self._keep = (q, k, v, dl, key_lengths, key_padding_mask, seq_offsets)  # keep the memory alive
         self._p = _make_params(q, k, v, self.out, dl, scale, key_lengths, key_padding_mask, bhsd, row_order,
-                               sched_chunk, pair_order)
+                               sched_chunk, pair_order, seq_offsets, max_seqlen)
         self._pref = ctypes.byref(self._p)
         self.tactic = int(tactic)
         self._ws = _attach_workspace(self._lib, self._p, self.tactic, q.device) if workspace else None

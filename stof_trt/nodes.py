@@ -31,12 +31,21 @@ class AttentionNode:
     scale: float
     layout: TileLayout
     packed: bool = False  # qkv_format "bs3hd": query is [B,S,3,H,D], key/value absent
+    # qkv_format "t3hd": query is [T,3,H,D] (packed sequences of seq_offsets), key/value absent; key_padding_mask
+    # [B,S] gives only B and S
+    tokens: bool = False
+    seq_offsets: str | None = None
 
 
 def _attrs(node) -> dict:
     import onnx
 
     return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _qkv_format(attrs: dict) -> str:
+    fmt = attrs.get("qkv_format", b"bhsd")
+    return fmt.decode() if isinstance(fmt, bytes) else str(fmt)
 
 
 def attention_nodes(model) -> list[AttentionNode]:
@@ -55,7 +64,7 @@ def attention_nodes(model) -> list[AttentionNode]:
         if n.op_type != "StofSparseAttention" or n.domain != "stof":
             continue
         a = _attrs(n)
-        names = list(n.input) + [""] * (9 - len(n.input))
+        names = list(n.input) + [""] * (10 - len(n.input))
         arrays = {}
         for nm, inp in zip(_LAYOUT_INPUTS, names[3:7]):
             if inp not in consts:
@@ -70,10 +79,11 @@ def attention_nodes(model) -> list[AttentionNode]:
                                         num_layouts=a["num_layouts"], mask_spec=(
                                             mask_spec.decode() if isinstance(mask_spec, bytes) else str(mask_spec)),
                                         **arrays)
-        fmt = a.get("qkv_format", b"bhsd")
-        packed = (fmt.decode() if isinstance(fmt, bytes) else str(fmt)) == "bs3hd"
-        out.append(AttentionNode(n.name or f"node{i}", names[0], names[0] if packed else names[1], names[7] or None,
-                                 names[8] or None, float(a["scale"]), layout, packed))
+        fmt = _qkv_format(a)
+        packed, tokens = fmt == "bs3hd", fmt == "t3hd"
+        out.append(AttentionNode(n.name or f"node{i}", names[0], names[0] if packed or tokens else names[1],
+                                 names[7] or None, names[8] or None, float(a["scale"]), layout, packed, tokens,
+                                 names[9] or None))
     return out
 
 
@@ -101,6 +111,10 @@ def attention_problem_dims(model) -> dict:
         if n.op_type != "StofSparseAttention" or n.domain != "stof":
             continue
         dims, et = static_dims(n.input[0])
+        if _qkv_format(_attrs(n)) == "t3hd":  # packed sequences [T, 3, H, D]
+            if dims and len(dims) == 4 and dims[2] and dims[3] and et in ONNX_DTYPES:
+                out[n.name] = (ONNX_DTYPES[et], int(dims[2]), int(dims[3]))
+            continue
         if dims and len(dims) == 5 and dims[3] and dims[4] and et in ONNX_DTYPES:  # packed [B, S, 3, H, D]
             out[n.name] = (ONNX_DTYPES[et], int(dims[3]), int(dims[4]))
             continue

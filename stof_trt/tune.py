@@ -127,7 +127,9 @@ def _problems(nodes, vals) -> list[Problem]:
         dtype = t[t.index("(") + 1:-1] if "(" in t else t
         dtype = {"float32": "float"}.get(dtype, dtype)
         kpm = vals[nd.key_padding_mask].numpy() if nd.key_padding_mask else None
-        if nd.packed:  # [B, S, 3, H, D]
+        if nd.tokens and kpm is not None:  # [T, 3, H, D]: timed as the padded problem of the mask [B, S]
+            probs.append(Problem(nd, dtype, kpm.shape[0], qs[2], kpm.shape[1], kpm.shape[1], qs[3], kpm))
+        elif nd.packed:  # [B, S, 3, H, D]
             probs.append(Problem(nd, dtype, qs[0], qs[3], qs[1], qs[1], qs[4], kpm))
         else:
             probs.append(Problem(nd, dtype, qs[0], qs[1], qs[2], ks[2], qs[3], kpm))

@@ -130,13 +130,14 @@ def test_native_large_ties(kernels):
 
 def test_abi_version(kernels):
     lib = kernels.load_library()
-    assert lib.stof_abi_version() == kernels.ABI_VERSION == 8
+    assert lib.stof_abi_version() == kernels.ABI_VERSION == 9
     names = [f[0] for f in kernels._Params._fields_]
-    assert names[-8:] == ["layout", "key_lengths", "key_padding_mask", "workspace", "workspace_bytes", "sched_chunk",
-                          "options", "kv_heads"]
+    assert names[-9:] == ["layout", "key_lengths", "key_padding_mask", "workspace", "workspace_bytes", "sched_chunk",
+                          "options", "kv_heads", "seq_offsets"]
     p = kernels._Params()
+    p.seq_offsets = 1 << 20  # init zeroes it
     lib.stof_attn_params_init(ctypes.byref(p))
-    assert p.layout is None and p.key_lengths is None and p.key_padding_mask is None
+    assert p.layout is None and p.key_lengths is None and p.key_padding_mask is None and p.seq_offsets is None
     assert p.sched_chunk == -1                                           # the layout's choice
     assert p.workspace is None and p.workspace_bytes == 0 and p.options == 0 and p.kv_heads == 0
     assert lib.stof_attn_validate(ctypes.byref(p)) != 0                 # no sizes, no layout

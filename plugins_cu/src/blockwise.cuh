@@ -89,7 +89,13 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocks) block_attn_fwd(c
     const int qb = work.qb, h = work.h, b = work.b;
     const int q0 = qb * kBlockM;
     if (q0 >= p.seq_q) return;  // a tile row past the run-time Sq (ordered schedule)
-    const int kv_len = effective_kv_len(p, b);
+    int q_len = p.seq_q, n_packed = INT_MAX;
+    if (p.seq_offsets != nullptr) {  // packed sequences: n_b rows (the base pointers move below)
+        n_packed = packed_len(p, b);
+        q_len = min(q_len, n_packed);
+        if (q0 >= q_len) return;
+    }
+    const int kv_len = min(effective_kv_len(p, b), n_packed);
     const RowWalk walk = row_walk(p, h, q0, kv_len);  // stored tiles of the row, past the key bound dropped
     const int a0 = walk.a0, e_begin = walk.e_begin, e_end = walk.e_end;  // a0: first bitmap row of this CTA
     const int nsub = p.tile_n / kBlockN;
@@ -100,12 +106,16 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocks) block_attn_fwd(c
     const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_sb + hk * p.k_sh;
     const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_sb + hk * p.v_sh;
     Elem* gO = static_cast<Elem*>(p.o) + b * p.o_sb + h * p.o_sh;
+    if (p.seq_offsets != nullptr) {  // packed sequences: rows from seq_offsets[b]
+        const int64_t r0 = packed_row0(p, b);
+        gQ += r0 * p.q_ss, gK += r0 * p.k_ss, gV += r0 * p.v_ss, gO += r0 * p.o_ss;
+    }
     const int32_t* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.seq_k : nullptr;
     const int words_per_tile = p.tile_m * p.tile_n / 32;
     const int words_per_row = p.tile_n / 32;
 
     // Prologue: Q, then the first kStages-1 K/V sub-blocks (one commit group each, empty groups included).
-    load_rows_async<KT, kBlockM>(sQ, gQ, p.q_ss, q0, p.seq_q, tid);
+    load_rows_async<KT, kBlockM>(sQ, gQ, p.q_ss, q0, q_len, tid);
     cp_async_commit();
     auto key_start = [&](int it) {
         const int e = e_begin + it / nsub;
@@ -319,7 +329,7 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocks) block_attn_fwd(c
     for (int i = 0; i < kOutIters; ++i) {
         const int c = tid + i * KT::kThreads;
         const int row = c / KT::kChunks, ch = c % KT::kChunks;
-        if (q0 + row < p.seq_q) {
+        if (q0 + row < q_len) {
             uint4 val;
             asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
                          : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)

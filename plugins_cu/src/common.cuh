@@ -52,6 +52,9 @@ struct KernelParams {
     // as kv_head() computes it (after every other field: a build without it keeps the others' offsets)
     int kv_group;
     uint32_t kv_mul, kv_keep;
+    // Packed variable-length sequences ([B+1] or null): batch b's rows start at row seq_offsets[b] (the batch
+    // strides are 0 then: kernel_params) and it has n_b = seq_offsets[b+1] - seq_offsets[b] queries and keys
+    const int32_t* seq_offsets;
 };
 
 // h / p.kv_group in three instructions per work item, not a division: kv_mul = floor(2^32 / kv_group) + 1 and
@@ -276,6 +279,26 @@ __device__ __forceinline__ RowWalk row_walk(const KernelParams& p, int h, int q0
 __device__ __forceinline__ int effective_kv_len(const KernelParams& p, int b) {
     int n = p.seq_k;
     if (p.key_lengths != nullptr) n = min(n, max(__ldg(p.key_lengths + b), 0));
+    return n;
+}
+
+// Packed sequences (seq_offsets set): batch b's length n_b, which bounds its queries and keys (rows past it belong
+// to the next sequence: never loaded as queries, never stored), and its first row of q/k/v/o (the batch strides are
+// 0 then: kernel_params).  The caller guarantees n_b <= seq_q, seq_k.  The kernels apply them in a branch on the
+// null pointer, after the unpacked set-up: folded into that set-up, ptxas allocates more registers for it.
+__device__ __forceinline__ int packed_len(const KernelParams& p, int b) {
+    return max(__ldg(p.seq_offsets + b + 1) - __ldg(p.seq_offsets + b), 0);
+}
+__device__ __forceinline__ int64_t packed_row0(const KernelParams& p, int b) {
+    return static_cast<int64_t>(__ldg(p.seq_offsets + b));
+}
+
+// The key bound of the warp-specialised kernels: key_lengths and, in their cp.async form (kMayPack; the launchers
+// never run the TMA form with packed sequences, whose code stays without the check), packed sequences.
+template <bool kMayPack>
+__device__ __forceinline__ int ws_kv_len(const KernelParams& p, int b) {
+    const int n = effective_kv_len(p, b);
+    if constexpr (kMayPack) return p.seq_offsets != nullptr ? min(n, packed_len(p, b)) : n;
     return n;
 }
 

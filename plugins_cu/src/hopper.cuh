@@ -567,11 +567,17 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
     const int qb = work.qb, h = work.h, b = work.b;
     const int q0 = qb * kBlockM;
     if (q0 >= p.seq_q) return;  // a tile row past the run-time Sq (ordered schedule)
-    const int kv_len = effective_kv_len(p, b);
+    int q_len = p.seq_q, n_packed = INT_MAX;
+    if (p.seq_offsets != nullptr) {  // packed sequences: n_b rows (the base pointers move below)
+        n_packed = packed_len(p, b);
+        q_len = min(q_len, n_packed);
+        if (q0 >= q_len) return;
+    }
+    const int kv_len = min(effective_kv_len(p, b), n_packed);
     const int layout_row0 = (h % p.num_layouts) * p.tq;
     int rows[HT::kWG];  // flattened (layout, tile row) of each warpgroup, -1 when its rows are all >= Sq
 #pragma unroll
-    for (int w = 0; w < HT::kWG; ++w) rows[w] = q0 + 64 * w < p.seq_q ? layout_row0 + (q0 + 64 * w) / p.tile_m : -1;
+    for (int w = 0; w < HT::kWG; ++w) rows[w] = q0 + 64 * w < q_len ? layout_row0 + (q0 + 64 * w) / p.tile_m : -1;
     const int my_a0 = (q0 + 64 * wg) % p.tile_m;  // first bitmap row of this warpgroup inside its tile
 
     const Elem* gQ = static_cast<const Elem*>(p.q) + b * p.q_sb + h * p.q_sh;
@@ -579,6 +585,10 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
     const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_sb + hk * p.k_sh;
     const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_sb + hk * p.v_sh;
     Elem* gO = static_cast<Elem*>(p.o) + b * p.o_sb + h * p.o_sh;
+    if (p.seq_offsets != nullptr) {  // packed sequences: rows from seq_offsets[b]
+        const int64_t r0 = packed_row0(p, b);
+        gQ += r0 * p.q_ss, gK += r0 * p.k_ss, gV += r0 * p.v_ss, gO += r0 * p.o_ss;
+    }
     const int32_t* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.seq_k : nullptr;
     const float sl2 = p.scale_log2;
     // The scale is folded into the exp2 FFMA whatever its sign (folded_exp2_scale; Q negated below for scale < 0),
@@ -587,7 +597,7 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
     const float mul = folded_exp2_scale(sl2);
 
     // Prologue: Q, then the first kStages-1 K/V sub-blocks of the merged walk.
-    load_rows_async128<HT, kBlockM>(sQ, gQ, p.q_ss, q0, p.seq_q, tid);
+    load_rows_async128<HT, kBlockM>(sQ, gQ, p.q_ss, q0, q_len, tid);
     cp_async_commit();
     MergedCursor<HT::kWG> cur, pre;
     cur.init(p, rows, kv_len);
@@ -720,7 +730,7 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
     __syncthreads();
     stage_o<Elem, kDI, kBlockM>(rO, row_sum, sQ, warp_row0, g, tig);
     __syncthreads();
-    store_o<Elem, kBlockM, kBlockM, HT::kChunks, HT::kThreads>(sQ, gO, p.o_ss, q0, 0, p.seq_q, tid);
+    store_o<Elem, kBlockM, kBlockM, HT::kChunks, HT::kThreads>(sQ, gO, p.o_ss, q0, 0, q_len, tid);
 #else
     __trap();  // built without sm_90a: the dispatcher never selects this tactic then
 #endif
@@ -747,7 +757,13 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kHeadDim == 64 ? 3 : 2) hopp
     const int qb = work.qb, h = work.h, b = work.b;
     const int q0 = qb * kBlockM;
     if (q0 >= p.seq_q) return;  // a tile row past the run-time Sq (ordered schedule)
-    const int kv_len = effective_kv_len(p, b);
+    int q_len = p.seq_q, n_packed = INT_MAX;
+    if (p.seq_offsets != nullptr) {  // packed sequences: n_b rows (the base pointers move below)
+        n_packed = packed_len(p, b);
+        q_len = min(q_len, n_packed);
+        if (q0 >= q_len) return;
+    }
+    const int kv_len = min(effective_kv_len(p, b), n_packed);
     const RowWalk walk = row_walk(p, h, q0, kv_len);
     const int a0 = walk.a0, e_begin = walk.e_begin, e_end = walk.e_end;
     const int nsub = p.tile_n / kBlockN;
@@ -758,6 +774,10 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kHeadDim == 64 ? 3 : 2) hopp
     const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_sb + hk * p.k_sh;
     const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_sb + hk * p.v_sh;
     Elem* gO = static_cast<Elem*>(p.o) + b * p.o_sb + h * p.o_sh;
+    if (p.seq_offsets != nullptr) {  // packed sequences: rows from seq_offsets[b]
+        const int64_t r0 = packed_row0(p, b);
+        gQ += r0 * p.q_ss, gK += r0 * p.k_ss, gV += r0 * p.v_ss, gO += r0 * p.o_ss;
+    }
     const int32_t* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.seq_k : nullptr;
     const float sl2 = p.scale_log2;
     const bool fold = sl2 > 0.f;
@@ -822,7 +842,7 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kHeadDim == 64 ? 3 : 2) hopp
     // Stage of tile t: t % kStages.  The ring holds tiles i - 1 (its V still read by P_{i-1} V_{i-1}), i, and
     // kStages - 2 tiles of look-ahead: at step i, tile i + kStages - 2 goes into the stage of tile i - 2 (whose
     // P V completed in step i - 1).
-    load_rows_async128<HT, kBlockM>(sQ, gQ, p.q_ss, q0, p.seq_q, tid);
+    load_rows_async128<HT, kBlockM>(sQ, gQ, p.q_ss, q0, q_len, tid);
     cp_async_commit();
 #pragma unroll
     for (int t = 0; t < kStages - 2; ++t) {
@@ -867,7 +887,7 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kHeadDim == 64 ? 3 : 2) hopp
     __syncthreads();
     stage_o<Elem, kDI, kBlockM>(rO, row_sum, sQ, warp_row0, g, tig);
     __syncthreads();
-    store_o<Elem, kBlockM, kBlockM, HT::kChunks, HT::kThreads>(sQ, gO, p.o_ss, q0, 0, p.seq_q, tid);
+    store_o<Elem, kBlockM, kBlockM, HT::kChunks, HT::kThreads>(sQ, gO, p.o_ss, q0, 0, q_len, tid);
 #else
     __trap();
 #endif

@@ -236,7 +236,8 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd_
 template <class HT, LaunchFn fallback>
 cudaError_t launch_hopper_tma(const KernelParams& params, cudaStream_t stream) {
     KernelParams p = params;
-    if (!encode_kv_maps(p, HT::kHeadDim, !std::is_same<typename HT::Elem, __half>::value))
+    // packed sequences have no fixed batch stride for the tensor maps
+    if (p.seq_offsets != nullptr || !encode_kv_maps(p, HT::kHeadDim, !std::is_same<typename HT::Elem, __half>::value))
         return fallback(params, stream);  // same tile shape, cp.async copies
     return launch_scheduled<HT::kBlockM, HT::kHeadDim>(hopper_attn_fwd_tma<HT>, p, HT::kThreads, HT::kSmemSize,
                                                        stream);

@@ -57,6 +57,14 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
     const int qb = work.qb, h = work.h, b = work.b;
     const int q0 = qb * kBlockM;
     if (q0 >= p.seq_q) return;  // a tile row past the run-time Sq (ordered schedule)
+    // packed sequences (the launcher runs the cp.async form only): n_b rows from row seq_offsets[b]
+    int q_len = p.seq_q;
+    int64_t r0 = 0;
+    if (!WT::kTma && p.seq_offsets != nullptr) {
+        q_len = min(q_len, packed_len(p, b));
+        if (q0 >= q_len) return;
+        r0 = packed_row0(p, b);
+    }
 
     if (tid == 0) {
 #pragma unroll
@@ -83,10 +91,10 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
             }
             return;
         } else {
-            const int kv_len = effective_kv_len(p, b);
+            const int kv_len = ws_kv_len<!WT::kTma>(p, b);
             const int hk = kv_head(p, h);  // the K/V head
-            const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_sb + hk * p.k_sh;
-            const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_sb + hk * p.v_sh;
+            const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_sb + hk * p.k_sh + r0 * p.k_ss;
+            const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_sb + hk * p.v_sh + r0 * p.v_ss;
             MergedCursor<2> cur;
             ws_item_cursor(cur, p, q0, h, kv_len);
             WsStep<kSub> st, next;
@@ -120,7 +128,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WT::kConsumerRegs));
     const int w = wg - 1;
     const int ctid = tid - 128 * wg;  // 0..127 inside the consumer warpgroup
-    const Elem* gQ = static_cast<const Elem*>(p.q) + b * p.q_sb + h * p.q_sh;
+    const Elem* gQ = static_cast<const Elem*>(p.q) + b * p.q_sb + h * p.q_sh + r0 * p.q_ss;
     // this consumer's 64 Q rows (rows 64 w .. 64 w + 63 of the item's swizzled Q tile)
     {
         constexpr int kIters = 64 * WT::kChunks / 128;
@@ -129,7 +137,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
             const int c = ctid + i * 128;
             const int r = c / WT::kChunks, ch = c % WT::kChunks;
             const int grow = q0 + 64 * w + r;
-            const bool ok = grow < p.seq_q;
+            const bool ok = grow < q_len;
             cp_async16(sQ + swz128<kBlockM>(64 * w + r, ch),
                        gQ + (ok ? static_cast<int64_t>(grow) * p.q_ss + ch * 8 : 0), ok ? 16 : 0);
         }
@@ -141,7 +149,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
     bool has_steps;  // from the walk's first entries
     {
         MergedCursor<WT::kConsumers> cur;
-        ws_item_cursor(cur, p, q0, h, effective_kv_len(p, b));
+        ws_item_cursor(cur, p, q0, h, ws_kv_len<!WT::kTma>(p, b));
         int ent[WT::kConsumers];
         has_steps = cur.peek(ent) != INT_MAX;
     }
@@ -419,12 +427,13 @@ cudaError_t launch_hopper_ws(const KernelParams& params, cudaStream_t stream) {
     if constexpr (!WT::kTma) {
         return one_cta_per_item(params);
     } else {
-        // key_lengths / no tensor map: the cp.async producer with two consumers (same result)
+        // key_lengths / packed sequences / no tensor map: the cp.async producer with two consumers (same result)
         using CpAsync = WsTraits<WT::kHeadDim, WT::kStages, WT::kSub, typename WT::Elem, false, 2>;
         constexpr bool kBf16 = !std::is_same<typename WT::Elem, __half>::value;
         KernelParams p = params;
-        // key_lengths can end a batch's keys before Sk, where the TMA would bring real rows (see ws_produce_tma)
-        if (p.key_lengths != nullptr || !encode_kv_maps(p, WT::kHeadDim, kBf16))
+        // key_lengths can end a batch's keys before Sk, where the TMA would bring real rows (see ws_produce_tma);
+        // packed sequences have no fixed batch stride for the tensor maps
+        if (p.key_lengths != nullptr || p.seq_offsets != nullptr || !encode_kv_maps(p, WT::kHeadDim, kBf16))
             return launch_hopper_ws<CpAsync>(params, stream);
         if (p.work_counter == nullptr || !encode_q_map(p, WT::kHeadDim, kBf16) ||
             (WT::kSchedWarp && !encode_o_map(p, WT::kHeadDim, kBf16)))

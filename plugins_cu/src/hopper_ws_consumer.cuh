@@ -193,7 +193,12 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
         if constexpr (!kStagedO) {
             named_barrier_sync(1 + w, 128);
             Elem* gO = static_cast<Elem*>(p.o) + item.b * p.o_sb + item.h * p.o_sh;
-            store_o<Elem, kBlockM, 64, WT::kChunks, 128>(item.sQ, gO, p.o_ss, item.q0, 64 * w, p.seq_q, ctid);
+            int q_len = p.seq_q;
+            if (!WT::kTma && p.seq_offsets != nullptr) {  // packed sequences (the one-CTA-per-item cp.async kernel)
+                gO += packed_row0(p, item.b) * p.o_ss;
+                q_len = min(q_len, packed_len(p, item.b));
+            }
+            store_o<Elem, kBlockM, 64, WT::kChunks, 128>(item.sQ, gO, p.o_ss, item.q0, 64 * w, q_len, ctid);
         }
         item_done(item);
     };
@@ -271,7 +276,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
             epilogue(cur, row_sum);
             continue;
         }
-        kv_len = effective_kv_len(p, cur.b);
+        kv_len = ws_kv_len<!WT::kTma>(p, cur.b);
         // A power-of-two tile_m (compile_mask's default, 64) takes a mask, not the remainder: an integer division
         // by a run-time value is ~20 dependent instructions on the path into the item's first step.  Head dim 64 only.
         if (WT::kHeadDim == 64 && (p.tile_m & (p.tile_m - 1)) == 0)

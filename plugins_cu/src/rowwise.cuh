@@ -35,8 +35,15 @@ __global__ void __launch_bounds__(RT::kThreads) row_attn_fwd(const KernelParams 
     const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_sb + hk * p.k_sh;
     const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_sb + hk * p.v_sh;
     Elem* gO = static_cast<Elem*>(p.o) + b * p.o_sb + h * p.o_sh + static_cast<int64_t>(qrow) * p.o_ss;
+    int n_packed = INT_MAX;
+    if (p.seq_offsets != nullptr) {  // packed sequences: rows from seq_offsets[b], n_b of them
+        n_packed = packed_len(p, b);
+        if (qrow >= n_packed) return;
+        const int64_t r0 = packed_row0(p, b);
+        gQ += r0 * p.q_ss, gK += r0 * p.k_ss, gV += r0 * p.v_ss, gO += r0 * p.o_ss;
+    }
     const int32_t* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.seq_k : nullptr;
-    const int kv_len = effective_kv_len(p, b);
+    const int kv_len = min(effective_kv_len(p, b), n_packed);
 
     // q row in registers, pre-multiplied by scale*log2(e).
     float q[D];

@@ -108,6 +108,11 @@ stof_status_t validate(const stof_attn_params_t* p) {
         return fail(STOF_ERROR_INVALID_ARGUMENT, "sched_chunk %d must be >= -1 (-1: the layout's)", p->sched_chunk);
     if (p->workspace != nullptr && (p->workspace_bytes < 0 || reinterpret_cast<uintptr_t>(p->workspace) % 16 != 0))
         return fail(STOF_ERROR_INVALID_ARGUMENT, "workspace must be 16-byte aligned with workspace_bytes >= 0");
+    if (p->seq_offsets != nullptr && (p->key_lengths != nullptr || p->key_padding_mask != nullptr))
+        return fail(STOF_ERROR_INVALID_ARGUMENT,
+                    "seq_offsets (packed sequences) cannot be combined with key_lengths or key_padding_mask");
+    if (p->seq_offsets != nullptr && reinterpret_cast<uintptr_t>(p->seq_offsets) % 4 != 0)
+        return fail(STOF_ERROR_INVALID_ARGUMENT, "seq_offsets must be 4-byte aligned (int32)");
     if (p->seq_q > L.seq_q || p->seq_k > L.seq_k)
         return fail(STOF_ERROR_INVALID_ARGUMENT, "run-time Sq=%d Sk=%d exceed the compiled layout (%d x %d)",
                     p->seq_q, p->seq_k, L.seq_q, L.seq_k);
@@ -158,6 +163,8 @@ KernelParams kernel_params(const stof_attn_params_t& p) {
     k.tile_m = L.tile_m, k.tile_n = L.tile_n, k.num_layouts = L.num_layouts;
     k.tq = L.tiles_q;
     k.key_lengths = p.key_lengths, k.key_padding_mask = p.key_padding_mask;
+    k.seq_offsets = p.seq_offsets;
+    if (p.seq_offsets != nullptr) k.q_sb = k.k_sb = k.v_sb = k.o_sb = 0;  // the offsets place every batch
     // an order equal to the kernels' own (last first: causal) is not passed: the same schedule, one dependent
     // load less per work item; schedule_grid keeps or drops each per kernel
     k.row_order = (p.options & STOF_OPT_NO_ROW_ORDER) == 0 && !L.row_order_default ? L.d_row_order : nullptr;

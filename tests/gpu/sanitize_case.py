@@ -11,7 +11,7 @@ dtypes and head dims, every valid tactic of a 128x64 layout (all block shapes) a
 the warp-specialised tactics without key_lengths (TMA producer), persistent and one CTA per item, the two-row
 tactics on 64x64 layouts of an even and an odd number of tile rows with the layout's pair order and without it, and
 the persistent tactics over a grid of four waves with sched_chunk 1 (all but the last wave of items handed out
-statically).
+statically), and packed sequences (seq_offsets) over exactly-sized [T, H, D] tensors with every tactic.
 """
 
 import numpy as np
@@ -105,6 +105,36 @@ def main():
         assert err <= TOL[torch.float16], (tactic_info(t).name, "static items", err)
         worst = max(worst, err / TOL[torch.float16])
         n += 1
+    # Packed sequences (seq_offsets): [T, H, D] tensors of exactly T rows, each its own allocation, so a load past
+    # the last sequence's end or a store outside the sequences is an out-of-bounds access; every tactic of both
+    # layouts, with and without the workspace.
+    S = 200
+    dsq = mask.dense(S, S)[None]
+    lengths = [77, 1, S, 64]
+    offs = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device="cuda")
+    T = sum(lengths)
+    for tile in [(128, 64), (32, 32)]:
+        dl = DeviceLayout(TileLayout.from_dense(dsq, *tile))
+        for D in (64, 128):
+            gen = torch.Generator(device="cuda").manual_seed(D + 7)
+            q, k, v = (torch.randn((T, H, D), generator=gen, device="cuda").to(torch.float16) for _ in range(3))
+            refs = []
+            for b, m in enumerate(lengths):
+                r = slice(int(offs[b]), int(offs[b + 1]))
+                refs.append(reference(*(t[r].permute(1, 0, 2)[None] for t in (q, k, v)),
+                                      torch.from_numpy(dsq[:, :m, :m]).cuda(), D**-0.5)[0])
+            for t in list_tactics(q, k, v, dl, seq_offsets=offs, max_seqlen=S):
+                for workspace in (True, False):
+                    out = torch.full_like(q, float("nan"))
+                    sparse_attention(q, k, v, dl, tactic=t, out=out, workspace=workspace, seq_offsets=offs,
+                                     max_seqlen=S)
+                    torch.cuda.synchronize()
+                    for b, ref in enumerate(refs):
+                        o = out[int(offs[b]):int(offs[b + 1])].permute(1, 0, 2)[None]
+                        err = rel_err(o, ref)
+                        assert err <= TOL[torch.float16], (tactic_info(t).name, "packed", D, b, err)
+                        worst = max(worst, err / TOL[torch.float16])
+                    n += 1
     print(f"sanitize_case: {n} runs ok, worst err/tol {worst:.3f}")
 
 

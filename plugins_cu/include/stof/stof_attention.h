@@ -9,6 +9,8 @@
  *   O[b,h,q,:] = sum_k softmax_k(scale * Q[b,h,q,:].K[b,g(h),k,:] | allowed(b,h,q,k)) * V[b,g(h),k,:]
  *   g(h) = h / (H / kv_heads) (grouped-query attention; g(h) = h without it)
  *   allowed(b,h,q,k) = layout[h % L][q][k]  &&  k < key_lengths[b]  &&  key_padding_mask[b][k] != 0
+ *   (packed sequences, seq_offsets: batch b is rows seq_offsets[b] .. seq_offsets[b+1]-1, k < n_b in place of
+ *   key_lengths)
  *   A query row with no allowed key gives O = 0.
  */
 #ifndef STOF_STOF_ATTENTION_H
@@ -22,7 +24,7 @@ extern "C" {
 #endif
 
 #define STOF_FORMAT_VERSION 2  /* docs/format.md; layouts of version 1 are read as well */
-#define STOF_ABI_VERSION 8
+#define STOF_ABI_VERSION 9
 
 #if defined(_WIN32)
 #define STOF_API __declspec(dllexport)
@@ -148,8 +150,9 @@ typedef struct {
 
     /* Device memory of at least stof_attn_workspace_size() bytes, 16-byte aligned, for this call only (the next
      * call may reuse it once this one's stream work is ordered before it), or NULL.  The persistent tactics use it
-     * for a work counter (one CTA per SM taking work items in the schedule's order) unless key_lengths is given;
-     * with NULL they run one CTA per work item.  Same result either way; no initialisation needed. */
+     * for a work counter (one CTA per SM taking work items in the schedule's order) unless key_lengths or
+     * seq_offsets is given; with NULL they run one CTA per work item.  Same result either way; no initialisation
+     * needed. */
     void* workspace;
     int64_t workspace_bytes;
 
@@ -161,6 +164,15 @@ typedef struct {
     /* Grouped-query attention: K and V have kv_heads heads, query head h reads K/V head h / (H / kv_heads) (their
      * strides describe [B, kv_heads, Sk, D]).  0 or H = one K/V head per query head; else H % kv_heads == 0. */
     int32_t kv_heads;
+
+    /* [B+1] device int32 or NULL: packed variable-length sequences.  Batch b's rows start at row seq_offsets[b] of
+     * q, k, v and o (base + seq_offsets[b]*stride_s; the *_stride_b are ignored), and it has
+     * n_b = seq_offsets[b+1] - seq_offsets[b] queries and keys (self-attention): keys >= n_b dropped (like
+     * key_lengths), output rows >= n_b not written.  seq_q / seq_k (run-time) bound every n_b (a larger n_b is
+     * clamped to them: the caller guarantees the bound).  The layout applies to each sequence's first n_b rows and
+     * columns.  key_lengths and key_padding_mask must be NULL with it; the persistent tactics run one CTA per work
+     * item and the TMA tactics their cp.async form (as with key_lengths). */
+    const int32_t* seq_offsets;
 } stof_attn_params_t;
 
 /* Zero the struct and fill the defaults (dtype fp16, scale 1, sched_chunk -1). */

@@ -45,13 +45,22 @@ __global__ void __launch_bounds__(kWARPS * 32) genericSparseAttentionKernel(Gene
     int const warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     int const qi = blockIdx.x * kWARPS + warp;
     int const h = blockIdx.y, b = blockIdx.z;
-    if (qi >= p.seqQ) return;  // warp-uniform; no CTA-wide barrier below
+    // packed sequences: this batch's first row and its length bound the queries and keys
+    int seqQ = p.seqQ, seqK = p.seqK;
+    int64_t row0 = 0, bOff = b;
+    if (p.seqOffsets) {
+        row0 = p.seqOffsets[b];
+        int const n = max(p.seqOffsets[b + 1] - p.seqOffsets[b], 0);
+        seqQ = min(seqQ, n), seqK = min(seqK, n), bOff = 0;
+    }
+    if (qi >= seqQ) return;  // warp-uniform; no CTA-wide barrier below
     int const D = p.headDim;
-    T const* gQ = static_cast<T const*>(p.q) + b * p.qStride[0] + h * p.qStride[1] + qi * p.qStride[2];  // (D)
+    T const* gQ = static_cast<T const*>(p.q) + bOff * p.qStride[0] + h * p.qStride[1] + (row0 + qi) * p.qStride[2];
     int const hk = h / p.kvGroup;  // the K/V head
-    T const* gK = static_cast<T const*>(p.k) + b * p.kStride[0] + hk * p.kStride[1];  // (Sk, D) rows kStride[2]
-    T const* gV = static_cast<T const*>(p.v) + b * p.vStride[0] + hk * p.vStride[1];  // (Sk, D) rows vStride[2]
-    T* gO = static_cast<T*>(p.o) + b * p.oStride[0] + h * p.oStride[1] + qi * p.oStride[2];  // (D)
+    // (Sk, D) rows kStride[2] / vStride[2]
+    T const* gK = static_cast<T const*>(p.k) + bOff * p.kStride[0] + hk * p.kStride[1] + row0 * p.kStride[2];
+    T const* gV = static_cast<T const*>(p.v) + bOff * p.vStride[0] + hk * p.vStride[1] + row0 * p.vStride[2];
+    T* gO = static_cast<T*>(p.o) + bOff * p.oStride[0] + h * p.oStride[1] + (row0 + qi) * p.oStride[2];  // (D)
     T const* gBias = static_cast<T const*>(p.bias);
     int64_t const biasRow = gBias ? b * p.biasStride[0] + h * p.biasStride[1] + qi * p.biasStride[2] : 0;
     int32_t const* gPad = p.keyPaddingMask ? p.keyPaddingMask + static_cast<int64_t>(b) * p.seqK : nullptr;
@@ -75,13 +84,13 @@ __global__ void __launch_bounds__(kWARPS * 32) genericSparseAttentionKernel(Gene
     // Main loop: non-empty tiles of this tile row, 32 keys at a time
     for (int e = e0; e < e1; ++e) {
         int const kStart = p.colIdx[e] * p.tileN;
-        if (kStart >= p.seqK) break;  // col_idx ascends: the rest lie past the run-time Sk
+        if (kStart >= seqK) break;  // col_idx ascends: the rest lie past the run-time Sk
         int const bm = p.tileBitmapIndex[e];
         for (int w = 0; w < wordsPerRow; ++w) {
             int const k0 = kStart + w * 32;
-            if (k0 >= p.seqK) break;
+            if (k0 >= seqK) break;
             int const key = k0 + lane;
-            bool allowed = key < p.seqK;
+            bool allowed = key < seqK;
             if (bm >= 0) {
                 uint32_t const word = static_cast<uint32_t>(p.bitmaps[bm * wordsPerTile + a * wordsPerRow + w]);
                 allowed = allowed && ((word >> lane) & 1u);

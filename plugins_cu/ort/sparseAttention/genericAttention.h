@@ -34,6 +34,9 @@ struct GenericAttnParams {
     int32_t const* keyPaddingMask{nullptr};  // [B, Sk] or null
     void const* bias{nullptr};               // same dtype as q; element (b,h,q,k) at b*sb + h*sh + q*sq + k*sk
     int64_t biasStride[4]{0, 0, 0, 0};
+    // [B+1] or null: packed sequences (batch b = rows seqOffsets[b] .. seqOffsets[b+1]-1 of q, k, v, o; the batch
+    // strides are ignored; rows past the sequence neither read nor written)
+    int32_t const* seqOffsets{nullptr};
 };
 
 cudaError_t launchGenericSparseAttention(GenericAttnParams const& p, cudaStream_t stream);

@@ -6,10 +6,12 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "genericAttention.h"
@@ -42,6 +44,25 @@ int64_t intAttr(Ort::ConstKernelInfo const& ki, char const* name) {
     }
 }
 
+// The node's qkv_format during shape inference ("" when absent or unreadable: the default, "bhsd").
+std::string qkvFormatAttr(OrtShapeInferContext* ctx) {
+    OrtApi const& api = Ort::GetApi();
+    OrtOpAttr const* attr = nullptr;
+    OrtStatusPtr s = api.ShapeInferContext_GetAttribute(ctx, "qkv_format", &attr);
+    if (s != nullptr || attr == nullptr) {
+        if (s != nullptr) api.ReleaseStatus(s);
+        return "";
+    }
+    char buf[16] = {};
+    size_t len = 0;
+    s = api.ReadOpAttr(attr, ORT_OP_ATTR_STRING, buf, sizeof(buf) - 1, &len);
+    if (s != nullptr) {
+        api.ReleaseStatus(s);
+        return "";
+    }
+    return std::string(buf, std::min(len, sizeof(buf) - 1));
+}
+
 char const* sourceName(int32_t source) {
     return source == STOF_TACTIC_FROM_CACHE       ? "tactic cache"
            : source == STOF_TACTIC_TIMED          ? "first-use timing"
@@ -69,9 +90,10 @@ SparseAttentionKernel::SparseAttentionKernel(OrtKernelInfo const* info, ONNXTens
         qkvFormat = ki.GetAttribute<std::string>("qkv_format");
     } catch (Ort::Exception const&) {  // absent: the default
     }
-    STOF_VALIDATE(qkvFormat == "bhsd" || qkvFormat == "bs3hd", "qkv_format '", qkvFormat,
-                  "' (must be 'bhsd' or 'bs3hd')");
-    mPacked = qkvFormat == "bs3hd";
+    STOF_VALIDATE(qkvFormat == "bhsd" || qkvFormat == "bs3hd" || qkvFormat == "t3hd", "qkv_format '", qkvFormat,
+                  "' (must be 'bhsd', 'bs3hd' or 't3hd')");
+    mTokens = qkvFormat == "t3hd";
+    mPacked = qkvFormat == "bs3hd" || mTokens;  // K and V come from the query tensor
     // version 1 (one bitmap per PARTIAL tile) is version 2 without shared bitmaps: read both
     STOF_VALIDATE(mFormatVersion >= 1 && mFormatVersion <= STOF_FORMAT_VERSION, "format_version ", mFormatVersion,
                   " (this plugin reads 1 to ", STOF_FORMAT_VERSION, ")");
@@ -145,11 +167,12 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
     TensorArg in[kSA_NUM_INPUTS];
     for (size_t i = 0; i < kSA_NUM_INPUTS; ++i) in[i] = getInput(ctx, i);
     static char const* kNames[kSA_NUM_INPUTS] = {"query", "key", "value", "row_ptr", "col_idx",
-                                                 "tile_bitmap_index", "bitmaps", "key_padding_mask", "attn_bias"};
+                                                 "tile_bitmap_index", "bitmaps", "key_padding_mask", "attn_bias",
+                                                 "seq_offsets"};
     for (size_t i = 0; i <= kBITMAPS; ++i) {
         if (mPacked && (i == kKEY || i == kVALUE)) {
-            STOF_VALIDATE(!in[i].present, "qkv_format 'bs3hd' reads K and V from the packed query: input '",
-                          kNames[i], "' must be absent");
+            STOF_VALIDATE(!in[i].present, "qkv_format '", mTokens ? "t3hd" : "bs3hd",
+                          "' reads K and V from the packed query: input '", kNames[i], "' must be absent");
             continue;
         }
         STOF_VALIDATE(in[i].present, "missing input '", kNames[i], "'");
@@ -157,16 +180,45 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
     for (size_t i : {kQUERY, kKEY, kVALUE}) {
         if (mPacked && i != kQUERY) continue;
         expectType(in[i], mType, kNames[i]);
-        expectRank(in[i], mPacked ? 5 : 4, kNames[i]);
+        expectRank(in[i], mPacked && !mTokens ? 5 : 4, kNames[i]);
     }
     for (size_t i = kROW_PTR; i <= kKEY_PADDING_MASK; ++i)
         if (in[i].present) expectType(in[i], ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32, kNames[i]);
+    TensorArg const& offsets = in[kSEQ_OFFSETS];
+    if (mTokens) {
+        // packed sequences: the mask's shape gives B and the padded length S, seq_offsets the sequences
+        STOF_VALIDATE(in[kKEY_PADDING_MASK].present && in[kKEY_PADDING_MASK].shape.size() == 2,
+                      "qkv_format 't3hd' needs key_padding_mask [B, S] (its shape gives B and S)");
+        STOF_VALIDATE(!in[kATTN_BIAS].present, "qkv_format 't3hd' takes no attn_bias");
+        STOF_VALIDATE(offsets.present, "qkv_format 't3hd' needs input 'seq_offsets' (int32 [B+1])");
+        expectType(offsets, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32, "seq_offsets");
+        int64_t const nb = in[kKEY_PADDING_MASK].shape[0];
+        STOF_VALIDATE(offsets.shape.size() == 1 && offsets.shape[0] == nb + 1, "seq_offsets shape ",
+                      shapeStr(offsets.shape), ", expected [B+1] = [", nb + 1, "]");
+    } else {
+        STOF_VALIDATE(!offsets.present, "input 'seq_offsets' needs qkv_format 't3hd'");
+    }
     auto const& qs = in[kQUERY].shape;
     int64_t B, H, Sq, D, Sk, Hkv;  // Hkv: K/V heads (grouped-query attention when below H)
     // element strides (batch, head, sequence) of q, k, v and o, and the K / V offsets in the query tensor
     int64_t qSt[3], kSt[3], vSt[3], oSt[3], kOff = 0, vOff = 0;
     std::vector<int64_t> outShape;
-    if (mPacked) {
+    if (mTokens) {
+        STOF_VALIDATE(qs[1] == 3, "packed query shape ", shapeStr(qs), " is not [T,3,H,D]");
+        auto const& ms = in[kKEY_PADDING_MASK].shape;
+        B = ms[0], Sq = Sk = ms[1], H = Hkv = qs[2], D = qs[3];
+        // T real tokens out of B sequences of at most S: T <= B*S (seq_offsets' values stay on the device)
+        STOF_VALIDATE(qs[0] <= B * Sq, "packed query has T=", qs[0], " tokens, more than B*S = ", B, "*", Sq,
+                      " (key_padding_mask ", shapeStr(ms), ")");
+        int64_t const row = 3 * H * D;
+        qSt[0] = kSt[0] = vSt[0] = oSt[0] = 0;  // seq_offsets place every sequence
+        qSt[1] = kSt[1] = vSt[1] = D;
+        qSt[2] = kSt[2] = vSt[2] = row;
+        kOff = H * D;
+        vOff = 2 * H * D;
+        oSt[1] = D, oSt[2] = H * D;
+        outShape = {qs[0], H, D};
+    } else if (mPacked) {
         STOF_VALIDATE(qs[2] == 3, "packed query shape ", shapeStr(qs), " is not [B,S,3,H,D]");
         B = qs[0], Sq = Sk = qs[1], H = Hkv = qs[3], D = qs[4];
         int64_t const row = 3 * H * D;
@@ -226,7 +278,7 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
 
     Ort::UnownedValue out = ctx.GetOutput(0, outShape);
     void* o = out.GetTensorMutableRawData();
-    if (B == 0 || H == 0 || Sq == 0 || D == 0) return;
+    if (B == 0 || H == 0 || Sq == 0 || D == 0 || (mTokens && qs[0] == 0)) return;
     size_t const elemBytes = mType == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? 4 : 2;
     if (Sk == 0) {  // no key at all: every row outputs 0
         STOF_CUDA_THROW(cudaMemsetAsync(o, 0, static_cast<size_t>(B * H * Sq * D) * elemBytes, stream));
@@ -253,7 +305,9 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
         p.o_stride_b = oSt[0], p.o_stride_h = oSt[1], p.o_stride_s = oSt[2];
         p.kv_heads = static_cast<int32_t>(Hkv);
         p.layout = lay->handle;
-        p.key_padding_mask = kpm.present ? static_cast<int32_t const*>(kpm.data) : nullptr;
+        // t3hd: the mask's values are not used (the packing dropped the padded tokens)
+        p.key_padding_mask = kpm.present && !mTokens ? static_cast<int32_t const*>(kpm.data) : nullptr;
+        p.seq_offsets = mTokens ? static_cast<int32_t const*>(offsets.data) : nullptr;
         char const* env = std::getenv("STOF_ORT_PRESEARCH");
         uint32_t const flags = (env != nullptr && std::string(env) == "0" ? STOF_SELECT_NO_PRESEARCH : 0u) |
                                (mFirstUseTiming ? STOF_SELECT_TIME : 0u);
@@ -294,7 +348,8 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
     g.bitmaps = static_cast<int32_t const*>(in[kBITMAPS].data);
     g.tileM = static_cast<int32_t>(mTileM), g.tileN = static_cast<int32_t>(mTileN);
     g.numLayouts = static_cast<int32_t>(mNumLayouts), g.layoutSeqQ = static_cast<int32_t>(mSeqQ);
-    g.keyPaddingMask = kpm.present ? static_cast<int32_t const*>(kpm.data) : nullptr;
+    g.keyPaddingMask = kpm.present && !mTokens ? static_cast<int32_t const*>(kpm.data) : nullptr;
+    g.seqOffsets = mTokens ? static_cast<int32_t const*>(offsets.data) : nullptr;
     g.bias = bias.present ? bias.data : nullptr;
     for (int d = 0; d < 4; ++d) g.biasStride[d] = biasStride[d];
     STOF_CUDA_THROW(launchGenericSparseAttention(g, stream));
@@ -303,8 +358,11 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
 SparseAttentionOp::SparseAttentionOp(ONNXTensorElementDataType type, std::string cachePath, bool firstUseTiming)
     : mType(type), mCachePath(std::move(cachePath)), mFirstUseTiming(firstUseTiming) {
     OrtCustomOp::InferOutputShapeFn = [](OrtCustomOp const* op, OrtShapeInferContext* ctx) -> OrtStatusPtr {
+        auto const type = static_cast<SparseAttentionOp const*>(op)->mType;
+        // qkv_format "t3hd": query [T,3,H,D], output [T,H,D] (a rank-4 query is [B,H,S,D] otherwise)
+        if (qkvFormatAttr(ctx) == "t3hd") return inferShapeFromInput(ctx, kQUERY, type, -1, 0, 1, 4, 1);
         // a rank-5 query is the packed [B,S,3,H,D] form: output [B,S,H,D]
-        return inferShapeFromInput(ctx, kQUERY, static_cast<SparseAttentionOp const*>(op)->mType, -1, 0, 1, 5, 2);
+        return inferShapeFromInput(ctx, kQUERY, type, -1, 0, 1, 5, 2);
     };
 }
 
@@ -324,7 +382,7 @@ ONNXTensorElementDataType SparseAttentionOp::GetInputType(size_t index) const {
 }
 
 OrtCustomOpInputOutputCharacteristic SparseAttentionOp::GetInputCharacteristic(size_t index) const {
-    // key and value are absent in the packed form (qkv_format "bs3hd")
+    // key and value are absent in the packed forms (qkv_format "bs3hd", "t3hd"); seq_offsets is t3hd's
     return index >= kKEY_PADDING_MASK || index == kKEY || index == kVALUE
                ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL
                : OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_REQUIRED;

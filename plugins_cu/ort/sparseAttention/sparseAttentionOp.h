@@ -15,9 +15,10 @@
 namespace stof_ort {
 
 constexpr char const* kSPARSE_ATTENTION_NAME = "StofSparseAttention";
-constexpr size_t kSA_NUM_INPUTS = 9;
+constexpr size_t kSA_NUM_INPUTS = 10;
 enum SparseAttentionInput : size_t {
-    kQUERY = 0, kKEY, kVALUE, kROW_PTR, kCOL_IDX, kTILE_BITMAP_INDEX, kBITMAPS, kKEY_PADDING_MASK, kATTN_BIAS
+    kQUERY = 0, kKEY, kVALUE, kROW_PTR, kCOL_IDX, kTILE_BITMAP_INDEX, kBITMAPS, kKEY_PADDING_MASK, kATTN_BIAS,
+    kSEQ_OFFSETS
 };
 
 class SparseAttentionKernel {
@@ -46,6 +47,7 @@ private:
     float mScale;
     int64_t mTileM, mTileN, mSeqQ, mSeqK, mNumLayouts, mFormatVersion;
     bool mPacked{false};  // qkv_format "bs3hd": query [B,S,3,H,D], key/value absent, output [B,S,H,D]
+    bool mTokens{false};  // qkv_format "t3hd": query [T,3,H,D] of packed sequences (seq_offsets), output [T,H,D]
     bool mLayoutConstant{false};
     std::string mCachePath;
     bool mFirstUseTiming{true};  // stof_attn_select's STOF_SELECT_TIME
