@@ -219,7 +219,8 @@ def _to_fp16(a: np.ndarray) -> np.ndarray:
     """fp32 -> fp16 as onnxruntime.transformers.float16.convert_np_to_float16 converts initializers (non-zero values
     under its smallest subnormal kept at it, finite values over 65504 clipped), vectorised: the same bits, faster."""
     a = np.asarray(a, np.float32)
-    out = a.astype(np.float16)
+    with np.errstate(over="ignore"):  # values over 65504 are clipped below
+        out = a.astype(np.float16)
     tiny, top = np.float32(5.96e-08), np.float32(65504.0)
     mag = np.abs(a)
     small = (mag < tiny) & (a != 0)
