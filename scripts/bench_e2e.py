@@ -88,10 +88,13 @@ def make_skeletons(dst: Path, work: Path, models: list[str], seqs: list[int], ti
             skel, n = e2e.make_skeleton(onnx.load(str(src)))
             onnx.save(skel, str(dst / f"{key}.base.skel.onnx"))
             base, arrays = e2e.refill_base(skel)
-            models_, info = e2e.derive_models(base, name, str(work), tiny=tiny, log=log)
             index = e2e.base_index(arrays)
-            entry = {"model": name, "exported_with": exported_with, "tiny": tiny, "variants": {}, **info}
-            for v, m in models_.items():
+            del arrays
+            entry = {"model": name, "exported_with": exported_with, "tiny": tiny, "variants": {}}
+            for v, m, info in e2e.derive_models(base, name, str(work), tiny=tiny, log=log):
+                entry.update(info)
+                if m is None:
+                    continue
                 sk, si = e2e.derive_skeleton(m, index)
                 onnx.save(sk, str(dst / f"{key}.{v}.skel.onnx"))
                 entry["variants"][v] = {"fused_ops": e2e.fused_op_counts(m) if v.startswith("ort") else None,
@@ -99,11 +102,13 @@ def make_skeletons(dst: Path, work: Path, models: list[str], seqs: list[int], ti
                 if si["unmatched"]:
                     log(f"{key} {v}: {len(si['unmatched'])} tensors no recipe explains (refilled at random): "
                         f"{si['unmatched'][:4]}")
+                del m, sk
+                gc.collect()
             manifest[key] = entry
             _atomic_write(manifest_path, json.dumps(manifest, indent=1))
             size = sum(p.stat().st_size for p in dst.glob(f"{key}.*.skel.onnx"))
-            log(f"{key}: {len(models_)} models, skeletons {size / 1e6:.2f} MB ({time.time() - t0:.0f} s)")
-            del base, arrays, models_, index
+            log(f"{key}: {len(entry['variants'])} models, skeletons {size / 1e6:.2f} MB ({time.time() - t0:.0f} s)")
+            del base, index
             gc.collect()
     total = sum(p.stat().st_size for p in dst.glob("*.skel.onnx"))
     log(f"skeletons in {dst}: {total / 1e6:.2f} MB")

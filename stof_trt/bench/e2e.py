@@ -236,10 +236,9 @@ _CASTS = {"f16ort": _to_fp16, "none": lambda a: a}
 
 
 class _BaseIndex:
-    """SHA-1 of every large base tensor as stored, transposed (2-D), and cast to fp16 both ways -> its recipe."""
+    """SHA-1 of every base float tensor as stored, transposed (2-D) and cast to fp16 -> (name, transposed, cast)."""
 
     def __init__(self, base: dict, keep: int):
-        self.base = base
         self.keys: dict = {}
         self.widths: dict = {}  # (ndim, axis, other dims, dtype) -> widths along the axis
         for name, a in base.items():
@@ -634,9 +633,11 @@ def _fp16(model):
     return convert_float_to_float16(model, keep_io_types=False)
 
 
-def derive_models(base, name: str, work: str, tiny: bool = False, log=print) -> tuple[dict, dict]:
-    """The benchmark's models from the fp32 base: {"original", "ortopt", "ortpacking", "stof"} -> fp16 ModelProto,
-    and what each transformation reported (ORT's fused-operator statistics, the rewrite's patterns)."""
+def derive_models(base, name: str, work: str, tiny: bool = False, log=print):
+    """The benchmark's models from the fp32 base, one at a time (each is large): yields ("original" | "ortopt" |
+    "ortpacking" | "stof", fp16 ModelProto, what the transformation reported: ORT's fused-operator statistics,
+    the rewrite's patterns)."""
+    import gc
     import os
     import sys
 
@@ -649,18 +650,20 @@ def derive_models(base, name: str, work: str, tiny: bool = False, log=print) -> 
     cfg = dict(MODELS[name])
     if tiny:
         cfg.update(TINY)
-    out, info = {"original": _fp16(base)}, {}
+    yield "original", _fp16(base), {}
+    gc.collect()
     canon, changes = canonicalize_for_ort(base)
-    info["canonicalized"] = changes
     src = os.path.join(work, f"{name}.canon.onnx")
     onnx.save(canon, src)
-    opts = FusionOptions(cfg["ort_type"])
+    del canon
     opt = optimizer.optimize_model(src, model_type=cfg["ort_type"], num_heads=cfg["heads"],
-                                   hidden_size=cfg["hidden"], opt_level=0, optimization_options=opts)
-    info["ortopt_statistics"] = {k: v for k, v in opt.get_fused_operator_statistics().items() if v}
+                                   hidden_size=cfg["hidden"], opt_level=0,
+                                   optimization_options=FusionOptions(cfg["ort_type"]))
+    os.unlink(src)
+    stats = {k: v for k, v in opt.get_fused_operator_statistics().items() if v}
     opt.convert_float_to_float16(keep_io_types=False)
-    out["ortopt"] = opt.model
-    log(f"{name}: ORT optimizer fused {info['ortopt_statistics']}")
+    log(f"{name}: ORT optimizer fused {stats}")
+    yield "ortopt", opt.model, {"canonicalized": changes, "ortopt_statistics": stats}
     if cfg["packing"]:
         # convert_to_packing_mode imports its siblings as top-level modules
         import onnxruntime.transformers as ot
@@ -671,20 +674,21 @@ def derive_models(base, name: str, work: str, tiny: bool = False, log=print) -> 
             from onnx_model import OnnxModel
         finally:
             sys.path.pop(0)
-        import copy
-
-        pm = PackingMode(OnnxModel(copy.deepcopy(opt.model)))
+        pm = PackingMode(OnnxModel(opt.model))  # converts in place: the ortopt model has been handed out
         pm.convert()
         packed = pm.model.model
-        if any(n.op_type in ("PackedAttention", "PackedMultiHeadAttention") for n in packed.graph.node):
-            out["ortpacking"] = packed
-        else:
-            info["ortpacking_error"] = "convert_to_packing_mode made no PackedAttention"
         log(f"{name}: ORT packing mode {fused_op_counts(packed)}")
+        if any(n.op_type in ("PackedAttention", "PackedMultiHeadAttention") for n in packed.graph.node):
+            yield "ortpacking", packed, {}
+        else:
+            yield "ortpacking", None, {"ortpacking_error": "convert_to_packing_mode made no PackedAttention"}
+        del pm, packed
+    del opt
+    gc.collect()
     m, rep = rewrite_model(base, max_seq_len=512 if cfg["family"] != "vit" else None)
     d = rep.to_dict()
-    info["rewrite"] = {k: v.get("matched") for k, v in d.get("patterns", {}).items()}
-    out["stof"] = _fp16(m)
-    info["stof"] = stof_meta(out["stof"])
+    info = {"rewrite": {k: v.get("matched") for k, v in d.get("patterns", {}).items()}}
+    m = _fp16(m)
+    info["stof"] = stof_meta(m)
     log(f"{name}: rewrite {info['rewrite']}, padding removal {info['stof']['padding_removal']}")
-    return out, info
+    yield "stof", m, info
