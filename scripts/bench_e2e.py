@@ -27,7 +27,8 @@ refills them (stof_trt/bench/e2e.py says how the variants keep one set of weight
     python3 scripts/bench_e2e.py --make-skeletons DIR [--models ...]        # CPU machine, once (~10 min)
     python3 scripts/bench_e2e.py --skeletons DIR --out OUT [--models bert-base,gpt2] [--batches 1,8]
         [--seqs 128,512] [--paddings "U[0.25S,S],none"] [--variants ...] [--time-limit 500]
-    python3 scripts/bench_e2e.py --skeletons DIR --out OUT --cpu --tiny    # CPU smoke test of the flow
+    python3 scripts/bench_e2e.py --merge OUT1 OUT2 --out OUT                # one result of two calls
+    python3 scripts/bench_e2e.py --make-skeletons DIR --tiny; ... --skeletons DIR --cpu   # CPU smoke test
 
 Writes OUT/e2e.json (one object per case: model, mask, B, S, padding, variants {name: {median_ms, p90_ms}},
 fused_ops {ORT variant: operator counts}, max_diff_real_tokens {STOF variant: max |diff|}), OUT/e2e.meta.json
@@ -210,7 +211,12 @@ def bench_case(case: dict, sessions: dict, args, graph_id: int, errors: dict) ->
         order = list(runs)
         random.Random(rd).shuffle(order)
         for v in order:
-            times[v].append(runs[v].run())
+            try:
+                times[v].append(runs[v].run())
+            except Exception as e:  # noqa: BLE001 - drop the variant, keep the case
+                errors.setdefault(v, str(e).strip().splitlines()[0][:240] if str(e).strip() else type(e).__name__)
+                log(f"  {v}: FAILED while timed: {errors[v]}")
+                del runs[v], times[v]
     stats = {v: sort.latency_stats(t) for v, t in times.items()}
     outs = {v: runs[v].output() for v in runs}
     del runs
@@ -270,7 +276,8 @@ def run_grid(args, cases: list[dict], variants: list[str], out: Path, done: list
         log(f"{key}: {len(sessions)} sessions in {mm['setup_s']} s")
         for c in kcases:
             tokens = c["B"] * c["S"]
-            guess = max(0.5, tokens * (max(case_s_per_token) if case_s_per_token else 2e-4))
+            # the most efficient recent case per token (the largest), plus a fixed part for warm-up and capture
+            guess = 0.5 + tokens * (min(case_s_per_token) if case_s_per_token else 2e-4)
             if args.time_limit and time.time() - T0 + guess > args.time_limit:
                 meta["stopped"] = f"time limit before {key} B={c['B']} S={c['S']} {c['padding']}"
                 log(meta["stopped"])
@@ -338,6 +345,8 @@ def parse_args(argv=None):
     ap.add_argument("--no-resume", action="store_true", help="redo the cases OUT/e2e.json already has")
     ap.add_argument("--cpu", action="store_true", help="CPU EP (a smoke test; no CUDA graphs or packing mode)")
     ap.add_argument("--tiny", action="store_true", help="--make-skeletons: 2-layer 128-wide models")
+    ap.add_argument("--merge", nargs="+", metavar="DIR", help="merge the e2e.json/e2e.meta.json of these OUT folders "
+                    "(calls on machines that did not keep the first's files) into --out, then stop")
     args = ap.parse_args(argv)
     args.models = _list(args.models)
     args.batches = _list(args.batches, int)
@@ -360,6 +369,28 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.merge:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        records, meta = [], {"models": {}, "notes": [], "commands": []}
+        for d in map(Path, args.merge):
+            if not (d / "e2e.json").is_file():
+                print(f"bench_e2e: {d / 'e2e.json'} not found", file=sys.stderr)
+                return 2
+            records = e2e.merge_records(records, json.loads((d / "e2e.json").read_text()))
+            m = json.loads((d / "e2e.meta.json").read_text()) if (d / "e2e.meta.json").is_file() else {}
+            for k, v in m.items():
+                if k == "models":
+                    meta["models"].update(v)
+                elif k in ("notes", "commands"):
+                    meta[k] += v
+                elif k == "max_abs_original":
+                    meta.setdefault(k, {}).update(v)
+                else:
+                    meta[k] = v
+        write_outputs(out, records, meta, " && ".join(meta["commands"]) or args.cmd)
+        print(f"merged {len(records)} cases into {out / 'e2e.json'}")
+        return 0
     if args.make_skeletons:
         make_skeletons(Path(args.make_skeletons), Path(args.work), args.models, args.seqs, args.tiny)
         return 0

@@ -227,3 +227,9 @@ def test_flow_on_tiny_models_cpu(tmp_path, monkeypatch):
     recs2 = json.loads((out / "e2e.json").read_text())
     assert [(x["B"], sorted(x["variants"])) for x in recs2] == [(1, ["original", "stof"]), (2, sorted(r["variants"]))]
     assert mod.main(["--out", str(out)]) == 2
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "e2e.json").write_text(json.dumps([dict(recs2[0], B=4)]))
+    assert mod.main(["--merge", str(out), str(other), "--out", str(tmp_path / "merged")]) == 0
+    assert [x["B"] for x in json.loads((tmp_path / "merged" / "e2e.json").read_text())] == [1, 2, 4]
+    assert mod.main(["--merge", str(tmp_path / "nothing"), "--out", str(tmp_path / "m2")]) == 2

@@ -576,6 +576,12 @@ def report_md(records: list[dict], meta: dict, cmd: str) -> str:
                      + " | ".join(cell(n) for n in names) + f" | {ratio('fastest ORT')} | {ratio('ortpacking')} | "
                      f"{diffs} |")
     lines += ["", "Targets (issue 39):"] + target_lines(records)
+    errs = [f"{key} {v}: {msg}" for key, mm in models.items() for v, msg in (mm.get("errors") or {}).items()]
+    if errs:
+        lines += ["", "Variants that did not run (a -graph variant here: no CUDA graph capture):"] + \
+            [f"- {e}" for e in errs]
+    if meta.get("stopped"):
+        lines += ["", f"Stopped early: {meta['stopped']} (run the same command again to continue)."]
     notes = meta.get("notes", [])
     if notes:
         lines += ["", "Notes:"] + [f"- {n}" for n in notes]
