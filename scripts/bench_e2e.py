@@ -25,6 +25,7 @@ optimizer fuses, and the transformations cost minutes of CPU time); they travel 
 refills them (stof_trt/bench/e2e.py says how the variants keep one set of weights):
 
     python3 scripts/bench_e2e.py --make-skeletons DIR [--models ...]        # CPU machine, once (~10 min)
+    python3 scripts/bench_e2e.py --make-skeletons DIR --variants stof       # remake the rewrite's models only
     python3 scripts/bench_e2e.py --skeletons DIR --out OUT [--models bert-base,gpt2] [--batches 1,8]
         [--seqs 128,512] [--paddings "U[0.25S,S],none"] [--variants ...] [--time-limit 500]
     python3 scripts/bench_e2e.py --merge OUT1 OUT2 --out OUT                # one result of two calls
@@ -71,7 +72,9 @@ def _atomic_write(path: Path, text: str) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # skeletons (CPU machine)
 # ---------------------------------------------------------------------------------------------------------------
-def make_skeletons(dst: Path, work: Path, models: list[str], seqs: list[int], tiny: bool) -> None:
+def make_skeletons(dst: Path, work: Path, models: list[str], seqs: list[int], tiny: bool, variants) -> None:
+    """Export, transform and strip; with a subset of variants (e.g. stof after a rewrite change) only those model
+    files are remade and the manifest keeps the others."""
     import onnx
     import torch
     import transformers
@@ -91,8 +94,11 @@ def make_skeletons(dst: Path, work: Path, models: list[str], seqs: list[int], ti
             base, arrays = e2e.refill_base(skel)
             index = e2e.base_index(arrays)
             del arrays
-            entry = {"model": name, "exported_with": exported_with, "tiny": tiny, "variants": {}}
-            for v, m, info in e2e.derive_models(base, name, str(work), tiny=tiny, log=log):
+            want = {e2e.VARIANT_MODEL[v] for v in variants}
+            entry = manifest.get(key, {}) if want != set(e2e.VARIANT_MODEL.values()) else {}
+            entry.update({"model": name, "exported_with": exported_with, "tiny": tiny})
+            entry.setdefault("variants", {})
+            for v, m, info in e2e.derive_models(base, name, str(work), tiny=tiny, log=log, want=want):
                 entry.update(info)
                 if m is None:
                     continue
@@ -392,7 +398,7 @@ def main(argv=None) -> int:
         print(f"merged {len(records)} cases into {out / 'e2e.json'}")
         return 0
     if args.make_skeletons:
-        make_skeletons(Path(args.make_skeletons), Path(args.work), args.models, args.seqs, args.tiny)
+        make_skeletons(Path(args.make_skeletons), Path(args.work), args.models, args.seqs, args.tiny, args.variants)
         return 0
     if not args.skeletons:
         print("bench_e2e: give --skeletons DIR (written by --make-skeletons on the CPU machine)", file=sys.stderr)

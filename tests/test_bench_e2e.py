@@ -208,6 +208,14 @@ def test_flow_on_tiny_models_cpu(tmp_path, monkeypatch):
     assert mod.main(["--make-skeletons", str(skel), "--tiny", "--models", "bert-base", "--work",
                      str(tmp_path / "work")]) == 0
     assert sum(p.stat().st_size for p in skel.glob("*.skel.onnx")) < 1_000_000
+    before = {p.name: p.stat().st_mtime_ns for p in skel.glob("*.skel.onnx")}
+    assert mod.main(["--make-skeletons", str(skel), "--tiny", "--models", "bert-base", "--variants", "stof",
+                     "--work", str(tmp_path / "work")]) == 0  # remakes the rewrite's model only
+    after = {p.name: p.stat().st_mtime_ns for p in skel.glob("*.skel.onnx")}
+    remade = sorted(n for n in after if after[n] != before[n])
+    assert remade == ["bert-base.base.skel.onnx", "bert-base.stof.skel.onnx"]
+    manifest = json.loads((skel / "manifest.json").read_text())
+    assert set(manifest["bert-base"]["variants"]) == {"original", "ortopt", "ortpacking", "stof"}
     assert mod.main(["--skeletons", str(skel), "--out", str(out), "--cpu", "--models", "bert-base", "--batches", "2",
                      "--seqs", "128", "--paddings", "U[0.25S,S]", "--iters", "2", "--min-iters", "1",
                      "--warmup", "1"]) == 0

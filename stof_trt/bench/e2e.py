@@ -639,11 +639,35 @@ def _fp16(model):
     return convert_float_to_float16(model, keep_io_types=False)
 
 
-def derive_models(base, name: str, work: str, tiny: bool = False, log=print):
+def derive_models(base, name: str, work: str, tiny: bool = False, log=print, want=None):
     """The benchmark's models from the fp32 base, one at a time (each is large): yields ("original" | "ortopt" |
     "ortpacking" | "stof", fp16 ModelProto, what the transformation reported: ORT's fused-operator statistics,
-    the rewrite's patterns)."""
+    the rewrite's patterns).  ``want``: only these model variants (default all)."""
     import gc
+
+    from ..rewrite import rewrite_model
+
+    cfg = dict(MODELS[name])
+    if tiny:
+        cfg.update(TINY)
+    want = set(want or ("original", "ortopt", "ortpacking", "stof"))
+    if "original" in want:
+        yield "original", _fp16(base), {}
+        gc.collect()
+    if want & {"ortopt", "ortpacking"}:
+        yield from _derive_ort(base, name, cfg, work, want, log)
+        gc.collect()
+    if "stof" in want:
+        m, rep = rewrite_model(base, max_seq_len=512 if cfg["family"] != "vit" else None)
+        d = rep.to_dict()
+        info = {"rewrite": {k: v.get("matched") for k, v in d.get("patterns", {}).items()}}
+        m = _fp16(m)
+        info["stof"] = stof_meta(m)
+        log(f"{name}: rewrite {info['rewrite']}, padding removal {info['stof']['padding_removal']}")
+        yield "stof", m, info
+
+
+def _derive_ort(base, name, cfg, work, want, log):
     import os
     import sys
 
@@ -651,13 +675,6 @@ def derive_models(base, name: str, work: str, tiny: bool = False, log=print):
     from onnxruntime.transformers import optimizer
     from onnxruntime.transformers.fusion_options import FusionOptions
 
-    from ..rewrite import rewrite_model
-
-    cfg = dict(MODELS[name])
-    if tiny:
-        cfg.update(TINY)
-    yield "original", _fp16(base), {}
-    gc.collect()
     canon, changes = canonicalize_for_ort(base)
     src = os.path.join(work, f"{name}.canon.onnx")
     onnx.save(canon, src)
@@ -669,8 +686,9 @@ def derive_models(base, name: str, work: str, tiny: bool = False, log=print):
     stats = {k: v for k, v in opt.get_fused_operator_statistics().items() if v}
     opt.convert_float_to_float16(keep_io_types=False)
     log(f"{name}: ORT optimizer fused {stats}")
-    yield "ortopt", opt.model, {"canonicalized": changes, "ortopt_statistics": stats}
-    if cfg["packing"]:
+    if "ortopt" in want:
+        yield "ortopt", opt.model, {"canonicalized": changes, "ortopt_statistics": stats}
+    if cfg["packing"] and "ortpacking" in want:
         # convert_to_packing_mode imports its siblings as top-level modules
         import onnxruntime.transformers as ot
 
@@ -689,12 +707,3 @@ def derive_models(base, name: str, work: str, tiny: bool = False, log=print):
         else:
             yield "ortpacking", None, {"ortpacking_error": "convert_to_packing_mode made no PackedAttention"}
         del pm, packed
-    del opt
-    gc.collect()
-    m, rep = rewrite_model(base, max_seq_len=512 if cfg["family"] != "vit" else None)
-    d = rep.to_dict()
-    info = {"rewrite": {k: v.get("matched") for k, v in d.get("patterns", {}).items()}}
-    m = _fp16(m)
-    info["stof"] = stof_meta(m)
-    log(f"{name}: rewrite {info['rewrite']}, padding removal {info['stof']['padding_removal']}")
-    yield "stof", m, info
