@@ -3,11 +3,9 @@ results' keys and the target lines; and the whole flow on tiny models on the CPU
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -155,7 +153,9 @@ def test_canonicalize_keeps_the_function():
     assert changes == {"identity_casts_bypassed": 2, "scale_mul_to_div": 1}
     assert [n.op_type for n in c.graph.node if n.op_type != "Constant"] == ["MatMul", "Div", "Softmax", "MatMul"]
     feeds = {n: rng.standard_normal((4, 4)).astype(np.float32) for n in "qkv"}
-    run = lambda mm: ort.InferenceSession(mm.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    def run(mm):
+        return ort.InferenceSession(mm.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+
     np.testing.assert_allclose(run(c), run(m), rtol=1e-6, atol=1e-6)
 
 
