@@ -294,8 +294,12 @@ def run_grid(args, cases: list[dict], variants: list[str], out: Path, done: list
             if not stats:
                 continue
             _, lengths = e2e.case_feeds(c)
-            diffs = {v: e2e.real_token_max_diff(outs["original"], outs[v], lengths)
-                     for v in outs if v.startswith("stof") and "original" in outs}
+            every = {v: e2e.real_token_max_diff(outs["original"], outs[v], lengths)
+                     for v in outs if v != "original" and "original" in outs}
+            diffs = {v: d for v, d in every.items() if v.startswith("stof")}
+            # ORT's variants too (meta only): a large difference there means the baseline computes another function
+            meta.setdefault("ort_max_diff_real_tokens", {})[f"{c['model']}|{c['B']}|{c['S']}|{c['padding']}"] = {
+                v: d for v, d in every.items() if v.startswith("ort")}
             ref = float(np.abs(outs["original"].astype(np.float32)).max()) if "original" in outs else None
             rec = e2e.case_record(c, stats, {v: mm["fused_ops"][v] for v in stats if v in mm["fused_ops"]}, diffs)
             records = e2e.merge_records(records, [rec])
