@@ -199,6 +199,8 @@ def bench_case(case: dict, sessions: dict, args, graph_id: int, errors: dict) ->
     feeds, lengths = e2e.case_feeds(case)
     runs, est = {}, {}
     for v, sess in sessions.items():
+        if v in errors:  # failed in an earlier case of this model (no capture, ...): not retried
+            continue
         try:
             r = Run(sess, _cast_feeds(sess, feeds), graph_id if v.endswith("-graph") else None)
             for _ in range(args.warmup):

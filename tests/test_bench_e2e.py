@@ -190,6 +190,11 @@ def test_record_keys_and_target_lines():
     assert "BELOW FLOOR" in lines[0] and "-> met" in lines[1] and "below target, above floor" in lines[2]
     md = e2e.report_md(recs, {"models": {}}, "cmd")
     assert "9.000 (9.900)*" in md and "1.38x (ortpacking)" in md
+    summ = e2e.summary(recs)
+    assert summ[("bert-base", "U[0.25S,S]")]["cells"] == 2
+    assert summ[("bert-base", "U[0.25S,S]")]["ortpacking"].startswith("1.24x (1.11x at B=32")
+    assert summ[("gpt2", "U[0.25S,S]")]["fastest ORT"] == "–"
+    assert "| vit-base | none | 1 | 1.00x (1.00x at B=8 S=257) | – |" in md
     merged = e2e.merge_records(recs[:2], [_rec("bert-base", "U[0.25S,S]", 8, {"stof": 1.0}), recs[3]])
     assert len(merged) == 3 and merged[0]["variants"] == {"stof": {"median_ms": 1.0, "p90_ms": 1.1}}
 

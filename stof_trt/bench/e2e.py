@@ -534,6 +534,27 @@ def target_lines(records: list[dict]) -> list[str]:
     return lines
 
 
+def summary(records: list[dict]) -> dict:
+    """(model, padding) -> cells and, per baseline, "geomean (worst)" of ORT's time over STOF's best."""
+    groups: dict = {}
+    for r in records:
+        groups.setdefault((r["model"], r["padding"]), []).append(r)
+    out = {}
+    for key, rs in groups.items():
+        row = {"cells": len(rs)}
+        for what in ("fastest ORT", "ortpacking"):
+            xs = [(r, cell_ratios(r)[what + " ratio"]) for r in rs]
+            xs = [(r, x) for r, x in xs if x is not None]
+            if xs:
+                g = math.exp(sum(math.log(x) for _, x in xs) / len(xs))
+                w = min(xs, key=lambda t: t[1])
+                row[what] = f"{g:.2f}x ({w[1]:.2f}x at B={w[0]['B']} S={w[0]['S']})"
+            else:
+                row[what] = "–"
+        out[key] = row
+    return out
+
+
 def report_md(records: list[dict], meta: dict, cmd: str) -> str:
     """e2e.md: the command, the baselines' fusion, the table of medians (p90), STOF's ratios, the target lines."""
     lines = [f"Command: `{cmd}`", ""]
@@ -576,6 +597,10 @@ def report_md(records: list[dict], meta: dict, cmd: str) -> str:
                      + " | ".join(cell(n) for n in names) + f" | {ratio('fastest ORT')} | {ratio('ortpacking')} | "
                      f"{diffs} |")
     lines += ["", "Targets (issue 39):"] + target_lines(records)
+    lines += ["", "Summary (geomean over B and S of ORT's time / STOF's best; in brackets the worst cell):", "",
+              "| model | padding | cells | / fastest fused ORT | / ortpacking |", "|---|---|---|---|---|"]
+    for (model, padding), rs in summary(records).items():
+        lines.append(f"| {model} | {padding} | {rs['cells']} | {rs['fastest ORT']} | {rs['ortpacking']} |")
     errs = [f"{key} {v}: {msg}" for key, mm in models.items() for v, msg in (mm.get("errors") or {}).items()]
     if errs:
         lines += ["", "Variants that did not run (a -graph variant here: no CUDA graph capture):"] + \
