@@ -331,6 +331,17 @@ def write_outputs(out: Path, records: list[dict], meta: dict, cmd: str) -> None:
     _atomic_write(out / "e2e.md", e2e.report_md(records, meta, cmd))
 
 
+def _commit() -> str:
+    """The checkout's commit (the GPU machine's copy of the tree may have no git metadata: "?")."""
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
+                              capture_output=True, text=True, timeout=10).stdout.strip() or "?"
+    except Exception:  # noqa: BLE001
+        return "?"
+
+
 def _list(s: str, conv=str) -> list:
     return [conv(x) for x in s.split(",") if x.strip()] if s else []
 
@@ -425,7 +436,7 @@ def main(argv=None) -> int:
     meta.setdefault("models", {})
     meta["notes"] = []
     meta["environment"] = {"onnxruntime": ort.__version__, "providers": "CPU" if args.cpu else "CUDA EP",
-                           "numpy": np.__version__}
+                           "numpy": np.__version__, "commit": _commit()}
     meta.setdefault("commands", []).append(args.cmd)
     meta.pop("stopped", None)
     log(f"{len(cases)} cases to run ({len(args.cases) - len(cases)} already in {out / 'e2e.json'})")
