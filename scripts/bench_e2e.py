@@ -1,35 +1,42 @@
 #!/usr/bin/env python3
-"""End-to-end benchmark on the GPU: original (ORT CUDA EP, fp16) vs onnxruntime.transformers.optimizer (fp16) vs
-the STOF rewrite with libstof_ort, on the same inputs, with the outputs compared.
+"""End-to-end benchmark (issue 39): whole models on ONNX Runtime's CUDA EP, fp16, IO binding -- the unoptimised
+model, ONNX Runtime's fastest configurations and the STOF rewrite -- on the same inputs, outputs compared.
 
-Models (random weights from transformers configs): BERT-base with max positions 4096, GPT-2 (max positions 4096),
-ViT-base (224/16 -> 197 tokens).  Masks: padding (BERT), Longformer ±256 + 32 global and BigBird 64-blocks (BERT),
-causal (GPT-2), none (ViT).  B=8, S in {512, 2048, 4096}.
+Grid (stof_trt/bench/e2e.py): BERT-base, BERT-large, RoBERTa-base (padding mask), GPT-2 (causal + padding), ViT-base
+(no mask; image sides 176/256/368 -> 122/257/530 tokens for S = 128/256/512); B in {1, 8, 32}, S in {128, 256,
+512}; padding "U[0.25S,S]", "U[0.75S,S]" (key lengths uniform in that range, row 0 full, seeded by the case) and
+"none" (full-length batches).  Variants:
+  original      the export converted to fp16 (onnxruntime.transformers.float16), CUDA EP
+  ortopt        onnxruntime.transformers.optimizer (model_type bert / gpt2 / vit, opt_level 0 and the session's own
+                optimisations) + fp16; the export is first put in the graph form its attention fusion matches
+                (identity Casts bypassed, the score scale a Div): same function
+  ortopt-graph  the same replayed through CUDA graphs (one graph per case: run option gpu_graph_id)
+  ortpacking    convert_to_packing_mode of the ortopt model (RemovePadding / PackedAttention / RestorePadding);
+                BERT and RoBERTa
+  stof          the STOF rewrite (stof_trt.rewrite.rewrite_model, defaults) + fp16 with libstof_ort
+  stof-graph    the same through CUDA graphs
+Each variant has one session per model, reused across B, S and padding (dynamic axes); a case times its variants in
+interleaved rounds (shuffled order each round) after warm-up, the host clock around run_with_iobinding (ORT
+synchronises its stream at the end of a run), as many rounds as --case-budget allows within [--min-iters,
+--iters].  STOF outputs are compared with the original's at real tokens.
 
-How the three compute the same function:
-* BERT with a static mask: the original is exported with a 3-D attention_mask input ([B,S,S], non-zero = attend)
-  and fed the dense mask AND the key padding; the rewrite is made from the 2-D export (same weights) with the
-  static mask compiled for S=4096 (smaller S use its top-left corner) and gets the 2-D padding mask.
-* BERT padding / GPT-2 causal / ViT: one export; the rewrite keeps the padding mask as a run-time input and finds
-  the causal pattern in the graph.
-Every model is fp32-exported then converted to fp16 (onnxruntime.transformers.float16, I/O types fp16 where
-float); the rewrite is done on the fp32 export and then converted, like the original.
+Skeletons: the models are exported and transformed on the CPU machine (its torch/transformers give graphs ORT's
+optimizer fuses, and the transformations cost minutes of CPU time); they travel without weights and the GPU machine
+refills them (stof_trt/bench/e2e.py says how the variants keep one set of weights):
 
-    python3 scripts/bench_e2e.py --out OUT [--models bert,gpt2,vit] [--seqs 512,2048,4096] [--iters 30]
-    python3 scripts/bench_e2e.py --tune-only --out OUT      # writes OUT/tactic_cache.json (measured + pre-search)
-    python3 scripts/bench_e2e.py --make-skeletons DIR       # CPU machine: export, write DIR/<key>.skel.onnx
-    python3 scripts/bench_e2e.py --skeletons DIR --out OUT  # GPU machine: refill those graphs, no export there
-    variants: original,ortopt,stof,stof-presearch and CUDA-graph replays ortopt-graph,stof-graph; --profile adds
-    per-kernel GPU time (CUPTI through torch.profiler) of original/ortopt/stof.
+    python3 scripts/bench_e2e.py --make-skeletons DIR [--models ...]        # CPU machine, once (~10 min)
+    python3 scripts/bench_e2e.py --make-skeletons DIR --variants stof       # remake the rewrite's models only
+    python3 scripts/bench_e2e.py --skeletons DIR --out OUT [--models bert-base,gpt2] [--batches 1,8]
+        [--seqs 128,512] [--paddings "U[0.25S,S],none"] [--variants ...] [--time-limit 500]
+    python3 scripts/bench_e2e.py --merge OUT1 OUT2 --out OUT                # one result of two calls
+    python3 scripts/bench_e2e.py --make-skeletons DIR --tiny; ... --skeletons DIR --cpu   # CPU smoke test
 
-The ORT-optimizer baseline is checked: its fused-operator counts are printed and recorded, and a padding-mask
-or maskless model whose attention the optimizer did not fuse (Attention: 0) stops the run (it would be an unfair
-baseline) unless --allow-unfused-baseline.  Why skeletons: the GPU machine's torch/transformers export a BERT
-graph the optimizer does not fuse; the CPU machine's does.  A skeleton is that graph with its large weights
-stripped (well under 1 MB instead of ~440 MB); the GPU machine refills them with random values of each tensor's
-mean and standard deviation, seeded by the original tensor's SHA-1 (shared weights refill identically).
-
-Writes OUT/e2e.json and OUT/e2e.md.  Model files go to --work (default /tmp/stof-e2e) and are reused.
+Writes OUT/e2e.json (one object per case: model, mask, B, S, padding, variants {name: {median_ms, p90_ms}},
+fused_ops {ORT variant: operator counts}, max_diff_real_tokens {STOF variant: max |diff|}), OUT/e2e.meta.json
+(environment, per model: fused operators, the rewrite's patterns and whether it removes padding, errors) and
+OUT/e2e.md (table, target lines, summary).  Cases already in OUT/e2e.json are kept and skipped (--no-resume to redo
+them), so a second call completes the grid; --time-limit stops before a case that would not fit and writes what it
+has.
 """
 
 from __future__ import annotations
@@ -38,652 +45,407 @@ import argparse
 import gc
 import json
 import os
+import random
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-BERT = dict(layers=12, hidden=768, heads=12, intermediate=3072, max_positions=4096, vocab_size=30522)
-GPT2 = dict(layers=12, hidden=768, heads=12, max_positions=4096, vocab_size=50257)
-VIT = dict(layers=12, hidden=768, heads=12, intermediate=3072, image_size=224, patch_size=16)
-MASKS = {
-    "longformer": "longformer:window=256,global=32",
-    "bigbird": "bigbird:block=64,window=1,global=1,random=0.05,seed=1",
-}
-B = 8
-PADDING = 0.75  # key lengths uniform in [0.75 S, S] (row 0 full)
+from stof_trt.bench import e2e  # noqa: E402
+
+T0 = time.time()
 
 
 def log(*a):
-    print(time.strftime("%H:%M:%S"), *a, flush=True)
+    print(time.strftime("%H:%M:%S"), f"[{time.time() - T0:6.1f} s]", *a, flush=True)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# model preparation
+# skeletons (CPU machine)
 # ---------------------------------------------------------------------------------------------------------------
-def to_fp16(src: Path, dst: Path):
-    import onnx
-    from onnxruntime.transformers.float16 import convert_float_to_float16
-
-    if dst.exists():
-        return dst
-    m = convert_float_to_float16(onnx.load(str(src)), keep_io_types=False)
-    onnx.save(m, str(dst))
-    return dst
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# skeletons: the export's graph without its large weights, so a model exported on one machine (a CPU machine whose
-# torch/transformers give a graph the ORT optimizer fuses) can travel to the GPU machine in well under a MB.
-# ---------------------------------------------------------------------------------------------------------------
-SKELETON_KEEP = 16384  # initializers with at most this many elements (LayerNorm gammas, ids, shapes) stay verbatim
-
-
-def make_skeleton(src: Path, dst: Path) -> dict:
-    """Copy of ``src`` whose float initializers above SKELETON_KEEP elements are replaced by an empty tensor of
-    the same name and type plus metadata (shape, mean, std, SHA-1 of the original bytes).  The SHA-1 seeds the
-    refill, so weights shared by two exports (BERT 2-D and 3-D mask) are refilled identically."""
-    import hashlib
-
-    import onnx
-    from onnx import numpy_helper
-
-    m = onnx.load(str(src))
-    meta, stripped = {}, 0
-    for t in m.graph.initializer:
-        if t.data_type not in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16):
-            continue
-        a = numpy_helper.to_array(t)
-        if a.size <= SKELETON_KEEP:
-            continue
-        meta[t.name] = {"shape": list(a.shape), "mean": float(a.astype(np.float64).mean()),
-                        "std": float(a.astype(np.float64).std()),
-                        "sha1": hashlib.sha1(np.ascontiguousarray(a).tobytes()).hexdigest()}
-        t.CopyFrom(numpy_helper.from_array(np.zeros((0,), a.dtype), t.name))
-        stripped += 1
-    m.metadata_props.add(key="stof.skeleton", value=json.dumps(meta))
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(m, str(dst))
-    return {"stripped": stripped, "bytes": dst.stat().st_size}
-
-
-def fill_skeleton(src: Path, dst: Path) -> Path:
-    """The inverse of make_skeleton with fresh random weights: N(mean, std) of each stripped tensor, seeded by
-    its SHA-1 (same original weights -> same refill)."""
-    import onnx
-    from onnx import numpy_helper
-
-    if dst.exists():
-        return dst
-    m = onnx.load(str(src))
-    props = {p.key: p.value for p in m.metadata_props}
-    if "stof.skeleton" not in props:
-        raise SystemExit(f"{src}: not a skeleton (no stof.skeleton metadata)")
-    meta = json.loads(props["stof.skeleton"])
-    for t in m.graph.initializer:
-        if t.name in meta:
-            d = meta[t.name]
-            rng = np.random.default_rng(int(d["sha1"][:15], 16))
-            dt = numpy_helper.to_array(t).dtype
-            a = (rng.standard_normal(d["shape"], dtype=np.float32) * d["std"] + d["mean"]).astype(dt)
-            t.CopyFrom(numpy_helper.from_array(a, t.name))
-    keep = [p for p in m.metadata_props if p.key != "stof.skeleton"]
-    del m.metadata_props[:]
-    m.metadata_props.extend(keep)
-    onnx.save(m, str(dst))
-    return dst
-
-
-# What the ORT optimizer should fuse for the baseline to be the fair one: "required" (the run stops without it):
-# BERT with a 2-D padding mask (the S=512 target case; fused from the CPU machine's export, torch 2.13 /
-# transformers 5.23); "flag": GPT-2 (causal + padding) and ViT (no mask) have attention ORT can fuse, but on the
-# CPU machine's exports its optimizer fused none (checked: Attention 0 for both), so they are reported UNFUSED,
-# not refused; "no": the 3-D-mask BERT export (an arbitrary dense mask, the case STOF exists for).
-EXPECT_FUSED_ATTENTION = {"bert2d": "required", "bert3d": "no", "gpt2": "flag", "vit": "flag"}
-OPT_STATS: dict = {}  # model key -> fused operator counts (recorded in e2e.json)
-ALLOW_UNFUSED = False  # --allow-unfused-baseline
-
-
-def ort_optimize(src: Path, dst: Path, model_type: str, key: str):
-    from onnxruntime.transformers import optimizer
-
-    stats_file = dst.with_suffix(".stats.json")
-    if dst.exists() and stats_file.exists():
-        stats = json.loads(stats_file.read_text())
-    else:
-        opt = optimizer.optimize_model(str(src), model_type=model_type, num_heads=12, hidden_size=768, opt_level=1,
-                                       use_gpu=True)
-        stats = {k: v for k, v in opt.get_fused_operator_statistics().items() if v}
-        opt.convert_float_to_float16(keep_io_types=False)
-        opt.save_model_to_file(str(dst))
-        stats_file.write_text(json.dumps(stats))
-    attn = stats.get("Attention", 0) + stats.get("MultiHeadAttention", 0)
-    expect = EXPECT_FUSED_ATTENTION.get(key, "no")
-    status = "ok" if attn > 0 or expect == "no" else "UNFUSED"
-    OPT_STATS[key] = {"fused": stats, "attention_fused": attn, "expected_fused": expect != "no", "status": status}
-    log(f"ort optimizer {dst.name}: fused {stats}  -> attention fused: {attn} (expected: {expect}) [{status}]")
-    if status != "ok" and expect == "required" and not ALLOW_UNFUSED:
-        raise SystemExit(f"ORT optimizer fused no Attention in {src.name} where it should (stats {stats}): the "
-                         "baseline would be unfair; export on a machine whose torch/transformers give a fusable "
-                         "graph (--skeletons) or pass --allow-unfused-baseline")
-    return dst
-
-
-def rewrite(src: Path, dst: Path, mask: str | None, max_seq: int | None, dense: str = "stof"):
-    import onnx
-
-    from stof_trt.rewrite import rewrite_model
-    from stof_trt.masks import parse_mask
-
-    if dst.exists():
-        return dst
-    m, rep = rewrite_model(onnx.load(str(src)), mask=parse_mask(mask) if mask else None,
-                           max_seq_len=max_seq, dense_attention=dense)
-    d = rep.to_dict()
-    log(f"rewrite {dst.name}: " + ", ".join(f"{k}={v.get('matched')}" for k, v in d.get("patterns", {}).items()))
-    tmp = dst.with_suffix(".fp32.onnx")
-    onnx.save(m, str(tmp))
-    to_fp16(tmp, dst)
-    tmp.unlink()
-    return dst
-
-
-SKELETONS: Path | None = None  # --skeletons DIR: <key>.skel.onnx files (make_skeleton) used instead of exporting
-EXPORTED_FROM: dict = {}       # model key -> "skeleton DIR/…" or "export here (torch x, transformers y)"
-
-
-def exported(key: str, path: Path, export) -> Path:
-    """The fp32 model ``key`` at ``path``: refilled from SKELETONS/<key>.skel.onnx when given, else exported."""
-    skel = SKELETONS / f"{key}.skel.onnx" if SKELETONS else None
-    if skel is not None and skel.exists():  # a model without a skeleton there is exported here
-        import onnx
-
-        props = {p.key: p.value for p in onnx.load(str(skel), load_external_data=False).metadata_props}
-        EXPORTED_FROM[key] = f"skeleton {skel.name} ({props.get('stof.exported_with', '?')})"
-        if not path.exists():
-            log(f"refill {skel.name} -> {path.name}")
-            fill_skeleton(skel, path)
-        return path
-    import torch
-    import transformers
-
-    EXPORTED_FROM[key] = f"exported here (torch {torch.__version__}, transformers {transformers.__version__})"
-    if not path.exists():
-        log(f"export {key}")
-        export(path)
-    return path
-
-
-def make_skeletons(work: Path, models: list[str], dst: Path) -> None:
-    """Export every model here and write DIR/<key>.skel.onnx for the GPU machine (--skeletons DIR)."""
+def make_skeletons(dst: Path, work: Path, models: list[str], seqs: list[int], tiny: bool, variants) -> None:
+    """Export, transform and strip; with a subset of variants (e.g. stof after a rewrite change) only those model
+    files are remade and the manifest keeps the others."""
     import onnx
     import torch
     import transformers
 
-    global SKELETONS
-    SKELETONS = None
-    keys = {"bert": ["bert2d", "bert3d"], "gpt2": ["gpt2"], "vit": ["vit"]}
-    from stof_trt.export import export_bert, export_gpt2, export_vit
-
-    fns = {"bert2d": lambda p: export_bert(str(p), mask_dims=2, seq_len=128, **BERT),
-           "bert3d": lambda p: export_bert(str(p), mask_dims=3, seq_len=128, **BERT),
-           "gpt2": lambda p: export_gpt2(str(p), seq_len=128, padding_mask=True, **GPT2),
-           "vit": lambda p: export_vit(str(p), **VIT)}
+    dst.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
-    for m in models:
-        for key in keys[m]:
-            src = exported(key, work / f"{key}.onnx", fns[key])
-            out = dst / f"{key}.skel.onnx"
-            info = make_skeleton(src, out)
-            sk = onnx.load(str(out))
-            sk.metadata_props.add(key="stof.exported_with",
-                                  value=f"torch {torch.__version__}, transformers {transformers.__version__}")
-            onnx.save(sk, str(out))
-            log(f"skeleton {out}: {info['stripped']} tensors stripped, {out.stat().st_size / 1e6:.2f} MB")
+    manifest_path = dst / "manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    exported_with = f"torch {torch.__version__}, transformers {transformers.__version__}"
+    for name in models:
+        for key in e2e.model_keys(name, seqs):
+            t0 = time.time()
+            src = work / f"{key}.onnx"
+            e2e.export_model(key, str(src), tiny=tiny)
+            skel, n = e2e.make_skeleton(onnx.load(str(src)))
+            onnx.save(skel, str(dst / f"{key}.base.skel.onnx"))
+            base, arrays = e2e.refill_base(skel)
+            index = e2e.base_index(arrays)
+            del arrays
+            want = {e2e.VARIANT_MODEL[v] for v in variants}
+            entry = manifest.get(key, {}) if want != set(e2e.VARIANT_MODEL.values()) else {}
+            entry.update({"model": name, "exported_with": exported_with, "tiny": tiny})
+            entry.setdefault("variants", {})
+            for v, m, info in e2e.derive_models(base, name, str(work), tiny=tiny, log=log, want=want):
+                entry.update(info)
+                if m is None:
+                    continue
+                sk, si = e2e.derive_skeleton(m, index)
+                onnx.save(sk, str(dst / f"{key}.{v}.skel.onnx"))
+                entry["variants"][v] = {"fused_ops": e2e.fused_op_counts(m) if v.startswith("ort") else None,
+                                        "unmatched": si["unmatched"]}
+                if si["unmatched"]:
+                    log(f"{key} {v}: {len(si['unmatched'])} tensors no recipe explains (refilled at random): "
+                        f"{si['unmatched'][:4]}")
+                del m, sk
+                gc.collect()
+            manifest[key] = entry
+            _atomic_write(manifest_path, json.dumps(manifest, indent=1))
+            size = sum(p.stat().st_size for p in dst.glob(f"{key}.*.skel.onnx"))
+            log(f"{key}: {len(entry['variants'])} models, skeletons {size / 1e6:.2f} MB ({time.time() - t0:.0f} s)")
+            del base, index
+            gc.collect()
+    total = sum(p.stat().st_size for p in dst.glob("*.skel.onnx"))
+    log(f"skeletons in {dst}: {total / 1e6:.2f} MB")
 
 
-def prepare(work: Path, models: list[str]) -> dict:
-    """Export (or refill from skeletons), convert, optimize and rewrite every model once; returns paths."""
-    from stof_trt.export import export_bert, export_gpt2, export_vit
+def load_models(skel: Path, key: str, variants: set[str]) -> dict:
+    """{model variant: ModelProto} refilled from DIR/<key>.*.skel.onnx."""
+    import onnx
 
-    work.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    if "bert" in models:
-        b2, b3 = work / "bert2d.onnx", work / "bert3d.onnx"
-        exported("bert2d", b2, lambda p: export_bert(str(p), mask_dims=2, seq_len=128, **BERT))
-        exported("bert3d", b3, lambda p: export_bert(str(p), mask_dims=3, seq_len=128, **BERT))
-        paths["bert2d"] = to_fp16(b2, work / "bert2d.fp16.onnx")
-        paths["bert3d"] = to_fp16(b3, work / "bert3d.fp16.onnx")
-        paths["bert2d_opt"] = ort_optimize(b2, work / "bert2d.ortopt.fp16.onnx", "bert", "bert2d")
-        paths["bert3d_opt"] = ort_optimize(b3, work / "bert3d.ortopt.fp16.onnx", "bert", "bert3d")
-        if MASK_FILTER is None or "padding" in MASK_FILTER:
-            paths["bert_padding_stof"] = rewrite(b2, work / "bert.padding.stof.fp16.onnx", None, 4096)
-            paths["bert_padding_stof_ortdense"] = rewrite(b2, work / "bert.padding.stof-ortdense.fp16.onnx", None,
-                                                          4096, dense="ort")
-        for name, spec in MASKS.items():
-            if MASK_FILTER is None or name in MASK_FILTER:
-                paths[f"bert_{name}_stof"] = rewrite(b2, work / f"bert.{name}.stof.fp16.onnx", spec, 4096)
-    if "gpt2" in models:
-        g = work / "gpt2.onnx"
-        exported("gpt2", g, lambda p: export_gpt2(str(p), seq_len=128, padding_mask=True, **GPT2))
-        paths["gpt2"] = to_fp16(g, work / "gpt2.fp16.onnx")
-        paths["gpt2_opt"] = ort_optimize(g, work / "gpt2.ortopt.fp16.onnx", "gpt2", "gpt2")
-        paths["gpt2_stof"] = rewrite(g, work / "gpt2.causal.stof.fp16.onnx", None, 4096)
-    if "vit" in models:
-        v = work / "vit.onnx"
-        exported("vit", v, lambda p: export_vit(str(p), **VIT))
-        paths["vit"] = to_fp16(v, work / "vit.fp16.onnx")
-        paths["vit_opt"] = ort_optimize(v, work / "vit.ortopt.fp16.onnx", "vit", "vit")
-        paths["vit_stof"] = rewrite(v, work / "vit.stof.fp16.onnx", None, None)
-        paths["vit_stof_ortdense"] = rewrite(v, work / "vit.stof-ortdense.fp16.onnx", None, None, dense="ort")
-    return paths
-
-
-MASK_FILTER: set | None = None  # --masks
-CASE_FILTER: set | None = None  # --cases model:mask:S,...
-
-
-def cases(paths: dict, models: list[str], seqs: list[int]) -> list[dict]:
-    out = []
-    keep = (lambda m: MASK_FILTER is None or m in MASK_FILTER)
-    for S in seqs:
-        if "bert" in models:
-            if keep("padding"):
-                out.append(dict(model="bert", mask="padding", S=S, original=paths["bert2d"], opt=paths["bert2d_opt"],
-                                stof=paths["bert_padding_stof"], stof_ortdense=paths["bert_padding_stof_ortdense"],
-                                spec=None))
-            for name, spec in MASKS.items():
-                if keep(name):
-                        out.append(dict(model="bert", mask=name, S=S, original=paths["bert3d"],
-                                    opt=paths["bert3d_opt"], stof=paths[f"bert_{name}_stof"], spec=spec))
-        if "gpt2" in models:
-            out.append(dict(model="gpt2", mask="causal", S=S, original=paths["gpt2"], opt=paths["gpt2_opt"],
-                            stof=paths["gpt2_stof"], spec=None))
-    if "vit" in models:
-        out.append(dict(model="vit", mask="none", S=197, original=paths["vit"], opt=paths["vit_opt"],
-                        stof=paths["vit_stof"], stof_ortdense=paths["vit_stof_ortdense"], spec=None))
-    if CASE_FILTER is not None:
-        out = [c for c in out if f"{c['model']}:{c['mask']}:{c['S']}" in CASE_FILTER]
+    _, arrays = e2e.refill_base(onnx.load(str(skel / f"{key}.base.skel.onnx")))
+    out = {}
+    for v in sorted({e2e.VARIANT_MODEL[x] for x in variants}):
+        p = skel / f"{key}.{v}.skel.onnx"
+        if p.exists():
+            out[v] = e2e.fill_derived(onnx.load(str(p)), arrays)
     return out
 
 
-def case_feeds(case: dict, seed: int = 0):
-    from stof_trt.cli.bench import masked_feeds
-    from stof_trt.masks import parse_mask
-
-    rng = np.random.default_rng(seed)
-    S = case["S"]
-    if case["model"] == "vit":
-        x = rng.standard_normal((B, 3, 224, 224)).astype(np.float16)
-        f = {"pixel_values": x}
-        return f, f
-    feeds = {"input_ids": rng.integers(0, 1000, size=(B, S)).astype(np.int64),
-             "attention_mask": np.ones((B, S), np.int64)}
-    dense = None
-    if case["spec"]:
-        # the dense mask of the layout the rewrite compiled (S=4096), top-left corner
-        from stof_trt.format import compile_mask
-
-        dense = compile_mask(parse_mask(case["spec"]), 4096, 4096).to_dense()[0]
-    return masked_feeds(feeds, dense, PADDING, seed)
-
-
 # ---------------------------------------------------------------------------------------------------------------
-# tuning and benchmark
+# sessions and timing (GPU machine)
 # ---------------------------------------------------------------------------------------------------------------
-def tune(paths: dict, models: list[str], seqs: list[int], out: Path) -> dict:
-    import onnx
+class Run:
+    """One variant bound to one case: inputs copied to the device once, outputs preallocated; a -graph variant runs
+    with its own gpu_graph_id (a CUDA graph per case in one session), or -1 (no capture) for its first run."""
 
-    from stof_trt.tactic_cache import TacticCache
-    from stof_trt.tune import tune_model
+    def __init__(self, sess, feeds: dict, graph_id: int | None):
+        import onnxruntime as ort
 
-    cache = TacticCache(path=out / "tactic_cache.json")
-    pre = TacticCache(path=out / "tactic_cache_presearch.json")
-    rows = []
-    done = set()
-    for c in cases(paths, models, seqs):
-        if str(c["stof"]) in done and c["model"] == "vit":
-            continue
-        feeds2, _ = case_feeds(c)
-        model = onnx.load(str(c["stof"]))
+        from stof_trt import ort as sort
+
+        self.b = sort.Binding(sess, feeds)
+        self.sess = sess
+        self.ro = None
+        if graph_id is not None:
+            self.plain = ort.RunOptions()
+            self.plain.add_run_config_entry("gpu_graph_id", "-1")
+            self.ro = ort.RunOptions()
+            self.ro.add_run_config_entry("gpu_graph_id", str(graph_id))
+            self._run(self.plain)  # first run at this shape without capture (STOF's first-use timing runs here)
+
+    def _run(self, ro):
+        b = self.b
+        if b._outputs is None:
+            for name in b._output_names:
+                b.binding.bind_output(name, b.device, b.device_id)
+            self.sess.run_with_iobinding(b.binding, ro)
+            b._outputs = b.binding.get_outputs()
+            for name, v in zip(b._output_names, b._outputs):
+                b.binding.bind_ortvalue_output(name, v)
+        else:
+            self.sess.run_with_iobinding(b.binding, ro)
+
+    def run(self) -> float:
         t0 = time.perf_counter()
-        res = tune_model(model, [feeds2], cache, k=3, all_tactics=TUNE_ALL, progress=False)
-        for r in res:
-            pre.put(r.key, r.presearch_tactic, source="presearch", nodes=r.nodes)
-            rows.append(dict(model=c["model"], mask=c["mask"], S=c["S"], bucket=r.key.bucket, nodes=len(r.nodes),
-                             presearch=r.presearch_tactic, presearch_ms=r.presearch_ms, best=r.best_tactic,
-                             best_ms=r.best_ms, default=r.default_tactic,
-                             default_ms=r.times_ms.get(r.default_tactic), gain=r.gain,
-                             candidates={str(k): v for k, v in r.times_ms.items()}))
-            log(f"tune {c['model']}/{c['mask']}/S={c['S']}: pre-search {r.presearch_tactic} {r.presearch_ms:.4f} ms,"
-                f" best {r.best_tactic} {r.best_ms:.4f} ms, gain {r.gain:.3f}x  ({time.perf_counter() - t0:.1f} s)")
-        del model
-        gc.collect()
-    cache.save()
-    pre.save()
-    (out / "tune.json").write_text(json.dumps(rows, indent=1))
-    return {"rows": rows}
+        self._run(self.ro)
+        return (time.perf_counter() - t0) * 1e3
+
+    def output(self) -> np.ndarray:
+        return self.b.outputs()[0]
 
 
-def bench(paths: dict, models: list[str], seqs: list[int], out: Path, iters: int, warmup: int,
-          variants: list[str]) -> list[dict]:
-    from stof_trt.cli.bench import bench_models, max_diff
-
-    results = []
-    cache = out / "tactic_cache.json"
-    pre = out / "tactic_cache_presearch.json"
-    for c in cases(paths, models, seqs):
-        feeds2, feeds3 = case_feeds(c)
-        todo = []
-        if "original" in variants:
-            todo.append(("original", str(c["original"]), None))
-        if "ortopt" in variants:
-            todo.append(("ort-optimized", str(c["opt"]), None))
-        if "stof" in variants:
-            todo.append(("stof", str(c["stof"]), cache if cache.exists() else None))
-        if "stof-presearch" in variants and pre.exists():
-            todo.append(("stof-presearch", str(c["stof"]), pre))
-        if "stof-nocache" in variants:  # no tactic cache: the plugin's own pre-search fallback (C++)
-            todo.append(("stof-nocache", str(c["stof"]), None))
-        if "stof-ortdense" in variants and c.get("stof_ortdense"):  # dense attention left to ORT's Attention
-            todo.append(("stof-ortdense", str(c["stof_ortdense"]), cache if cache.exists() else None))
-        for extra in (v for v in variants if v.endswith("-graph")):  # CUDA-graph replay: ortopt-graph, stof-graph
-            base = {"original": ("original", None), "ortopt": ("opt", None),
-                    "stof": ("stof", cache if cache.exists() else None)}.get(extra[: -len("-graph")])
-            if base is not None:
-                todo.append((extra.replace("ortopt", "ort-optimized"), str(c[base[0]]), base[1]))
-        rows = []
-        for label, path, tc in todo:
-            try:
-                r = bench_models([(label, path)], feeds2, feeds3, iters=iters, warmup=warmup, tactic_cache=tc,
-                                 cuda_graphs=label.endswith("-graph"))[0]
-                if PROFILE and not label.endswith("-graph") and label not in ("stof-presearch", "stof-nocache"):
-                    PROFILES[f"{c['model']}:{c['mask']}:{c['S']}:{label}"] = profile_model(path, feeds2, feeds3, tc)
-            except Exception as e:  # noqa: BLE001 - record and go on (e.g. out of memory)
-                log(f"{c['model']}/{c['mask']}/S={c['S']} {label}: FAILED {str(e).splitlines()[0][:300]}")
-                rows.append({"model": label, "error": str(e).splitlines()[0][:300]})
-                results.append({"model": c["model"], "mask": c["mask"], "S": c["S"], "variant": label,
-                                "error": str(e).splitlines()[0][:300]})
-                continue
-            rows.append(r)
-            gc.collect()
-        ref = next((r for r in rows if r.get("model") == "original" and "output" in r), None)
-        for r in rows:
-            if "output" not in r:
-                continue
-            rec = {k: c[k] for k in ("model", "mask", "S")}
-            rec.update(variant=r["model"], median_ms=r["median_ms"], p90_ms=r["p90_ms"], min_ms=r["min_ms"],
-                       runs=r["runs"])
-            o = r["output"].astype(np.float64)
-            rec["finite"] = bool(np.isfinite(o).all())
-            if ref is not None:
-                refo = ref["output"].astype(np.float64)
-                valid = _valid_rows(c, feeds2)
-                rec["max_abs_diff"] = max_diff(refo[valid], o[valid])
-                rec["max_abs_ref"] = float(np.abs(refo[valid]).max())
-            results.append(rec)
-            log(f"{c['model']:5s} {c['mask']:10s} S={c['S']:5d} {r['model']:15s} median {r['median_ms']:8.3f} ms"
-                f"  p90 {r['p90_ms']:8.3f}  max|diff| {rec.get('max_abs_diff', float('nan')):.3e}")
-        for r in rows:
-            r.pop("output", None)
-        gc.collect()
-    return results
-
-
-PROFILE = False   # --profile
-TUNE_ALL = False  # --tune-all: time every valid tactic, not the pre-search shortlist
-PROFILES: dict = {}
-
-# kernel name -> category (first match wins)
-KERNEL_CLASSES = [
-    ("LayerNorm", ("addLayerNorm",)),
-    ("GELU/bias/elementwise", ("geluErf",)),
-    ("attention (STOF)", ("stof", "sparse_attention", "SparseAttention", "hopper_attn", "rowwise", "blockwise")),
-    ("attention (ORT)", ("fmha", "flash", "Fmha", "cutlass::fmha", "attention", "Attention", "softmax", "Softmax")),
-    ("GEMM", ("gemm", "Gemm", "cutlass", "xmma", "cublas", "sm90_", "nvjet", "Kernel2")),
-    ("LayerNorm", ("LayerNorm", "layer_norm", "layerNorm", "addLayerNorm", "SkipLayerNorm", "LayerNormalization")),
-    ("transpose/copy", ("Transpose", "transpose", "Copy", "copy", "Split", "Concat", "Gather", "Slice")),
-    ("GELU/bias/elementwise", ("Gelu", "gelu", "Elementwise", "elementwise", "BinaryElementWise", "Unary",
-                               "_Add", "Add", "Mul", "Cast", "Where", "bias", "Bias")),
-]
-
-
-def _kernel_class(name: str) -> str:
-    for cls, keys in KERNEL_CLASSES:
-        if any(k in name for k in keys):
-            return cls
-    return "other"
-
-
-def profile_model(path: str, feeds2: dict, feeds3: dict, tactic_cache, runs: int = 10) -> dict:
-    """Where one run's GPU time goes: CUPTI kernel records (torch.profiler, which sees every kernel of the
-    process, ORT's and libstof's) over ``runs`` IO-bound runs, per kernel and per class; plus ORT's own profile
-    (SessionOptions.enable_profiling: per-node host-side times, which for the CUDA EP are launch times)."""
-    import tempfile
-
-    import onnxruntime as ort
-
+def make_session(model, variant: str, cpu: bool, tactic_cache: Path | None):
     from stof_trt import ort as sort
-    from stof_trt.cli.bench import _has_stof_nodes, feeds_for
 
-    res: dict = {"runs": runs}
-    is_stof = _has_stof_nodes(path)
-    so = ort.SessionOptions()
-    tmp = tempfile.mkdtemp(prefix="stof-prof-")
-    so.enable_profiling = True
-    so.profile_file_prefix = os.path.join(tmp, "ort")
-    sess = sort.session(path, tactic_cache=tactic_cache if is_stof else None, register=is_stof, session_options=so)
-    feeds = feeds_for(sess, feeds2, feeds3)
-    b = sort.Binding(sess, feeds)
-    for _ in range(3):
-        b.run()
+    stof = variant.startswith("stof")
+    return sort.session(model, providers="cpu" if cpu else None, register=stof and not cpu,
+                        cuda_graphs=variant.endswith("-graph") and not cpu,
+                        tactic_cache=tactic_cache if stof and not cpu else None)
+
+
+def _cast_feeds(sess, feeds: dict) -> dict:
+    types = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(float)": np.float32,
+             "tensor(float16)": np.float16}
+    return {i.name: feeds[i.name].astype(types.get(i.type, feeds[i.name].dtype)) for i in sess.get_inputs()}
+
+
+def bench_case(case: dict, sessions: dict, args, graph_id: int, errors: dict) -> tuple[dict, dict]:
+    """Time every variant of one case; (stats per variant, output per variant)."""
+    from stof_trt import ort as sort
+
+    feeds, lengths = e2e.case_feeds(case)
+    runs, est = {}, {}
+    for v, sess in sessions.items():
+        if v in errors:  # failed in an earlier case of this model (no capture, ...): not retried
+            continue
+        try:
+            r = Run(sess, _cast_feeds(sess, feeds), graph_id if v.endswith("-graph") else None)
+            for _ in range(args.warmup):
+                r.run()
+            est[v] = min(r.run() for _ in range(2))
+            runs[v] = r
+        except Exception as e:  # noqa: BLE001 - one variant failing (out of memory, no capture) leaves the others
+            msg = str(e).strip().splitlines()[0][:240] if str(e).strip() else type(e).__name__
+            errors.setdefault(v, msg)
+            log(f"  {v}: FAILED {msg}")
+    if not runs:
+        return {}, {}
+    iters = int(max(args.min_iters, min(args.iters, args.case_budget * 1e3 / max(sum(est.values()), 1e-3))))
+    times = {v: [] for v in runs}
+    for rd in range(iters):
+        order = list(runs)
+        random.Random(rd).shuffle(order)
+        for v in order:
+            try:
+                times[v].append(runs[v].run())
+            except Exception as e:  # noqa: BLE001 - drop the variant, keep the case
+                errors.setdefault(v, str(e).strip().splitlines()[0][:240] if str(e).strip() else type(e).__name__)
+                log(f"  {v}: FAILED while timed: {errors[v]}")
+                del runs[v], times[v]
+    stats = {v: sort.latency_stats(t) for v, t in times.items()}
+    outs = {v: runs[v].output() for v in runs}
+    del runs
+    return stats, outs
+
+
+def run_grid(args, cases: list[dict], variants: list[str], out: Path, done: list[dict], meta: dict) -> list[dict]:
+    skel = Path(args.skeletons)
+    manifest = json.loads((skel / "manifest.json").read_text())
+    records = list(done)
+    todo_keys = []
+    for c in cases:
+        if c["key"] not in todo_keys:
+            todo_keys.append(c["key"])
+    tactic_cache = out / "tactic_cache.json"
+    case_s_per_token: list[float] = []
+    gid = 0
+    for key in todo_keys:
+        kcases = [c for c in cases if c["key"] == key]
+        if key not in manifest:
+            meta["notes"].append(f"{key}: no skeleton in {skel} (run --make-skeletons there)")
+            continue
+        elapsed = time.time() - T0
+        if args.time_limit and elapsed + args.model_setup_s > args.time_limit:
+            meta["stopped"] = f"time limit before {key} ({elapsed:.0f} s elapsed)"
+            log(meta["stopped"])
+            break
+        name = manifest[key]["model"]
+        vs = [v for v in variants if v in e2e.variants_for(name) and not (args.cpu and v.endswith("-graph"))]
+        t0 = time.time()
+        models = load_models(skel, key, set(vs))
+        mm = meta["models"].setdefault(key, {})
+        mm.update(exported_with=manifest[key].get("exported_with"), rewrite=manifest[key].get("rewrite"),
+                  stof=e2e.stof_meta(models["stof"]) if "stof" in models else None,
+                  canonicalized=manifest[key].get("canonicalized"),
+                  unmatched={v: x["unmatched"] for v, x in manifest[key]["variants"].items() if x["unmatched"]},
+                  fused_ops={v: e2e.fused_op_counts(models[e2e.VARIANT_MODEL[v]]) for v in vs
+                             if v.startswith("ort") and e2e.VARIANT_MODEL[v] in models},
+                  errors={})
+        for v, counts in mm["fused_ops"].items():
+            if not e2e.attention_fused(counts):
+                log(f"{key} {v}: ORT fused no attention ({counts}): reported UNFUSED, not a target baseline")
+        sessions = {}
+        for v in vs:
+            mv = e2e.VARIANT_MODEL[v]
+            if mv not in models:
+                mm["errors"][v] = "no model (see the manifest's notes)"
+                continue
+            try:
+                sessions[v] = make_session(models[mv], v, args.cpu, tactic_cache)
+            except Exception as e:  # noqa: BLE001 - e.g. a CUDA graph session over CPU nodes
+                mm["errors"][v] = str(e).strip().splitlines()[0][:240]
+                log(f"{key} {v}: no session: {mm['errors'][v]}")
+        del models
+        gc.collect()
+        mm["setup_s"] = round(time.time() - t0, 1)
+        log(f"{key}: {len(sessions)} sessions in {mm['setup_s']} s")
+        for c in kcases:
+            tokens = c["B"] * c["S"]
+            # the most efficient recent case per token (the largest), plus a fixed part for warm-up and capture
+            guess = 0.5 + tokens * (min(case_s_per_token) if case_s_per_token else 2e-4)
+            if args.time_limit and time.time() - T0 + guess > args.time_limit:
+                meta["stopped"] = f"time limit before {key} B={c['B']} S={c['S']} {c['padding']}"
+                log(meta["stopped"])
+                break
+            gid += 1
+            tc = time.time()
+            stats, outs = bench_case(c, sessions, args, gid, mm["errors"])
+            if not stats:
+                continue
+            _, lengths = e2e.case_feeds(c)
+            every = {v: e2e.real_token_max_diff(outs["original"], outs[v], lengths)
+                     for v in outs if v != "original" and "original" in outs}
+            diffs = {v: d for v, d in every.items() if v.startswith("stof")}
+            # ORT's variants too (meta only): a large difference there means the baseline computes another function
+            meta.setdefault("ort_max_diff_real_tokens", {})[f"{c['model']}|{c['B']}|{c['S']}|{c['padding']}"] = {
+                v: d for v, d in every.items() if v.startswith("ort")}
+            ref = float(np.abs(outs["original"].astype(np.float32)).max()) if "original" in outs else None
+            rec = e2e.case_record(c, stats, {v: mm["fused_ops"][v] for v in stats if v in mm["fused_ops"]}, diffs)
+            records = e2e.merge_records(records, [rec])
+            meta.setdefault("max_abs_original", {})[f"{c['model']}|{c['B']}|{c['S']}|{c['padding']}"] = ref
+            dt = time.time() - tc
+            case_s_per_token = (case_s_per_token + [dt / tokens])[-4:]
+            log(f"{c['model']} B={c['B']} S={c['S']} {c['padding']}: "
+                + ", ".join(f"{v} {s['median_ms']:.3f}" for v, s in stats.items())
+                + (f"; max diff {', '.join(f'{v} {d:.1e}' for v, d in diffs.items())}" if diffs else "")
+                + f" ({dt:.1f} s)")
+            write_outputs(out, records, meta, args.cmd)
+        else:
+            del sessions
+            gc.collect()
+            continue
+        break
+    return records
+
+
+def write_outputs(out: Path, records: list[dict], meta: dict, cmd: str) -> None:
+    order = {m: i for i, m in enumerate(e2e.MODELS)}
+    pads = {p: i for i, p in enumerate(e2e.PADDINGS)}
+    records = sorted(records, key=lambda r: (order.get(r["model"], 99), r["S"], pads.get(r["padding"], 9), r["B"]))
+    _atomic_write(out / "e2e.json", json.dumps(records, indent=1))
+    meta["elapsed_s"] = round(time.time() - T0, 1)
+    _atomic_write(out / "e2e.meta.json", json.dumps(meta, indent=1))
+    _atomic_write(out / "e2e.md", e2e.report_md(records, meta, cmd))
+
+
+def _commit() -> str:
+    """The checkout's commit (the GPU machine's copy of the tree may have no git metadata: "?")."""
+    import subprocess
+
     try:
-        import torch
-        from torch.profiler import ProfilerActivity, profile
-
-        torch.cuda.init()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(runs):
-                b.run()
-            torch.cuda.synchronize()
-        kernels: dict = {}
-        for e in prof.events():
-            if getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type):
-                k = kernels.setdefault(e.name, [0, 0.0])
-                k[0] += 1
-                k[1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-        top = sorted(kernels.items(), key=lambda kv: -kv[1][1])
-        total = sum(v[1] for _, v in top) / runs / 1e3
-        classes: dict = {}
-        for name, (n, us) in top:
-            c = classes.setdefault(_kernel_class(name), [0, 0.0])
-            c[0] += n / runs
-            c[1] += us / runs / 1e3
-        res["gpu_kernel_ms_per_run"] = round(total, 4)
-        res["classes_ms"] = {k: {"launches": round(v[0], 1), "ms": round(v[1], 4)}
-                             for k, v in sorted(classes.items(), key=lambda kv: -kv[1][1])}
-        res["top_kernels"] = [{"name": name[:160], "class": _kernel_class(name), "launches": n / runs,
-                               "ms": round(us / runs / 1e3, 4)} for name, (n, us) in top[:30]]
-    except Exception as e:  # noqa: BLE001 - the ORT profile below still says something
-        res["cupti_error"] = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-    prof_file = sess.end_profiling()
-    try:
-        ev = json.loads(Path(prof_file).read_text())
-        per_op: dict = {}
-        n_runs = sum(1 for e in ev if e.get("name") == "model_run")
-        for e in ev:
-            if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time"):
-                op = e.get("args", {}).get("op_name", "?")
-                per_op.setdefault(op, [0, 0.0])
-                per_op[op][0] += 1
-                per_op[op][1] += e.get("dur", 0)
-        res["ort_nodes_host_ms"] = {op: {"nodes": round(n / max(n_runs, 1), 1), "ms": round(us / max(n_runs, 1) / 1e3, 4)}
-                                    for op, (n, us) in sorted(per_op.items(), key=lambda kv: -kv[1][1])}
-        # which EP each node ran on: CPU nodes inside a CUDA model cost copies and synchronisation
-        eps: dict = {}
-        for e in ev:
-            if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time"):
-                a = e.get("args", {})
-                eps.setdefault(a.get("provider", "?"), set()).add(a.get("op_name", "?"))
-        res["ort_ops_by_provider"] = {k: sorted(v) for k, v in eps.items()}
-    except Exception as e:  # noqa: BLE001
-        res["ort_profile_error"] = str(e)[:200]
-    del b, sess
-    gc.collect()
-    if "classes_ms" in res:
-        log(f"profile {Path(path).name}: {res['gpu_kernel_ms_per_run']:.3f} ms of kernels per run: "
-            + ", ".join(f"{k} {v['ms']:.3f} ({v['launches']:.0f})" for k, v in res["classes_ms"].items()))
-    return res
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
+                              capture_output=True, text=True, timeout=10).stdout.strip() or "?"
+    except Exception:  # noqa: BLE001
+        return "?"
 
 
-def _valid_rows(case, feeds2):
-    """Compare all tokens (padded query rows too: both models compute them from the same allowed keys)."""
-    return (slice(None),)
+def _list(s: str, conv=str) -> list:
+    return [conv(x) for x in s.split(",") if x.strip()] if s else []
 
 
-def write_report(results: list[dict], tune_rows: list[dict], out: Path, cmd: str):
-    (out / "e2e.json").write_text(json.dumps({"command": cmd, "results": results, "tune": tune_rows,
-                                              "ort_optimizer": OPT_STATS, "exported_from": EXPORTED_FROM,
-                                              "profiles": PROFILES}, indent=1))
-    lines = [f"Command: `{cmd}`", ""]
-    if OPT_STATS:
-        lines += ["| ORT-optimizer input | exported | fused operators | attention fused | baseline |", "|---|---|---|---|---|"]
-        for k, v in OPT_STATS.items():
-            lines.append(f"| {k} | {EXPORTED_FROM.get(k, '?')} | "
-                         + ", ".join(f"{op} {n}" for op, n in v["fused"].items())
-                         + f" | {v['attention_fused']} (expected {'yes' if v['expected_fused'] else 'no'}) | "
-                         f"{v['status']} |")
-        lines.append("")
-    lines += ["| model | mask | S | original median / p90 | ORT-optimizer median / p90 | STOF median / p90 | "
-              "STOF vs ORT-opt | STOF max abs diff vs original |", "|---|---|---|---|---|---|---|---|"]
-    keyed = {}
-    for r in results:
-        if "error" not in r:
-            keyed.setdefault((r["model"], r["mask"], r["S"]), {})[r["variant"]] = r
-    for (m, mask, S), v in keyed.items():
-        def cell(name):
-            r = v.get(name)
-            return f"{r['median_ms']:.2f} / {r['p90_ms']:.2f}" if r else "n/a"
-
-        sp = (f"{v['ort-optimized']['median_ms'] / v['stof']['median_ms']:.2f}x"
-              if "stof" in v and "ort-optimized" in v else "n/a")
-        d = v.get("stof", {}).get("max_abs_diff")
-        ref = v.get("stof", {}).get("max_abs_ref")
-        lines.append(f"| {m} | {mask} | {S} | {cell('original')} | {cell('ort-optimized')} | {cell('stof')} | {sp} | "
-                     + (f"{d:.2e} (max abs {ref:.2f})" if d is not None else "n/a") + " |")
-    lines += ["", "| model | mask | S | variant | median / p90 (ms) | vs ORT-optimizer | max abs diff vs original |",
-              "|---|---|---|---|---|---|---|"]
-    for (m, mask, S), v in keyed.items():
-        opt = v.get("ort-optimized")
-        for name, r in v.items():
-            d = r.get("max_abs_diff")
-            lines.append(f"| {m} | {mask} | {S} | {name} | {r['median_ms']:.3f} / {r['p90_ms']:.3f} | "
-                         + (f"{opt['median_ms'] / r['median_ms']:.2f}x" if opt else "n/a") + " | "
-                         + (f"{d:.2e}" if d is not None else "n/a") + " |")
-    errors = [r for r in results if "error" in r]
-    if errors:
-        lines += ["", "| model | mask | S | variant | failed |", "|---|---|---|---|---|"]
-        lines += [f"| {r['model']} | {r['mask']} | {r['S']} | {r['variant']} | {r['error'][:160]} |" for r in errors]
-    if any(k.endswith("-graph") for v in keyed.values() for k in v):
-        lines += ["", "| model | mask | S | variant | CUDA graph median / p90 | without graph | max abs diff |",
-                  "|---|---|---|---|---|---|---|"]
-        for (m, mask, S), v in keyed.items():
-            for name, r in v.items():
-                if name.endswith("-graph"):
-                    plain = v.get(name[: -len("-graph")])
-                    d = r.get("max_abs_diff")
-                    lines.append(f"| {m} | {mask} | {S} | {name} | {r['median_ms']:.2f} / {r['p90_ms']:.2f} | "
-                                 + (f"{plain['median_ms']:.2f}" if plain else "n/a") + " | "
-                                 + (f"{d:.2e}" if d is not None else "n/a") + " |")
-    if PROFILES:
-        lines += ["", "| case | variant | GPU kernels ms/run | by class (ms, launches) |", "|---|---|---|---|"]
-        for key, p in PROFILES.items():
-            m, mask, S, label = key.split(":")
-            cls = ", ".join(f"{k} {c['ms']:.3f} ({c['launches']:.0f})" for k, c in p.get("classes_ms", {}).items())
-            lines.append(f"| {m} {mask} {S} | {label} | {p.get('gpu_kernel_ms_per_run', 'n/a')} | "
-                         f"{cls or p.get('cupti_error', '')} |")
-    if any("stof-presearch" in v for v in keyed.values()):
-        lines += ["", "| model | mask | S | STOF pre-search tactics | STOF measured tactics | gain |", "|---|---|---|---|---|---|"]
-        for (m, mask, S), v in keyed.items():
-            if "stof-presearch" in v and "stof" in v:
-                a, b = v["stof-presearch"]["median_ms"], v["stof"]["median_ms"]
-                lines.append(f"| {m} | {mask} | {S} | {a:.3f} | {b:.3f} | {a / b:.3f}x |")
-    if tune_rows:
-        lines += ["", "| model | mask | S | nodes | pre-search tactic (ms) | measured best (ms) | library default (ms) | "
-                  "attention gain |", "|---|---|---|---|---|---|---|---|"]
-        for t in tune_rows:
-            dms = f"{t['default']} ({t['default_ms']:.4f})" if t.get("default_ms") else str(t.get("default"))
-            lines.append(f"| {t['model']} | {t['mask']} | {t['S']} | {t['nodes']} | {t['presearch']} "
-                         f"({t['presearch_ms']:.4f}) | {t['best']} ({t['best_ms']:.4f}) | {dms} | {t['gain']:.3f}x |")
-    (out / "e2e.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-
-
-def main():
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="out")
-    ap.add_argument("--work", default="/tmp/stof-e2e")
-    ap.add_argument("--models", default="bert,gpt2,vit")
-    ap.add_argument("--seqs", default="512,2048,4096")
-    ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--variants", default="original,ortopt,stof,stof-presearch")
-    ap.add_argument("--prepare-only", action="store_true")
-    ap.add_argument("--tune-only", action="store_true")
-    ap.add_argument("--no-tune", action="store_true", help="bench with the existing OUT/tactic_cache*.json")
-    ap.add_argument("--cases", help="only these cases, e.g. bert:padding:512,bert:longformer:4096")
-    ap.add_argument("--masks", help="BERT masks to run (padding,longformer,bigbird; default all)")
-    ap.add_argument("--tiny", action="store_true", help="2-layer, 128-wide models (a smoke test of the flow)")
-    ap.add_argument("--skeletons", help="refill the fp32 models from DIR/<key>.skel.onnx where present (keys bert2d, "
-                    "bert3d, gpt2, vit) instead of exporting them")
-    ap.add_argument("--make-skeletons", metavar="DIR", help="export here and write DIR/<key>.skel.onnx, then stop")
-    ap.add_argument("--allow-unfused-baseline", action="store_true",
-                    help="time an ORT-optimizer model that fused no Attention where it should (flagged UNFUSED)")
-    ap.add_argument("--profile", action="store_true",
-                    help="per-kernel GPU time (CUPTI via torch.profiler) and ORT's node profile of each variant")
-    ap.add_argument("--tune-all", action="store_true", help="tune over every valid tactic (not the shortlist)")
-    args = ap.parse_args()
-    global SKELETONS, ALLOW_UNFUSED, PROFILE, TUNE_ALL
-    TUNE_ALL = args.tune_all
-    SKELETONS = Path(args.skeletons) if args.skeletons else None
-    ALLOW_UNFUSED = args.allow_unfused_baseline
-    PROFILE = args.profile
-    if args.tiny:
-        for cfg in (BERT, GPT2, VIT):
-            cfg.update(layers=2)
-        BERT.update(vocab_size=1000)
-        GPT2.update(vocab_size=1000)
-    global MASK_FILTER, CASE_FILTER
-    MASK_FILTER = set(args.masks.split(",")) if args.masks else None
-    CASE_FILTER = set(args.cases.split(",")) if args.cases else None
+    ap.add_argument("--skeletons", help="DIR written by --make-skeletons")
+    ap.add_argument("--make-skeletons", metavar="DIR", help="export and transform here, write DIR, then stop")
+    ap.add_argument("--work", default="/tmp/stof-e2e", help="scratch folder of --make-skeletons")
+    ap.add_argument("--models", default=",".join(e2e.MODELS))
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--seqs", default="128,256,512")
+    ap.add_argument("--paddings", default=",".join(e2e.PADDINGS),
+                    help='comma-separated of "U[0.25S,S]", "U[0.75S,S]", "none"')
+    ap.add_argument("--variants", default=",".join(e2e.VARIANTS))
+    ap.add_argument("--iters", type=int, default=30, help="most timed rounds per case")
+    ap.add_argument("--min-iters", type=int, default=5, help="fewest timed rounds per case")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--case-budget", type=float, default=0.6,
+                    help="seconds of timed rounds per case (the rounds are fitted to it)")
+    ap.add_argument("--time-limit", type=float, default=0, help="stop before what would not fit (s; 0 = none)")
+    ap.add_argument("--model-setup-s", type=float, default=20, help="time kept for a model's sessions (s)")
+    ap.add_argument("--no-resume", action="store_true", help="redo the cases OUT/e2e.json already has")
+    ap.add_argument("--cpu", action="store_true", help="CPU EP (a smoke test; no CUDA graphs or packing mode)")
+    ap.add_argument("--tiny", action="store_true", help="--make-skeletons: 2-layer 128-wide models")
+    ap.add_argument("--merge", nargs="+", metavar="DIR", help="merge the e2e.json/e2e.meta.json of these OUT folders "
+                    "(calls on machines that did not keep the first's files) into --out, then stop")
+    args = ap.parse_args(argv)
+    args.models = _list(args.models)
+    args.batches = _list(args.batches, int)
+    args.seqs = _list(args.seqs, int)
+    # the padding names hold commas: split on the commas between names
+    args.paddings = [p for p in e2e.PADDINGS if p in args.paddings] if args.paddings else []
+    args.variants = _list(args.variants)
+    bad = [v for v in args.variants if v not in e2e.VARIANTS]
+    if bad:
+        ap.error(f"unknown variants {bad} (known: {', '.join(e2e.VARIANTS)})")
+    if not args.paddings:
+        ap.error('--paddings: none of "U[0.25S,S]", "U[0.75S,S]", "none"')
+    try:
+        args.cases = e2e.grid(args.models, args.batches, args.seqs, args.paddings)
+    except ValueError as e:
+        ap.error(str(e))
+    args.cmd = "python3 scripts/bench_e2e.py " + " ".join(f"'{a}'" if "[" in a else a for a in (argv or sys.argv[1:]))
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.merge:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        records, meta = [], {"models": {}, "notes": [], "commands": []}
+        for d in map(Path, args.merge):
+            if not (d / "e2e.json").is_file():
+                print(f"bench_e2e: {d / 'e2e.json'} not found", file=sys.stderr)
+                return 2
+            records = e2e.merge_records(records, json.loads((d / "e2e.json").read_text()))
+            m = json.loads((d / "e2e.meta.json").read_text()) if (d / "e2e.meta.json").is_file() else {}
+            for k, v in m.items():
+                if k == "models":
+                    meta["models"].update(v)
+                elif k in ("notes", "commands"):
+                    meta[k] += v
+                elif k == "max_abs_original":
+                    meta.setdefault(k, {}).update(v)
+                else:
+                    meta[k] = v
+        write_outputs(out, records, meta, " && ".join(meta["commands"]) or args.cmd)
+        print(f"merged {len(records)} cases into {out / 'e2e.json'}")
+        return 0
+    if args.make_skeletons:
+        make_skeletons(Path(args.make_skeletons), Path(args.work), args.models, args.seqs, args.tiny, args.variants)
+        return 0
+    if not args.skeletons:
+        print("bench_e2e: give --skeletons DIR (written by --make-skeletons on the CPU machine)", file=sys.stderr)
+        return 2
+    if not (Path(args.skeletons) / "manifest.json").exists():
+        print(f"bench_e2e: {args.skeletons}/manifest.json not found (run --make-skeletons)", file=sys.stderr)
+        return 2
+    import onnxruntime as ort
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    models = [m for m in args.models.split(",") if m]
-    seqs = [int(s) for s in args.seqs.split(",") if s]
-    cmd = "python3 scripts/bench_e2e.py " + " ".join(sys.argv[1:])
-    t0 = time.time()
-    if args.make_skeletons:
-        make_skeletons(Path(args.work), models, Path(args.make_skeletons))
-        return
-    paths = prepare(Path(args.work), models)
-    log(f"prepared in {time.time() - t0:.0f} s")
-    if args.prepare_only:
-        return
-    tune_rows = []
-    tj = out / "tune.json"
-    if not args.no_tune:
-        tune_rows = tune(paths, models, seqs, out)["rows"]
-    elif tj.exists():
-        tune_rows = json.loads(tj.read_text())
-    if args.tune_only:
-        write_report([], tune_rows, out, cmd)
-        return
-    results = bench(paths, models, seqs, out, args.iters, args.warmup, args.variants.split(","))
-    write_report(results, tune_rows, out, cmd)
-    log(f"done in {time.time() - t0:.0f} s")
+    done = []
+    if (out / "e2e.json").exists() and not args.no_resume:
+        done = json.loads((out / "e2e.json").read_text())
+    have = {e2e.record_key(r) for r in done}
+    cases = [c for c in args.cases if (c["model"], c["B"], c["S"], c["padding"]) not in have]
+    meta = json.loads((out / "e2e.meta.json").read_text()) if (out / "e2e.meta.json").exists() and done else {}
+    meta.setdefault("models", {})
+    meta["notes"] = []
+    meta["environment"] = {"onnxruntime": ort.__version__, "providers": "CPU" if args.cpu else "CUDA EP",
+                           "numpy": np.__version__, "commit": _commit()}
+    meta.setdefault("commands", []).append(args.cmd)
+    meta.pop("stopped", None)
+    log(f"{len(cases)} cases to run ({len(args.cases) - len(cases)} already in {out / 'e2e.json'})")
+    records = run_grid(args, cases, args.variants, out, done, meta)
+    write_outputs(out, records, meta, args.cmd)
+    print((out / "e2e.md").read_text())
+    log(f"done: {len(records)} cases in {out / 'e2e.json'}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

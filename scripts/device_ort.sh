@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Build, test and benchmark libstof_ort on the GPU machine, writing everything under $OUT (or ./out).
 #
-#   bash scripts/device_ort.sh [STAGE ...]        stages: env build test tune bench  (default: all)
+#   bash scripts/device_ort.sh [STAGE ...]        stages: env build test bench  (default: all; the bench tunes STOF
+#                                                 at first use into $OUT/e2e/tactic_cache.json)
 #
 # Needs onnxruntime-gpu importable (on the device: /work/shared/device/stage-wheels.sh, then PYTHONPATH=/tmp/site).
 # Environment knobs: ARCH (CUDA arch, default 90a: the wgmma tactics need it), BUILD (build dir, default /tmp/stof-build),
-#   BENCH_ARGS (extra arguments for scripts/bench_e2e.py), TUNE_ARGS (for `stof tune`).
+#   SKELETONS (scripts/bench_e2e.py --make-skeletons output, default .e2e-skel), BENCH_ARGS (extra arguments for
+#   scripts/bench_e2e.py, e.g. --models bert-base --time-limit 500).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -16,7 +18,7 @@ export PYTHONUNBUFFERED=1
 # the Python stages import stof_trt from this checkout, which the GPU machine does not pip-install
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(env build test tune bench)
+[ ${#stages[@]} -eq 0 ] && stages=(env build test bench)
 has() { local s; for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 rc=0
 export STOF_ORT_LIB=$BUILD/plugins_cu/ort/libstof_ort.so
@@ -44,13 +46,9 @@ if has test; then
     tests/test_tactic_cache.py 2>&1 | tee "$OUT/test.log" | tail -40 || rc=1
 fi
 
-if has tune; then
-  echo "== tune"
-  python3 scripts/bench_e2e.py --tune-only --out "$OUT" ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | tail -60 || rc=1
-fi
-
 if has bench; then
   echo "== bench"
-  python3 scripts/bench_e2e.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -80 || rc=1
+  python3 scripts/bench_e2e.py --skeletons "${SKELETONS:-.e2e-skel}" --out "$OUT/e2e" ${BENCH_ARGS:-} 2>&1 \
+    | tee "$OUT/bench.log" | tail -80 || rc=1
 fi
 exit $rc
