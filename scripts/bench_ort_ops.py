@@ -293,6 +293,7 @@ def device_run(names, iters, warmup, tile, sizes="issue", presearch=False, profi
                     log(name, variant, f"{prof['gpu_kernel_ms_per_run']:.3f} ms of kernels per run: " + ", ".join(
                         f"{k} {v['ms']:.3f} ({v['launches']:.0f})" for k, v in prof["classes_ms"].items()))
                 log(name, variant, "ops by provider:", prof.get("ort_ops_by_provider"))
+                log(name, variant, "CUDA API host time per run:", prof.get("cuda_api_host_ms"))
             del sess, b
         row["max_rel_diff"] = rel_diff(outs["stof"], outs["ort"])
         if sizes != "issue":  # both against the operator's documented semantics

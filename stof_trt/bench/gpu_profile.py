@@ -50,11 +50,16 @@ def cuda_kernel_profile(run, runs: int = 10, top: int = 30) -> dict:
     except Exception as e:  # noqa: BLE001 - a missing profiler is reported, not raised
         return {"cupti_error": str(e).splitlines()[0][:200] if str(e) else type(e).__name__}
     kernels: dict = {}
+    api: dict = {}  # CUDA runtime / driver calls (CUPTI records them as host events): where the host waits
     for e in prof.events():
         if getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type):
             k = kernels.setdefault(e.name, [0, 0.0])
             k[0] += 1
             k[1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        elif e.name.startswith("cu"):
+            a = api.setdefault(e.name, [0, 0.0])
+            a[0] += 1
+            a[1] += e.cpu_time_total
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][1])
     classes: dict = {}
     for name, (n, us) in ranked:
@@ -68,6 +73,8 @@ def cuda_kernel_profile(run, runs: int = 10, top: int = 30) -> dict:
                        for k, v in sorted(classes.items(), key=lambda kv: -kv[1][1])},
         "top_kernels": [{"name": name[:160], "class": kernel_class(name), "launches": n / runs,
                          "ms": round(us / runs / 1e3, 4)} for name, (n, us) in ranked[:top]],
+        "cuda_api_host_ms": {name: {"calls": round(n / runs, 1), "ms": round(us / runs / 1e3, 4)}
+                             for name, (n, us) in sorted(api.items(), key=lambda kv: -kv[1][1])[:12]},
     }
 
 
