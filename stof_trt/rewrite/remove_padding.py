@@ -54,7 +54,7 @@ def _present(t) -> bool:
 
 
 class RemovePadding(Fusion):
-    fused_op_type = "StofSparseAttention"
+    fused_op_type = "t3hd attention"
     pattern = "remove_padding"
 
     def apply(self) -> int:

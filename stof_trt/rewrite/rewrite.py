@@ -160,6 +160,8 @@ def _rewrite_model(model, *, mask, epilogues, tile_m, tile_n, max_seq_len, packe
     del out.metadata_props[:]
     out.metadata_props.extend(original.metadata_props)
     out.metadata_props.add(key="stof.rewritten", value="1")
+    if report.remove_padding.get("applied"):  # outputs are 0 at padded positions (docs/rewrite.md)
+        out.metadata_props.add(key="stof.padding_removed", value="1")
     if "_compiled_seq" in ctx.options:  # the longest sequence the rewritten model runs (docs/rewrite.md)
         out.metadata_props.add(key="stof.max_seq_len", value=str(ctx.options["_compiled_seq"]))
     for imp in list(out.opset_import):
