@@ -33,6 +33,21 @@ _BINARY = {"Add", "Sub", "Mul", "Div", "Pow"}
 _PROBE_SIZES = ((2, 5), (3, 7))
 
 
+def _full_or_causal(lay: TileLayout) -> bool:
+    """Every pair allowed, or exactly ``key <= query``; compared on the stored arrays (no dense matrix)."""
+    from ..format import compile_mask
+
+    counts = lay.class_counts()
+    if counts["partial"] == 0 and counts["empty"] == 0:
+        return True
+    causal = compile_mask("causal", lay.seq_q, lay.seq_k, tile_m=lay.tile_m, tile_n=lay.tile_n)
+    if lay.num_layouts == 1:
+        return all(np.array_equal(a, b) for a, b in zip(lay.arrays().values(), causal.arrays().values()))
+    if lay.num_layouts * lay.seq_q * lay.seq_k > 1 << 27:  # per-head layouts of a long model: not worth a check
+        return False
+    return bool((lay.to_dense() == np.tril(np.ones((lay.seq_q, lay.seq_k), bool))).all())
+
+
 class NotApplicable(Exception):
     """Why the model keeps its padded form (one line, in the report)."""
 
@@ -107,9 +122,7 @@ class RemovePadding(Fusion):
         key = lay.signature()
         cache = self.ctx.options.setdefault("_order_only", {})
         if key not in cache:
-            dense = lay.to_dense()
-            sq, sk = dense.shape[1:]
-            cache[key] = sq == sk and (bool(dense.all()) or bool((dense == np.tril(np.ones((sq, sk), bool))).all()))
+            cache[key] = lay.seq_q == lay.seq_k and _full_or_causal(lay)
         if not cache[key]:
             spec = a.get("mask_spec", b"")
             spec = spec.decode() if isinstance(spec, bytes) else spec
