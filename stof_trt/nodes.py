@@ -71,7 +71,7 @@ def attention_nodes(model) -> list[AttentionNode]:
                                             mask_spec.decode() if isinstance(mask_spec, bytes) else str(mask_spec)),
                                         **arrays)
         fmt = a.get("qkv_format", b"bhsd")
-        packed = (fmt.decode() if isinstance(fmt, bytes) else str(fmt)) == "bs3hd"
+        packed = (fmt.decode() if isinstance(fmt, bytes) else str(fmt)) in ("bs3hd", "t3hd")  # t3hd: [T,3,H,D]
         out.append(AttentionNode(n.name or f"node{i}", names[0], names[0] if packed else names[1], names[7] or None,
                                  names[8] or None, float(a["scale"]), layout, packed))
     return out
@@ -101,6 +101,10 @@ def attention_problem_dims(model) -> dict:
         if n.op_type != "StofSparseAttention" or n.domain != "stof":
             continue
         dims, et = static_dims(n.input[0])
+        if dims and len(dims) == 4 and _attrs(n).get("qkv_format") == b"t3hd":  # packed tokens [T, 3, H, D]
+            if dims[2] and dims[3] and et in ONNX_DTYPES:
+                out[n.name] = (ONNX_DTYPES[et], int(dims[2]), int(dims[3]))
+            continue
         if dims and len(dims) == 5 and dims[3] and dims[4] and et in ONNX_DTYPES:  # packed [B, S, 3, H, D]
             out[n.name] = (ONNX_DTYPES[et], int(dims[3]), int(dims[4]))
             continue

@@ -127,7 +127,10 @@ def _problems(nodes, vals) -> list[Problem]:
         dtype = t[t.index("(") + 1:-1] if "(" in t else t
         dtype = {"float32": "float"}.get(dtype, dtype)
         kpm = vals[nd.key_padding_mask].numpy() if nd.key_padding_mask else None
-        if nd.packed:  # [B, S, 3, H, D]
+        if nd.packed and len(qs) == 4:  # t3hd [T, 3, H, D]: B and S from the padding mask's shape
+            b, s = vals[nd.key_padding_mask].shape()
+            probs.append(Problem(nd, dtype, b, qs[2], s, s, qs[3], kpm))
+        elif nd.packed:  # [B, S, 3, H, D]
             probs.append(Problem(nd, dtype, qs[0], qs[3], qs[1], qs[1], qs[4], kpm))
         else:
             probs.append(Problem(nd, dtype, qs[0], qs[1], qs[2], ks[2], qs[3], kpm))

@@ -229,6 +229,9 @@ class RemovePadding(Fusion):
         def cst(i):
             return const_value(n.inputs[i]) if i < len(n.inputs) and _present(n.inputs[i]) else None
 
+        def consts(first):  # weights, biases, LayerNorm scales: the same for every token
+            return all(cst(i) is not None for i in range(first, len(n.inputs)) if _present(n.inputs[i]))
+
         op, a = n.op, reg(0)
         used = [t for t in n.outputs if _present(t) and (t.outputs or t.name in self.ctx.graph_outputs)]
         if op in _UNARY:
@@ -261,8 +264,7 @@ class RemovePadding(Fusion):
             except ValueError:
                 return None
         if op == "LayerNormalization":
-            if a is None or any(reg(i) is not None for i in (1, 2)) or \
-                    any(id(t) in {id(u) for u in used} for t in n.outputs[1:]):
+            if a is None or not consts(1) or any(id(t) in {id(u) for u in used} for t in n.outputs[1:]):
                 return None
             rank = len(a[1]) + (2 if a[0] == "bs" else 1)
             axis = int(n.attrs.get("axis", -1))
@@ -272,8 +274,7 @@ class RemovePadding(Fusion):
             return [a] * len(n.outputs)
         if op in ("MatMul", "StofGemmEpilogue"):
             w = cst(1)
-            if a is None or w is None or w.ndim != 2 or not a[1] or a[1][-1] != w.shape[0] \
-                    or any(reg(i) is not None for i in range(1, len(n.inputs))):
+            if a is None or w is None or w.ndim != 2 or not a[1] or a[1][-1] != w.shape[0] or not consts(1):
                 return None
             return [(a[0], a[1][:-1] + (int(w.shape[1]),))]
         if op == "Gemm":
@@ -284,7 +285,7 @@ class RemovePadding(Fusion):
             return [(a[0], (int(w.shape[0 if n.attrs.get("transB", 0) else 1]),))]
         if op == "StofAddLayerNorm":
             r = reg(1)
-            if a is None or r != a or any(reg(i) is not None for i in range(2, len(n.inputs))):
+            if a is None or r != a or not consts(2):
                 return None
             return [a] * len(n.outputs)
         if op == "Reshape":
