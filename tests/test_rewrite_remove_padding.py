@@ -45,6 +45,11 @@ def assert_packed(model, report, restored=("last_hidden_state",)):
     assert set(restored) <= set(rp["restored"])
     counts = op_counts(model)
     assert counts["NonZero"] == 1 and counts["ScatterND"] == len(rp["restored"])
+    # the tokens' index: NonZero -> Squeeze, read by the pack Gather (axis 0) and the restores' ScatterND
+    nz = next(n for n in model.graph.node if n.op_type == "NonZero")
+    sq = next(n for n in model.graph.node if n.op_type == "Squeeze" and n.input[0] == nz.output[0])
+    packs = [n for n in model.graph.node if n.op_type == "Gather" and n.input[1] == sq.output[0]]
+    assert len(packs) == 1
     atts = _attention_nodes(model)
     assert atts and all(_fmt(n) == "t3hd" and len(n.input) == 10 and n.input[9] and not n.input[1]
                         and not n.input[8] for n in atts)

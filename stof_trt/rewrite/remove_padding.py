@@ -104,11 +104,11 @@ class RemovePadding(Fusion):
         entry = self._entry(atts[0])
         orig_names = {t for n in self.ctx.options["_original_model"].graph.node for t in n.output}
         probed = self._probe(entry, kpm, orig_names)
-        info, region, outside = self._grow(entry, probed)
+        info, region = self._grow(entry, probed)
         missing = [n.name for n in atts if id(n) not in region]
         if missing:
             raise NotApplicable(f"{missing[0]}: not reached through token-wise ops from {entry.name}")
-        return entry, kpm, info, region, outside
+        return entry, kpm, info, region
 
     def _check_order_only(self, node: gs.Node) -> None:
         """The node's layout is full or causal over the sequence, so it only depends on the tokens' order."""
@@ -186,11 +186,12 @@ class RemovePadding(Fusion):
         return None
 
     def _probed(self, name: str, probed: list[dict]):
-        """(kind, features) of an original tensor, the same at both probed sizes; None if unknown or mixed."""
+        """(kind, features) of an original tensor, the same at both probed sizes; None if not probed, "mixed" when
+        it is not token-shaped or differs between the sizes."""
         if name not in probed[0]:
             return None
         got = {self._kind(r[name], r["_bs"]) for r in probed}
-        return got.pop() if len(got) == 1 else "mixed"
+        return got.pop() if len(got) == 1 and None not in got else "mixed"
 
     def _grow(self, entry: gs.Tensor, probed: list[dict]):
         start = self._probed(entry.name, probed)
@@ -198,7 +199,6 @@ class RemovePadding(Fusion):
             raise NotApplicable(f"{entry.name} is not [B, S, hidden]")
         info = {entry.name: start}
         region: dict[int, gs.Node] = {}
-        outside: list[gs.Node] = []
         for n in self.graph.nodes:
             if not any(_present(t) and t.name in info for t in n.inputs):
                 continue
@@ -212,14 +212,13 @@ class RemovePadding(Fusion):
                     if p is not None and p != o:
                         outs = None
                         break
-            if outs is None:
-                outside.append(n)
+            if outs is None:  # reads a region tensor, acts across tokens: that tensor is restored for it
                 continue
             region[id(n)] = n
             for t, o in zip(n.outputs, outs):
                 if _present(t):
                     info[t.name] = o
-        return info, region, outside
+        return info, region
 
     def _tokenwise(self, n: gs.Node, info: dict):
         """The (kind, features) of each output when ``n`` acts on each token on its own, else None."""
@@ -311,7 +310,7 @@ class RemovePadding(Fusion):
         return None
 
     # -- rewrite ------------------------------------------------------------------------------------------------
-    def _rewrite(self, entry, kpm, info, region, outside) -> None:
+    def _rewrite(self, entry, kpm, info, region) -> None:
         g, ctx = self.graph, self.ctx
         i64 = lambda v: self.new_const("stof_unpad_c", np.array(v, np.int64))  # noqa: E731
         new: list[gs.Node] = []
