@@ -199,7 +199,7 @@ def test_no_padding_mask_keeps_padded_path():
 
 
 # -- the t3hd function alone -----------------------------------------------------------------------------------
-def _varlen_model(layout, H, D):
+def _varlen_model(layout, H, D, opset):
     inits = [numpy_helper.from_array(a, n) for n, a in layout.arrays().items()]
     node = helper.make_node("StofSparseAttention", ["qkv", "", "", *layout.arrays(), "kpm", "", "offsets"], ["o"],
                             domain="stof", scale=0.3, tile_m=layout.tile_m, tile_n=layout.tile_n,
@@ -211,17 +211,18 @@ def _varlen_model(layout, H, D):
            helper.make_tensor_value_info("offsets", TensorProto.INT32, ["b1"])]
     graph = helper.make_graph([node], "g", gin, [helper.make_tensor_value_info("o", TensorProto.FLOAT, ["t", H, D])],
                               inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("stof", 1)],
-                              functions=[sparse_attention_function(17, True, False, varlen=True)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("stof", 1)],
+                              functions=[sparse_attention_function(opset, True, False, varlen=True)])
     model.ir_version = 10
     onnx.checker.check_model(model, full_check=True)
     return model
 
 
+@pytest.mark.parametrize("opset", [15, 17, 18, 23])
 @pytest.mark.parametrize("spec", ["full", "causal"])
-def test_t3hd_function_each_sequence_alone(spec):
+def test_t3hd_function_each_sequence_alone(spec, opset):
     H, D, seq = 2, 8, 37
-    sess = session(_varlen_model(compile_mask(spec, seq, seq, tile_m=16, tile_n=32), H, D))
+    sess = session(_varlen_model(compile_mask(spec, seq, seq, tile_m=16, tile_n=32), H, D, opset))
     rng = np.random.default_rng(4)
     for s, lengths in ((seq, [seq, 1, 20, 0, 33]), (21, [1, 21]), (5, [5])):
         off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
