@@ -405,5 +405,6 @@ class RemovePadding(Fusion):
         n_att = sum(1 for n in region.values() if n.op == "StofSparseAttention")
         ctx.report.remove_padding = {"applied": True, "reason": "", "entry": entry.name,
                                      "region_nodes": len(region), "attention_nodes": n_att, "restored": restored}
-        ctx.report.matched(self.pattern, self.fused_op_type, removed=[], added=new,
+        alive = {id(n) for n in g.nodes}  # rebuilt Shapes that only fed the old Reshape targets are gone
+        ctx.report.matched(self.pattern, self.fused_op_type, removed=[], added=[n for n in new if id(n) in alive],
                            info={"entry": entry.name, "restored": restored})
