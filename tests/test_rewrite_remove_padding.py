@@ -101,6 +101,19 @@ def test_packed_model_matches_original(kind):
     compare(model, new, feeds)
 
 
+@pytest.mark.parametrize("kind", ["bert", "gpt2"])
+def test_fixed_shape_export(kind):
+    """Reshape targets fixed at export ([2, 16, 32], GPT-2's [32, 32]) are told apart on the probed shapes."""
+    model = exported(kind, dynamic_axes=False)
+    new, report = rewrite_model(model, **TILE)
+    assert_packed(new, report)
+    rng = np.random.default_rng(5)
+    mask = np.ones((2, S), np.int64)
+    mask[1, 5:] = 0
+    mask[0, :3] = 0
+    compare(model, new, token_feeds(rng, 2, S, mask=mask))
+
+
 @functools.lru_cache(maxsize=None)
 def _pooled(kind: str) -> str:
     """A BERT / RoBERTa with its pooler: outputs last_hidden_state and pooler_output (Gather of token 0)."""

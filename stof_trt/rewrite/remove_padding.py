@@ -141,6 +141,8 @@ class RemovePadding(Fusion):
                     and not (p.op == "Reshape" and i == 1)]
             if len(data) != 1:
                 return t
+            if p.op in _BINARY and any(np.squeeze(const_value(x)).ndim > 1 for x in p.inputs if x is not data[0]):
+                return t  # e.g. + a position table [1, S, hidden]: the tokens differ from here on
             t = data[0]
         return t
 
@@ -198,14 +200,17 @@ class RemovePadding(Fusion):
         if start is None or start == "mixed" or start[0] != "bs":
             raise NotApplicable(f"{entry.name} is not [B, S, hidden]")
         info = {entry.name: start}
+        self._probed_names = set(probed[0])
         region: dict[int, gs.Node] = {}
         for n in self.graph.nodes:
             if not any(_present(t) and t.name in info for t in n.inputs):
                 continue
             outs = self._tokenwise(n, info)
-            if outs == "probe":  # a Reshape to a computed shape: its run-time shapes tell the token axes
+            if outs == "probe":  # a Reshape of the original model: its run-time shapes tell the token axes
                 p = self._probed(n.outputs[0].name, probed)
-                outs = [p] if p not in (None, "mixed") else None
+                size = int(np.prod(info[n.inputs[0].name][1], dtype=np.int64))
+                ok = p not in (None, "mixed") and int(np.prod(p[1], dtype=np.int64)) == size
+                outs = [p] if ok else None
             elif outs is not None:
                 for t, o in zip(n.outputs, outs):
                     p = self._probed(t.name, probed)
@@ -291,8 +296,8 @@ class RemovePadding(Fusion):
             if a is None or n.attrs.get("allowzero", 0):
                 return None
             t = cst(1)
-            if t is None:
-                return "probe"  # replaced by the probed shape in _grow; unknown output: not token-wise
+            if t is None or n.outputs[0].name in self._probed_names:
+                return "probe"  # the original's run-time shapes tell the token axes (fixed targets like [2, 16, 32])
             t = [int(v) for v in t.reshape(-1)]
             size = int(np.prod(a[1], dtype=np.int64))
             if len(t) >= 2 and t[:2] == [0, 0] and a[0] == "bs" and all(v > 0 for v in t[2:]):
