@@ -31,10 +31,8 @@ def _attention_nodes(model):
     return [n for n in model.graph.node if n.op_type == "StofSparseAttention"]
 
 
-def _fmt(node):
-    return next(helper.get_attribute_value(a).decode() for a in node.attributes if a.name == "qkv_format") \
-        if hasattr(node, "attributes") else \
-        next(helper.get_attribute_value(a).decode() for a in node.attribute if a.name == "qkv_format")
+def _fmt(node) -> str:
+    return next((a.s.decode() for a in node.attribute if a.name == "qkv_format"), "bhsd")
 
 
 def assert_packed(model, report, restored=("last_hidden_state",)):
