@@ -74,12 +74,29 @@ def max_rel_diff(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a - b).max() / max(1.0, float(np.abs(a).max())))
 
 
+def padding_removed(model_or_session) -> bool:
+    """The rewrite packed the model's tokens (docs/rewrite.md "Padding removal")."""
+    if hasattr(model_or_session, "get_modelmeta"):
+        meta = model_or_session.get_modelmeta().custom_metadata_map
+    else:
+        meta = {p.key: p.value for p in model_or_session.metadata_props}
+    return meta.get("stof.padding_removed") == "1"
+
+
 def assert_parity(original, rewritten, feeds: dict, atol: float = 1e-4) -> float:
-    """Outputs of the two models agree within ``atol`` relative to magnitude; returns the max difference."""
+    """Outputs of the two models agree within ``atol`` relative to magnitude; returns the max difference.
+    A model with its padding removed is compared at the real tokens of [B, S, ...] outputs, and its padded
+    positions must be 0."""
     outs_a, outs_b = run(original, feeds), run(rewritten, feeds)
     assert len(outs_a) == len(outs_b)
+    keep = None
+    if feeds.get("attention_mask") is not None and padding_removed(rewritten):
+        keep = np.asarray(feeds["attention_mask"]) != 0
     worst = 0.0
     for a, b in zip(outs_a, outs_b):
+        if keep is not None and a.shape[:2] == keep.shape:
+            assert b.shape == a.shape and not np.any(b[~keep]), "padded positions are not 0"
+            a, b = a[keep], b[keep]
         d = max_rel_diff(a, b)
         assert d <= atol, f"max relative difference {d:.3g} > {atol}"
         worst = max(worst, d)

@@ -37,6 +37,10 @@ def add_args(p):
     p.add_argument("--no-packed-qkv", action="store_true",
                    help="keep separate Q/K/V projections (default: one packed QKV GEMM feeding the attention node "
                         "through strides, no transposes)")
+    p.add_argument("--no-remove-padding", action="store_true",
+                   help="keep the padded [B, S] layout through the model (default: a model with one padding mask "
+                        "and full or causal attention runs its GEMMs, LayerNorms and attention on the real tokens "
+                        "only, with zeros at padded positions of the outputs; docs/rewrite.md)")
     p.add_argument("--dense-attention", choices=("stof", "ort"), default="stof",
                    help="where attention with no static sparsity (padding-only or unmasked) goes: STOF nodes "
                         "(default) or ONNX Runtime's contrib Attention (measured slower with 2-D padding masks; "
@@ -93,7 +97,8 @@ def run(args) -> int:
                                           tile_n=args.tile[1], max_seq_len=args.max_seq_len,
                                           external_data_dir=data_dir, packed_qkv=not args.no_packed_qkv,
                                           dense_attention=args.dense_attention, schemes=choices,
-                                          scheme_tokens=args.scheme_tokens)
+                                          scheme_tokens=args.scheme_tokens,
+                                          remove_padding=not args.no_remove_padding)
     except MemoryError:
         size = f" --max-seq-len {args.max_seq_len}" if args.max_seq_len else " this model"
         raise StofError(f"not enough memory to rewrite for{size}: the probe's and the masks' arrays do not fit "
@@ -158,6 +163,11 @@ def print_report(info: dict, wrote: bool = True) -> None:
                          f"{d:.4f}" if isinstance(d, float) else "-", c.get("full", "-"), c.get("partial", "-"),
                          c.get("empty", "-"), a.get("mask_source", "?")])
         print_table(rows, ["attention node", "heads", "D", "density", "full", "partial", "empty", "mask"])
+    rp = info.get("remove_padding") or {}
+    if rp:
+        print("\npadding removal: " + (f"applied ({rp.get('attention_nodes')} attention node(s) on packed tokens, "
+                                       f"restored: {', '.join(rp.get('restored', []))})" if rp.get("applied")
+                                       else f"not applied: {rp.get('reason')}"))
     left = info.get("left_alone", [])
     if left:
         print("\nleft alone:")

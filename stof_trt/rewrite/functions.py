@@ -21,17 +21,21 @@ DOMAIN_VERSION = 1
 MIN_OPSET = 15
 
 ATTENTION_INPUTS = ["query", "key", "value", "row_ptr", "col_idx", "tile_bitmap_index", "bitmaps",
-                    "key_padding_mask", "attn_bias"]
+                    "key_padding_mask", "attn_bias", "seq_offsets"]
 ATTENTION_ATTRS = ["scale", "tile_m", "tile_n", "seq_q", "seq_k", "num_layouts", "format_version", "mask_spec",
                    "qkv_format"]
 #: StofSparseAttention ``qkv_format`` values: "bhsd" (default: query/key/value [B,H,S,D], output [B,H,Sq,D]) and
 #: "bs3hd" (packed: query is [B,S,3,H,D] = Q,K,V of one projection, key/value absent, output [B,S,H,D]).
-QKV_FORMATS = ("bhsd", "bs3hd")
+#: "t3hd" (packed tokens: query is [T,3,H,D], the real tokens of B sequences back to back, seq_offsets [B+1] int32
+#: where each starts, key_padding_mask [B,S] only for its shape; output [T,H,D]).
+QKV_FORMATS = ("bhsd", "bs3hd", "t3hd")
 GEMM_INPUTS = ["X", "W", "bias"]
 ADDLN_INPUTS = ["X", "residual", "gamma", "beta", "bias"]
 
 
-def attention_overload(has_padding: bool, has_bias: bool, packed: bool = False) -> str:
+def attention_overload(has_padding: bool, has_bias: bool, packed: bool = False, varlen: bool = False) -> str:
+    if varlen:  # t3hd: always the padding mask (for B, S) and seq_offsets, never a bias
+        return "varlen"
     return "_".join(p for p, on in (("packed", packed), ("padding", has_padding), ("bias", has_bias)) if on)
 
 
@@ -99,8 +103,36 @@ def _repeat_kv_heads(b: _Body, x: str, q_heads: str) -> str:
     return b.op("Reshape", wide, b.op("Concat", b.op("Slice", xs, lo, one), q_heads, sd, axis=0))
 
 
+def _unpack_tokens(b: _Body):
+    """t3hd: query [T,3,H,D] -> [B,S,3,H,D] with token t of sequence b at row r = t - seq_offsets[b] (zeros
+    elsewhere); returns (padded query, flat padded row of each token [T], allowed keys [B,S] = k < n_b)."""
+    i64 = TensorProto.INT64
+    ax0, ax1 = b.const(np.array([0], np.int64)), b.const(np.array([1], np.int64))
+    big = b.const(np.array([np.iinfo(np.int64).max], np.int64))
+    zero, one = b.const(np.int64(0)), b.const(np.int64(1))
+    ks = b.op("Shape", "key_padding_mask")                                    # [B, S]
+    S = b.op("Slice", ks, ax1, b.const(np.array([2], np.int64)))
+    so = b.op("Cast", "seq_offsets", to=i64)                                  # [B+1]
+    starts = b.op("Slice", so, ax0, b.const(np.array([-1], np.int64)))       # [B]
+    ends = b.op("Slice", so, ax1, big)                                        # [B]
+    qs = b.op("Shape", "query")                                               # [T, 3, H, D]
+    t = b.op("Range", zero, b.op("Squeeze", b.op("Slice", qs, ax0, ax1), ax0), one)   # [T]
+    seq = b.reduce("ReduceSum", b.op("Cast", b.op("LessOrEqual", b.op("Unsqueeze", ends, ax0),
+                                                     b.op("Unsqueeze", t, ax1)), to=i64), [1], keepdims=0)
+    row = b.op("Sub", t, b.op("Gather", starts, seq, axis=0))
+    flat = b.op("Add", b.op("Mul", seq, b.op("Squeeze", S, ax0)), row)      # [T]
+    rest = b.op("Slice", qs, ax1, big)                                        # [3, H, D]
+    zeros = b.op("ConstantOfShape", b.op("Concat", b.reduce("ReduceProd", ks, [0]), rest, axis=0),
+                 value=numpy_helper.from_array(np.zeros(1, np.float32), name=""))
+    padded = b.op("ScatterND", b.op("CastLike", zeros, "query"), b.op("Unsqueeze", flat, ax1), "query")
+    padded = b.op("Reshape", padded, b.op("Concat", ks, rest, axis=0))       # [B, S, 3, H, D]
+    keys = b.op("Range", zero, b.op("Squeeze", S, ax0), one)                 # [S]
+    allowed = b.op("Less", b.op("Unsqueeze", keys, ax0), b.op("Unsqueeze", b.op("Sub", ends, starts), ax1))
+    return padded, flat, allowed
+
+
 def sparse_attention_function(opset: int, has_padding: bool, has_bias: bool,
-                              packed: bool = False) -> onnx.FunctionProto:
+                              packed: bool = False, varlen: bool = False) -> onnx.FunctionProto:
     """O = softmax(scale·Q·Kᵀ + bias, masked by the tile layout ∧ key padding)·V; rows with no allowed key -> 0.
 
     The layout arrays are decoded into a dense [L, Sq, Sk] mask exactly as docs/format.md "Dense reconstruction":
@@ -110,8 +142,12 @@ def sparse_attention_function(opset: int, has_padding: bool, has_bias: bool,
     b = _Body(opset)
     i64 = TensorProto.INT64
     zero, one = b.const(np.int64(0)), b.const(np.int64(1))
+    query, key_rows = "query", None
+    if varlen:  # the packed tokens as a right-padded batch; keys past each sequence's length are masked
+        query, token_rows, key_rows = _unpack_tokens(b)
+        packed, has_padding, has_bias = True, True, False
     if packed:  # query [B, S, 3, H, D] -> Q, K, V [B, H, S, D]
-        q_in, k_in, v_in = (b.op("Transpose", b.op("Gather", "query", b.const(np.int64(i)), axis=2), perm=[0, 2, 1, 3])
+        q_in, k_in, v_in = (b.op("Transpose", b.op("Gather", query, b.const(np.int64(i)), axis=2), perm=[0, 2, 1, 3])
                             for i in range(3))
     else:
         q_in, k_in, v_in = "query", "key", "value"
@@ -172,7 +208,7 @@ def sparse_attention_function(opset: int, has_padding: bool, has_bias: bool,
     allowed = b.op("Cast", b.op("Gather", dense, heads, axis=0), to=TensorProto.BOOL)   # [H, Sq, Sk]
     allowed = b.op("Unsqueeze", allowed, ax0)                                 # [1, H, Sq, Sk]
     if has_padding:
-        kp = b.op("Not", b.op("Equal", "key_padding_mask", b.const(np.int32(0))))          # [B, Sk]
+        kp = key_rows if varlen else b.op("Not", b.op("Equal", "key_padding_mask", b.const(np.int32(0))))  # [B, Sk]
         kp = b.op("Unsqueeze", kp, b.const(np.array([1, 2], np.int64)))       # [B, 1, 1, Sk]
         allowed = b.op("And", allowed, kp)
     if not packed:  # key / value may have fewer heads than query (grouped-query attention)
@@ -190,12 +226,17 @@ def sparse_attention_function(opset: int, has_padding: bool, has_bias: bool,
     ex = b.op("Exp", b.op("Sub", s, m))
     den = b.reduce("ReduceSum", ex, [-1])
     den = b.op("Where", b.op("Equal", den, zero_t), one_t, den)
-    if packed:  # [B, H, Sq, D] -> [B, Sq, H, D]
+    if varlen:  # [B, H, S, D] -> [B·S, H, D] -> the tokens' rows [T, H, D]
+        o = b.op("Transpose", b.op("MatMul", b.op("Div", ex, den), v_in), perm=[0, 2, 1, 3])
+        o = b.op("Reshape", o, b.op("Concat", b.const(np.array([-1], np.int64)),
+                                    b.op("Slice", b.op("Shape", o), ax2, b.const(np.array([4], np.int64))), axis=0))
+        b.op("Gather", o, token_rows, axis=0, out="output")
+    elif packed:  # [B, H, Sq, D] -> [B, Sq, H, D]
         b.op("Transpose", b.op("MatMul", b.op("Div", ex, den), v_in), perm=[0, 2, 1, 3], out="output")
     else:
         b.op("MatMul", b.op("Div", ex, den), v_in, out="output")
     return _function("StofSparseAttention", ATTENTION_INPUTS, ["output"], b, ATTENTION_ATTRS,
-                     attention_overload(has_padding, has_bias, packed), opset,
+                     "varlen" if varlen else attention_overload(has_padding, has_bias, packed), opset,
                      "Masked sparse attention (docs/nodes.md). Portable fallback of the STOF kernels.")
 
 
@@ -263,7 +304,7 @@ def build_functions(needed: set[tuple[str, str]], opset: int) -> list[onnx.Funct
     for op_type, overload in sorted(needed):
         if op_type == "StofSparseAttention":
             out.append(sparse_attention_function(opset, "padding" in overload, "bias" in overload,
-                                                 "packed" in overload))
+                                                 "packed" in overload, overload == "varlen"))
         elif op_type == "StofGemmEpilogue":
             act = overload[:-len("_nobias")] if overload.endswith("_nobias") else overload
             out.append(gemm_epilogue_function(opset, act, not overload.endswith("_nobias")))

@@ -13,6 +13,8 @@ class RewriteReport:
     attention: list = dataclasses.field(default_factory=list)
     left_alone_list: list = dataclasses.field(default_factory=list)
     notes: list = dataclasses.field(default_factory=list)
+    #: padding removal: {"applied": bool, "reason": one line when not applied, ...} (docs/rewrite.md)
+    remove_padding: dict = dataclasses.field(default_factory=dict)
     nodes_before: int = 0
     nodes_after: int = 0
     opset: int = 0
@@ -71,6 +73,7 @@ class RewriteReport:
             "attention": list(self.attention),
             "left_alone": list(self.left_alone_list),
             "notes": list(self.notes),
+            "remove_padding": dict(self.remove_padding),
         }
 
     def summary_rows(self) -> list[dict]:
@@ -94,4 +97,9 @@ class RewriteReport:
                          f"density={a['density']:.3f} tiles={a['tile_classes']}")
         for s in self.left_alone_list:
             lines.append(f"  left alone: {s['node']} ({s['op_type']}): {s['reason']}")
+        rp = self.remove_padding
+        if rp:
+            lines.append("padding removal: " + ("applied: " + f"{rp['attention_nodes']} attention node(s) on packed "
+                                                f"tokens, restored {', '.join(rp['restored'])}" if rp["applied"]
+                                                else f"not applied: {rp['reason']}"))
         return "\n".join(lines)

@@ -20,7 +20,7 @@ from .matcher import EXTERNAL_DATA_DIR
 from .report import RewriteReport
 
 
-def _fusions(epilogues: bool, packed_qkv: bool = True, dense_attention: str = "stof"):
+def _fusions(epilogues: bool, packed_qkv: bool = True, dense_attention: str = "stof", remove_padding: bool = True):
     from .fuse_add_layernorm import FuseAddLayerNorm, FuseLayerNormDecomposed
     from .fuse_attention import FuseAttentionCore
     from .fuse_gemm_gelu import FuseGemmGelu
@@ -44,6 +44,10 @@ def _fusions(epilogues: bool, packed_qkv: bool = True, dense_attention: str = "s
             order.append(FuseDenseOrtAttention)
     if epilogues:
         order += [FuseGemmGelu, FuseOrtBiasGelu, FuseLayerNormDecomposed, FuseAddLayerNorm, FuseOrtSkipLayerNorm]
+    if remove_padding:
+        from .remove_padding import RemovePadding
+
+        order.append(RemovePadding)
     return order
 
 
@@ -57,7 +61,7 @@ def default_opset(model: onnx.ModelProto) -> int:
 def rewrite_model(model: onnx.ModelProto, *, mask=None, epilogues: bool = True, tile_m: int = 64, tile_n: int = 64,
                   max_seq_len: int | None = None, external_data_dir: str | None = None,
                   packed_qkv: bool = True, dense_attention: str = "stof", schemes: dict | None = None,
-                  scheme_tokens: int | None = None) -> tuple[onnx.ModelProto, RewriteReport]:
+                  scheme_tokens: int | None = None, remove_padding: bool = True) -> tuple[onnx.ModelProto, RewriteReport]:
     """Rewrite masked attention cores and epilogues of ``model`` into STOF nodes (domain ``stof``).
 
     Args:
@@ -77,6 +81,10 @@ def rewrite_model(model: onnx.ModelProto, *, mask=None, epilogues: bool = True, 
             STOF kernels is listed in the report's notes.
         schemes: {chain signature: (scheme, algo)}: measured fusion schemes (TacticCache.scheme_choices); chains
             without one get the cost model's first choice at ``scheme_tokens`` tokens (docs/schemes.md).
+        remove_padding: run the token-wise part of the model (GEMMs, LayerNorms, activations, attention) on the
+            real tokens only when it has one padding mask and every attention is full or causal: pack the tokens
+            after the embeddings (``qkv_format="t3hd"``) and restore [B, S, ·] at the outputs, with zeros at padded
+            positions. The report's ``remove_padding`` says whether it applied and, if not, why.
         external_data_dir: for a model loaded with ``onnx.load(..., load_external_data=False)`` (needed when a
             single tensor is over 2 GB): the directory its external data locations are relative to. Those
             weights are read where a value is needed and stay external in the returned model.
@@ -89,13 +97,13 @@ def rewrite_model(model: onnx.ModelProto, *, mask=None, epilogues: bool = True, 
     try:
         return _rewrite_model(model, mask=mask, epilogues=epilogues, tile_m=tile_m, tile_n=tile_n,
                               max_seq_len=max_seq_len, packed_qkv=packed_qkv, dense_attention=dense_attention,
-                              schemes=schemes, scheme_tokens=scheme_tokens)
+                              schemes=schemes, scheme_tokens=scheme_tokens, remove_padding=remove_padding)
     finally:
         EXTERNAL_DATA_DIR.reset(token)
 
 
 def _rewrite_model(model, *, mask, epilogues, tile_m, tile_n, max_seq_len, packed_qkv=True, dense_attention="stof",
-                   schemes=None, scheme_tokens=None):
+                   schemes=None, scheme_tokens=None, remove_padding=True):
     from ..format import check_tile_shape
     from ..masks import parse_mask
 
@@ -129,12 +137,20 @@ def _rewrite_model(model, *, mask, epilogues, tile_m, tile_n, max_seq_len, packe
                                   "_original_model": model, "schemes": schemes, "scheme_tokens": scheme_tokens})
     if opset != default_opset(original):
         report.notes.append(f"model converted from opset {default_opset(original)} to {opset}")
-    for fusion in _fusions(epilogues, packed_qkv, dense_attention):
+    fusions = _fusions(epilogues, packed_qkv, dense_attention, remove_padding)
+    # the GEMM chains get their schemes on the padded graph; padding removal, which only re-shapes the token
+    # axis, runs last
+    last = [f for f in fusions if f.__name__ == "RemovePadding"]
+    for fusion in [f for f in fusions if f not in last]:
         fusion(ctx).apply()
     if epilogues:
         from .schemes import apply_schemes
 
         apply_schemes(ctx)
+    for fusion in last:
+        fusion(ctx).apply()
+    if not remove_padding:
+        report.remove_padding = {"applied": False, "reason": "turned off (remove_padding=False)"}
     report.nodes_after = len(graph.nodes)
     if dense_attention == "ort":
         _note_dense_on_stof(report, packed_qkv, epilogues)
@@ -156,6 +172,8 @@ def _rewrite_model(model, *, mask, epilogues, tile_m, tile_n, max_seq_len, packe
     del out.metadata_props[:]
     out.metadata_props.extend(original.metadata_props)
     out.metadata_props.add(key="stof.rewritten", value="1")
+    if report.remove_padding.get("applied"):  # outputs are 0 at padded positions (docs/rewrite.md)
+        out.metadata_props.add(key="stof.padding_removed", value="1")
     if "_compiled_seq" in ctx.options:  # the longest sequence the rewritten model runs (docs/rewrite.md)
         out.metadata_props.add(key="stof.max_seq_len", value=str(ctx.options["_compiled_seq"]))
     for imp in list(out.opset_import):
