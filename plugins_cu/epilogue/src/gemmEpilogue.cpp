@@ -33,10 +33,22 @@ constexpr int kMaxHeuristics = 16;               // heuristic results asked for;
 
 using PlanKey = std::tuple<int32_t, int64_t, int64_t, int64_t, int32_t, bool, uint32_t, size_t, int32_t>;
 
+// Plans are per row-count bucket, not per M: with padding removal M is the batch's real token count, new on almost
+// every call, and a heuristic query per call costs more than the GEMM.  A plan's algorithm comes from the bucket's
+// upper end; each call sets its layouts to the actual M.
+int64_t rowBucket(int64_t m) {
+    if (m <= 128) return m;
+    int64_t octave = 128;
+    while (octave * 2 <= m) octave *= 2;
+    const int64_t step = octave / 8;  // eight buckets per octave: the algorithm fits within 12.5 % of M
+    return (m + step - 1) / step * step;
+}
+
 struct Plan {
     cublasLtMatmulDesc_t mOp{nullptr};
     cublasLtMatrixLayout_t mA{nullptr}, mB{nullptr}, mC{nullptr};
     cublasLtMatmulAlgo_t mAlgo{};
+    int64_t mRows{0};  // the M the layouts describe now
     ~Plan() {
         if (mA) cublasLtMatrixLayoutDestroy(mA);
         if (mB) cublasLtMatrixLayoutDestroy(mB);
@@ -104,6 +116,7 @@ stof_epi_status_t buildPlan(stof_gemm_context* ctx, PlanKey const& key, Plan& pl
                    static_cast<int>(epi));
     // an index past the heuristic's list (it varies with the shape) runs the first result, like -1
     plan.mAlgo = results[algo >= 0 && algo < found ? algo : 0].algo;
+    plan.mRows = m;
     return STOF_EPI_SUCCESS;
 }
 
@@ -166,7 +179,7 @@ extern "C" stof_epi_status_t stof_gemm_epilogue_run_algo(stof_gemm_context_t ctx
         for (void const* p : {static_cast<void const*>(w), static_cast<void const*>(y), bias}) {
             if (p != nullptr) align = std::min(align, alignmentOf(p));
         }
-        PlanKey key{dtype, m, n, k, activation, bias != nullptr, align, workspaceBytes, algo < 0 ? 0 : algo};
+        PlanKey key{dtype, rowBucket(m), n, k, activation, bias != nullptr, align, workspaceBytes, algo < 0 ? 0 : algo};
         std::lock_guard<std::mutex> lock(ctx->mMutex);
         auto it = ctx->mPlans.find(key);
         if (it == ctx->mPlans.end()) {
@@ -176,14 +189,35 @@ extern "C" stof_epi_status_t stof_gemm_epilogue_run_algo(stof_gemm_context_t ctx
             it = ctx->mPlans.emplace(key, std::move(plan)).first;
         }
         Plan& plan = *it->second;
+        if (plan.mRows != m) {  // B = X^T is K x M, C = Y^T is N x M
+            const uint64_t cols = static_cast<uint64_t>(m);
+            STOF_EPI_CUBLAS(cublasLtMatrixLayoutSetAttribute(plan.mB, CUBLASLT_MATRIX_LAYOUT_COLS, &cols, sizeof(cols)));
+            STOF_EPI_CUBLAS(cublasLtMatrixLayoutSetAttribute(plan.mC, CUBLASLT_MATRIX_LAYOUT_COLS, &cols, sizeof(cols)));
+            plan.mRows = m;
+        }
         if (bias != nullptr) {
             STOF_EPI_CUBLAS(cublasLtMatmulDescSetAttribute(plan.mOp, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
                                                            sizeof(bias)));
         }
         float const alpha = 1.f, beta = 0.f;
         auto cs = reinterpret_cast<cudaStream_t>(stream);
-        STOF_EPI_CUBLAS(cublasLtMatmul(ctx->mHandle, plan.mOp, &alpha, w, plan.mA, x, plan.mB, &beta, y, plan.mC, y,
-                                       plan.mC, &plan.mAlgo, workspace, workspaceBytes, cs));
+        cublasStatus_t st = cublasLtMatmul(ctx->mHandle, plan.mOp, &alpha, w, plan.mA, x, plan.mB, &beta, y, plan.mC,
+                                           y, plan.mC, &plan.mAlgo, workspace, workspaceBytes, cs);
+        if ((st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE) && rowBucket(m) != m) {
+            // the bucket's algorithm does not take this M: a plan of this exact M, not kept
+            Plan exact;
+            stof_epi_status_t s = buildPlan(ctx, PlanKey{dtype, m, n, k, activation, bias != nullptr, align,
+                                                         workspaceBytes, algo < 0 ? 0 : algo}, exact);
+            if (s != STOF_EPI_SUCCESS) return s;
+            if (bias != nullptr) {
+                STOF_EPI_CUBLAS(cublasLtMatmulDescSetAttribute(exact.mOp, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
+                                                               sizeof(bias)));
+            }
+            st = cublasLtMatmul(ctx->mHandle, exact.mOp, &alpha, w, exact.mA, x, exact.mB, &beta, y, exact.mC, y,
+                                exact.mC, &exact.mAlgo, workspace, workspaceBytes, cs);
+        }
+        STOF_EPI_CHECK(st == CUBLAS_STATUS_SUCCESS, STOF_EPI_ERROR_CUBLAS, "cublasLtMatmul: cuBLAS status %d",
+                       static_cast<int>(st));
         if (activation == STOF_ACT_GELU_ERF) {
             STOF_EPI_CUDA(stof_epi::launchGeluErfInPlace(dtype, y, m * n, cs));
         }
