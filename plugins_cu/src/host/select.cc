@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -131,13 +132,21 @@ bool time_candidates(const stof_attn_params_t* p, const std::vector<int32_t>& ca
 }
 
 // The current device's SM clock in MHz, 0 when unknown.
+// Read once per device: every selection keys its memo on it, and a driver query per call costs more than a launch.
 int32_t clock_mhz(int dev) {
-    int khz = 0;
-    if (cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, dev) != cudaSuccess) {
-        cudaGetLastError();
-        return 0;
+    static std::atomic<int32_t> known[kMaxDevices];  // 0: not read yet, -1: unknown, else MHz
+    if (dev < 0 || dev >= kMaxDevices) return 0;
+    int32_t v = known[dev].load(std::memory_order_relaxed);
+    if (v == 0) {
+        int khz = 0;
+        if (cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, dev) != cudaSuccess) {
+            cudaGetLastError();
+            khz = 0;
+        }
+        v = khz > 0 ? khz / 1000 : -1;
+        known[dev].store(v, std::memory_order_relaxed);
     }
-    return khz / 1000;
+    return v > 0 ? v : 0;
 }
 
 }  // namespace
