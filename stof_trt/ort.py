@@ -124,6 +124,9 @@ def session(model, *, providers=None, device_id: int = 0, cuda_options: dict | N
         if optimization_level not in levels:
             raise StofError(f"optimization_level must be one of {sorted(levels)}")
         so.graph_optimization_level = levels[optimization_level]
+    if cuda_graphs and _padding_removed(model):
+        raise StofError("CUDA graphs cannot replay a model whose padding is removed: its token count changes with "
+                        "every batch's padding (rewrite with --no-remove-padding to capture graphs)")
     provs = _providers(providers, device_id, cuda_options, cuda_graphs)
     wants_cuda = any((p[0] if isinstance(p, tuple) else p) == "CUDAExecutionProvider" for p in provs)
     if wants_cuda and "CUDAExecutionProvider" not in ort.get_available_providers():
@@ -169,6 +172,18 @@ def session(model, *, providers=None, device_id: int = 0, cuda_options: dict | N
     if register and "CUDAExecutionProvider" in sess.get_providers():
         _check_device(device_id)
     return sess
+
+
+def _padding_removed(model) -> bool:
+    """Whether the rewrite packed the model's real tokens (metadata ``stof.padding_removed``)."""
+    if not hasattr(model, "metadata_props"):
+        import onnx
+
+        try:
+            model = onnx.load(str(model), load_external_data=False)
+        except Exception:  # noqa: BLE001 - ORT reports an unreadable model itself
+            return False
+    return any(p.key == "stof.padding_removed" and p.value == "1" for p in model.metadata_props)
 
 
 def _check_device(device_id: int) -> None:

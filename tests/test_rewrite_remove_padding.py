@@ -252,3 +252,23 @@ def test_t3hd_function_each_sequence_alone(spec, opset):
     with pytest.raises(Exception, match="stof_run_time_length_exceeds"):
         sess.run(None, {"qkv": np.zeros((2, 3, H, D), np.float32), "kpm": np.ones((1, seq + 1), np.int32),
                         "offsets": np.array([0, 2], np.int32)})
+
+
+def test_cuda_graphs_refused_for_a_packed_model(tmp_path):
+    """A packed model's token count changes with each batch: a captured graph would replay a stale one."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from stof_trt import ort as sort
+    from stof_trt.errors import StofError
+
+    m = helper.make_model(helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
+                                            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                                            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])]),
+                          ir_version=8, opset_imports=[helper.make_opsetid("", 17)])
+    m.metadata_props.add(key="stof.padding_removed", value="1")
+    path = tmp_path / "packed.onnx"
+    onnx.save(m, path)
+    for model in (m, path):
+        with pytest.raises(StofError, match="CUDA graphs cannot replay"):
+            sort.session(model, cuda_graphs=True)

@@ -368,3 +368,17 @@ def test_report_with_untimed_chains():
     assert info["chain_ms_measured"] == pytest.approx(0.04) and info["chain_ms_fixed_rules"] == pytest.approx(0.05)
     assert info["model_within_5pct"] == 0.0
     assert [r["gain"] for r in info["blocks"]] == [pytest.approx(1.25), None]
+
+
+@pytest.mark.parametrize("ln_scheme,gelu_scheme", [("gemm+bias_add_ln", "gemm_bias+gelu"), ("unfused", "unfused")])
+def test_cached_schemes_keep_an_fp16_model_fp16(ln_scheme, gelu_scheme):
+    """A rebuilt chain's new tensors take the weights' element type (the rewritten graph's often carry none)."""
+    model = exported("bert", half=True)
+    new, _ = rewrite_model(model, max_seq_len=32, **TILE)
+    cache = TacticCache()
+    for s in find_chains(gs.import_onnx(new)):
+        assert s.dtype == "float16"
+        cache.put_scheme(SchemeKey("G", "9.0", s.signature(), "T64"),
+                         ln_scheme if s.kind == "residual_ln" else gelu_scheme, 1)
+    out, _ = rewrite_model(model, max_seq_len=32, schemes=cache.scheme_choices(), **TILE)
+    onnx.checker.check_model(out, full_check=True)

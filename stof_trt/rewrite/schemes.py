@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 
 from .. import schemes as S
@@ -254,7 +255,10 @@ def apply_scheme(ctx: RewriteContext, site: ChainSite, scheme: str, algo: int = 
     if ctx.opset < tpl.needs_opset:
         raise ValueError(f"scheme {scheme} needs opset {tpl.needs_opset}, the model has {ctx.opset}")
     algo = algo if tpl.tunable else -1
-    np_dt = site.y.dtype if site.y.dtype is not None else np.float32
+    # the weight's element type (a rewritten graph's intermediate tensors often carry no dtype)
+    np_dt = {"float16": np.float16, "float": np.float32, "bfloat16": onnx.TensorProto.BFLOAT16}.get(site.dtype)
+    if np_dt is None:
+        np_dt = site.y.dtype if site.y.dtype is not None else np.float32
     for n in site.nodes:
         n.inputs.clear()
         n.outputs.clear()
