@@ -14,7 +14,9 @@ Grid (stof_trt/bench/e2e.py): BERT-base, BERT-large, RoBERTa-base (padding mask)
   ortpacking    convert_to_packing_mode of the ortopt model (RemovePadding / PackedAttention / RestorePadding);
                 BERT and RoBERTa
   stof          the STOF rewrite (stof_trt.rewrite.rewrite_model, defaults) + fp16 with libstof_ort
-  stof-graph    the same through CUDA graphs
+  stof-graph    the same through CUDA graphs (refused where the rewrite removed the padding: data-dependent shapes)
+  stof-padded-graph  the rewrite with padding removal off (--no-remove-padding), through CUDA graphs; models
+                with a padding mask
 Each variant has one session per model, reused across B, S and padding (dynamic axes); a case times its variants in
 interleaved rounds (shuffled order each round) after warm-up, the host clock around run_with_iobinding (ORT
 synchronises its stream at the end of a run), as many rounds as --case-budget allows within [--min-iters,

@@ -45,12 +45,12 @@ MODELS = {
 VIT_IMAGE = {128: 176, 256: 256, 512: 368}
 PADDINGS = {"U[0.25S,S]": 0.25, "U[0.75S,S]": 0.75, "none": None}
 ORT_VARIANTS = ("ortopt", "ortopt-graph", "ortpacking")
-STOF_VARIANTS = ("stof", "stof-graph")
+STOF_VARIANTS = ("stof", "stof-graph", "stof-padded-graph")
 VARIANTS = ("original",) + ORT_VARIANTS + STOF_VARIANTS
 CASE_KEYS = ("model", "mask", "B", "S", "padding", "variants", "fused_ops", "max_diff_real_tokens")
 # the model file each variant runs (the -graph variants replay the same model through CUDA graphs)
 VARIANT_MODEL = {"original": "original", "ortopt": "ortopt", "ortopt-graph": "ortopt", "ortpacking": "ortpacking",
-                 "stof": "stof", "stof-graph": "stof"}
+                 "stof": "stof", "stof-graph": "stof", "stof-padded-graph": "stof-padded"}
 ATTENTION_OPS = ("Attention", "MultiHeadAttention", "PackedAttention", "PackedMultiHeadAttention")
 
 
@@ -675,7 +675,7 @@ def derive_models(base, name: str, work: str, tiny: bool = False, log=print, wan
     cfg = dict(MODELS[name])
     if tiny:
         cfg.update(TINY)
-    want = set(want or ("original", "ortopt", "ortpacking", "stof"))
+    want = set(want or ("original", "ortopt", "ortpacking", "stof", "stof-padded"))
     if "original" in want:
         yield "original", _fp16(base), {}
         gc.collect()
@@ -690,6 +690,13 @@ def derive_models(base, name: str, work: str, tiny: bool = False, log=print, wan
         info["stof"] = stof_meta(m)
         log(f"{name}: rewrite {info['rewrite']}, padding removal {info['stof']['padding_removal']}")
         yield "stof", m, info
+        del m
+        gc.collect()
+    if "stof-padded" in want and cfg["mask"] != "none":
+        # the padded form (--no-remove-padding), whose fixed shapes CUDA graphs can replay (a model without a
+        # padding mask has only that form: its `stof` model)
+        m, _ = rewrite_model(base, max_seq_len=512, remove_padding=False)
+        yield "stof-padded", _fp16(m), {}
 
 
 def _derive_ort(base, name, cfg, work, want, log):
