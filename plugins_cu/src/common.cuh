@@ -293,6 +293,20 @@ __device__ __forceinline__ int64_t packed_row0(const KernelParams& p, int b) {
     return static_cast<int64_t>(__ldg(p.seq_offsets + b));
 }
 
+// The rows a block work item of batch b covers: q_len queries (run-time Sq, or a packed sequence's n_b) and kv_len
+// keys (key_lengths, and n_b); false when the item, at query row q0, has no real row.
+__device__ __forceinline__ bool item_rows(const KernelParams& p, int b, int q0, int& q_len, int& kv_len) {
+    int n_packed = INT_MAX;
+    q_len = p.seq_q;
+    if (p.seq_offsets != nullptr) {  // packed sequences: n_b rows (the base pointers move in the kernels)
+        n_packed = packed_len(p, b);
+        q_len = min(q_len, n_packed);
+        if (q0 >= q_len) return false;
+    }
+    kv_len = min(effective_kv_len(p, b), n_packed);
+    return true;
+}
+
 // The key bound of the warp-specialised kernels: key_lengths and, in their cp.async form (kMayPack; the launchers
 // never run the TMA form with packed sequences, whose code stays without the check), packed sequences.
 template <bool kMayPack>

@@ -567,13 +567,8 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
     const int qb = work.qb, h = work.h, b = work.b;
     const int q0 = qb * kBlockM;
     if (q0 >= p.seq_q) return;  // a tile row past the run-time Sq (ordered schedule)
-    int q_len = p.seq_q, n_packed = INT_MAX;
-    if (p.seq_offsets != nullptr) {  // packed sequences: n_b rows (the base pointers move below)
-        n_packed = packed_len(p, b);
-        q_len = min(q_len, n_packed);
-        if (q0 >= q_len) return;
-    }
-    const int kv_len = min(effective_kv_len(p, b), n_packed);
+    int q_len, kv_len;
+    if (!item_rows(p, b, q0, q_len, kv_len)) return;
     const int layout_row0 = (h % p.num_layouts) * p.tq;
     int rows[HT::kWG];  // flattened (layout, tile row) of each warpgroup, -1 when its rows are all >= Sq
 #pragma unroll
@@ -757,13 +752,8 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kHeadDim == 64 ? 3 : 2) hopp
     const int qb = work.qb, h = work.h, b = work.b;
     const int q0 = qb * kBlockM;
     if (q0 >= p.seq_q) return;  // a tile row past the run-time Sq (ordered schedule)
-    int q_len = p.seq_q, n_packed = INT_MAX;
-    if (p.seq_offsets != nullptr) {  // packed sequences: n_b rows (the base pointers move below)
-        n_packed = packed_len(p, b);
-        q_len = min(q_len, n_packed);
-        if (q0 >= q_len) return;
-    }
-    const int kv_len = min(effective_kv_len(p, b), n_packed);
+    int q_len, kv_len;
+    if (!item_rows(p, b, q0, q_len, kv_len)) return;
     const RowWalk walk = row_walk(p, h, q0, kv_len);
     const int a0 = walk.a0, e_begin = walk.e_begin, e_end = walk.e_end;
     const int nsub = p.tile_n / kBlockN;
