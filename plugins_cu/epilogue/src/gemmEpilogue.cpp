@@ -188,33 +188,40 @@ extern "C" stof_epi_status_t stof_gemm_epilogue_run_algo(stof_gemm_context_t ctx
             if (s != STOF_EPI_SUCCESS) return s;
             it = ctx->mPlans.emplace(key, std::move(plan)).first;
         }
-        Plan& plan = *it->second;
-        if (plan.mRows != m) {  // B = X^T is K x M, C = Y^T is N x M
-            const uint64_t cols = static_cast<uint64_t>(m);
-            STOF_EPI_CUBLAS(cublasLtMatrixLayoutSetAttribute(plan.mB, CUBLASLT_MATRIX_LAYOUT_COLS, &cols, sizeof(cols)));
-            STOF_EPI_CUBLAS(cublasLtMatrixLayoutSetAttribute(plan.mC, CUBLASLT_MATRIX_LAYOUT_COLS, &cols, sizeof(cols)));
-            plan.mRows = m;
-        }
-        if (bias != nullptr) {
-            STOF_EPI_CUBLAS(cublasLtMatmulDescSetAttribute(plan.mOp, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
-                                                           sizeof(bias)));
-        }
         float const alpha = 1.f, beta = 0.f;
         auto cs = reinterpret_cast<cudaStream_t>(stream);
-        cublasStatus_t st = cublasLtMatmul(ctx->mHandle, plan.mOp, &alpha, w, plan.mA, x, plan.mB, &beta, y, plan.mC,
-                                           y, plan.mC, &plan.mAlgo, workspace, workspaceBytes, cs);
-        if ((st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE) && rowBucket(m) != m) {
-            // the bucket's algorithm does not take this M: a plan of this exact M, not kept
-            Plan exact;
-            stof_epi_status_t s = buildPlan(ctx, PlanKey{dtype, m, n, k, activation, bias != nullptr, align,
-                                                         workspaceBytes, algo < 0 ? 0 : algo}, exact);
-            if (s != STOF_EPI_SUCCESS) return s;
-            if (bias != nullptr) {
-                STOF_EPI_CUBLAS(cublasLtMatmulDescSetAttribute(exact.mOp, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
-                                                               sizeof(bias)));
+        // a failed attribute call's status, else cublasLtMatmul's (checked below, after the exact-M fallback)
+        auto run = [&](Plan& plan) -> cublasStatus_t {
+            if (plan.mRows != m) {  // B = X^T is K x M, C = Y^T is N x M
+                const uint64_t cols = static_cast<uint64_t>(m);
+                for (cublasLtMatrixLayout_t l : {plan.mB, plan.mC}) {
+                    const cublasStatus_t a =
+                        cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_COLS, &cols, sizeof(cols));
+                    if (a != CUBLAS_STATUS_SUCCESS) return a;
+                }
+                plan.mRows = m;
             }
-            st = cublasLtMatmul(ctx->mHandle, exact.mOp, &alpha, w, exact.mA, x, exact.mB, &beta, y, exact.mC, y,
-                                exact.mC, &exact.mAlgo, workspace, workspaceBytes, cs);
+            if (bias != nullptr) {
+                const cublasStatus_t a = cublasLtMatmulDescSetAttribute(plan.mOp, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                                        &bias, sizeof(bias));
+                if (a != CUBLAS_STATUS_SUCCESS) return a;
+            }
+            return cublasLtMatmul(ctx->mHandle, plan.mOp, &alpha, w, plan.mA, x, plan.mB, &beta, y, plan.mC, y,
+                                  plan.mC, &plan.mAlgo, workspace, workspaceBytes, cs);
+        };
+        cublasStatus_t st = run(*it->second);
+        if ((st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE) && std::get<1>(key) != m) {
+            // the bucket's algorithm does not take this M: a plan of this exact M, kept beside the bucket's
+            PlanKey exactKey = key;
+            std::get<1>(exactKey) = m;
+            auto ex = ctx->mPlans.find(exactKey);
+            if (ex == ctx->mPlans.end()) {
+                auto plan = std::make_unique<Plan>();
+                stof_epi_status_t s = buildPlan(ctx, exactKey, *plan);
+                if (s != STOF_EPI_SUCCESS) return s;
+                ex = ctx->mPlans.emplace(exactKey, std::move(plan)).first;
+            }
+            st = run(*ex->second);
         }
         STOF_EPI_CHECK(st == CUBLAS_STATUS_SUCCESS, STOF_EPI_ERROR_CUBLAS, "cublasLtMatmul: cuBLAS status %d",
                        static_cast<int>(st));
