@@ -66,8 +66,10 @@ def model_keys(model: str, seqs) -> list[str]:
 
 
 def variants_for(model: str) -> list[str]:
-    """ORT's packing mode exists for BERT-like encoders (Attention with a padding mask) only."""
-    return [v for v in VARIANTS if v != "ortpacking" or MODELS[model]["packing"]]
+    """ORT's packing mode exists for BERT-like encoders (Attention with a padding mask) only; the padded rewrite
+    differs from the default one only where there is a padding mask."""
+    return [v for v in VARIANTS if (v != "ortpacking" or MODELS[model]["packing"])
+            and (v != "stof-padded-graph" or MODELS[model]["mask"] != "none")]
 
 
 def grid(models=None, batches=(1, 8, 32), seqs=(128, 256, 512), paddings=None) -> list[dict]:
