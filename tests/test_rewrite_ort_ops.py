@@ -273,9 +273,10 @@ def test_longformer_window_and_runtime_global_tokens():
     rng = np.random.default_rng(11)
     model = longformer_model(B, S, H, D, W, rng)
     new, report = rewrite_model(model, **TILE)
-    assert_fused(new, {"StofSparseAttention": 2, "LongformerAttention": 0})
+    assert_fused(new, {"StofSparseAttention": 2, "StofGemmEpilogue": 2, "LongformerAttention": 0})
     att = report.to_dict()["attention"]
-    assert sorted((a["seq_q"], a["seq_k"]) for a in att) == [(min(S, 64), S), (S, S + min(S, 64))]
+    G = min(S, 64)
+    assert [(a["seq_q"], a["seq_k"]) for a in att] == [(G + S, G + S)] * 2
     N = H * D
     mask = np.zeros((B, S), np.float32)
     mask[1, 40:] = -10000.0  # padding at the end of sequence 1
@@ -292,6 +293,65 @@ def test_longformer_window_and_runtime_global_tokens():
     feeds["global"] = np.zeros((B, S), np.int32)
     np.testing.assert_allclose(run(new, feeds)[0][valid], longformer_reference(model, feeds, H, W)[valid],
                                rtol=1e-4, atol=1e-4)
+
+
+def test_longformer_padded_global_tokens_and_spread_slots(monkeypatch):
+    """Padded global tokens take no slot (so five fit in four slots when one is padded); fewer global tokens than
+    slots at spread positions, one inside another's band, one at the last position."""
+    from stof_trt.rewrite import fuse_ort_longformer
+
+    monkeypatch.setattr(fuse_ort_longformer, "MAX_GLOBAL", 4)
+    B, S, H, D, W = 4, 40, 2, 8, 3
+    rng = np.random.default_rng(14)
+    model = longformer_model(B, S, H, D, W, rng)
+    new, _ = rewrite_model(model, **TILE)
+    mask = np.zeros((B, S), np.float32)
+    mask[0, 30:] = -10000.0
+    mask[1, [5, 21]] = -10000.0       # holes: two of sequence 1's global tokens are padding
+    glob = np.zeros((B, S), np.int32)
+    glob[0, [2, 31, 35]] = 1          # two global tokens in the padded tail: one slot used
+    glob[1, [3, 5, 12, 21, 39]] = 1   # five global tokens, two padded: three slots
+    glob[2, [7, 9, 26]] = 1           # spread, 9 inside 7's band
+    glob[3, [0, 1, 2, 39]] = 1        # every slot, the last position included
+    feeds = {"x": rng.standard_normal((B, S, H * D)).astype(np.float32), "mask": mask, "global": glob}
+    got = run(new, feeds)[0]
+    want = longformer_reference(model, feeds, H, W)
+    valid = mask >= 0
+    assert np.isfinite(got[valid]).all()
+    np.testing.assert_allclose(got[valid], want[valid], rtol=1e-4, atol=1e-4)
+
+
+def test_longformer_graph_has_no_full_size_index_or_transpose():
+    """The merge and the slot gathers index [B, G, ·] tensors only: every int64 tensor of the rewritten graph is
+    far smaller than [B, S, N] (no Expand of an index to it), and there is no Transpose (both attention nodes read
+    the packed projections in place)."""
+    import onnx
+
+    B, S, H, D, W = 2, 64, 2, 16, 4
+    model = longformer_model(B, S, H, D, W, np.random.default_rng(15))
+    for t in (*model.graph.input, *model.graph.output):
+        t.type.tensor_type.shape.dim[0].dim_value = B
+    new, _ = rewrite_model(model, **TILE)
+    counts = op_counts(new)
+    assert counts["Transpose"] == 0 and counts["StofSparseAttention"] == 2 and counts["StofGemmEpilogue"] == 2
+    assert not {"CumSum", "GatherElements"} & set(counts), dict(counts)
+    # every intermediate tensor as an output, its run-time size read at B=2
+    types = {vi.name: vi.type.tensor_type.elem_type for vi in onnx.shape_inference.infer_shapes(new).graph.value_info}
+    names = [o for n in new.graph.node for o in n.output if o in types and o != "y"]
+    probe = onnx.ModelProto()
+    probe.CopyFrom(new)
+    probe.graph.output.extend(helper.make_tensor_value_info(o, types[o], None) for o in names)
+    rng = np.random.default_rng(16)
+    glob = np.zeros((B, S), np.int32)
+    glob[:, [1, 30]] = 1
+    feeds = {"x": rng.standard_normal((B, S, H * D)).astype(np.float32), "mask": np.zeros((B, S), np.float32),
+             "global": glob}
+    values = dict(zip(["y"] + names, run(probe, feeds)))
+    ints = {o: v.size for o, v in values.items() if v.dtype == np.int64}
+    assert len(ints) > 5, ints
+    N = H * D
+    assert max(ints.values()) * 8 <= B * S * N, ints
+    assert max(v.size for v in values.values()) <= B * (S + min(S, 64)) * 3 * N
 
 
 def test_longformer_more_global_tokens_than_slots_gives_nan(monkeypatch):

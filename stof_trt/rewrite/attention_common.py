@@ -113,8 +113,13 @@ class AttentionEmitter:
             self.paddings[key] = as_i32
         return self.paddings[key]
 
-    def node(self, plan: AttentionPlan, query: gs.Tensor, key: gs.Tensor, value: gs.Tensor, output: gs.Tensor,
-             new_nodes: list[gs.Node]) -> gs.Node:
+    def node(self, plan: AttentionPlan, query: gs.Tensor, key: gs.Tensor | None, value: gs.Tensor | None,
+             output: gs.Tensor, new_nodes: list[gs.Node]) -> gs.Node:
+        """The node for ``plan``. ``key`` and ``value`` None: the packed form (``qkv_format="bs3hd"``, ``query``
+        [B, S, 3, H, D], ``output`` [B, S, H, D]; docs/nodes.md)."""
+        packed = key is None and value is None
+        if packed:
+            key, value = gs.Variable.empty(), gs.Variable.empty()
         inputs = [query, key, value, *self.layout_inputs(plan.layout)]
         kpm = None
         if plan.padding_input is not None:
@@ -129,9 +134,11 @@ class AttentionEmitter:
         attrs = {"scale": float(plan.scale), "tile_m": lay.tile_m, "tile_n": lay.tile_n, "seq_q": lay.seq_q,
                  "seq_k": lay.seq_k, "num_layouts": lay.num_layouts, "format_version": FORMAT_VERSION,
                  "mask_spec": lay.mask_spec or ""}
+        if packed:
+            attrs["qkv_format"] = "bs3hd"
         node = gs.Node("StofSparseAttention", self.ctx.unique("StofSparseAttention"), attrs, inputs, [output],
                        domain="stof")
-        overload = attention_overload(kpm is not None, plan.bias is not None)
+        overload = attention_overload(kpm is not None, plan.bias is not None, packed=packed)
         self.ctx.overloads[node.name] = overload
         self.ctx.functions.add(("StofSparseAttention", overload))
         plan.name = node.name

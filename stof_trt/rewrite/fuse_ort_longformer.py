@@ -1,4 +1,4 @@
-"""Fuse ONNX Runtime's ``LongformerAttention`` (com.microsoft, CUDA-only) into two StofSparseAttention nodes.
+"""Fuse ONNX Runtime's ``LongformerAttention`` (com.microsoft, CUDA-only) into two packed StofSparseAttention nodes.
 
 Matched::
 
@@ -8,17 +8,30 @@ Matched::
 
 The op's semantics: a local query row i attends to keys |i - j| <= W and to every global key (local Q, K, V); a
 global query row attends to every key with the global projections. The global positions are a run-time input, so
-they cannot be part of a static layout; they are gathered instead (G = min(S, ``MAX_GLOBAL``) slots, in position
-order, found with TopK):
+they cannot be part of a static layout; their rows of X are gathered into G = min(S, ``MAX_GLOBAL``) *slots* in
+front of the sequence instead, and both projections run on the extended input::
 
-* local node: keys = [K at the G global positions ; K] (Sk = G + S), static layout = G full columns | band |i-j| <= W
-  on the rest; key_padding_mask = [slot holds a global, unmasked key ; unmasked and not global] (so a global key in
-  the band counts once);
-* global node: queries = global Q at the G positions, keys = global K (all S), full G x S layout, key padding = mask;
-* output: row i = the global node's slot for i if i is global, else the local node's row i.
+    slots [B,G]  = TopK(global ∧ kept · 2^23 − position): the kept global tokens first, in position order
+    X_ext        = Concat(X at the slots, X)                                                  [B, G+S, N]
+    local node   = StofSparseAttention(bs3hd, Reshape(X_ext·W + b)  [B, G+S, 3, H, D])       -> [B, G+S, H, D]
+    global node  = StofSparseAttention(bs3hd, Reshape(X_ext·Wg + bg) [B, G+S, 3, H, D])      -> [B, G+S, H, D]
+    Y            = Slice rows G.. of ScatterND(local out, rows G + slot position <- global out rows 0..G-1)
 
-More than G global tokens in a sequence cannot be represented: that sequence's output is NaN (never silently
-wrong). With a dynamic sequence axis G is also at most 2W (the op needs S to be a multiple of 2W, so the slots
+Both layouts are square over the G + S rows (so a shorter run-time length is their top-left corner):
+
+* local: slot query rows 0..G-1 empty; row G+i attends the G slot columns and the band G+j, |i - j| <= W;
+  key_padding_mask = [slot holds a kept global token ; kept and not global] (a global key in the band counts once);
+* global: slot query rows 0..G-1 attend every real position G..G+S-1 (kept keys: key_padding_mask [· ; kept]);
+  every other row is empty. Empty rows output 0 and cost no tile work.
+
+The projections are ``StofGemmEpilogue`` nodes (bias in the GEMM's epilogue; MatMul + Add with
+``epilogues=False``). Only [B, G, ·] tensors are gathered or indexed: the merge scatters the G slot rows of the
+global output into the local output (an unused slot writes its own empty row 0..G-1, which the Slice drops).
+
+A padded global token (mask < 0) takes no slot: it is masked as a key, and its query row is not defined by the op.
+More kept global tokens than G in a sequence cannot be represented: the slot rows of X become NaN, so every output
+row of that sequence is NaN (each local row attends every slot, each global row is a slot) — never silently
+wrong. With a dynamic sequence axis G is also at most 2W (the op needs S to be a multiple of 2W, so the slots
 always fit a run-time length). Rows whose own mask is < 0 (padding) are not defined by the op and may differ.
 """
 from __future__ import annotations
@@ -30,7 +43,7 @@ import onnx_graphsurgeon as gs
 
 from ..format import TileLayout
 
-from .attention_common import AttentionEmitter, AttentionPlan, from_heads, to_heads
+from .attention_common import AttentionEmitter, AttentionPlan
 from .base import Fusion, Match
 from .matcher import const_value
 from .ort_contrib import ORT_DOMAIN, present, tensor_shapes
@@ -39,10 +52,24 @@ from .ort_contrib import ORT_DOMAIN, present, tensor_shapes
 MAX_GLOBAL = 64
 
 
+
+
 def local_layout_mask(seq: int, slots: int, window: int) -> np.ndarray:
-    """bool [1, S, G + S]: the G gathered global columns, then the band |i - j| <= W."""
+    """bool [1, G+S, G+S]: slot rows empty; row G+i sees the G slot columns and the band G+j, |i - j| <= W."""
+    n = slots + seq
+    m = np.zeros((n, n), bool)
     i, j = np.arange(seq)[:, None], np.arange(seq)[None, :]
-    return np.concatenate([np.ones((seq, slots), bool), np.abs(i - j) <= window], axis=1)[None]
+    m[slots:, :slots] = True
+    m[slots:, slots:] = np.abs(i - j) <= window
+    return m[None]
+
+
+def global_layout_mask(seq: int, slots: int) -> np.ndarray:
+    """bool [1, G+S, G+S]: slot rows see every real position G..G+S-1; every other row is empty."""
+    n = slots + seq
+    m = np.zeros((n, n), bool)
+    m[:slots, slots:] = True
+    return m[None]
 
 
 class FuseOrtLongformerAttention(Fusion):
@@ -91,94 +118,100 @@ class FuseOrtLongformerAttention(Fusion):
                 self.ctx.report.notes.append(f"{node.name}: dynamic sequence length: {G} global token slots "
                                              "(at most 2·window)")
             scale = 1.0 / math.sqrt(D)
-            local = TileLayout.from_dense(local_layout_mask(S, G, W), tm, tn, mask_spec=f"longformer:window={W}")
-            full = TileLayout.from_dense(np.ones((1, G, S), bool), tm, tn, mask_spec="full")
-            lplan = AttentionPlan(name=node.name, heads=H, head_dim=D, seq_q=S, seq_k=G + S, scale=scale,
-                                  layout=local, mask_source=f"LongformerAttention window {W} + {G} global key slots "
-                                                            "& key padding from mask/global")
-            gplan = AttentionPlan(name=node.name, heads=H, head_dim=D, seq_q=G, seq_k=S, scale=scale, layout=full,
-                                  mask_source="LongformerAttention global rows & key padding from mask")
+            local = TileLayout.from_dense(local_layout_mask(S, G, W), tm, tn,
+                                          mask_spec=f"longformer_local:window={W},slots={G}")
+            glob = TileLayout.from_dense(global_layout_mask(S, G), tm, tn, mask_spec=f"longformer_global:slots={G}")
+            lplan = AttentionPlan(name=node.name, heads=H, head_dim=D, seq_q=G + S, seq_k=G + S, scale=scale,
+                                  layout=local, mask_source=f"LongformerAttention window {W} + {G} global token "
+                                                            "slots & key padding from mask/global")
+            gplan = AttentionPlan(name=node.name, heads=H, head_dim=D, seq_q=G + S, seq_k=G + S, scale=scale,
+                                  layout=glob, mask_source=f"LongformerAttention global rows ({G} slots) & key "
+                                                           "padding from mask")
             info = dict(lplan.info(), anchor=node.name, window=W, global_slots=G, key_padding=True)
-            m.build = self._builder(node, lplan, gplan, S, G, N, info)
+            m.build = self._builder(node, lplan, gplan, G, N, info)
             m.info = info
             kept.append(m)
         return kept
 
-    def _builder(self, node, lplan: AttentionPlan, gplan: AttentionPlan, S: int, G: int, N: int, info: dict):
+    def _builder(self, node, lplan: AttentionPlan, gplan: AttentionPlan, G: int, N: int, info: dict):
         x, w, b, mask, wg, bg, glob = node.inputs[:7]
         y = node.outputs[0]
+        H, D = lplan.heads, lplan.head_dim
+        epilogues = self.ctx.options.get("epilogues", True)
 
         def build():
             new: list[gs.Node] = []
             u = self.ctx.unique
-            var = self.new_var
             const = self.new_const
 
-            def op(kind, inputs, dtype=None, n_out=1, **attrs):
-                outs = [var(f"stof_lf_{kind.lower()}", dtype=dtype) for _ in range(n_out)]
+            def op(kind, inputs, dtype=None, n_out=1, outputs=None, **attrs):
+                outs = outputs or [self.new_var(f"stof_lf_{kind.lower()}", dtype=dtype) for _ in range(n_out)]
                 new.append(gs.Node(kind, u(f"stof_lf_{kind.lower()}"), attrs, inputs, outs))
-                return outs[0] if n_out == 1 else outs
+                return outs[0] if len(outs) == 1 else outs
 
-            def project(weight, bias):
-                qkv = op("Add", [op("MatMul", [x, weight], x.dtype), bias], x.dtype)
-                split = const("stof_lf_split", np.array([N] * 3, np.int64))
-                return op("Split", [qkv, split], x.dtype, n_out=3, axis=-1)
+            def i64(prefix, value):
+                return const(f"stof_lf_{prefix}", np.array(value, np.int64))
 
-            q, k, v = project(w, b)
-            qg, kg, vg = project(wg, bg)
+            # -- slots: the kept global tokens first, in position order (score exact in float32 for S < 2^23)
             keep = op("Not", [op("Less", [mask, op("CastLike", [const("stof_zero", np.zeros((), np.float32)), mask])],
                                  np.bool_)], np.bool_)
             is_g = op("Cast", [glob], np.bool_, to=9)
-            g64 = op("Cast", [is_g], np.int64, to=7)
-            # global positions first, in position order: score = global * 2^23 - position (exact in float32)
-            seq = op("Squeeze", [op("Shape", [glob], np.int64, start=1, end=2),
-                                 const("stof_lf_axis0", np.array([0], np.int64))], np.int64)
-            pos = op("Cast", [op("Range", [const("stof_lf_zero0", np.array(0, np.int64)), seq,
-                                           const("stof_lf_step", np.array(1, np.int64))], np.int64)], np.float32, to=1)
-            score = op("Sub", [op("Mul", [op("Cast", [is_g], np.float32, to=1),
+            kept_g = op("And", [is_g, keep], np.bool_)
+            seq = op("Squeeze", [op("Shape", [glob], np.int64, start=1, end=2), i64("axis0", [0])], np.int64)
+            pos = op("Cast", [op("Range", [i64("zero", 0), seq, i64("one", 1)], np.int64)], np.float32, to=1)
+            score = op("Sub", [op("Mul", [op("Cast", [kept_g], np.float32, to=1),
                                           const("stof_lf_big", np.array(2.0 ** 23, np.float32))], np.float32),
                                pos], np.float32)
-            _, idx = op("TopK", [score, const("stof_lf_g", np.array([G], np.int64))], n_out=2, axis=1, largest=1,
-                        sorted=1)
+            _, idx = op("TopK", [score, i64("g", [G])], n_out=2, axis=1, largest=1, sorted=1)
             idx.dtype = np.int64
-            count = op("ReduceSum", [g64, const("stof_lf_axis1", np.array([1], np.int64))], np.int64, keepdims=1)
-            slot_used = op("Less", [const("stof_lf_slots", np.arange(G, dtype=np.int64)[None]), count], np.bool_)
-            slot_keep = op("And", [slot_used, op("GatherElements", [keep, idx], np.bool_, axis=1)], np.bool_)
-            band_keep = op("And", [keep, op("Not", [is_g], np.bool_)], np.bool_)
-            local_kpm = op("Concat", [slot_keep, band_keep], np.bool_, axis=1)
-            idx3 = op("Expand", [op("Unsqueeze", [idx, const("stof_lf_axis2", np.array([2], np.int64))], np.int64),
-                                 const("stof_lf_bgn", np.array([1, 1, N], np.int64))], np.int64)
+            count = op("ReduceSum", [op("Cast", [kept_g], np.int64, to=7), i64("axis1", [1])], np.int64, keepdims=1)
+            slot_used = op("Less", [i64("slots", np.arange(G)[None]), count], np.bool_)           # [B, G]
+            # -- X_ext = [X at the slots ; X]; NaN slots for a sequence with more kept global tokens than slots
+            slot_x = op("GatherND", [x, op("Unsqueeze", [idx, i64("axis2", [2])], np.int64)], x.dtype, batch_dims=1)
+            over = op("Unsqueeze", [op("Greater", [count, i64("gcap", G)], np.bool_), i64("axis2b", [2])], np.bool_)
+            nan = op("CastLike", [const("stof_lf_nan", np.array(np.nan, np.float32)), x], x.dtype)
+            slot_x = op("Where", [over, nan, slot_x], x.dtype)
+            x_ext = op("Concat", [slot_x, x], x.dtype, axis=1)
 
-            def gather(t):
-                return op("GatherElements", [t, idx3], x.dtype, axis=1)
+            def project(weight, bias):
+                """[B, G+S, 3, H, D]: X_ext·W + b, the bias in the GEMM's epilogue."""
+                wv, bv = const_value(weight), const_value(bias)
+                if epilogues and bv is not None and bv.size == 3 * N:
+                    qkv = self.new_var("stof_lf_qkv", dtype=x.dtype)
+                    w_in = weight if isinstance(weight, gs.Constant) else const("stof_lf_weight", wv)
+                    b_in = bias if isinstance(bias, gs.Constant) and bv.ndim == 1 \
+                        else const("stof_lf_bias", np.ascontiguousarray(bv.reshape(3 * N)))
+                    gemm = gs.Node("StofGemmEpilogue", u("StofGemmEpilogue"), {"activation": "none"},
+                                   [x_ext, w_in, b_in], [qkv], domain="stof")
+                    self.ctx.overloads[gemm.name] = "none"
+                    self.ctx.functions.add(("StofGemmEpilogue", "none"))
+                    new.append(gemm)
+                else:
+                    qkv = op("Add", [op("MatMul", [x_ext, weight], x.dtype), bias], x.dtype)
+                return op("Reshape", [qkv, i64("qkv_shape", [0, 0, 3, H, D])], x.dtype)
 
-            k_loc = op("Concat", [gather(k), k], x.dtype, axis=1)
-            v_loc = op("Concat", [gather(v), v], x.dtype, axis=1)
             emitter = AttentionEmitter(self)
-            H, D = lplan.heads, lplan.head_dim
-            local_out = var("stof_lf_local", dtype=y.dtype)
-            lplan.padding_tensor = local_kpm
-            emitter.node(lplan, *(to_heads(self, t, H, D, new) for t in (q, k_loc, v_loc)),
-                         from_heads(self, local_out, N, new, dtype=y.dtype), new)
-            global_out = var("stof_lf_global", dtype=y.dtype)
-            gplan.padding_tensor = keep
-            emitter.node(gplan, *(to_heads(self, t, H, D, new) for t in (gather(qg), kg, vg)),
-                         from_heads(self, global_out, N, new, dtype=y.dtype), new)
-            # row i of the global output: slot rank(i) = (number of global tokens up to i) - 1
-            rank = op("Sub", [op("CumSum", [g64, const("stof_lf_axis1s", np.array(1, np.int64))], np.int64),
-                              const("stof_lf_one", np.array(1, np.int64))], np.int64)
-            rank = op("Min", [op("Max", [rank, const("stof_lf_zero", np.array(0, np.int64))], np.int64),
-                              const("stof_lf_gmax", np.array(G - 1, np.int64))], np.int64)
-            rank3 = op("Expand", [op("Unsqueeze", [rank, const("stof_lf_axis2b", np.array([2], np.int64))], np.int64),
-                                  const("stof_lf_bsn", np.array([1, 1, N], np.int64))], np.int64)
-            back = op("GatherElements", [global_out, rank3], y.dtype, axis=1)
-            is_g3 = op("Unsqueeze", [is_g, const("stof_lf_axis2c", np.array([2], np.int64))], np.bool_)
-            merged = op("Where", [is_g3, back, local_out], y.dtype)
-            # more global tokens than slots: NaN for that sequence, never a silently wrong row
-            over = op("Unsqueeze", [op("Greater", [count, const("stof_lf_gcap", np.array(G, np.int64))], np.bool_),
-                                    const("stof_lf_axis2d", np.array([2], np.int64))], np.bool_)
-            nan = op("CastLike", [const("stof_lf_nan", np.array(np.nan, np.float32)), merged], y.dtype)
-            new.append(gs.Node("Where", u("stof_lf_overflow"), {}, [over, nan, merged], [y]))
+            band_keep = op("And", [keep, op("Not", [is_g], np.bool_)], np.bool_)
+            lplan.padding_tensor = op("Concat", [slot_used, band_keep], np.bool_, axis=1)
+            local_out = self.new_var("stof_lf_local", dtype=y.dtype)
+            emitter.node(lplan, project(w, b), None, None, local_out, new)
+            # the slot columns are outside the global layout: any value serves there
+            gplan.padding_tensor = op("Concat", [slot_used, keep], np.bool_, axis=1)
+            global_out = self.new_var("stof_lf_global", dtype=y.dtype)
+            emitter.node(gplan, project(wg, bg), None, None, global_out, new)
+            # -- merge: global rows 0..G-1 into the local output at rows G + position (an unused slot: its own row)
+            slot_rows = op("Slice", [global_out, i64("s0", [0]), i64("sg", [G]), i64("ax1", [1])], y.dtype)
+            batch = op("Squeeze", [op("Shape", [glob], np.int64, start=0, end=1), i64("axis0b", [0])], np.int64)
+            bidx = op("Expand", [op("Unsqueeze", [op("Range", [i64("zero_b", 0), batch, i64("one_b", 1)], np.int64),
+                                                   i64("axis1b", [1])], np.int64), i64("one_g", [1, G])], np.int64)
+            row = op("Where", [slot_used, op("Add", [idx, i64("gofs", G)], np.int64), i64("own", np.arange(G)[None])],
+                     np.int64)
+            where = op("Concat", [op("Unsqueeze", [t, i64("axis2c", [2])], np.int64) for t in (bidx, row)],
+                       np.int64, axis=2)                                                         # [B, G, 2]
+            merged = op("ScatterND", [local_out, where, slot_rows], y.dtype)
+            heads = op("Slice", [merged, i64("sg2", [G]), i64("end", [np.iinfo(np.int64).max]), i64("ax1b", [1])],
+                       y.dtype)
+            op("Reshape", [heads, i64("out_shape", [0, 0, N])], outputs=[y])
             info["name"] = lplan.name
             ginfo = dict(gplan.info(), anchor=node.name)
             ginfo.pop("kind", None)
