@@ -227,7 +227,10 @@ def rewrite(model, tile):
     att = report.to_dict()["attention"]
     if not att or any(n.domain == "com.microsoft" for n in new.graph.node):
         raise SystemExit(f"the rewrite left the operator in place: {report.to_dict()['left_alone']}")
-    return new, {"rewrite_s": round(time.perf_counter() - t0, 2),
+    ops: dict[str, int] = {}
+    for n in new.graph.node:
+        ops[n.op_type] = ops.get(n.op_type, 0) + 1
+    return new, {"rewrite_s": round(time.perf_counter() - t0, 2), "ops": dict(sorted(ops.items())),
                  "layouts": [{k: a[k] for k in ("seq_q", "seq_k", "density", "tile_density", "num_layouts",
                                                 "mask_source")} for a in att]}
 
@@ -249,8 +252,9 @@ def dry_run(names, sizes, tile) -> list[dict]:
                 row["vs_original_cpu"] = rel_diff(got, session(model, providers="cpu").run(None, f)[0])
             if max(v for k, v in row.items() if k.startswith("vs_")) > 1e-4:
                 raise SystemExit(f"{name}: the rewritten model differs: {row}")
-        log(name, json.dumps({k: v for k, v in row.items() if k != "layouts"}),
+        log(name, json.dumps({k: v for k, v in row.items() if k not in ("layouts", "ops")}),
             [(a["seq_q"], a["seq_k"], a["density"]) for a in info["layouts"]])
+        log(name, "rewritten nodes:", " ".join(f"{k} {v}" for k, v in info["ops"].items()))
         rows.append(row)
     return rows
 

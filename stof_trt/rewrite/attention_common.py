@@ -81,6 +81,13 @@ def _and_heads(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.logical_and(a, b)
 
 
+def _is_bool(t: gs.Tensor) -> bool:
+    try:
+        return t.dtype is not None and np.dtype(t.dtype) == np.bool_
+    except TypeError:  # a dtype numpy does not know
+        return False
+
+
 class AttentionEmitter:
     """Creates STOF attention nodes, sharing layout initializers and key-padding casts across nodes."""
 
@@ -104,10 +111,12 @@ class AttentionEmitter:
         """int32 [B, Sk] key_padding_mask (non-zero = kept) from any-typed ``source``: Cast to bool, then int32."""
         key = source.name
         if key not in self.paddings:
-            as_bool = self.fusion.new_var("stof_key_padding_bool", dtype=np.bool_)
+            as_bool = source  # a bool tensor needs no first Cast
+            if not _is_bool(source):
+                as_bool = self.fusion.new_var("stof_key_padding_bool", dtype=np.bool_)
+                new_nodes.append(gs.Node("Cast", self.ctx.unique("stof_key_padding_cast"), {"to": 9},
+                                         [source], [as_bool]))
             as_i32 = self.fusion.new_var("stof_key_padding_mask", dtype=np.int32)
-            new_nodes.append(gs.Node("Cast", self.ctx.unique("stof_key_padding_cast"), {"to": 9},
-                                     [source], [as_bool]))
             new_nodes.append(gs.Node("Cast", self.ctx.unique("stof_key_padding_cast"), {"to": 6},
                                      [as_bool], [as_i32]))
             self.paddings[key] = as_i32

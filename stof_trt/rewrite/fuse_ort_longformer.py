@@ -112,7 +112,8 @@ class FuseOrtLongformerAttention(Fusion):
             S, D = xs[1], N // H
             G = min(S, MAX_GLOBAL)
             declared = node.inputs[0].shape
-            if declared is None or len(declared) != 3 or not isinstance(declared[1], (int, np.integer)):
+            static = declared is not None and len(declared) == 3 and isinstance(declared[1], (int, np.integer))
+            if not static:
                 # the slot count is fixed in the graph; the op needs S to be a multiple of 2W, so 2W slots always fit
                 G = max(1, min(G, 2 * W))
                 self.ctx.report.notes.append(f"{node.name}: dynamic sequence length: {G} global token slots "
@@ -128,12 +129,13 @@ class FuseOrtLongformerAttention(Fusion):
                                   layout=glob, mask_source=f"LongformerAttention global rows ({G} slots) & key "
                                                            "padding from mask")
             info = dict(lplan.info(), anchor=node.name, window=W, global_slots=G, key_padding=True)
-            m.build = self._builder(node, lplan, gplan, G, N, info)
+            m.build = self._builder(node, lplan, gplan, S, G, N, static, info)
             m.info = info
             kept.append(m)
         return kept
 
-    def _builder(self, node, lplan: AttentionPlan, gplan: AttentionPlan, G: int, N: int, info: dict):
+    def _builder(self, node, lplan: AttentionPlan, gplan: AttentionPlan, S: int, G: int, N: int, static: bool,
+                 info: dict):
         x, w, b, mask, wg, bg, glob = node.inputs[:7]
         y = node.outputs[0]
         H, D = lplan.heads, lplan.head_dim
@@ -152,25 +154,40 @@ class FuseOrtLongformerAttention(Fusion):
             def i64(prefix, value):
                 return const(f"stof_lf_{prefix}", np.array(value, np.int64))
 
-            # -- slots: the kept global tokens first, in position order (score exact in float32 for S < 2^23)
-            keep = op("Not", [op("Less", [mask, op("CastLike", [const("stof_zero", np.zeros((), np.float32)), mask])],
-                                 np.bool_)], np.bool_)
+            def scalar_like(prefix, value, t):
+                """``value`` in t's element type: a constant when the graph declares it, else a CastLike."""
+                try:
+                    if t.dtype is not None:
+                        return const(f"stof_lf_{prefix}", np.array(value, np.dtype(t.dtype)))
+                except TypeError:  # an element type numpy does not have (bfloat16)
+                    pass
+                return op("CastLike", [const(f"stof_lf_{prefix}", np.array(value, np.float32)), t], None)
+
+            seq_end = None if static else op("Shape", [glob], np.int64, start=1, end=2)
+
+            def per_position(prefix, values):
+                """A [1, S] constant; with a dynamic sequence axis its first run-time S columns."""
+                c = const(f"stof_lf_{prefix}", values[None])
+                return c if static else op("Slice", [c, i64("s0", [0]), seq_end, i64("ax1", [1])], values.dtype)
+
+            # -- slots: the kept global tokens first, in position order (scores exact in float32 for S < 2^23)
+            keep = op("Not", [op("Less", [mask, scalar_like("zero", 0.0, mask)], np.bool_)], np.bool_)
             is_g = op("Cast", [glob], np.bool_, to=9)
             kept_g = op("And", [is_g, keep], np.bool_)
-            seq = op("Squeeze", [op("Shape", [glob], np.int64, start=1, end=2), i64("axis0", [0])], np.int64)
-            pos = op("Cast", [op("Range", [i64("zero", 0), seq, i64("one", 1)], np.int64)], np.float32, to=1)
-            score = op("Sub", [op("Mul", [op("Cast", [kept_g], np.float32, to=1),
-                                          const("stof_lf_big", np.array(2.0 ** 23, np.float32))], np.float32),
-                               pos], np.float32)
+            neg_pos = -np.arange(S, dtype=np.float32)
+            score = op("Where", [kept_g, per_position("score_hi", neg_pos + 2.0 ** 23),
+                                 per_position("score_lo", neg_pos)], np.float32)
             _, idx = op("TopK", [score, i64("g", [G])], n_out=2, axis=1, largest=1, sorted=1)
             idx.dtype = np.int64
-            count = op("ReduceSum", [op("Cast", [kept_g], np.int64, to=7), i64("axis1", [1])], np.int64, keepdims=1)
-            slot_used = op("Less", [i64("slots", np.arange(G)[None]), count], np.bool_)           # [B, G]
+            count = op("ReduceSum", [op("Cast", [kept_g], np.float32, to=1), i64("axis1", [1])], np.float32,
+                       keepdims=1)                                                               # [B, 1]
+            slot_used = op("Less", [const("stof_lf_slots", np.arange(G, dtype=np.float32)[None]), count],
+                           np.bool_)                                                             # [B, G]
             # -- X_ext = [X at the slots ; X]; NaN slots for a sequence with more kept global tokens than slots
             slot_x = op("GatherND", [x, op("Unsqueeze", [idx, i64("axis2", [2])], np.int64)], x.dtype, batch_dims=1)
-            over = op("Unsqueeze", [op("Greater", [count, i64("gcap", G)], np.bool_), i64("axis2b", [2])], np.bool_)
-            nan = op("CastLike", [const("stof_lf_nan", np.array(np.nan, np.float32)), x], x.dtype)
-            slot_x = op("Where", [over, nan, slot_x], x.dtype)
+            over = op("Greater", [op("Unsqueeze", [count, i64("axis2b", [2])], np.float32),
+                                  const("stof_lf_gcap", np.array(G, np.float32))], np.bool_)     # [B, 1, 1]
+            slot_x = op("Where", [over, scalar_like("nan", np.nan, x), slot_x], x.dtype)
             x_ext = op("Concat", [slot_x, x], x.dtype, axis=1)
 
             def project(weight, bias):
@@ -191,7 +208,8 @@ class FuseOrtLongformerAttention(Fusion):
                 return op("Reshape", [qkv, i64("qkv_shape", [0, 0, 3, H, D])], x.dtype)
 
             emitter = AttentionEmitter(self)
-            band_keep = op("And", [keep, op("Not", [is_g], np.bool_)], np.bool_)
+            # band keys: kept and not global (a kept global key is in a slot, and counts once)
+            band_keep = op("Xor", [keep, kept_g], np.bool_)
             lplan.padding_tensor = op("Concat", [slot_used, band_keep], np.bool_, axis=1)
             local_out = self.new_var("stof_lf_local", dtype=y.dtype)
             emitter.node(lplan, project(w, b), None, None, local_out, new)
@@ -199,15 +217,15 @@ class FuseOrtLongformerAttention(Fusion):
             gplan.padding_tensor = op("Concat", [slot_used, keep], np.bool_, axis=1)
             global_out = self.new_var("stof_lf_global", dtype=y.dtype)
             emitter.node(gplan, project(wg, bg), None, None, global_out, new)
-            # -- merge: global rows 0..G-1 into the local output at rows G + position (an unused slot: its own row)
+            # -- merge: global rows 0..G-1 into the local output at rows G + position (an unused slot: its own
+            # row j < G, which the Slice drops); indices [B, G, 2] = (batch, row)
             slot_rows = op("Slice", [global_out, i64("s0", [0]), i64("sg", [G]), i64("ax1", [1])], y.dtype)
-            batch = op("Squeeze", [op("Shape", [glob], np.int64, start=0, end=1), i64("axis0b", [0])], np.int64)
-            bidx = op("Expand", [op("Unsqueeze", [op("Range", [i64("zero_b", 0), batch, i64("one_b", 1)], np.int64),
-                                                   i64("axis1b", [1])], np.int64), i64("one_g", [1, G])], np.int64)
+            batch = op("Squeeze", [op("Shape", [glob], np.int64, start=0, end=1), i64("axis0", [0])], np.int64)
+            bidx = op("Expand", [op("Reshape", [op("Range", [i64("zero", 0), batch, i64("one", 1)], np.int64),
+                                                i64("col", [-1, 1, 1])], np.int64), i64("g11", [1, G, 1])], np.int64)
             row = op("Where", [slot_used, op("Add", [idx, i64("gofs", G)], np.int64), i64("own", np.arange(G)[None])],
                      np.int64)
-            where = op("Concat", [op("Unsqueeze", [t, i64("axis2c", [2])], np.int64) for t in (bidx, row)],
-                       np.int64, axis=2)                                                         # [B, G, 2]
+            where = op("Concat", [bidx, op("Unsqueeze", [row, i64("axis2c", [2])], np.int64)], np.int64, axis=2)
             merged = op("ScatterND", [local_out, where, slot_rows], y.dtype)
             heads = op("Slice", [merged, i64("sg2", [G]), i64("end", [np.iinfo(np.int64).max]), i64("ax1b", [1])],
                        y.dtype)
