@@ -231,7 +231,7 @@ class FuseOrtLongformerAttention(Fusion):
                        y.dtype)
             op("Reshape", [heads, i64("out_shape", [0, 0, N])], outputs=[y])
             info["name"] = lplan.name
-            ginfo = dict(gplan.info(), anchor=node.name)
+            ginfo = dict(gplan.info(), anchor=node.name, global_slots=G)
             ginfo.pop("kind", None)
             self.ctx.report.attention.append(ginfo)
             return new

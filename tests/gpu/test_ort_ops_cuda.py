@@ -40,3 +40,33 @@ def test_ort_op_on_cuda_matches_stof_rewrite_and_reference(case):
         return
     assert row["ort_vs_reference"] < TOL, row          # ORT's kernel has the semantics the rewrite assumes
     assert row["max_rel_diff"] < 2 * TOL, row
+
+
+def test_longformer_rewrite_on_cuda_padded_globals_holes_and_overflow():
+    """The rewritten LongformerAttention on the STOF kernels (libstof_ort) against the float64 reference: padded
+    global tokens and key holes (sequence 0), global tokens spread up to the last position (sequence 1), and more
+    unmasked global tokens than slots (sequence 2: every output NaN, the slot rows' NaN reaching every row)."""
+    import numpy as np
+
+    bench = _bench()
+    case = dict(bench.CHECK["longformer_b8"], B=3)
+    model = bench.build(case, fp16=True)
+    new, _ = bench.rewrite(model, (64, 64))
+    f = bench.feeds_for(case, fp16=True)
+    B, S = case["B"], case["S"]
+    rng = np.random.default_rng(5)
+    glob = np.zeros((B, S), np.int32)
+    mask = np.zeros((B, S), np.float16)
+    glob[0, [0, 3, 100, 101, 300, 511]] = 1
+    mask[0, [3, 200, 300, 450]] = -10000.0   # two padded global tokens, two padded band keys
+    mask[0, 480:] = -10000.0                 # a padded tail holding a global token
+    glob[1, rng.choice(S, 40, replace=False)] = 1
+    glob[1, S - 1] = 1
+    glob[2, rng.choice(S, 65, replace=False)] = 1   # 65 > 64 slots
+    f.update({"mask": mask, "global": glob})
+    got = sort.session(new, providers="cuda", register=True).run(None, f)[0].astype(np.float64)
+    ref = bench.reference(case, model, f)
+    valid = mask[:2] >= 0
+    assert np.isfinite(got[:2][valid]).all()
+    assert bench.rel_diff(got[:2][valid], ref[:2][valid]) < TOL
+    assert np.isnan(got[2]).all()
