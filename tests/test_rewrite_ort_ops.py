@@ -354,6 +354,27 @@ def test_longformer_graph_has_no_full_size_index_or_transpose():
     assert max(v.size for v in values.values()) <= B * (S + min(S, 64)) * 3 * N
 
 
+@pytest.mark.parametrize("S,G,W,tm,tn", [(48, 48, 5, 16, 32), (40, 4, 3, 16, 32), (100, 7, 9, 16, 32),
+                                         (130, 13, 1, 32, 32), (70, 5, 100, 128, 64), (1000, 30, 17, 16, 64)])
+def test_longformer_slot_layouts_equal_their_dense_definition(S, G, W, tm, tn):
+    """The slot layouts, compiled from tile-exact specs, equal the dense [G+S, G+S] definitions (slots not a
+    multiple of the tile, windows past the sequence)."""
+    from stof_trt.format import TileLayout
+    from stof_trt.rewrite.fuse_ort_longformer import global_layout, local_layout
+
+    n, i, j = G + S, np.arange(S)[:, None], np.arange(S)[None]
+    local = np.zeros((n, n), bool)
+    local[G:, :G] = True
+    local[G:, G:] = np.abs(i - j) <= W
+    glob = np.zeros((n, n), bool)
+    glob[:G, G:] = True
+    for got, dense in ((local_layout(S, G, W, tm, tn), local), (global_layout(S, G, tm, tn), glob)):
+        want = TileLayout.from_dense(dense, tm, tn)
+        assert (got.seq_q, got.seq_k) == (n, n)
+        for name, arr in want.arrays().items():
+            np.testing.assert_array_equal(got.arrays()[name], arr, err_msg=name)
+
+
 def test_longformer_more_global_tokens_than_slots_gives_nan(monkeypatch):
     from stof_trt.rewrite import fuse_ort_longformer
 

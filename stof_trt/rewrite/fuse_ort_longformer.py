@@ -22,7 +22,7 @@ Both layouts are square over the G + S rows (so a shorter run-time length is the
 * local: slot query rows 0..G-1 empty; row G+i attends the G slot columns and the band G+j, |i - j| <= W;
   key_padding_mask = [slot holds a kept global token ; kept and not global] (a global key in the band counts once);
 * global: slot query rows 0..G-1 attend every real position G..G+S-1 (kept keys: key_padding_mask [· ; kept]);
-  every other row is empty. Empty rows output 0 and cost no tile work.
+  every other row is empty. Empty rows output 0 and cost no tile work (the merge reads none of them).
 
 The projections are ``StofGemmEpilogue`` nodes (bias in the GEMM's epilogue; MatMul + Add with
 ``epilogues=False``). Only [B, G, ·] tensors are gathered or indexed: the merge scatters the G slot rows of the
@@ -37,11 +37,13 @@ always fit a run-time length). Rows whose own mask is < 0 (padding) are not defi
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..format import TileLayout
+from ..format import TileLayout, compile_mask
+from ..masks import TILE_EMPTY, TILE_FULL, TILE_UNKNOWN, MaskSpec, _ranges_to_pairs, longformer
 
 from .attention_common import AttentionEmitter, AttentionPlan
 from .base import Fusion, Match
@@ -52,24 +54,66 @@ from .ort_contrib import ORT_DOMAIN, present, tensor_shapes
 MAX_GLOBAL = 64
 
 
+@dataclass(frozen=True)
+class _Rect(MaskSpec):
+    """Allowed iff ``rows[0] <= query < rows[1]`` and ``cols[0] <= key < cols[1]``: exact tile classes, so the
+    slot layouts compile in proportion to their stored tiles (compile_mask), not to the (G+S)² grid."""
+
+    rows: tuple[int, int]
+    cols: tuple[int, int]
+
+    def evaluate(self, q, k, *, seq_q, seq_k, head=0):
+        return (q >= self.rows[0]) & (q < self.rows[1]) & (k >= self.cols[0]) & (k < self.cols[1])
+
+    def classify_tiles(self, r0, r1, c0, c1, *, seq_q, seq_k, head=0):
+        (a, b), (c, d) = self.rows, self.cols
+        full = (r0 >= a) & (r1 <= b) & (c0 >= c) & (c1 <= d)
+        empty = (r1 <= a) | (r0 >= b) | (c1 <= c) | (c0 >= d)
+        out = np.full(np.broadcast_shapes(np.shape(full), np.shape(empty)), TILE_UNKNOWN, np.int8)
+        out[np.broadcast_to(full, out.shape)] = TILE_FULL
+        out[np.broadcast_to(empty, out.shape)] = TILE_EMPTY
+        return out
+
+    def tile_keys(self, g, r0, c0):
+        # the bits depend on where the rectangle's edges cut the tile only
+        def cut(x0, lo_hi, size):
+            return np.clip(lo_hi[0] - x0, 0, size) * (size + 1) + np.clip(lo_hi[1] - x0, 0, size)
+        return cut(r0, self.rows, g.tile_m) * (g.tile_n + 1) ** 2 + cut(c0, self.cols, g.tile_n)
+
+    def candidate_counts(self, g):
+        first, last = self._cols(g)
+        out = np.zeros(g.tq, np.int64)
+        lo, hi = self.rows[0] // g.tile_m, -(-min(self.rows[1], g.seq_q) // g.tile_m)
+        out[lo:hi] = max(0, last - first + 1)
+        return out
+
+    def candidates(self, g, i0, i1):
+        first, last = self._cols(g)
+        rows = np.arange(i0, i1, dtype=np.int64)
+        rows = rows[(rows * g.tile_m < self.rows[1]) & ((rows + 1) * g.tile_m > self.rows[0])]
+        return _ranges_to_pairs(rows, np.full(rows.size, first), np.full(rows.size, last))
+
+    def _cols(self, g):
+        return self.cols[0] // g.tile_n, (min(self.cols[1], g.seq_k) - 1) // g.tile_n
+
+    def __str__(self):
+        return f"rows[{self.rows[0]},{self.rows[1]})&cols[{self.cols[0]},{self.cols[1]})"
 
 
-def local_layout_mask(seq: int, slots: int, window: int) -> np.ndarray:
-    """bool [1, G+S, G+S]: slot rows empty; row G+i sees the G slot columns and the band G+j, |i - j| <= W."""
+def local_layout(seq: int, slots: int, window: int, tile_m: int, tile_n: int) -> TileLayout:
+    """[G+S, G+S]: slot rows empty; row G+i sees the G slot columns and the band G+j, |i - j| <= W (the band in
+    extended coordinates: |(G+i) - (G+j)| = |i - j|)."""
     n = slots + seq
-    m = np.zeros((n, n), bool)
-    i, j = np.arange(seq)[:, None], np.arange(seq)[None, :]
-    m[slots:, :slots] = True
-    m[slots:, slots:] = np.abs(i - j) <= window
-    return m[None]
+    spec = longformer(window, slots) & _Rect((slots, n), (0, n))
+    return replace(compile_mask(spec, n, n, tile_m=tile_m, tile_n=tile_n),
+                   mask_spec=f"longformer_local:window={window},slots={slots}")
 
 
-def global_layout_mask(seq: int, slots: int) -> np.ndarray:
-    """bool [1, G+S, G+S]: slot rows see every real position G..G+S-1; every other row is empty."""
+def global_layout(seq: int, slots: int, tile_m: int, tile_n: int) -> TileLayout:
+    """[G+S, G+S]: slot rows see every real position G..G+S-1; every other row is empty."""
     n = slots + seq
-    m = np.zeros((n, n), bool)
-    m[:slots, slots:] = True
-    return m[None]
+    return replace(compile_mask(_Rect((0, slots), (slots, n)), n, n, tile_m=tile_m, tile_n=tile_n),
+                   mask_spec=f"longformer_global:slots={slots}")
 
 
 class FuseOrtLongformerAttention(Fusion):
@@ -119,9 +163,7 @@ class FuseOrtLongformerAttention(Fusion):
                 self.ctx.report.notes.append(f"{node.name}: dynamic sequence length: {G} global token slots "
                                              "(at most 2·window)")
             scale = 1.0 / math.sqrt(D)
-            local = TileLayout.from_dense(local_layout_mask(S, G, W), tm, tn,
-                                          mask_spec=f"longformer_local:window={W},slots={G}")
-            glob = TileLayout.from_dense(global_layout_mask(S, G), tm, tn, mask_spec=f"longformer_global:slots={G}")
+            local, glob = local_layout(S, G, W, tm, tn), global_layout(S, G, tm, tn)
             lplan = AttentionPlan(name=node.name, heads=H, head_dim=D, seq_q=G + S, seq_k=G + S, scale=scale,
                                   layout=local, mask_source=f"LongformerAttention window {W} + {G} global token "
                                                             "slots & key padding from mask/global")
