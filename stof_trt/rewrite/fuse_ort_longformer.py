@@ -25,7 +25,8 @@ Both layouts are square over the G + S rows (so a shorter run-time length is the
   every other row is empty. Empty rows output 0 and cost no tile work (the merge reads none of them).
 
 The projections are ``StofGemmEpilogue`` nodes (bias in the GEMM's epilogue; MatMul + Add with
-``epilogues=False``). Only [B, G, ·] tensors are gathered or indexed: the merge scatters the G slot rows of the
+``epilogues=False``); the nodes are packed whatever ``packed_qkv`` says, the op's weights being one [N, 3N]
+projection already. Only [B, G, ·] tensors are gathered or indexed: the merge scatters the G slot rows of the
 global output into the local output (an unused slot writes its own empty row 0..G-1, which the Slice drops).
 
 A padded global token (mask < 0) takes no slot: it is masked as a key, and its query row is not defined by the op.
