@@ -504,3 +504,9 @@ def test_longformer_dynamic_sequence_axis():
         feeds = {"x": rng.standard_normal((B, seq, H * D)).astype(np.float32), "mask": np.zeros((B, seq), np.float32),
                  "global": glob}
         np.testing.assert_allclose(run(new, feeds)[0], longformer_reference(model, feeds, H, W), rtol=1e-4, atol=1e-4)
+    # longer than compiled (G + S' rows past the layouts' G + S): an error, never a silently cut mask
+    seq = S + 2 * W
+    feeds = {"x": rng.standard_normal((B, seq, H * D)).astype(np.float32), "mask": np.zeros((B, seq), np.float32),
+             "global": np.zeros((B, seq), np.int32)}
+    with pytest.raises(Exception):
+        run(new, feeds)
