@@ -30,9 +30,9 @@ projection already. Only [B, G, ·] tensors are gathered or indexed: the merge s
 global output into the local output (an unused slot writes its own empty row 0..G-1, which the Slice drops).
 
 A padded global token (mask < 0) takes no slot: it is masked as a key, and its query row is not defined by the op.
-More kept global tokens than G in a sequence cannot be represented: the slot rows of X become NaN, so every output
-row of that sequence is NaN (each local row attends every slot, each global row is a slot) — never silently
-wrong. With a dynamic sequence axis G is also at most 2W (the op needs S to be a multiple of 2W, so the slots
+More kept global tokens than G in a sequence cannot be represented: the slot rows of X become NaN, so every local
+row of that sequence is NaN (it attends every slot's NaN key and value), and so do the global rows (the slot rows
+of the global output, set to NaN before the merge) — never silently wrong. With a dynamic sequence axis G is also at most 2W (the op needs S to be a multiple of 2W, so the slots
 always fit a run-time length). Rows whose own mask is < 0 (padding) are not defined by the op and may differ.
 """
 from __future__ import annotations
@@ -230,7 +230,8 @@ class FuseOrtLongformerAttention(Fusion):
             slot_x = op("GatherND", [x, op("Unsqueeze", [idx, i64("axis2", [2])], np.int64)], x.dtype, batch_dims=1)
             over = op("Greater", [op("Unsqueeze", [count, i64("axis2b", [2])], np.float32),
                                   const("stof_lf_gcap", np.array(G, np.float32))], np.bool_)     # [B, 1, 1]
-            slot_x = op("Where", [over, scalar_like("nan", np.nan, x), slot_x], x.dtype)
+            nan = scalar_like("nan", np.nan, x)
+            slot_x = op("Where", [over, nan, slot_x], x.dtype)
             x_ext = op("Concat", [slot_x, x], x.dtype, axis=1)
 
             def project(weight, bias):
@@ -263,6 +264,8 @@ class FuseOrtLongformerAttention(Fusion):
             # -- merge: global rows 0..G-1 into the local output at rows G + position (an unused slot: its own
             # row j < G, which the Slice drops); indices [B, G, 2] = (batch, row)
             slot_rows = op("Slice", [global_out, i64("s0", [0]), i64("sg", [G]), i64("ax1", [1])], y.dtype)
+            # NaN queries may read as an empty row to a kernel (no finite score): the NaN set here, not derived
+            slot_rows = op("Where", [op("Unsqueeze", [over, i64("axis3", [3])], np.bool_), nan, slot_rows], y.dtype)
             batch = op("Squeeze", [op("Shape", [glob], np.int64, start=0, end=1), i64("axis0", [0])], np.int64)
             bidx = op("Expand", [op("Reshape", [op("Range", [i64("zero", 0), batch, i64("one", 1)], np.int64),
                                                 i64("col", [-1, 1, 1])], np.int64), i64("g11", [1, G, 1])], np.int64)
