@@ -44,7 +44,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..format import TileLayout, compile_mask
-from ..masks import TILE_EMPTY, TILE_FULL, TILE_UNKNOWN, MaskSpec, _ranges_to_pairs, longformer
+from ..masks import TILE_EMPTY, TILE_FULL, TILE_UNKNOWN, MaskSpec, longformer
 
 from .attention_common import AttentionEmitter, AttentionPlan
 from .base import Fusion, Match
@@ -92,7 +92,8 @@ class _Rect(MaskSpec):
         first, last = self._cols(g)
         rows = np.arange(i0, i1, dtype=np.int64)
         rows = rows[(rows * g.tile_m < self.rows[1]) & ((rows + 1) * g.tile_m > self.rows[0])]
-        return _ranges_to_pairs(rows, np.full(rows.size, first), np.full(rows.size, last))
+        cols = np.arange(first, last + 1, dtype=np.int64)
+        return np.repeat(rows, cols.size), np.tile(cols, rows.size)
 
     def _cols(self, g):
         return self.cols[0] // g.tile_n, (min(self.cols[1], g.seq_k) - 1) // g.tile_n
@@ -155,6 +156,9 @@ class FuseOrtLongformerAttention(Fusion):
                 self.ctx.report.notes.append(f"{node.name}: the user mask is not applied to LongformerAttention "
                                              "(its window and global tokens define the layout)")
             S, D = xs[1], N // H
+            if S >= 1 << 23:  # the slot scores (2^23 - position) are exact in float32 below that
+                self.skip(node, f"sequence length {S} is not below 2^23")
+                continue
             G = min(S, MAX_GLOBAL)
             declared = node.inputs[0].shape
             static = declared is not None and len(declared) == 3 and isinstance(declared[1], (int, np.integer))
