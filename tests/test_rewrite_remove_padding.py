@@ -37,13 +37,17 @@ def _fmt(node) -> str:
 
 def assert_packed(model, report, restored=("last_hidden_state",)):
     """The graph runs on packed tokens: NonZero / Gather of the tokens before the first block, every attention
-    node t3hd with seq_offsets, ScatterND restores."""
+    node t3hd with seq_offsets, each output restored by a Gather of [packed rows ; zero row] by position."""
     rp = report.to_dict()["remove_padding"]
     assert rp["applied"], rp
     assert set(restored) <= set(rp["restored"])
     counts = op_counts(model)
-    assert counts["NonZero"] == 1 and counts["ScatterND"] == len(rp["restored"])
-    # the tokens' index: NonZero -> Squeeze, read by the pack Gather (axis 0) and the restores' ScatterND
+    assert counts["NonZero"] == 1 and counts["ScatterND"] == 0
+    producer = {o: n.op_type for n in model.graph.node for o in n.output}
+    restores = [n for n in model.graph.node if n.op_type == "Gather" and producer.get(n.input[0]) == "Concat"
+                and producer.get(n.input[1]) == "Where"]
+    assert len(restores) == len(rp["restored"])
+    # the tokens' index: NonZero -> Squeeze, read by the pack Gather (axis 0)
     nz = next(n for n in model.graph.node if n.op_type == "NonZero")
     sq = next(n for n in model.graph.node if n.op_type == "Squeeze" and n.input[0] == nz.output[0])
     packs = [n for n in model.graph.node if n.op_type == "Gather" and n.input[1] == sq.output[0]]

@@ -15,7 +15,7 @@ front of the sequence instead, and both projections run on the extended input::
     X_ext        = Concat(X at the slots, X)                                                  [B, G+S, N]
     local node   = StofSparseAttention(bs3hd, Reshape(X_ext·W + b)  [B, G+S, 3, H, D])       -> [B, G+S, H, D]
     global node  = StofSparseAttention(bs3hd, Reshape(X_ext·Wg + bg) [B, G+S, 3, H, D])      -> [B, G+S, H, D]
-    Y            = Slice rows G.. of ScatterND(local out, rows G + slot position <- global out rows 0..G-1)
+    Y            = Slice rows G.. of ScatterElements(local out, rows G + slot position <- global rows 0..G-1)
 
 Both layouts are square over the G + S rows (so a shorter run-time length is their top-left corner):
 
@@ -266,17 +266,16 @@ class FuseOrtLongformerAttention(Fusion):
             global_out = self.new_var("stof_lf_global", dtype=y.dtype)
             emitter.node(gplan, project(wg, bg), None, None, global_out, new)
             # -- merge: global rows 0..G-1 into the local output at rows G + position (an unused slot: its own
-            # row j < G, which the Slice drops); indices [B, G, 2] = (batch, row)
+            # row j < G, which the Slice drops). ScatterElements over [B, G, H, D] indices: one thread per element
+            # (ScatterND's CUDA kernel gives each [H, D] slice to one thread, ~0.4 ms at B=8).
             slot_rows = op("Slice", [global_out, i64("s0", [0]), i64("sg", [G]), i64("ax1", [1])], y.dtype)
             # NaN queries may read as an empty row to a kernel (no finite score): the NaN set here, not derived
             slot_rows = op("Where", [op("Unsqueeze", [over, i64("axis3", [3])], np.bool_), nan, slot_rows], y.dtype)
-            batch = op("Squeeze", [op("Shape", [glob], np.int64, start=0, end=1), i64("axis0", [0])], np.int64)
-            bidx = op("Expand", [op("Reshape", [op("Range", [i64("zero", 0), batch, i64("one", 1)], np.int64),
-                                                i64("col", [-1, 1, 1])], np.int64), i64("g11", [1, G, 1])], np.int64)
             row = op("Where", [slot_used, op("Add", [idx, i64("gofs", G)], np.int64), i64("own", np.arange(G)[None])],
                      np.int64)
-            where = op("Concat", [bidx, op("Unsqueeze", [row, i64("axis2c", [2])], np.int64)], np.int64, axis=2)
-            merged = op("ScatterND", [local_out, where, slot_rows], y.dtype)
+            where = op("Expand", [op("Unsqueeze", [row, i64("axes23", [2, 3])], np.int64), i64("ghd", [1, 1, H, D])],
+                       np.int64)
+            merged = op("ScatterElements", [local_out, where, slot_rows], y.dtype, axis=1)
             heads = op("Slice", [merged, i64("sg2", [G]), i64("end", [np.iinfo(np.int64).max]), i64("ax1b", [1])],
                        y.dtype)
             op("Reshape", [heads, i64("out_shape", [0, 0, N])], outputs=[y])

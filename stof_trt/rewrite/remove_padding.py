@@ -8,7 +8,7 @@ token axes ([B, S, ·] <-> [B·S, ·], the [B, S, 3, H, D] heads split) and pack
 
     mask [B,S] --> idx = NonZero(mask != 0) [T], seq_offsets = [0, cumsum(lengths)] int32 [B+1]
     X [B,S,hidden] --Reshape[-1,hidden]--Gather(idx)--> Xp [T,hidden] --> region ops on T tokens -->
-        StofSparseAttention(t3hd, seq_offsets) ... --> Yp [T,F] --ScatterND into zeros [B·S,F]--Reshape--> Y [B,S,F]
+        StofSparseAttention(t3hd, seq_offsets) ... --> Yp [T,F] --Gather rows [Yp ; 0] by position--Reshape--> Y [B,S,F]
 
 Every Reshape of the region gets a token target [-1, F], every attention node reads [T, 3, H, D] with the
 packed sequences' offsets, every tensor leaving the region (graph outputs, a pooler's Gather, ...) is restored to
@@ -334,7 +334,12 @@ class RemovePadding(Fusion):
                                 op("CumSum", [lengths, i64(0)], np.int32)], np.int32, axis=0)   # [B+1]
         bs = op("Shape", [kpm], np.int64)                                             # [B, S]
         flat = op("ReduceProd", [bs], np.int64, keepdims=1)                         # [B·S]
-        idx_col = op("Unsqueeze", [idx, i64([1])], np.int64)                        # [T, 1]
+        # Restore as a Gather: padded position p reads packed row rank(p), a padded one the zero row T appended
+        # after the packed rows. (ScatterND's CUDA kernel copies each [F] row in one thread: ~0.4 ms per output.)
+        keep_flat = op("Reshape", [keep, i64([-1])], np.bool_)                       # [B·S]
+        rank = op("Sub", [op("CumSum", [op("Cast", [keep_flat], np.int64, to=7), i64(0)], np.int64), i64(1)],
+                  np.int64)
+        source_row = op("Where", [keep_flat, rank, op("Shape", [idx], np.int64)], np.int64)   # [B·S] in [0, T]
 
         def prefix(kind):
             return bs if kind == "bs" else flat
@@ -392,10 +397,10 @@ class RemovePadding(Fusion):
                     if id(c) in region_ids:
                         _swap(c.inputs, t, tp)
                 _swap(n.outputs, t, tp)
-                zeros = op("Expand", [op("CastLike", [self.new_const("stof_unpad_zero", np.zeros((), np.float32)),
-                                                      tp], t.dtype),
-                                      op("Concat", [flat, i64(list(f))], np.int64, axis=0)], t.dtype)
-                scattered = op("ScatterND", [zeros, idx_col, tp], t.dtype)
+                zero_row = op("CastLike", [self.new_const("stof_unpad_zero", np.zeros((1, *f), np.float32)), tp],
+                              t.dtype)
+                scattered = op("Gather", [op("Concat", [tp, zero_row], t.dtype, axis=0), source_row], t.dtype,
+                               axis=0)
                 new.append(gs.Node("Reshape", ctx.unique("stof_unpad_restore"), {},
                                    [scattered, op("Concat", [prefix(k), i64(list(f))], np.int64, axis=0)], [t]))
                 restored.append(t.name)
