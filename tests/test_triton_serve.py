@@ -96,6 +96,27 @@ def test_serve_without_a_serving_python_says_why(tmp_path):
     assert "no Python to serve with" in err and "docs/serving.md" in err
 
 
+def test_serve_python_with_pytriton_outside_site_packages_says_so(tmp_path):
+    """PyTriton installed through pip --target / PYTHONPATH cannot start tritonserver (its libraries are looked up
+    next to a site-packages folder): the probe names that instead of letting the server die at start."""
+    import json
+    import sys
+
+    from stof_trt.triton.serve import probe_python
+
+    info = {"python": "3.12.3", "shared_libpython": True, "libdir": "/usr/lib", "pytriton": "0.7.0",
+            "numpy": "1.26.4", "onnxruntime": "1.31.1", "providers": ["CPUExecutionProvider"]}
+    fake = tmp_path / "python"
+    for libs, want in ((False, "not installed in a site-packages folder"), (True, None)):
+        fake.write_text(f"#!{sys.executable}\nprint({json.dumps(json.dumps(dict(info, pytriton_libs=libs)))})\n")
+        fake.chmod(0o755)
+        got = probe_python(str(fake))
+        if want:
+            assert isinstance(got, str) and want in got and "virtual environment" in got, got
+        else:
+            assert isinstance(got, dict) and got["pytriton_libs"] is True, got
+
+
 def test_served_answers_equal_direct_ort_and_bad_requests_fail_cleanly(stof_bert, serve_python, tmp_path):
     import onnxruntime as ort
 

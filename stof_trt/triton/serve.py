@@ -32,12 +32,14 @@ READY_PREFIX = "stof-serve-ready "
 _PROBE = (
     "import json, sys, sysconfig\n"
     "import numpy, onnxruntime, pytriton\n"
+    "from pytriton.utils.distribution import get_libs_path\n"
     "from importlib.metadata import version\n"
     "cfg = sysconfig.get_config_var\n"
     "print(json.dumps({'python': sys.version.split()[0], 'shared_libpython': bool(cfg('Py_ENABLE_SHARED')),\n"
     "                  'libdir': cfg('LIBDIR'), 'pytriton': version('nvidia-pytriton'),\n"
     "                  'numpy': numpy.__version__, 'onnxruntime': onnxruntime.__version__,\n"
-    "                  'providers': onnxruntime.get_available_providers()}))\n")
+    "                  'providers': onnxruntime.get_available_providers(),\n"
+    "                  'pytriton_libs': get_libs_path().is_dir()}))\n")
 
 
 def _stof_ort_library() -> Path | None:
@@ -59,6 +61,11 @@ def probe_python(python: str, timeout: float = 120) -> dict | str:
     info = json.loads(p.stdout.strip().splitlines()[-1])
     if not info["shared_libpython"]:
         return f"{python}: Python {info['python']} without a shared libpython (PyTriton's stub needs one)"
+    if not info.get("pytriton_libs", True):
+        # PyTriton finds tritonserver's libraries next to a site-packages folder of the interpreter, and its stub
+        # sees that environment's packages only: an install through pip --target or PYTHONPATH does not serve
+        return (f"{python}: nvidia-pytriton is not installed in a site-packages folder of this interpreter "
+                "(pip --target / PYTHONPATH installs cannot start its server): install it into a virtual environment")
     return info
 
 
