@@ -397,8 +397,8 @@ class RemovePadding(Fusion):
                     if id(c) in region_ids:
                         _swap(c.inputs, t, tp)
                 _swap(n.outputs, t, tp)
-                zero_row = op("CastLike", [self.new_const("stof_unpad_zero", np.zeros((1, *f), np.float32)), tp],
-                              t.dtype)
+                zero_row = op("Expand", [op("CastLike", [self.new_const("stof_unpad_zero", np.zeros((), np.float32)),
+                                                         tp], t.dtype), i64([1, *f])], t.dtype)
                 scattered = op("Gather", [op("Concat", [tp, zero_row], t.dtype, axis=0), source_row], t.dtype,
                                axis=0)
                 new.append(gs.Node("Reshape", ctx.unique("stof_unpad_restore"), {},
