@@ -295,16 +295,23 @@ def test_longformer_window_and_runtime_global_tokens():
                                rtol=1e-4, atol=1e-4)
 
 
-def test_longformer_padded_global_tokens_and_spread_slots(monkeypatch):
+@pytest.fixture
+def four_slots(monkeypatch):
+    """Four global-token slots, so a short sequence can overflow them."""
+    monkeypatch.setattr(fuse_ort_longformer, "MAX_GLOBAL", 4)
+
+
+def rewritten_longformer(B, S, H, D, W, seed):
+    rng = np.random.default_rng(seed)
+    model = longformer_model(B, S, H, D, W, rng)
+    return model, rewrite_model(model, **TILE)[0], rng
+
+
+def test_longformer_padded_global_tokens_and_spread_slots(four_slots):
     """Padded global tokens take no slot (so five fit in four slots when one is padded); fewer global tokens than
     slots at spread positions, one inside another's band, one at the last position."""
-    from stof_trt.rewrite import fuse_ort_longformer
-
-    monkeypatch.setattr(fuse_ort_longformer, "MAX_GLOBAL", 4)
     B, S, H, D, W = 4, 40, 2, 8, 3
-    rng = np.random.default_rng(14)
-    model = longformer_model(B, S, H, D, W, rng)
-    new, _ = rewrite_model(model, **TILE)
+    model, new, rng = rewritten_longformer(B, S, H, D, W, 14)
     mask = np.zeros((B, S), np.float32)
     mask[0, 30:] = -10000.0
     mask[1, [5, 21]] = -10000.0       # holes: two of sequence 1's global tokens are padding
@@ -376,14 +383,9 @@ def test_longformer_slot_layouts_equal_their_dense_definition(S, G, W, tm, tn):
             np.testing.assert_array_equal(got.arrays()[name], arr, err_msg=name)
 
 
-def test_longformer_more_global_tokens_than_slots_gives_nan(monkeypatch):
-    from stof_trt.rewrite import fuse_ort_longformer
-
-    monkeypatch.setattr(fuse_ort_longformer, "MAX_GLOBAL", 4)
+def test_longformer_more_global_tokens_than_slots_gives_nan(four_slots):
     B, S, H, D, W = 2, 32, 2, 8, 3
-    rng = np.random.default_rng(12)
-    model = longformer_model(B, S, H, D, W, rng)
-    new, _ = rewrite_model(model, **TILE)
+    model, new, rng = rewritten_longformer(B, S, H, D, W, 12)
     glob = np.zeros((B, S), np.int32)
     glob[0, [1, 2, 9, 20]] = 1        # 4: fits
     glob[1, [1, 2, 9, 20, 25]] = 1    # 5: does not
