@@ -36,7 +36,8 @@ refills them (stof_trt/bench/e2e.py says how the variants keep one set of weight
 Writes OUT/e2e.json (one object per case: model, mask, B, S, padding, variants {name: {median_ms, p90_ms}},
 fused_ops {ORT variant: operator counts}, max_diff_real_tokens {STOF variant: max |diff|}), OUT/e2e.meta.json
 (environment, per model: fused operators, the rewrite's patterns and whether it removes padding, errors) and
-OUT/e2e.md (table, target lines, summary).  Cases already in OUT/e2e.json are kept and skipped (--no-resume to redo
+OUT/e2e.md (table, target lines, summary); with --profile, OUT/e2e.meta.json's `profiles` holds every case's GPU
+kernel time per variant, by kernel class (where the time goes).  Cases already in OUT/e2e.json are kept and skipped (--no-resume to redo
 them), so a second call completes the grid; --time-limit stops before a case that would not fit and writes what it
 has.
 """
@@ -228,6 +229,12 @@ def bench_case(case: dict, sessions: dict, args, graph_id: int, errors: dict) ->
                 log(f"  {v}: FAILED while timed: {errors[v]}")
                 del runs[v], times[v]
     stats = {v: sort.latency_stats(t) for v, t in times.items()}
+    if args.profile:  # after the timed rounds, so the profiler's overhead does not enter the times
+        from stof_trt.bench.gpu_profile import cuda_kernel_profile
+
+        for v in runs:
+            prof = cuda_kernel_profile(runs[v].run, runs=5, top=8)
+            stats[v]["profile"] = prof
     outs = {v: runs[v].output() for v in runs}
     del runs
     return stats, outs
@@ -297,6 +304,9 @@ def run_grid(args, cases: list[dict], variants: list[str], out: Path, done: list
             stats, outs = bench_case(c, sessions, args, gid, mm["errors"])
             if not stats:
                 continue
+            profiles = {v: st.pop("profile") for v, st in stats.items() if "profile" in st}
+            if profiles:  # per variant: GPU kernel time per run, per kernel class, the top kernels (e2e.meta.json)
+                meta.setdefault("profiles", {})[f"{c['model']}|{c['B']}|{c['S']}|{c['padding']}"] = profiles
             _, lengths = e2e.case_feeds(c)
             every = {v: e2e.real_token_max_diff(outs["original"], outs[v], lengths)
                      for v in outs if v != "original" and "original" in outs}
@@ -368,6 +378,9 @@ def parse_args(argv=None):
     ap.add_argument("--time-limit", type=float, default=0, help="stop before what would not fit (s; 0 = none)")
     ap.add_argument("--model-setup-s", type=float, default=20, help="time kept for a model's sessions (s)")
     ap.add_argument("--no-resume", action="store_true", help="redo the cases OUT/e2e.json already has")
+    ap.add_argument("--profile", action="store_true",
+                    help="after each case's timed rounds: every variant's GPU kernel time per run by kernel class and "
+                         "its top kernels (CUPTI through torch.profiler), in e2e.meta.json's `profiles`")
     ap.add_argument("--cpu", action="store_true", help="CPU EP (a smoke test; no CUDA graphs or packing mode)")
     ap.add_argument("--tiny", action="store_true", help="--make-skeletons: 2-layer 128-wide models")
     ap.add_argument("--merge", nargs="+", metavar="DIR", help="merge the e2e.json/e2e.meta.json of these OUT folders "

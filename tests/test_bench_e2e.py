@@ -236,9 +236,16 @@ def test_flow_on_tiny_models_cpu(tmp_path, monkeypatch):
     # a second call keeps the case and adds the new one
     assert mod.main(["--skeletons", str(skel), "--out", str(out), "--cpu", "--models", "bert-base", "--batches",
                      "1,2", "--seqs", "128", "--paddings", "U[0.25S,S]", "--iters", "1", "--min-iters", "1",
-                     "--warmup", "1", "--variants", "original,stof"]) == 0
+                     "--warmup", "1", "--variants", "original,stof", "--profile"]) == 0
     recs2 = json.loads((out / "e2e.json").read_text())
     assert [(x["B"], sorted(x["variants"])) for x in recs2] == [(1, ["original", "stof"]), (2, sorted(r["variants"]))]
+    assert all(set(v) == {"median_ms", "p90_ms"} for x in recs2 for v in x["variants"].values())
+    # --profile: per variant in the meta (here, without a GPU, the reason there is none)
+    profiles = json.loads((out / "e2e.meta.json").read_text())["profiles"]
+    assert set(profiles) == {"bert-base|1|128|U[0.25S,S]"}
+    got = profiles["bert-base|1|128|U[0.25S,S]"]
+    assert set(got) == {"original", "stof"}
+    assert all("gpu_kernel_ms_per_run" in p or "cupti_error" in p for p in got.values()), got
     assert mod.main(["--out", str(out)]) == 2
     other = tmp_path / "other"
     other.mkdir()
