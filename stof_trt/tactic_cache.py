@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ._files import write_json_atomic
@@ -84,7 +84,7 @@ class CacheKey:
     mask: str
 
     def as_dict(self) -> dict:
-        return {f: getattr(self, f) for f in _KEY_FIELDS}
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ class SchemeKey:
     bucket: str
 
     def as_dict(self) -> dict:
-        return {f: getattr(self, f) for f in _SCHEME_KEY_FIELDS}
+        return asdict(self)
 
 
 @dataclass

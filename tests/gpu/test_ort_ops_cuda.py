@@ -11,12 +11,11 @@ import pytest
 
 ort = pytest.importorskip("onnxruntime")
 
+from _ort_cuda import NEEDS_ORT_CUDA  # noqa: E402
+
 from stof_trt import ort as sort  # noqa: E402
 
-pytestmark = [
-    pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(), reason="no CUDA EP"),
-    pytest.mark.skipif(not sort.library_available(), reason="libstof_ort.so not built"),
-]
+pytestmark = NEEDS_ORT_CUDA
 
 TOL = 5e-3  # max |diff| / max |reference|, fp16
 

@@ -12,12 +12,11 @@ ort = pytest.importorskip("onnxruntime")
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from _ort_cuda import NEEDS_ORT_CUDA  # noqa: E402
+
 from stof_trt import ort as sort  # noqa: E402
 
-pytestmark = [
-    pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(), reason="no CUDA EP"),
-    pytest.mark.skipif(not sort.library_available(), reason="libstof_ort.so not built"),
-]
+pytestmark = NEEDS_ORT_CUDA
 
 B, S = 4, 200
 NO_TF32 = {"use_tf32": 0}  # fp32 comparisons: ORT's own fp32 MatMuls default to TF32 on the CUDA EP

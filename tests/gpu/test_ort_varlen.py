@@ -14,13 +14,12 @@ ort = pytest.importorskip("onnxruntime")
 
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
+from _ort_cuda import NEEDS_ORT_CUDA  # noqa: E402
+
 from stof_trt import ort as sort  # noqa: E402
 from stof_trt.format import STOF_FORMAT_VERSION, compile_mask  # noqa: E402
 
-pytestmark = [
-    pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(), reason="no CUDA EP"),
-    pytest.mark.skipif(not sort.library_available(), reason="libstof_ort.so not built"),
-]
+pytestmark = NEEDS_ORT_CUDA
 
 NP2ONNX = {np.float32: TensorProto.FLOAT, np.float16: TensorProto.FLOAT16}
 

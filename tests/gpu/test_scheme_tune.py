@@ -9,13 +9,12 @@ import pytest
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
+from _ort_cuda import NEEDS_ORT_CUDA  # noqa: E402
+
 from stof_trt import ort as sort  # noqa: E402
 from stof_trt import schemes as S  # noqa: E402
 
-pytestmark = [
-    pytest.mark.skipif(not sort.library_available(), reason="libstof_ort.so not built"),
-    pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(), reason="no CUDA EP"),
-]
+pytestmark = NEEDS_ORT_CUDA
 
 
 def _run(model, feeds, cuda: bool):
