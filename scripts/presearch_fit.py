@@ -7,8 +7,8 @@
 A run is a scripts/bench_attention.py JSON (tests/data/ holds the recorded ones): per
 cell, every tactic the benchmark timed.  The replay ranks each cell's tactics with stof_trt.presearch (the H100
 properties) and counts the cells where the first choice's measured time is within 10 % of the best measured one;
-a first choice the run did not time counts as a miss and is named.  With --fit, the listed (tactic, head dim)
-constants are refitted by presearch.calibrate on --fit-runs (default: --runs) and every run is replayed with the
+the first choice is taken among the tactics the run timed (a tactic added to the catalogue after the run has no
+time there).  With --fit, the listed (tactic, head dim) constants are refitted by presearch.calibrate on --fit-runs (default: --runs) and every run is replayed with the
 refitted entries beside the catalogue's; to keep them, paste the printed entries into the tactics' coef in
 plugins_cu/tactics.toml (with a [[fit]] naming the runs) and re-run scripts/gen_tactics.py.  --json writes both
 replays.
@@ -51,7 +51,10 @@ def replay(run_path: str, within: float = 1.10, coef: dict | None = None) -> lis
                                 gpu=presearch.H100_SXM, coef=coef)
         meas = cell["measured_ms"]
         best = min(meas, key=meas.get)
-        pick = presearch._BY_ID[ranked[0][0]].name if ranked else None
+        # the first choice among the tactics the run timed: a tactic added to the catalogue after the run has no
+        # time there, and says nothing about the model's order of the others
+        timed = [presearch._BY_ID[t].name for t, _ in ranked if presearch._BY_ID[t].name in meas]
+        pick = timed[0] if timed else (presearch._BY_ID[ranked[0][0]].name if ranked else None)
         ratio = meas[pick] / meas[best] if pick in meas else None
         out.append({"D": cell["D"], "S": cell["S"], "Sk": cell.get("Sk", cell["S"]), "mask": cell["mask"],
                     "pick": pick, "best": best, "ratio": ratio, "hit": ratio is not None and ratio <= within})

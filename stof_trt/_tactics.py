@@ -99,7 +99,7 @@ TACTICS = (
      'tile_n_multiple': 64, 'sm90a': True},
     {'id': 23, 'family': 3, 'name': 'wgmma_ws_m2x64_n128_s2', 'block_m': 128, 'block_n': 64, 'warps': 12, 'stages':
      2, 'min_ctas': 1, 'q_in_smem': False, 'pipelined': False, 'defer_pv': False, 'warp_specialized': True,
-     'key_step': 128, 'tma': False, 'persistent': True, 'head_dims': (64,), 'tile_m_multiple': 64,
+     'key_step': 128, 'tma': False, 'persistent': True, 'head_dims': (64, 128), 'tile_m_multiple': 64,
      'tile_n_multiple': 64, 'sm90a': True},
     {'id': 24, 'family': 3, 'name': 'wgmma_ws_m2x64_n128_s4', 'block_m': 128, 'block_n': 64, 'warps': 12, 'stages':
      4, 'min_ctas': 1, 'q_in_smem': False, 'pipelined': False, 'defer_pv': False, 'warp_specialized': True,

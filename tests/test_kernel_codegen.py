@@ -34,6 +34,9 @@ pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 
 # the three-consumer kernels' known spills (set-up and producer code, not the step loop)
 THREE_CONSUMER_SPILL_LIMIT = 256
+# tactic 23 at head dim 128 (S, P and O in 160 registers): its one-CTA-per-item forms, which run without a workspace
+# or with key_lengths, spill a few words; the persistent form spills none
+WIDE_ONE_ITEM_SPILL_LIMIT = 32
 
 
 def parse_ptxas(log: str) -> dict[str, dict]:
@@ -85,8 +88,8 @@ def ptxas_reports(tmp_path_factory):
 def test_catalogue_compiles_every_kernel(ptxas_reports, d):
     kernels = ptxas_reports[d]
     ws = [k for k in kernels if "hopper_ws_persist_fwd" in k]
-    # 21-24 and 28/29 at 64 (23/24, 28/29 have no head-dim-128 form), each with a one-CTA-per-item twin
-    assert len(ws) == (6 if d == 64 else 2), sorted(kernels)
+    # 21-24 and 28/29 at 64, 21-23 at 128 (24, 28/29 have no head-dim-128 form), each with a one-CTA-per-item twin
+    assert len(ws) == (6 if d == 64 else 3), sorted(kernels)
     assert all(k["spill_stores"] is not None for k in kernels.values()), "a kernel without a resource report"
 
 
@@ -102,7 +105,8 @@ def test_no_spills(ptxas_reports, d):
     bad = {}
     for name, info in ptxas_reports[d].items():
         three_consumers = re.search(r"WsTraits.*Lb1ELi3E", name) is not None
-        limit = THREE_CONSUMER_SPILL_LIMIT if three_consumers else 0
+        wide_one_item = re.search(r"hopper_ws_attn_fwd.*WsTraitsILi128ELi2ELi2E", name) is not None
+        limit = THREE_CONSUMER_SPILL_LIMIT if three_consumers else WIDE_ONE_ITEM_SPILL_LIMIT if wide_one_item else 0
         if (info["spill_stores"] or 0) > limit:
             bad[name] = info["spill_stores"]
     assert not bad, f"spill stores over the limit (bytes): {bad}"

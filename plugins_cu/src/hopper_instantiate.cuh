@@ -13,8 +13,8 @@ namespace stof {
 
 template <int D, int WG, int S, int PIPE, class T>
 constexpr LaunchFn hopper_launcher() {
-    if constexpr (PIPE == 4 && D == 128) {
-        return nullptr;  // S, P and O of a 128-key step at head dim 128 exceed the consumers' 216 registers
+    if constexpr (PIPE == 4 && D == 128 && (S > 2 || WG > 2)) {
+        return nullptr;  // 128-key stages of K and V at head dim 128: 64 KB each, two fit beside two Q buffers
     } else if constexpr (PIPE == 3 || PIPE == 4) {
         return &launch_hopper_ws<WsTraits<D, S, PIPE == 4 ? 2 : 1, T, true, WG>>;  // TMA (cp.async for key_lengths)
     } else if constexpr (PIPE == 5) {

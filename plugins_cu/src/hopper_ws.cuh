@@ -47,9 +47,9 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
     const uint32_t sQ = (smem_u32(smem) + 1023u) & ~1023u;
     const uint32_t sKV = sQ + WT::kSmemQ;  // stage s: K at sKV + 2 s kSmemKV, V right after; then the ones
     const uint32_t sBar = sKV + WT::kSmemRing;
-    const uint32_t sDesc = sBar + 16 * kStages;  // step descriptors (ws_write_desc), one per stage
-    auto full_bar = [&](int s) { return sBar + 8 * s; };
-    auto empty_bar = [&](int s) { return sBar + 8 * (kStages + s); };
+    const uint32_t sDesc = sBar + WT::kSmemBar;  // step descriptors (ws_write_desc), one per stage
+    auto full_bar = [&](int s) { return WT::full_k(sBar, s); };
+    auto empty_bar = [&](int s) { return WT::empty_k(sBar, s); };
 
     const int tid = threadIdx.x;
     const int wg = tid / 128;
@@ -72,6 +72,10 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
             // TMA: the expect_tx arrival; cp.async: one arrival per producer thread's copies + thread 0's (the descriptor)
             mbar_init(full_bar(s), WT::kTma ? 1 : 129);
             mbar_init(empty_bar(s), 128 * WT::kConsumers);  // one arrival per consumer thread
+            if constexpr (WT::kSplitKV) {
+                mbar_init(WT::full_v(sBar, s), 1);
+                mbar_init(WT::empty_v(sBar, s), 128 * WT::kConsumers);
+            }
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -184,12 +188,12 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
     extern __shared__ __align__(1024) unsigned char smem[];
     const uint32_t sQ0 = (smem_u32(smem) + 1023u) & ~1023u;  // Q buffer j: sQ0 + j kSmemQ
     const uint32_t sKV = sQ0 + kQBufs * WT::kSmemQ;
-    // full[kStages], empty[kStages], q_full[kQBufs], q_empty[kQBufs]
+    // the ring's mbarriers (WsTraits::full_k ...), q_full[kQBufs], q_empty[kQBufs]
     const uint32_t sBar = sKV + WT::kSmemRing;
-    const uint32_t sItem = sBar + 8 * (2 * kStages + 2 * kQBufs);  // int4 per Q buffer: qb, h, b, flags
-    const uint32_t sDesc = sItem + 16 * kQBufs;                      // step descriptors (ws_write_desc), one per stage
-    auto q_full = [&](int j) { return sBar + 8 * (2 * kStages + j); };
-    auto q_empty = [&](int j) { return sBar + 8 * (2 * kStages + kQBufs + j); };
+    const uint32_t sItem = sBar + WT::kSmemBar + 16 * kQBufs;  // int4 per Q buffer: qb, h, b, flags
+    const uint32_t sDesc = sItem + 16 * kQBufs;                  // step descriptors (ws_write_desc), one per stage
+    auto q_full = [&](int j) { return sBar + WT::kSmemBar + 8 * j; };
+    auto q_empty = [&](int j) { return sBar + WT::kSmemBar + 8 * (kQBufs + j); };
     // kSchedWarp: a walk window and a walk record per Q buffer, then the go and walk_ready[kQBufs] mbarriers
     const uint32_t sWinB = sDesc + WT::kSmemDesc;
     const uint32_t sRecB = sWinB + kQBufs * WT::kSmemWalk;
@@ -223,8 +227,12 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_persist_fwd(const _
         }
 #pragma unroll
         for (int s = 0; s < kStages; ++s) {
-            mbar_init(sBar + 8 * s, 1);
-            mbar_init(sBar + 8 * (kStages + s), 128 * WT::kConsumers);
+            mbar_init(WT::full_k(sBar, s), 1);
+            mbar_init(WT::empty_k(sBar, s), 128 * WT::kConsumers);
+            if constexpr (WT::kSplitKV) {
+                mbar_init(WT::full_v(sBar, s), 1);
+                mbar_init(WT::empty_v(sBar, s), 128 * WT::kConsumers);
+            }
         }
 #pragma unroll
         for (int j = 0; j < kQBufs; ++j) {

@@ -58,8 +58,17 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
     using Elem = typename WT::Elem;
     constexpr int kNI = WT::kNI, kKD = WT::kKD, kKN = WT::kKN, kDI = WT::kDI;
     constexpr int kBlockM = WT::kBlockM, kBlockN = WT::kBlockN, kStages = WT::kStages, kSub = WT::kSub;
-    auto full_bar = [&](int s) { return sBar + 8 * s; };
-    auto empty_bar = [&](int s) { return sBar + 8 * (kStages + s); };
+    auto full_bar = [&](int s) { return WT::full_k(sBar, s); };
+    auto empty_bar = [&](int s) { return WT::empty_k(sBar, s); };
+    // WT::kSplitKV: a stage's K is released once its S is done, its V awaited before and released after its P V
+    // (position: the step's ring position, for the parity); without it both go with the P V's release
+    auto k_done = [&](int s) {
+        if constexpr (WT::kSplitKV) mbar_arrive(WT::empty_k(sBar, s));
+    };
+    auto v_wait = [&](int s, int position) {
+        if constexpr (WT::kSplitKV) mbar_wait(WT::full_v(sBar, s), (position / kStages) & 1);
+    };
+    auto v_done = [&](int s) { mbar_arrive(WT::empty_v(sBar, s)); };
     const int warp = ctid >> 5, lane = ctid & 31;
     const int g = lane >> 2, tig = lane & 3;
     const float sl2 = p.scale_log2;
@@ -212,7 +221,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
     constexpr bool kPvWaited = WT::kExpChain && WT::kHeadDim == 64;
     WsItem cur, open;  // open: the item whose last P V (from ring stage prev_stage) and epilogue are outstanding
     bool pending = false;
-    int it = 0, prev_stage = 0;
+    int it = 0, prev_stage = 0, prev_it = 0;  // prev_it: prev_stage's ring position
     int pv_acc = 1, open_acc = 1;  // WT::kPvOverwrite: 0 until the current / open item's first P V is issued
     // WT::kSkip: a step with no tile of this consumer, before its first or after its last in the item, is released
     // unread (its descriptor's `more` only)
@@ -226,10 +235,11 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
         return more != 0;
     };
     auto finish_open = [&]() {  // the open item's last P V, then its epilogue
+        v_wait(prev_stage, prev_it);
         issue_pv(prev_stage, open_acc);
         wgmma_wait<0>();
         fence_regs(rO);
-        mbar_arrive(empty_bar(prev_stage));
+        v_done(prev_stage);
         epilogue(open, row_sum);
         pending = false;
     };
@@ -309,9 +319,11 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
         if (pending) {
             my_turn();
             issue_s(stage0);
+            v_wait(prev_stage, prev_it);
             issue_pv(prev_stage, open_acc);
             wgmma_wait<1>();  // S_0
             fence_regs(rS);
+            k_done(stage0);
             const float open_sum[2] = {row_sum[0], row_sum[1]};
             row_max[0] = row_max[1] = -INFINITY;
             row_sum[0] = row_sum[1] = 0.f;
@@ -320,13 +332,14 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
                 wgmma_wait<0>();  // the open item's last P V
                 fence_regs(rO);
             }
-            mbar_arrive(empty_bar(prev_stage));
+            v_done(prev_stage);
             epilogue(open, open_sum);
         } else {
             my_turn();
             issue_s(stage0);
             wgmma_wait<0>();
             fence_regs(rS);
+            k_done(stage0);
             row_max[0] = row_max[1] = -INFINITY;
             row_sum[0] = row_sum[1] = 0.f;
             softmax(alpha);
@@ -337,6 +350,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
             zero_o();
         if constexpr (!WT::kExpChain) pack_p<Elem, kKN>(rP, rS);
         prev_stage = stage0;
+        prev_it = it;
         ++it;
         // Steady state, step i: S_i and P_{i-1} V_{i-1} in flight together; softmax of S_i while P V runs.
         for (bool more = st.mine; more; ++it) {
@@ -346,19 +360,22 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
             st = ws_read_desc<WT::kConsumers, WT::kSkip>(sDesc + stage * kWsDescBytes, w);
             my_turn();
             issue_s(stage);
+            v_wait(prev_stage, prev_it);
             issue_pv(prev_stage, pv_acc);
             pv_acc = 1;
             wgmma_wait<1>();  // S_i
             fence_regs(rS);
+            k_done(stage);
             const bool rescale = softmax(alpha);
             if constexpr (!kPvWaited) {
                 wgmma_wait<0>();  // P_{i-1} V_{i-1}: O and rP free, stage i-1 no longer read
                 fence_regs(rO);
             }
-            mbar_arrive(empty_bar(prev_stage));
+            v_done(prev_stage);
             if (rescale) rescale_o<kON / 8>(rO, alpha);  // with kSumMma the row sums too
             if constexpr (!WT::kExpChain) pack_p<Elem, kKN>(rP, rS);
             prev_stage = stage;
+            prev_it = it;
             more = st.mine;
         }
         open = cur;

@@ -197,20 +197,26 @@ __device__ __forceinline__ void ws_load_sub(uint32_t s_tile, int h, const typena
 }
 
 
-// One step's K/V into ring stage sK, completing on its full barrier (the arrival with the expected bytes first).
-// One lane.
-template <class WT, int kC>
+// One step's K or V (kPart: 1 = K, 2 = V, 3 = both) into ring stage s, completing on its full barrier(s) (the
+// arrival with the expected bytes first).  One lane.
+template <class WT, int kPart = 3, int kC>
 __device__ __forceinline__ void ws_tma_step(const KernelParams& p, const WsStep<WT::kSub, kC>& st, int hk, int b,
-                                            uint32_t sK, uint32_t full) {
-    mbar_expect_tx(full, WT::kSub * 2 * 64 * WT::kHeadDim * 2);
+                                            uint32_t sKV, uint32_t sBar, int s) {
+    constexpr int kBytes = WT::kSub * 64 * WT::kHeadDim * 2;  // one of K or V
+    const uint32_t sK = sKV + s * 2 * WT::kSmemKV;
+    static_assert(kPart == 3 || WT::kSplitKV, "K and V apart: split barriers only");
+    // without kSplitKV full_v is full_k: one arrival expects both
+    if constexpr (kPart & 1) mbar_expect_tx(WT::full_k(sBar, s), WT::kSplitKV ? kBytes : 2 * kBytes);
+    if constexpr ((kPart & 2) && WT::kSplitKV) mbar_expect_tx(WT::full_v(sBar, s), kBytes);
 #pragma unroll
     for (int hh = 0; hh < WT::kSub; ++hh) {
         const int n0 = st.n0[hh] >= 0 ? st.n0[hh] : st.n0[0];
 #pragma unroll
         for (int cb = 0; cb < WT::kHeadDim / 64; ++cb) {
             const uint32_t off = cb * WT::kBlockN * 128 + hh * 64 * 128;
-            tma_load_4d(sK + off, &p.tma_k, cb * 64, n0, hk, b, full);
-            tma_load_4d(sK + WT::kSmemKV + off, &p.tma_v, cb * 64, n0, hk, b, full);
+            if constexpr (kPart & 1) tma_load_4d(sK + off, &p.tma_k, cb * 64, n0, hk, b, WT::full_k(sBar, s));
+            if constexpr (kPart & 2)
+                tma_load_4d(sK + WT::kSmemKV + off, &p.tma_v, cb * 64, n0, hk, b, WT::full_v(sBar, s));
         }
     }
 }
@@ -236,14 +242,18 @@ __device__ __forceinline__ int ws_produce_tma(const KernelParams& p, WsProducerW
         const bool more = ws_take_step<kSub>(cur, p, next);  // one step ahead: the descriptor's `more`
         on_step(cur);
         const int s = it % kStages;
-        if (it >= kStages) mbar_wait(sBar + 8 * (kStages + s), ((it / kStages) + 1) & 1);  // empty[s]
-        const uint32_t full = sBar + 8 * s;
-        const uint32_t sK = sKV + s * 2 * WT::kSmemKV;
+        const int parity = ((it / kStages) + 1) & 1;
+        if (it >= kStages) mbar_wait(WT::empty_k(sBar, s), parity);
         const int more_w = WT::kSkip ? ws_more_mask(cur, next) : 0;
         if (lane == 0) {
             using Walk = WsProducerWalk<WT::kConsumers>;
             ws_write_desc<WT::kSkip, Walk>(sDesc + s * kWsDescBytes, st, more, more_w, p);
-            ws_tma_step<WT>(p, st, hk, b, sK, full);  // its arrival releases the descriptor
+            // the (K) arrival releases the descriptor
+            ws_tma_step<WT, WT::kSplitKV ? 1 : 3>(p, st, hk, b, sKV, sBar, s);
+        }
+        if constexpr (WT::kSplitKV) {  // V once the stage's previous V is released (its P V done)
+            if (it >= kStages) mbar_wait(WT::empty_v(sBar, s), parity);
+            if (lane == 0) ws_tma_step<WT, 2>(p, st, hk, b, sKV, sBar, s);
         }
         // the warp reconverges every step: no lane may fall kStages positions behind lane 0 in the parity waits above
         if constexpr (kWsProducerLanes<WT::kConsumers> > 1) __syncwarp();
@@ -265,7 +275,7 @@ __device__ __forceinline__ bool ws_issue_first_step(const KernelParams& p, WsWal
     const int more_w = WT::kSkip ? ws_more_mask(cur, next) : 0;
     if (lane == 0) {
         ws_write_desc<WT::kSkip, WsWalk<2>>(sDesc, st, more, more_w, p);
-        ws_tma_step<WT>(p, st, hk, b, sKV, sBar);
+        ws_tma_step<WT>(p, st, hk, b, sKV, sBar, 0);  // (stage 0 is free: K and V at once)
     }
     __syncwarp();
     st = next;

@@ -31,7 +31,25 @@ struct WsTraits {
     static constexpr int kChunks = kHeadDim / 8;
     static constexpr int kSmemQ = kBlockM * kHeadDim * 2;
     static constexpr int kSmemKV = kBlockN * kHeadDim * 2;  // one of K or V, one stage
-    static constexpr int kSmemBar = 16 * kStages;            // full[] and empty[] mbarriers
+    // Head dim 128 with 128-key steps (tactic 23): S, P and O take 160 of the consumers' registers, so Q stays in
+    // shared memory, and two 64 KB stages fit beside two Q buffers.  A stage's K and V complete and are released
+    // apart (K once S is done, V once P V is): held for both until P V ends, two stages leave no room to prefetch
+    // (causal 17-23 % slower than tactic 22 that way, 2-6 % faster split).  TMA producer only; the cp.async
+    // producer keeps one barrier pair per stage.
+    static constexpr bool kWide = kHeadDim == 128 && kSub == 2;
+    static constexpr bool kSplitKV = kWide && kTma;
+    static constexpr int kRingBars = (kSplitKV ? 4 : 2) * kStages;  // full[], empty[] (K, or K and V), full_v[], empty_v[]
+    static constexpr int kSmemBar = 8 * kRingBars;
+    // the ring's mbarriers from sBar: stage s's K (with kSplitKV) or K and V (without) completing and released,
+    // and with kSplitKV its V's
+    static __device__ __forceinline__ uint32_t full_k(uint32_t sBar, int s) { return sBar + 8 * s; }
+    static __device__ __forceinline__ uint32_t empty_k(uint32_t sBar, int s) { return sBar + 8 * (kStages + s); }
+    static __device__ __forceinline__ uint32_t full_v(uint32_t sBar, int s) {
+        return kSplitKV ? sBar + 8 * (2 * kStages + s) : full_k(sBar, s);
+    }
+    static __device__ __forceinline__ uint32_t empty_v(uint32_t sBar, int s) {
+        return kSplitKV ? sBar + 8 * (3 * kStages + s) : empty_k(sBar, s);
+    }
     static constexpr int kSmemDesc = 64 * kStages;           // a step descriptor per stage (kWsDescBytes)
     static constexpr int kSmemWalk = 2 * 32 * 8;             // the two-consumer TMA producer's walk (WsWalk)
     // Row sums of P on the tensor cores: P V runs with N = kHeadDim + 8 against a block of ones after the ring, so
@@ -46,13 +64,14 @@ struct WsTraits {
     static constexpr int kSmemSize = kSmemQ + kSmemRing + kSmemBar + kSmemDesc + kSmemWalk + 1024;
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head dim");
     static_assert(kSub == 1 || kSub == 2, "64 or 128 keys per step");
+    static_assert(!kSplitKV || kConsumers == 2, "split K/V barriers: the two-consumer kernels");
     // A second producer warp starts the persistent kernel's items (claim, Q, walk) and stores their O by TMA, so
     // neither sits on the K/V stream nor on the consumers' epilogue.
     static constexpr bool kSchedWarp = kConsumers == 2 && kTma;
-    // persistent form: kQBufs Q buffers, the ring, full/empty[kStages] + q_full/q_empty[kQBufs] mbarriers, an item
+    // persistent form: kQBufs Q buffers, the ring, its kRingBars + q_full/q_empty[kQBufs] mbarriers, an item
     // slot per Q buffer; kSchedWarp: per Q buffer a walk window and record, and kQBufs + 1 mbarriers
     static constexpr int persist_smem(int qbufs) {
-        return qbufs * kSmemQ + kSmemRing + 8 * (2 * kStages + 2 * qbufs) + 16 * qbufs + kSmemDesc + kSmemWalk + 1024 +
+        return qbufs * kSmemQ + kSmemRing + 8 * (kRingBars + 2 * qbufs) + 16 * qbufs + kSmemDesc + kSmemWalk + 1024 +
                (kSchedWarp ? qbufs * (kSmemWalk + 128) + 8 * (1 + qbufs) : 0);  // 128: kWsRecBytes
     }
     // Consumers chain their work items (ws_consume_items) at head dim 64; at 128 chaining is slower (registers), so
@@ -67,10 +86,11 @@ struct WsTraits {
     static_assert(!kChainItems || persist_smem(3) <= 227 * 1024, "shared memory for three Q buffers");
     // S = Q K^T with the consumer's Q rows in registers (ldmatrix once per item): the S MMA reads only K from shared
     // memory and its loop loses the Q descriptors.  Not with three consumers (160 registers each).
-    static constexpr bool kQRegs = kConsumers == 2;
+    static constexpr bool kQRegs = kConsumers == 2 && !kWide;
     // MMA turns (FlashAttention-3's ping-pong): a consumer issues a step's MMAs once the other has reduced its max
     // (named barriers 3 + w), so they run beside the other's exps; beside FFMA/FMNMX work both would slow down.
-    // Only with 128-key steps and a 4-stage ring (tactic 24); needs the row sums on the tensor cores.
+    // Only with 128-key steps and a 4-stage ring (tactic 24); needs the row sums on the tensor cores (tactic 23 at
+    // head dim 128, sums on the CUDA cores: 3 % slower with turns).
     static constexpr bool kTurns = kConsumers == 2 && kSumMma && kSub == 2 && kStages >= 4;
     // The exp chain (WsExpChain): P packed as the exps come, some groups' exp arguments chained to an earlier packed
     // P, so ptxas interleaves FFMAs, MUFU ops and packs.  Not with three consumers (registers at the spill limit).

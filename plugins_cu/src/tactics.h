@@ -52,7 +52,8 @@
 //     consumer warpgroups (128 rows per work item, one CTA per SM), 64-key steps, 2 stages; persistent when given a
 //     workspace
 // 22: as 21 with 4 stages
-// 23: as 21 with 128-key steps (two 64-key sub-blocks of the walk per step)
+// 23: as 21 with 128-key steps (two 64-key sub-blocks of the walk per step); at head dim 128 Q stays in shared
+//     memory and each stage's K and V complete and are released apart
 // 24: as 23 with 4 stages (4 rather than 3: faster on causal)
 // 25: as 13 with K/V loaded by the TMA (hopper_tma.cuh): one thread issues the copies, mbarriers instead of a CTA
 //     barrier per step
