@@ -24,7 +24,7 @@ HITS = {
     "h100_d64_71ae7b3.json": 25, "h100_d64_8409f2d.json": 25, "h100_d64_a7eb448.json": 25, "h100_d64_e47c94c.json": 25,
     "h100_d64_f5301ee.json": 25, "h100_d128_c6991ec.json": 25, "h100_d128_d20d29b.json": 25, "h100_d128_085a85f.json": 25,
     "h100_sliding_f4d7123.json": 10, "h100_shortkeys_a.json": 4, "h100_shortkeys_b.json": 6,
-    "h100_heldout_a.json": 4, "h100_heldout_b.json": 3,
+    "h100_heldout_a.json": 4, "h100_heldout_b.json": 3, "h200_d128_2353f1d.json": 15,
 }
 
 
