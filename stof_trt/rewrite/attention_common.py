@@ -72,7 +72,68 @@ def choose_layout(options: dict, graph_mask: GraphMask | None, sq: int, sk: int,
         layout = TileLayout.from_dense(dense, tm, tn, mask_spec="graph")
     else:
         layout = TileLayout.from_dense(np.ones((1, sq, sk), bool), tm, tn, mask_spec="full")
+    spec = growable_spec(user, statics, layout, heads)
+    if spec is not None:   # the node's layout_spec (AttentionEmitter.node): its layout at any length
+        options.setdefault("_layout_specs", {})[id(layout)] = (layout, spec)
     return layout, " & ".join(names) if names else "none (full layout)"
+
+
+def band_spec(static: np.ndarray) -> str | None:
+    """The closed-form spec of a static pattern [L, S, S] when it is one band ``lo <= k - q <= hi`` for every
+    layout (causal, a sliding window, full), else None. A side the pattern does not reach inside the matrix is
+    taken as unbounded: the pattern seen at one length cannot tell causal from a window wider than that length
+    (docs/rewrite.md "Sequence length")."""
+    L, sq, sk = static.shape
+    if sq != sk or not all(np.array_equal(static[0], s) for s in static[1:]):
+        return None
+    m = static[0]
+    if not m.any():
+        return None
+    d = np.arange(sk)[None, :] - np.arange(sq)[:, None]     # k - q
+    lo, hi = int(d[m].min()), int(d[m].max())
+    if not np.array_equal(m, (d >= lo) & (d <= hi)):
+        return None
+    lower, upper = lo > -(sq - 1), hi < sk - 1                # the sides seen inside the matrix
+    if not lower:
+        return "full" if not upper else f"causal:offset={hi}"
+    if lo > 0:
+        return None                                           # keys strictly after the query: no spec names it
+    if not upper:
+        return f"sliding:left={-lo},right=2147483647"
+    if hi < 0:
+        return f"causal:offset={hi}&sliding:left={-lo},right=0"
+    return f"sliding:left={-lo},right={hi}"
+
+
+def growable_spec(user, statics: list[np.ndarray], layout: TileLayout, heads: int) -> str | None:
+    """The closed-form spec (masks.closed_form, in its canonical spelling) whose compilation at the layout's size is
+    exactly ``layout``: the user's spec ∧ each static pattern read as a band; None when a part is not closed-form (an
+    npy: or blocks: mask, BigBird's random blocks, a custom graph pattern) or the compiled spec differs."""
+    from ..masks import closed_form, parse_mask
+
+    parts = []
+    if user is not None:
+        parsed = parse_mask(user)
+        if not closed_form(parsed):
+            return None
+        parts.append(str(parsed))
+    for s in statics:
+        b = band_spec(np.asarray(s, bool).reshape((-1,) + np.shape(s)[-2:]))
+        if b is None:
+            return None
+        parts.append(b)
+    text = "&".join(f"({p})" for p in parts) if len(parts) > 1 else (parts[0] if parts else "full")
+    spec = parse_mask(text)
+    if not closed_form(spec):
+        return None
+    try:
+        again = compile_mask(spec, layout.seq_q, layout.seq_k, tile_m=layout.tile_m, tile_n=layout.tile_n,
+                             num_heads=heads)
+    except StofError:
+        return None
+    if again.num_layouts != layout.num_layouts or again.signature() != layout.signature():
+        return None
+    return str(spec)
 
 
 def _and_heads(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -143,6 +204,9 @@ class AttentionEmitter:
         attrs = {"scale": float(plan.scale), "tile_m": lay.tile_m, "tile_n": lay.tile_n, "seq_q": lay.seq_q,
                  "seq_k": lay.seq_k, "num_layouts": lay.num_layouts, "format_version": FORMAT_VERSION,
                  "mask_spec": lay.mask_spec or ""}
+        spec = self.ctx.options.get("_layout_specs", {}).get(id(lay))
+        if spec is not None and spec[0] is lay:
+            attrs["layout_spec"] = spec[1]
         if packed:
             attrs["qkv_format"] = "bs3hd"
         node = gs.Node("StofSparseAttention", self.ctx.unique("StofSparseAttention"), attrs, inputs, [output],
@@ -271,24 +335,27 @@ def compiled_length(ctx, graph: gs.Graph, shape_names: set[str], mask_terms: lis
         check_probe_memory(model, given, _heads_at_length_one(probe, first), bool(mask_terms))
     limit = _longest_runnable(probe, cap)
     notes = ctx.report.notes
+    # _compiled_seq_source says why (rewrite.py keeps stof.max_seq_len only for a limit that stays one)
     if given is not None:
         if limit < given:
             raise StofError(f"max_seq_len={given} is longer than the model runs: it accepts at most {limit} "
                             "positions (a position-embedding table or mask buffer)")
-        seq = given
+        seq, source = given, "given"
     elif limit < cap:
-        seq = limit
+        seq, source = limit, "model"
         notes.append(f"compiled for sequence length {seq}: the model's own limit (longer inputs fail in the "
                      "original model too)")
     elif fixed is not None and fixed <= DEFAULT_MAX_SEQ:
-        seq = fixed
+        seq, source = fixed, "mask"
         notes.append(f"compiled for sequence length {seq}: the size of the mask {opts['mask']} (a fixed mask "
                      "cannot grow; longer inputs are an error)")
     else:
-        seq = cap
+        seq, source = cap, "default"
+        opts["_compiled_seq_note"] = len(notes)   # rewrite.py words it for models whose layouts grow
         notes.append(f"compiled for sequence length {seq}, no limit found in the model: longer inputs are an "
                      "error; pass max_seq_len (stof rewrite --max-seq-len S) to compile for longer")
     opts["_compiled_seq"] = seq
+    opts["_compiled_seq_source"] = source
     return seq
 
 

@@ -163,6 +163,7 @@ def _rewrite_model(model, *, mask, epilogues, tile_m, tile_n, max_seq_len, packe
     if not ctx.functions:
         out = copy.deepcopy(original)
         return out, report
+    grows = _layouts_grow(ctx, graph, report)
     graph.cleanup().toposort()
     out = gs.export_onnx(graph, do_type_check=False)
     # metadata gs does not carry
@@ -176,8 +177,12 @@ def _rewrite_model(model, *, mask, epilogues, tile_m, tile_n, max_seq_len, packe
     out.metadata_props.add(key="stof.rewritten", value="1")
     if report.remove_padding.get("applied"):  # outputs are 0 at padded positions (docs/rewrite.md)
         out.metadata_props.add(key="stof.padding_removed", value="1")
-    if "_compiled_seq" in ctx.options:  # the longest sequence the rewritten model runs (docs/rewrite.md)
+    if "_compiled_seq" in ctx.options and not grows:  # the longest sequence it runs (docs/rewrite.md)
         out.metadata_props.add(key="stof.max_seq_len", value=str(ctx.options["_compiled_seq"]))
+    elif "_compiled_seq" in ctx.options:
+        # every layout builds itself for longer inputs in the plugin; the function fallback keeps the compiled
+        # length (the CLI refuses longer inputs on providers without the plugin)
+        out.metadata_props.add(key="stof.compiled_seq_len", value=str(ctx.options["_compiled_seq"]))
     for imp in list(out.opset_import):
         if imp.domain == DOMAIN:
             out.opset_import.remove(imp)
@@ -192,6 +197,32 @@ def _rewrite_model(model, *, mask, epilogues, tile_m, tile_n, max_seq_len, packe
     out.functions.extend(list(original.functions) + build_functions(ctx.functions, opset))
     check(out)
     return out, report
+
+
+def _layouts_grow(ctx, graph: gs.Graph, report: RewriteReport) -> bool:
+    """Whether every StofSparseAttention node carries a layout_spec (its layout is built for any run-time length in
+    the plugin) and the compiled length is no limit of the model's own: then the model runs at every length the
+    original runs at, and the report's notes say so instead of naming a limit."""
+    nodes = [n for n in graph.nodes if n.op == "StofSparseAttention"]
+    source = ctx.options.get("_compiled_seq_source")
+    if not nodes or source not in ("default", "given") or any("layout_spec" not in n.attrs for n in nodes):
+        return False
+    seq = ctx.options["_compiled_seq"]
+    msg = (f"compiled for sequence length {seq}; longer inputs build their layouts at run time (the nodes' "
+           "layout_spec, in the CUDA plugin; the ONNX function fallback runs up to the compiled length)")
+    at = ctx.options.get("_compiled_seq_note")
+    if at is not None and at < len(report.notes):
+        report.notes[at] = msg
+    else:
+        report.notes.append(msg)
+    # a graph pattern with a side it does not reach at the compiled length (causal) could be a wider window
+    inferred = sorted({s for s in (n.attrs["layout_spec"] for n in nodes)
+                       if ctx.options.get("mask") is None and ("causal" in s or "2147483647" in s)})
+    if inferred:
+        report.notes.append(f"layout_spec {', '.join(repr(s) for s in inferred)} read from the graph's mask at length "
+                            f"{seq}: a sliding window wider than {seq} would read as unbounded there; pass "
+                            "max_seq_len above such a window")
+    return True
 
 
 def _note_dense_on_stof(report: RewriteReport, packed_qkv: bool, epilogues: bool) -> None:
