@@ -23,6 +23,7 @@ MIN_OPSET = 15
 ATTENTION_INPUTS = ["query", "key", "value", "row_ptr", "col_idx", "tile_bitmap_index", "bitmaps",
                     "key_padding_mask", "attn_bias", "seq_offsets"]
 ATTENTION_ATTRS = ["scale", "tile_m", "tile_n", "seq_q", "seq_k", "num_layouts", "format_version", "mask_spec",
+                   "layout_spec",
                    "qkv_format"]
 #: StofSparseAttention ``qkv_format`` values: "bhsd" (default: query/key/value [B,H,S,D], output [B,H,Sq,D]) and
 #: "bs3hd" (packed: query is [B,S,3,H,D] = Q,K,V of one projection, key/value absent, output [B,S,H,D]).
