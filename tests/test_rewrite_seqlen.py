@@ -37,3 +37,134 @@ def test_fixed_user_mask_sets_the_compiled_length(tmp_path):
     run(sess, token_feeds(rng, 2, 40))
     with pytest.raises(Exception, match=r"\{1,40,40\}"):
         run(sess, token_feeds(rng, 2, 41))
+
+
+def _layout_specs(model) -> list[str | None]:
+    out = []
+    for n in model.graph.node:
+        if n.op_type == "StofSparseAttention":
+            a = {x.name: x for x in n.attribute}
+            out.append(a["layout_spec"].s.decode() if "layout_spec" in a else None)
+    return out
+
+
+@pytest.mark.parametrize("name, expect", [("llama", {"causal"}), ("mistral", {"sliding:left=23,right=0"}),
+                                          ("modernbert", {"full", "sliding:window=8"}), ("t5_encoder", {"full"})])
+def test_closed_form_layouts_carry_their_spec(name, expect):
+    """With no flags, a model with no length limit of its own is compiled at 2048, and each attention node whose
+    layout is a closed-form pattern carries it (layout_spec; the plugin builds longer layouts from it): the metadata
+    says compiled_seq_len, not max_seq_len, and the report says that longer inputs build their layouts."""
+    from models_util import family
+
+    from stof_trt.masks import closed_form, parse_mask
+
+    model, limit = family(name)
+    assert limit is None
+    new, report = rewrite_model(model, **TILE)
+    specs = _layout_specs(new)
+    assert specs and None not in specs and set(specs) == expect
+    meta = {p.key: p.value for p in new.metadata_props}
+    assert "stof.max_seq_len" not in meta and meta["stof.compiled_seq_len"] == "2048"
+    assert any("build their layouts at run time" in n for n in report.notes), report.notes
+    assert not any("longer inputs are an error" in n for n in report.notes), report.notes
+    for s in specs:
+        assert closed_form(parse_mask(s)) and str(parse_mask(s)) == s
+    # the graph's causal pattern has no lower side at 2048: the report says what that means
+    assert any("would read as unbounded" in n for n in report.notes) == ("causal" in expect)
+
+
+def test_layout_spec_compiles_to_the_node_layout():
+    """Each node's layout_spec compiled at the node's size is exactly its layout inputs (the rewrite checks it; so
+    does this test, through the host layer's compiler where it is built)."""
+    from models_util import family
+
+    from stof_trt.format import compile_mask
+    from stof_trt.nodes import attention_nodes
+
+    model, _ = family("modernbert")
+    new, _ = rewrite_model(model, **TILE)
+    specs = _layout_specs(new)
+    for node, spec in zip(attention_nodes(new), specs):
+        lay = node.layout
+        again = compile_mask(spec, lay.seq_q, lay.seq_k, tile_m=lay.tile_m, tile_n=lay.tile_n)
+        assert again.signature() == lay.signature()
+        try:
+            from stof_trt import native_masks
+            native_masks.native_library()
+        except (ImportError, RuntimeError):
+            continue
+        assert native_masks.compile_spec(spec, lay.seq_q, lay.seq_k, tile_m=lay.tile_m,
+                                         tile_n=lay.tile_n).signature() == lay.signature()
+
+
+@pytest.mark.parametrize("mask, grows", [("longformer:window=8,global=2", True), ("dilated:window=20,dilation=3", True),
+                                         ("bigbird:block=16,window=1,global=1", True),
+                                         ("bigbird:block=16,window=1,global=1,random=0.3", False)])
+def test_user_specs(mask, grows):
+    """A user --mask spec on a model with no limit of its own: closed-form specs (∧ the graph's causal pattern)
+    grow, BigBird's random blocks keep the compiled length and its limit."""
+    from models_util import family
+
+    new, _ = rewrite_model(family("llama")[0], mask=mask, **TILE)
+    specs = _layout_specs(new)
+    meta = {p.key: p.value for p in new.metadata_props}
+    if grows:
+        assert None not in specs and all(s.endswith("&causal") for s in specs), specs
+        assert "stof.max_seq_len" not in meta
+    else:
+        assert set(specs) == {None} and meta["stof.max_seq_len"] == "2048"
+
+
+def test_models_with_a_limit_keep_it():
+    """GPT-2's position table (72 here) is a limit of the model's own: its nodes carry layout_spec (causal) but the
+    model keeps stof.max_seq_len, and max_seq_len given below a model's limit grows like the default."""
+    from models_util import family
+
+    new, _ = rewrite_model(family("gpt2")[0], **TILE)
+    meta = {p.key: p.value for p in new.metadata_props}
+    assert meta["stof.max_seq_len"] == "72" and set(_layout_specs(new)) == {"causal"}
+    new, _ = rewrite_model(family("llama")[0], max_seq_len=100, **TILE)
+    meta = {p.key: p.value for p in new.metadata_props}
+    assert "stof.max_seq_len" not in meta and meta["stof.compiled_seq_len"] == "100"
+
+
+def test_band_spec_reads_graph_patterns():
+    from stof_trt.rewrite.attention_common import band_spec
+
+    S = 40
+    q, k = np.arange(S)[:, None], np.arange(S)[None, :]
+    d = k - q
+    cases = [(d <= 0, "causal:offset=0"), (d <= 3, "causal:offset=3"), ((d >= -5) & (d <= 0), "sliding:left=5,right=0"),
+             (np.abs(d) <= 7, "sliding:left=7,right=7"), (d >= -4, "sliding:left=4,right=2147483647"),
+             ((d >= -9) & (d <= -2), "causal:offset=-2&sliding:left=9,right=0"), (np.ones((S, S), bool), "full"),
+             ((d >= 2) & (d <= 5), None), (np.eye(S, dtype=bool)[::-1], None), (np.zeros((S, S), bool), None)]
+    for m, want in cases:
+        assert band_spec(m[None]) == want, want
+    assert band_spec(np.stack([d <= 0, d <= 1])) is None                     # differs per head
+    assert band_spec(np.ones((1, 4, 6), bool)) is None                        # not square
+
+
+def test_cli_run_without_the_plugin_keeps_the_compiled_length(tmp_path, capsys):
+    """A model whose layouts grow runs past its compiled length only with the CUDA plugin: `stof run --provider
+    cpu` refuses a longer input in one line that says so, before any run."""
+    pytest.importorskip("onnxruntime")
+    import onnx
+    from models_util import family
+
+    from stof_trt.cli.common import check_seq_limit
+    from stof_trt.errors import StofError
+
+    new, _ = rewrite_model(family("llama")[0], max_seq_len=40, **TILE)
+    shapes = {"input_ids": (1, 41), "attention_mask": (1, 41)}
+    check_seq_limit(new, shapes, plugin=True)
+    with pytest.raises(StofError, match="without the CUDA plugin .* at most 40 tokens"):
+        check_seq_limit(new, shapes, plugin=False)
+    path = tmp_path / "llama.stof.onnx"
+    onnx.save(new, path)
+    from stof_trt.cli import main
+
+    assert main(["run", str(path), "--provider", "cpu", "--shapes", "input_ids=1x40,attention_mask=1x40"]) == 0
+    capsys.readouterr()
+    assert main(["run", str(path), "--provider", "cpu", "--shapes", "input_ids=1x41,attention_mask=1x41"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "without the CUDA plugin" in err and "at most 40 tokens" in err
