@@ -168,3 +168,49 @@ def test_cli_run_without_the_plugin_keeps_the_compiled_length(tmp_path, capsys):
     assert main(["run", str(path), "--provider", "cpu", "--shapes", "input_ids=1x41,attention_mask=1x41"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "without the CUDA plugin" in err and "at most 40 tokens" in err
+
+
+def _grown(model, seq: int):
+    """``model`` with every StofSparseAttention node's layout rebuilt from its layout_spec at ``seq`` (what the
+    plugin does past the compiled length), for the ONNX function fallback to run on the CPU."""
+    import onnx
+    from onnx import numpy_helper
+
+    from stof_trt.format import compile_mask
+
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for i, n in enumerate(out.graph.node):
+        if n.op_type != "StofSparseAttention":
+            continue
+        a = {x.name: x for x in n.attribute}
+        spec = a["layout_spec"].s.decode()
+        lay = compile_mask(spec, seq, seq, tile_m=a["tile_m"].i, tile_n=a["tile_n"].i, num_heads=a["num_layouts"].i)
+        for j, (name, arr) in enumerate(lay.arrays().items()):
+            t = numpy_helper.from_array(arr, f"grown{i}_{name}")
+            out.graph.initializer.append(t)
+            n.input[3 + j] = t.name
+        a["seq_q"].i = a["seq_k"].i = seq
+    return out
+
+
+@pytest.mark.parametrize("name, mask", [("llama", None), ("mistral", None), ("modernbert", None),
+                                        ("llama", "longformer:window=6,global=2"), ("t5_encoder", None)])
+def test_layout_spec_holds_past_the_compiled_length(name, mask):
+    """The semantics the plugin relies on, checked on the CPU: layouts rebuilt from the nodes' layout_spec at
+    lengths past the compiled 48 (not tile multiples) give the original model's outputs at every real token (the
+    window of Mistral and ModernBERT's local layers, the causal pattern, a user spec ∧ causal; a user spec changes
+    the model, so there the reference is the same rewrite compiled at the longer length)."""
+    from models_util import family
+
+    model, _ = family(name)
+    new, _ = rewrite_model(model, mask=mask, max_seq_len=48, **TILE)
+    rng = np.random.default_rng(5)
+    for seq in (49, 101):
+        ref_model = model if mask is None else rewrite_model(model, mask=mask, max_seq_len=seq, **TILE)[0]
+        feeds = token_feeds(rng, 2, seq, mask=padding_mask(rng, 2, seq, min_len=seq // 2))
+        feeds["input_ids"] = np.maximum(feeds["input_ids"], 3)
+        keep = feeds["attention_mask"].astype(bool)
+        ref, got = run(session(ref_model), feeds)[0], run(session(_grown(new, seq)), feeds)[0]
+        err = np.abs(got - ref)[keep].max() / max(1.0, np.abs(ref[keep]).max())
+        assert err < 1e-4, (name, seq, err)
