@@ -9,18 +9,50 @@ from models_util import TILE, assert_parity, exported, padding_mask, run, sessio
 from stof_trt.rewrite import rewrite_model
 
 
-@pytest.mark.parametrize("kind,spec", [("gpt2", None), ("bert", None)])
+def _drop_layout_specs(model):
+    for n in model.graph.node:
+        for a in [a for a in n.attribute if a.name == "layout_spec"]:
+            n.attribute.remove(a)
+        if n.op_type == "StofSparseAttention":
+            n.overload = n.overload.rsplit("spec", 1)[0].rstrip("_")
+    return model
+
+
+@pytest.mark.parametrize("kind,spec", [("gpt2", None), ("bert", None),
+                                       ("bert", "bigbird:block=16,window=1,global=1,random=0.3")])
 def test_fallback_refuses_lengths_above_the_compiled_one(kind, spec):
-    """Compiled at 20 with 16-row tiles: 20 runs right; 21..32 (inside the last tile) and 33 fail with a message
-    that names the compiled sizes, never a wrong output."""
+    """Compiled at 20 with 16-row tiles, nodes without a layout_spec (BigBird's random blocks; the others with it
+    dropped): 20 runs right; 21..32 (inside the last tile) and 33 fail with a message that names the compiled sizes,
+    never a wrong output."""
+    from stof_trt.rewrite.functions import build_functions
+
     model = exported(kind)
     new, _ = rewrite_model(model, mask=spec, max_seq_len=20, **TILE)
+    if spec is None:   # the same model with the functions of nodes without layout_spec
+        new = _drop_layout_specs(new)
+        opset = next(i.version for i in new.opset_import if i.domain in ("", "ai.onnx"))
+        needed = {(n.op_type, n.overload) for n in new.graph.node if n.domain == "stof"}
+        del new.functions[:]
+        new.functions.extend(build_functions(needed, opset))
     sess = session(new)
     rng = np.random.default_rng(0)
     assert_parity(model, new, token_feeds(rng, 2, 20, mask=padding_mask(rng, 2, 20)))
     for seq in (21, 25, 32, 33):
         with pytest.raises(Exception, match=r"exceeds_compiled_seq_q_seq_k.*\{1,20,20\}"):
             run(sess, token_feeds(rng, 2, seq))
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+def test_fallback_with_layout_spec_runs_past_the_compiled_length(kind):
+    """The same models as they are rewritten (causal / full with key padding: nodes with a layout_spec): the
+    function evaluates the spec at the run-time length, so 21..33 (inside the compiled tail and past it) equal the
+    original at every real token, up to the position table."""
+    model = exported(kind)
+    new, _ = rewrite_model(model, max_seq_len=20, **TILE)
+    assert {n.overload for n in new.graph.node if n.op_type == "StofSparseAttention"} == {"varlen_spec0"}
+    rng = np.random.default_rng(0)
+    for seq in (20, 21, 25, 32, 33, 60):
+        assert_parity(model, new, token_feeds(rng, 2, seq, mask=padding_mask(rng, 2, seq)))
 
 
 def test_fixed_user_mask_sets_the_compiled_length(tmp_path):
@@ -144,30 +176,22 @@ def test_band_spec_reads_graph_patterns():
     assert band_spec(np.ones((1, 4, 6), bool)) is None                        # not square
 
 
-def test_cli_run_without_the_plugin_keeps_the_compiled_length(tmp_path, capsys):
-    """A model whose layouts grow runs past its compiled length only with the CUDA plugin: `stof run --provider
-    cpu` refuses a longer input in one line that says so, before any run."""
+def test_cli_run_past_the_compiled_length(tmp_path, capsys):
+    """A model whose layouts grow has no stof.max_seq_len: `stof run --provider cpu` (the ONNX functions) runs it
+    past its compiled length, where the model itself runs."""
     pytest.importorskip("onnxruntime")
     import onnx
     from models_util import family
 
+    from stof_trt.cli import main
     from stof_trt.cli.common import check_seq_limit
-    from stof_trt.errors import StofError
 
     new, _ = rewrite_model(family("llama")[0], max_seq_len=40, **TILE)
-    shapes = {"input_ids": (1, 41), "attention_mask": (1, 41)}
-    check_seq_limit(new, shapes, plugin=True)
-    with pytest.raises(StofError, match="without the CUDA plugin .* at most 40 tokens"):
-        check_seq_limit(new, shapes, plugin=False)
+    check_seq_limit(new, {"input_ids": (1, 300), "attention_mask": (1, 300)})
     path = tmp_path / "llama.stof.onnx"
     onnx.save(new, path)
-    from stof_trt.cli import main
-
-    assert main(["run", str(path), "--provider", "cpu", "--shapes", "input_ids=1x40,attention_mask=1x40"]) == 0
-    capsys.readouterr()
-    assert main(["run", str(path), "--provider", "cpu", "--shapes", "input_ids=1x41,attention_mask=1x41"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "without the CUDA plugin" in err and "at most 40 tokens" in err
+    assert main(["run", str(path), "--provider", "cpu", "--shapes", "input_ids=1x41,attention_mask=1x41"]) == 0
+    assert main(["run", str(path), "--provider", "cpu", "--shapes", "input_ids=2x130,attention_mask=2x130"]) == 0
 
 
 def _grown(model, seq: int):

@@ -145,22 +145,22 @@ def _seq_limit(model) -> int | None:
         from ..nodes import attention_nodes
 
         m = model if hasattr(model, "graph") else onnx.load(str(model))
+        if any(p.key == "stof.compiled_seq_len" for p in m.metadata_props):
+            return None   # its layouts grow: the compiled length is no limit
         seqs = [min(n.layout.seq_q, n.layout.seq_k) for n in attention_nodes(m)]
         return min(seqs) if seqs else None
     except Exception:  # noqa: BLE001 - a hint only
         return None
 
 
-def check_seq_limit(model, shapes: dict, *, plugin: bool = True) -> None:
+def check_seq_limit(model, shapes: dict) -> None:
     """Refuse, before any run, a sequence length over the rewritten model's ``stof.max_seq_len`` metadata (the
     length its layouts were compiled for): ``shapes`` maps input names to the shapes about to be fed; the sequence
     length is each input's size on an axis after the batch that the model leaves symbolic.  A model whose layouts
-    grow (``stof.compiled_seq_len``: every node has a layout_spec) has no limit in the CUDA plugin; without it
-    (``plugin`` False: the CPU, or no libstof_ort) its ONNX functions run up to the compiled length."""
+    grow (every attention node has a layout_spec) has no such metadata: it runs at every length."""
     meta = {p.key: p.value for p in model.metadata_props}
-    key = "stof.max_seq_len" if "stof.max_seq_len" in meta or plugin else "stof.compiled_seq_len"
     try:
-        limit = int(meta[key])
+        limit = int(meta["stof.max_seq_len"])
     except (KeyError, ValueError):
         return
     inits = {t.name for t in model.graph.initializer}
@@ -171,11 +171,6 @@ def check_seq_limit(model, shapes: dict, *, plugin: bool = True) -> None:
         for axis, d in enumerate(vi.type.tensor_type.shape.dim):
             if axis == 0 or axis >= len(shape) or d.HasField("dim_value"):
                 continue
-            if shape[axis] > limit and key == "stof.compiled_seq_len":
-                raise StofError(f"input '{vi.name}' has sequence length {shape[axis]}: without the CUDA plugin "
-                                f"(libstof_ort) the model's ONNX functions run at most {limit} tokens (its compiled "
-                                "length; the plugin builds longer layouts): run on the GPU with the plugin, or "
-                                "rewrite with --max-seq-len")
             if shape[axis] > limit:
                 raise StofError(f"input '{vi.name}' has sequence length {shape[axis]}: the model runs at most "
                                 f"{limit} tokens (stof.max_seq_len; rewrite with --max-seq-len to change it, up to "

@@ -164,6 +164,7 @@ def _rewrite_model(model, *, mask, epilogues, tile_m, tile_n, max_seq_len, packe
         out = copy.deepcopy(original)
         return out, report
     grows = _layouts_grow(ctx, graph, report)
+    specs = _spec_overloads(ctx, graph)
     graph.cleanup().toposort()
     out = gs.export_onnx(graph, do_type_check=False)
     # metadata gs does not carry
@@ -179,9 +180,7 @@ def _rewrite_model(model, *, mask, epilogues, tile_m, tile_n, max_seq_len, packe
         out.metadata_props.add(key="stof.padding_removed", value="1")
     if "_compiled_seq" in ctx.options and not grows:  # the longest sequence it runs (docs/rewrite.md)
         out.metadata_props.add(key="stof.max_seq_len", value=str(ctx.options["_compiled_seq"]))
-    elif "_compiled_seq" in ctx.options:
-        # every layout builds itself for longer inputs in the plugin; the function fallback keeps the compiled
-        # length (the CLI refuses longer inputs on providers without the plugin)
+    elif "_compiled_seq" in ctx.options:   # every layout is built for longer inputs: no limit, for information
         out.metadata_props.add(key="stof.compiled_seq_len", value=str(ctx.options["_compiled_seq"]))
     for imp in list(out.opset_import):
         if imp.domain == DOMAIN:
@@ -194,9 +193,27 @@ def _rewrite_model(model, *, mask, epilogues, tile_m, tile_n, max_seq_len, packe
         if node.domain == DOMAIN:
             node.overload = ctx.overloads.get(node.name, "")
     del out.functions[:]
-    out.functions.extend(list(original.functions) + build_functions(ctx.functions, opset))
+    out.functions.extend(list(original.functions) + build_functions(ctx.functions, opset, specs))
     check(out)
     return out, report
+
+
+def _spec_overloads(ctx, graph: gs.Graph) -> dict[str, str]:
+    """Give each StofSparseAttention node with a layout_spec the function overload that evaluates its spec at the
+    run-time length (functions.spec_overload: one per base overload and spec), so the ONNX function fallback runs at
+    every length too; returns {overload: spec} for build_functions."""
+    from .functions import spec_overload
+
+    nodes = [n for n in graph.nodes if n.op == "StofSparseAttention" and "layout_spec" in n.attrs]
+    index = {s: i for i, s in enumerate(sorted({n.attrs["layout_spec"] for n in nodes}))}
+    specs = {}
+    for n in nodes:
+        ov = spec_overload(ctx.overloads.get(n.name, ""), index[n.attrs["layout_spec"]])
+        ctx.overloads[n.name] = ov
+        specs[ov] = n.attrs["layout_spec"]
+    used = {(n.op, ctx.overloads.get(n.name, "")) for n in graph.nodes if n.domain == DOMAIN}
+    ctx.functions = {f for f in ctx.functions if f in used} | {("StofSparseAttention", ov) for ov in specs}
+    return specs
 
 
 def _layouts_grow(ctx, graph: gs.Graph, report: RewriteReport) -> bool:
@@ -208,8 +225,8 @@ def _layouts_grow(ctx, graph: gs.Graph, report: RewriteReport) -> bool:
     if not nodes or source not in ("default", "given") or any("layout_spec" not in n.attrs for n in nodes):
         return False
     seq = ctx.options["_compiled_seq"]
-    msg = (f"compiled for sequence length {seq}; longer inputs build their layouts at run time (the nodes' "
-           "layout_spec, in the CUDA plugin; the ONNX function fallback runs up to the compiled length)")
+    msg = (f"compiled for sequence length {seq}; longer inputs build their layouts at run time from the nodes' "
+           "layout_spec (the CUDA plugin; the ONNX functions evaluate the spec at the run-time length)")
     at = ctx.options.get("_compiled_seq_note")
     if at is not None and at < len(report.notes):
         report.notes[at] = msg
