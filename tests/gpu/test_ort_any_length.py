@@ -136,3 +136,28 @@ def test_without_layout_spec_the_compiled_length_is_a_limit(tmp_path):
                 a.s = b"npy:mask.npy"
     with pytest.raises(Exception, match="layout_spec 'npy:mask.npy'.*fixed-size"):
         sort.session(bad, cuda_options=NO_TF32).run(None, _feeds(rng, 1, 64)[0])
+
+
+def test_fp16_tensor_core_path_past_the_compiled_length(tmp_path):
+    """Head dim 64 in fp16: the grown layouts run on the tensor-core kernels (layout handle uploaded, tactic chosen
+    by stof_attn_select) at 3000 and 4096 tokens, within the error of the fp16 original against the fp32 one."""
+    from models_util import exported
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    from stof_trt.rewrite import rewrite_model
+
+    model = exported("llama", hidden=256, heads=4, intermediate=256)
+    new, report = rewrite_model(model)
+    assert all(s is not None for s in _specs(new)) and report.to_dict()["attention"][0]["seq_q"] == 2048
+    new16 = convert_float_to_float16(new, keep_io_types=True)
+    orig16 = convert_float_to_float16(model, keep_io_types=True)
+    ref_sess, sess = _cpu(model), sort.session(new16)
+    o16 = sort.session(orig16, register=False)
+    rng = np.random.default_rng(4)
+    for seq in (3000, 4096):
+        feeds, keep = _feeds(rng, 2, seq)
+        ref = ref_sess.run(None, feeds)[0].astype(np.float64)
+        got = sess.run(None, feeds)[0].astype(np.float64)
+        err16 = np.abs(o16.run(None, feeds)[0].astype(np.float64) - ref)[keep].max()
+        err = np.abs(got - ref)[keep].max()
+        assert np.isfinite(got[keep]).all() and err < max(3 * err16, 2e-2), (seq, err, err16)
