@@ -238,3 +238,58 @@ def test_layout_spec_holds_past_the_compiled_length(name, mask):
         ref, got = run(session(ref_model), feeds)[0], run(session(_grown(new, seq)), feeds)[0]
         err = np.abs(got - ref)[keep].max() / max(1.0, np.abs(ref[keep]).max())
         assert err < 1e-4, (name, seq, err)
+
+
+def test_layout_at_is_what_the_plugin_builds():
+    """AttentionNode.layout_at (what `stof tune` and the pre-search entries time and key past the compiled length):
+    the compiled layout up to its size, else the layout_spec compiled at grown_length, the plugin's length bucket
+    (s <= bucket < 1.25 s + 1; 2100 -> 2560 and 2600 -> 3072 as tests/gpu/test_ort_any_length.py sees the plugin
+    build them)."""
+    from models_util import family
+
+    from stof_trt.format import compile_mask
+    from stof_trt.nodes import attention_nodes, grown_length
+
+    for s in list(range(1, 300)) + [2048, 2049, 4095, 4096, 4097, 10**6, 2**31 - 1]:
+        g = grown_length(s)
+        assert s <= g <= 2**31 - 1 and (g < 1.25 * s + 1 or g == s)
+    assert [grown_length(s) for s in (2100, 2560, 2600, 4096, 4097)] == [2560, 2560, 3072, 4096, 5120]
+    new, _ = rewrite_model(family("llama")[0], max_seq_len=40, **TILE)
+    nd = attention_nodes(new)[0]
+    assert nd.layout_spec == "causal" and nd.layout_at(40, 40) is nd.layout and nd.layout_at(7, 7) is nd.layout
+    lay = nd.layout_at(41, 41)
+    assert (lay.seq_q, lay.seq_k) == (grown_length(41), grown_length(41)) == (48, 48)
+    assert lay.signature() == compile_mask("causal", 48, 48, tile_m=16, tile_n=32).signature()
+
+
+def test_presearch_entries_past_the_compiled_length():
+    """The pre-search's cache entries for a length past the compiled one are keyed on the grown layout (the one
+    the plugin selects a tactic for); up to it, on the node's layout."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from stof_trt import presearch
+    from stof_trt.format import STOF_FORMAT_VERSION, compile_mask
+    from stof_trt.nodes import attention_nodes
+    from stof_trt.selection import add_presearch_entries
+    from stof_trt.tactic_cache import TacticCache
+
+    try:
+        presearch.native_library()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    lay = compile_mask("sliding:window=64", 512, 512)
+    inits = [numpy_helper.from_array(np.ascontiguousarray(a, np.int32), n) for n, a in lay.arrays().items()]
+    node = helper.make_node("StofSparseAttention", ["q", "k", "v", "row_ptr", "col_idx", "tile_bitmap_index",
+                                                    "bitmaps"], ["o"], domain="stof", name="a0", scale=0.125,
+                            tile_m=64, tile_n=64, seq_q=512, seq_k=512, num_layouts=1,
+                            format_version=STOF_FORMAT_VERSION, mask_spec=lay.mask_spec,
+                            layout_spec="sliding:window=64")
+    ins = [helper.make_tensor_value_info(n, TensorProto.FLOAT16, ["B", 12, "S", 64]) for n in "qkv"]
+    g = helper.make_graph([node], "g", ins, [helper.make_tensor_value_info("o", TensorProto.FLOAT16, None)], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("stof", 1)])
+    cache = TacticCache()
+    assert add_presearch_entries(cache, m, [(1, 256), (1, 3000)], "GPU", "9.0") == 2
+    (nd,) = attention_nodes(m)
+    grown = nd.layout_at(3000, 3000)
+    assert grown.seq_q == 3072 and grown.signature() == compile_mask("sliding:window=64", 3072).signature()
+    assert {k.mask for k in cache.entries} == {lay.signature(), grown.signature()}
