@@ -97,7 +97,8 @@ SparseAttentionKernel::SparseAttentionKernel(OrtKernelInfo const* info, ONNXTens
     } catch (Ort::Exception const&) {  // absent: the layout inputs are all there is
     }
     if (!mLayoutSpec.empty() && stof_mask_check(mLayoutSpec.c_str()) != STOF_SUCCESS)
-        throw StofOrtError(ORT_INVALID_ARGUMENT, strCat("layout_spec '", mLayoutSpec, "': ", stof_last_error_message()));
+        throw StofOrtError(ORT_INVALID_ARGUMENT,
+                           strCat("layout_spec '", mLayoutSpec, "': ", stof_last_error_message()));
     mTokens = qkvFormat == "t3hd";
     mPacked = qkvFormat == "bs3hd" || mTokens;  // K and V come from the query tensor
     // version 1 (one bitmap per PARTIAL tile) is version 2 without shared bitmaps: read both
@@ -152,8 +153,8 @@ std::shared_ptr<SparseAttentionKernel::Layout const> SparseAttentionKernel::grow
     std::lock_guard<std::mutex> lock(mMutex);
     for (size_t i = 0; i < mGrown.size(); ++i) {
         if (mGrown[i].first != key) continue;
-        std::rotate(mGrown.begin() + static_cast<std::ptrdiff_t>(i), mGrown.begin() + static_cast<std::ptrdiff_t>(i) + 1,
-                    mGrown.end());
+        auto const at = mGrown.begin() + static_cast<std::ptrdiff_t>(i);
+        std::rotate(at, at + 1, mGrown.end());  // most recently used last
         return mGrown.back().second;
     }
     stof_mask_layout_t compiled = nullptr;

@@ -174,7 +174,8 @@ private:
     // Global tokens in [a, b).
     int64_t count(int64_t a, int64_t b) const {
         if (prefix_) return std::max<int64_t>(0, std::min(b, n_) - a);
-        return std::lower_bound(tokens_.begin(), tokens_.end(), b) - std::lower_bound(tokens_.begin(), tokens_.end(), a);
+        const auto lo = std::lower_bound(tokens_.begin(), tokens_.end(), a);
+        return std::lower_bound(lo, tokens_.end(), b) - lo;
     }
     bool member(int64_t x) const {
         return prefix_ ? x < n_ : std::binary_search(tokens_.begin(), tokens_.end(), x);
@@ -650,7 +651,8 @@ STOF_API stof_status_t stof_mask_compile(const char* spec, int32_t seq_q, int32_
         return fail(STOF_ERROR_INVALID_ARGUMENT, "num_layouts %d must be in [1, 65535]", num_layouts);
     if (max_tiles <= 0) max_tiles = STOF_MASK_MAX_TILES;
     max_tiles = std::min<int64_t>(max_tiles, INT32_MAX);  // row_ptr is int32
-    Grid g{seq_q, seq_k, tile_m, tile_n, (seq_q + int64_t{tile_m} - 1) / tile_m, (seq_k + int64_t{tile_n} - 1) / tile_n};
+    const Grid g{seq_q, seq_k, tile_m, tile_n, (seq_q + int64_t{tile_m} - 1) / tile_m,
+                 (seq_k + int64_t{tile_n} - 1) / tile_n};
     if (num_layouts * g.tq > INT32_MAX - 1)
         return fail(STOF_ERROR_INVALID_ARGUMENT, "num_layouts * Tq = %lld tile rows (at most 2^31 - 2)",
                     static_cast<long long>(num_layouts * g.tq));
