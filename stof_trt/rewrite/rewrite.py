@@ -163,6 +163,7 @@ def _rewrite_model(model, *, mask, epilogues, tile_m, tile_n, max_seq_len, packe
     if not ctx.functions:
         out = copy.deepcopy(original)
         return out, report
+    report.notes.extend(ctx.options.get("_spec_notes", ()))
     grows = _layouts_grow(ctx, graph, report)
     specs = _spec_overloads(ctx, graph)
     graph.cleanup().toposort()
@@ -232,13 +233,12 @@ def _layouts_grow(ctx, graph: gs.Graph, report: RewriteReport) -> bool:
         report.notes[at] = msg
     else:
         report.notes.append(msg)
-    # a graph pattern with a side it does not reach at the compiled length (causal) could be a wider window
-    inferred = sorted({s for s in (n.attrs["layout_spec"] for n in nodes)
-                       if ctx.options.get("mask") is None and ("causal" in s or "2147483647" in s)})
-    if inferred:
-        report.notes.append(f"layout_spec {', '.join(repr(s) for s in inferred)} read from the graph's mask at length "
-                            f"{seq}: a sliding window wider than {seq} would read as unbounded there; pass "
-                            "max_seq_len above such a window")
+    # a graph band with a side it does not reach at the compiled length that could not be checked longer
+    unchecked = sorted(ctx.options.get("_unchecked_specs", ()))
+    if unchecked:
+        report.notes.append(f"layout_spec {', '.join(repr(s) for s in unchecked)} read from the graph's mask at "
+                            f"length {seq} without a longer check: a sliding window wider than {seq} would read as "
+                            "unbounded there; pass max_seq_len above such a window")
     return True
 
 
