@@ -51,7 +51,7 @@ from .errors import MaskSpecError
 
 __all__ = [
     "MaskSpec", "Full", "Causal", "Sliding", "Dilated", "Global", "BlockLayout", "BigBird", "DenseMask",
-    "Union", "Intersection", "parse_mask", "longformer", "TILE_EMPTY", "TILE_FULL", "TILE_UNKNOWN",
+    "Union", "Intersection", "parse_mask", "longformer", "closed_form", "TILE_EMPTY", "TILE_FULL", "TILE_UNKNOWN",
 ]
 
 # Tile classification codes returned by MaskSpec.classify_tiles (int8).
@@ -685,6 +685,17 @@ def grid_drawn(spec: MaskSpec) -> MaskSpec:
     if isinstance(spec, _Combine):
         return type(spec)(tuple(grid_drawn(p) for p in spec.parts))
     return spec
+
+
+def closed_form(spec: MaskSpec) -> bool:
+    """Whether ``spec`` is a pattern of (query, key) alone that the host layer's compiler (``stof_mask_compile``)
+    builds for any length: full, causal, sliding, dilated, global, longformer, bigbird without random blocks, and
+    their unions and intersections; not a fixed-size array (npy:, blocks:) nor BigBird's random blocks."""
+    if isinstance(spec, BigBird):
+        return spec.random == 0
+    if isinstance(spec, _Combine):
+        return all(closed_form(p) for p in spec.parts)
+    return isinstance(spec, (Full, Causal, Sliding, Dilated, Global))
 
 
 def longformer(window: int, global_tokens: int | tuple[int, ...]) -> MaskSpec:

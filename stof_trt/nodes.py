@@ -35,6 +35,29 @@ class AttentionNode:
     # [B,S] gives only B and S
     tokens: bool = False
     seq_offsets: str | None = None
+    layout_spec: str | None = None  # closed-form spec the plugin builds longer layouts from (docs/nodes.md)
+
+    def layout_at(self, seq_q: int, seq_k: int) -> TileLayout:
+        """The layout the plugin runs at run-time sizes seq_q x seq_k: the compiled one up to its sizes, else (with a
+        layout_spec) the spec compiled at the plugin's length bucket (grown_length), as the plugin builds it."""
+        lay = self.layout
+        if (seq_q <= lay.seq_q and seq_k <= lay.seq_k) or not self.layout_spec:
+            return lay
+        from .format import compile_mask
+
+        return compile_mask(self.layout_spec, grown_length(max(seq_q, lay.seq_q)),
+                            grown_length(max(seq_k, lay.seq_k)), tile_m=lay.tile_m, tile_n=lay.tile_n,
+                            num_heads=lay.num_layouts)
+
+
+def grown_length(s: int) -> int:
+    """The length the plugin builds a node's layout_spec at for a run-time length ``s`` past the compiled one: ``s``
+    rounded up to a multiple of the power of two ``step`` (the smallest with ``8 * step >= s``), so at most 1.25 s;
+    plugins_cu/ort/sparseAttention/sparseAttentionOp.cpp lengthBucket computes the same."""
+    step = 1
+    while step * 8 < s:
+        step *= 2
+    return min(2**31 - 1, -(-s // step) * step)
 
 
 def _attrs(node) -> dict:
@@ -81,9 +104,11 @@ def attention_nodes(model) -> list[AttentionNode]:
                                         **arrays)
         fmt = _qkv_format(a)
         packed, tokens = fmt == "bs3hd", fmt == "t3hd"
+        spec = a.get("layout_spec")
         out.append(AttentionNode(n.name or f"node{i}", names[0], names[0] if packed or tokens else names[1],
                                  names[7] or None, names[8] or None, float(a["scale"]), layout, packed, tokens,
-                                 names[9] or None))
+                                 names[9] or None,
+                                 (spec.decode() if isinstance(spec, bytes) else str(spec)) if spec else None))
     return out
 
 

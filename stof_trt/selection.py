@@ -42,9 +42,9 @@ def add_presearch_entries(cache: TacticCache, model, shapes, gpu: str, cc: str) 
         if nd.name not in dims:
             continue
         dtype, heads, head_dim = dims[nd.name]
-        lay = nd.layout
-        stats = presearch.tile_stats(lay)
         for batch, seq in shapes:
+            lay = nd.layout_at(int(seq), int(seq))   # past the compiled length: the layout the plugin builds
+            stats = presearch.tile_stats(lay)
             sq, sk = min(int(seq), lay.seq_q), min(int(seq), lay.seq_k)
             key = CacheKey(gpu, cc, node_signature(dtype, heads, head_dim, lay.tile_m, lay.tile_n, lay.num_layouts,
                                                    lay.seq_q, lay.seq_k, nd.key_padding_mask is not None),

@@ -11,6 +11,7 @@ record.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -121,19 +122,31 @@ class _HostValue:
 def _problems(nodes, vals) -> list[Problem]:
     probs = []
     for nd in nodes:
-        q, k = vals[nd.query], vals[nd.key]
-        qs, ks = q.shape(), k.shape()
-        t = q.data_type()  # e.g. "tensor(float16)"
-        dtype = t[t.index("(") + 1:-1] if "(" in t else t
-        dtype = {"float32": "float"}.get(dtype, dtype)
-        kpm = vals[nd.key_padding_mask].numpy() if nd.key_padding_mask else None
-        if nd.tokens and kpm is not None:  # [T, 3, H, D]: timed as the padded problem of the mask [B, S]
-            probs.append(Problem(nd, dtype, kpm.shape[0], qs[2], kpm.shape[1], kpm.shape[1], qs[3], kpm))
-        elif nd.packed:  # [B, S, 3, H, D]
-            probs.append(Problem(nd, dtype, qs[0], qs[3], qs[1], qs[1], qs[4], kpm))
-        else:
-            probs.append(Problem(nd, dtype, qs[0], qs[1], qs[2], ks[2], qs[3], kpm))
+        probs.extend(_grown(p) for p in _node_problems(nd, vals))
     return probs
+
+
+def _grown(p: Problem) -> Problem:
+    """Past the compiled length a node with a layout_spec runs the layout the plugin builds (AttentionNode.layout_at):
+    the problem is timed and keyed on that one."""
+    lay = p.node.layout_at(p.seq_q, p.seq_k)
+    if lay is p.node.layout:
+        return p
+    return dataclasses.replace(p, node=dataclasses.replace(p.node, layout=lay))
+
+
+def _node_problems(nd, vals) -> list[Problem]:
+    q, k = vals[nd.query], vals[nd.key]
+    qs, ks = q.shape(), k.shape()
+    t = q.data_type()  # e.g. "tensor(float16)"
+    dtype = t[t.index("(") + 1:-1] if "(" in t else t
+    dtype = {"float32": "float"}.get(dtype, dtype)
+    kpm = vals[nd.key_padding_mask].numpy() if nd.key_padding_mask else None
+    if nd.tokens and kpm is not None:  # [T, 3, H, D]: timed as the padded problem of the mask [B, S]
+        return [Problem(nd, dtype, kpm.shape[0], qs[2], kpm.shape[1], kpm.shape[1], qs[3], kpm)]
+    if nd.packed:  # [B, S, 3, H, D]
+        return [Problem(nd, dtype, qs[0], qs[3], qs[1], qs[1], qs[4], kpm)]
+    return [Problem(nd, dtype, qs[0], qs[1], qs[2], ks[2], qs[3], kpm)]
 
 
 def _value_types(model) -> dict:

@@ -145,6 +145,8 @@ def _seq_limit(model) -> int | None:
         from ..nodes import attention_nodes
 
         m = model if hasattr(model, "graph") else onnx.load(str(model))
+        if any(p.key == "stof.compiled_seq_len" for p in m.metadata_props):
+            return None   # its layouts grow: the compiled length is no limit
         seqs = [min(n.layout.seq_q, n.layout.seq_k) for n in attention_nodes(m)]
         return min(seqs) if seqs else None
     except Exception:  # noqa: BLE001 - a hint only
@@ -154,7 +156,8 @@ def _seq_limit(model) -> int | None:
 def check_seq_limit(model, shapes: dict) -> None:
     """Refuse, before any run, a sequence length over the rewritten model's ``stof.max_seq_len`` metadata (the
     length its layouts were compiled for): ``shapes`` maps input names to the shapes about to be fed; the sequence
-    length is each input's size on an axis after the batch that the model leaves symbolic."""
+    length is each input's size on an axis after the batch that the model leaves symbolic.  A model whose layouts
+    grow (every attention node has a layout_spec) has no such metadata: it runs at every length."""
     meta = {p.key: p.value for p in model.metadata_props}
     try:
         limit = int(meta["stof.max_seq_len"])

@@ -63,7 +63,7 @@ def run(args) -> int:
         attention.append({"node": nd.name, "layout": sig[:12], "seq": [layout.seq_q, layout.seq_k],
                           "tile": [layout.tile_m, layout.tile_n], "layouts": layout.num_layouts,
                           "density": layout.density(), "tile_classes": layout.class_counts(),
-                          "mask_spec": layout.mask_spec, "scale": nd.scale})
+                          "mask_spec": layout.mask_spec, "layout_spec": nd.layout_spec, "scale": nd.scale})
     pngs = []
     if not args.no_png and layouts:
         out_dir = args.out_dir or os.path.splitext(args.model)[0] + ".masks"

@@ -33,7 +33,8 @@ def add_args(p):
     p.add_argument("--tile", type=int, nargs=2, default=(64, 64), metavar=("M", "N"),
                    help="tile shape of the compiled mask (default 64 64)")
     p.add_argument("--max-seq-len", type=int, metavar="S",
-                   help="compiled length of a dynamic model (default: its own limit, else 2048; docs/rewrite.md)")
+                   help="compiled length of a dynamic model (default: its own limit, else 2048; closed-form "
+                        "masks grow past it at run time; docs/rewrite.md)")
     p.add_argument("--no-packed-qkv", action="store_true",
                    help="keep separate Q/K/V projections (default: one packed QKV GEMM feeding the attention node "
                         "through strides, no transposes)")

@@ -45,9 +45,14 @@ class AttentionPlan:
 
 
 def choose_layout(options: dict, graph_mask: GraphMask | None, sq: int, sk: int, heads: int,
-                  extra_static: np.ndarray | None = None, extra_name: str = "") -> tuple[TileLayout, str]:
+                  extra_static: np.ndarray | None = None, extra_name: str = "", *, extra_spec: str | None = None,
+                  probe: AttentionProbe | None = None, terms: tuple = ()) -> tuple[TileLayout, str]:
     """The static layout: the user's mask spec ∧ the graph's static pattern ∧ ``extra_static`` (e.g. an op's
-    is_causal), or all FULL tiles without any. Returns the layout and a description of the mask source."""
+    is_causal), or all FULL tiles without any. Returns the layout and a description of the mask source.
+
+    The layout's closed-form spec, when it has one, becomes the node's layout_spec (growable_spec): ``extra_spec``
+    names ``extra_static``'s exactly (an op attribute's pattern); ``probe`` and ``terms`` (the mask terms of the
+    graph's static pattern) let a band side the pattern does not reach at ``sq`` be checked at a longer length."""
     tm, tn, user = options["tile_m"], options["tile_n"], options.get("mask")
     statics, names = [], []
     if graph_mask is not None and graph_mask.static is not None:
@@ -72,7 +77,118 @@ def choose_layout(options: dict, graph_mask: GraphMask | None, sq: int, sk: int,
         layout = TileLayout.from_dense(dense, tm, tn, mask_spec="graph")
     else:
         layout = TileLayout.from_dense(np.ones((1, sq, sk), bool), tm, tn, mask_spec="full")
+    graph_static = graph_mask.static if graph_mask is not None else None
+    spec = growable_spec(options, user, graph_static, extra_static, extra_spec, layout, heads, probe, terms)
+    if spec is not None:   # the node's layout_spec (AttentionEmitter.node): its layout at any length
+        options.setdefault("_layout_specs", {})[id(layout)] = (layout, spec)
     return layout, " & ".join(names) if names else "none (full layout)"
+
+
+def band_spec(static: np.ndarray) -> str | None:
+    """The closed-form spec of a static pattern [L, S, S] when it is one band ``lo <= k - q <= hi`` for every
+    layout (causal, a sliding window, full), else None. A side the pattern does not reach inside the matrix is
+    taken as unbounded: the pattern seen at one length cannot tell causal from a window wider than that length
+    (band_unseen; docs/rewrite.md "Sequence length")."""
+    sides = _band_sides(static)
+    if sides is None:
+        return None
+    lo, hi, lower, upper = sides
+    if not lower:
+        return "full" if not upper else f"causal:offset={hi}"
+    if lo > 0:
+        return None                                           # keys strictly after the query: no spec names it
+    if not upper:
+        return f"sliding:left={-lo},right=2147483647"
+    if hi < 0:
+        return f"causal:offset={hi}&sliding:left={-lo},right=0"
+    return f"sliding:left={-lo},right={hi}"
+
+
+def _band_sides(static: np.ndarray) -> tuple[int, int, bool, bool] | None:
+    """(lo, hi, lower seen, upper seen) of a static pattern [L, S, S] that is one band ``lo <= k - q <= hi`` in every
+    layout, else None; a side is seen when the band's edge lies inside the matrix."""
+    static = np.asarray(static, bool).reshape((-1,) + np.shape(static)[-2:])
+    L, sq, sk = static.shape
+    if sq != sk or not all(np.array_equal(static[0], s) for s in static[1:]):
+        return None
+    m = static[0]
+    if not m.any():
+        return None
+    d = np.arange(sk)[None, :] - np.arange(sq)[:, None]     # k - q
+    lo, hi = int(d[m].min()), int(d[m].max())
+    if not np.array_equal(m, (d >= lo) & (d <= hi)):
+        return None
+    return lo, hi, lo > -(sq - 1), hi < sk - 1
+
+
+def band_unseen(static: np.ndarray) -> bool:
+    """Whether band_spec reads a side of ``static`` as unbounded because its edge is not inside the matrix."""
+    sides = _band_sides(static)
+    return sides is not None and not (sides[2] and sides[3])
+
+
+#: The longest length a graph band's unseen side is checked at (growable_spec; a [1, 1, S, S] float32 mask is
+#: 4 S^2 bytes: 268 MB here).
+CHECK_SEQ_MAX = 8194
+
+
+def growable_spec(options: dict, user, graph_static, extra_static, extra_spec: str | None, layout: TileLayout,
+                  heads: int, probe=None, terms: tuple = ()) -> str | None:
+    """The closed-form spec (masks.closed_form, in its canonical spelling) whose compilation at the layout's size is
+    exactly ``layout``: the user's spec ∧ the graph's static pattern read as a band ∧ ``extra_spec`` (or
+    ``extra_static`` read as a band with both sides seen); None when a part is not closed-form (an npy: or blocks:
+    mask, BigBird's random blocks, a custom graph pattern) or the compiled spec differs.
+
+    A graph band with a side it does not reach at the compiled length (causal at 2048 could be a window of 4096) is
+    evaluated once more at about twice the length (``probe.static_at``, batch 1, at most CHECK_SEQ_MAX) when
+    ``probe`` and ``terms`` are given: a pattern that is not the same band there gets no spec (the report says so);
+    without them the spec is kept and listed in ``options["_unchecked_specs"]`` for the report."""
+    from ..masks import closed_form, parse_mask
+
+    parts = []
+    if user is not None:
+        parsed = parse_mask(user)
+        if not closed_form(parsed):
+            return None
+        parts.append(str(parsed))
+    if extra_static is not None:
+        if extra_spec is None and (band_unseen(extra_static) or band_spec(extra_static) is None):
+            return None   # an op's window as wide as the sequence reads as causal: only its own spec is exact
+        parts.append(extra_spec or band_spec(extra_static))
+    unchecked = None
+    if graph_static is not None:
+        b = band_spec(graph_static)
+        if b is None:
+            return None
+        if band_unseen(graph_static):
+            n = np.shape(graph_static)[-1]
+            longer = min(2 * n + 2, max(n + 2, CHECK_SEQ_MAX))
+            seen = probe.static_at(terms, longer) if probe is not None and terms else None
+            if seen is None:
+                unchecked = b
+            elif not np.array_equal(seen, parse_mask(b).dense(longer, longer)):
+                note = (f"the graph's mask reads as '{parse_mask(b)}' at length {n} but not at {longer} (a window "
+                        f"wider than {n}?): its nodes keep the compiled length {n}; pass max_seq_len above the "
+                        "window to compile it")
+                notes = options.setdefault("_spec_notes", [])
+                if note not in notes:
+                    notes.append(note)
+                return None
+        parts.append(b)
+    text = "&".join(f"({p})" for p in parts) if len(parts) > 1 else (parts[0] if parts else "full")
+    spec = parse_mask(text)
+    if not closed_form(spec):
+        return None
+    try:
+        again = compile_mask(spec, layout.seq_q, layout.seq_k, tile_m=layout.tile_m, tile_n=layout.tile_n,
+                             num_heads=heads)
+    except StofError:
+        return None
+    if again.num_layouts != layout.num_layouts or again.signature() != layout.signature():
+        return None
+    if unchecked is not None:
+        options.setdefault("_unchecked_specs", set()).add(unchecked)
+    return str(spec)
 
 
 def _and_heads(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -143,6 +259,9 @@ class AttentionEmitter:
         attrs = {"scale": float(plan.scale), "tile_m": lay.tile_m, "tile_n": lay.tile_n, "seq_q": lay.seq_q,
                  "seq_k": lay.seq_k, "num_layouts": lay.num_layouts, "format_version": FORMAT_VERSION,
                  "mask_spec": lay.mask_spec or ""}
+        spec = self.ctx.options.get("_layout_specs", {}).get(id(lay))
+        if spec is not None and spec[0] is lay:
+            attrs["layout_spec"] = spec[1]
         if packed:
             attrs["qkv_format"] = "bs3hd"
         node = gs.Node("StofSparseAttention", self.ctx.unique("StofSparseAttention"), attrs, inputs, [output],
@@ -181,10 +300,13 @@ class AttentionProbe:
                 self.pad_of[term.tensor] = value_inputs(graph, tensors[term.tensor])
         self.runs = [{"values": {}, "shapes": {}, "overrides": {}} for _ in range(4)]
         self.short = {"values": {}, "shapes": {}} if self.dynamic else None
+        self._mask_probe, self._pads, self._spec_by = None, [], {}
         if self.pad_of:
             pads = sorted({next(iter(v)) for v in self.pad_of.values() if len(v) == 1})
             mask_probe = Probe(model, sorted(self.pad_of), [])
             spec_by = {s.name: s for s in specs}
+            if self.dynamic:
+                self._mask_probe, self._pads, self._spec_by = mask_probe, pads, spec_by
             rng = np.random.default_rng(1234)
             for k, run in enumerate(self.runs):
                 for name in pads:
@@ -207,6 +329,29 @@ class AttentionProbe:
 
     def shape(self, name: str) -> tuple:
         return self.runs[0]["shapes"][name]
+
+    def static_at(self, terms, seq: int) -> np.ndarray | None:
+        """The allowed pattern [seq, seq] of the mask ``terms`` (their ∧) at length ``seq``, batch 1 with all-ones
+        padding; None when the model does not run there or a term is not one pattern for every head."""
+        from .mask_analysis import allowed_of
+
+        if self._mask_probe is None:
+            return None
+        ones = {n: np.ones(self._spec_by[n].shape(1, seq), np.int64) for n in self._pads}
+        try:
+            values = self._mask_probe.run(1, seq, ones)[0]
+        except StofError:
+            return None
+        out = None
+        for t in terms:
+            a = allowed_of(values[t.tensor], t.mode)
+            if a is None or a.ndim < 2 or a.shape[-2:] != (seq, seq):
+                return None
+            a = a.reshape(-1, seq, seq)
+            if not all(np.array_equal(a[0], x) for x in a[1:]):
+                return None
+            out = a[0] if out is None else out & a[0]
+        return out
 
     def constant_scalar(self, name: str) -> float | None:
         """The value of a computed scale factor when it is one number at both probed lengths."""
@@ -271,24 +416,27 @@ def compiled_length(ctx, graph: gs.Graph, shape_names: set[str], mask_terms: lis
         check_probe_memory(model, given, _heads_at_length_one(probe, first), bool(mask_terms))
     limit = _longest_runnable(probe, cap)
     notes = ctx.report.notes
+    # _compiled_seq_source says why (rewrite.py keeps stof.max_seq_len only for a limit that stays one)
     if given is not None:
         if limit < given:
             raise StofError(f"max_seq_len={given} is longer than the model runs: it accepts at most {limit} "
                             "positions (a position-embedding table or mask buffer)")
-        seq = given
+        seq, source = given, "given"
     elif limit < cap:
-        seq = limit
+        seq, source = limit, "model"
         notes.append(f"compiled for sequence length {seq}: the model's own limit (longer inputs fail in the "
                      "original model too)")
     elif fixed is not None and fixed <= DEFAULT_MAX_SEQ:
-        seq = fixed
+        seq, source = fixed, "mask"
         notes.append(f"compiled for sequence length {seq}: the size of the mask {opts['mask']} (a fixed mask "
                      "cannot grow; longer inputs are an error)")
     else:
-        seq = cap
+        seq, source = cap, "default"
+        opts["_compiled_seq_note"] = len(notes)   # rewrite.py words it for models whose layouts grow
         notes.append(f"compiled for sequence length {seq}, no limit found in the model: longer inputs are an "
                      "error; pass max_seq_len (stof rewrite --max-seq-len S) to compile for longer")
     opts["_compiled_seq"] = seq
+    opts["_compiled_seq_source"] = source
     return seq
 
 

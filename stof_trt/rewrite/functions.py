@@ -23,6 +23,7 @@ MIN_OPSET = 15
 ATTENTION_INPUTS = ["query", "key", "value", "row_ptr", "col_idx", "tile_bitmap_index", "bitmaps",
                     "key_padding_mask", "attn_bias", "seq_offsets"]
 ATTENTION_ATTRS = ["scale", "tile_m", "tile_n", "seq_q", "seq_k", "num_layouts", "format_version", "mask_spec",
+                   "layout_spec",
                    "qkv_format"]
 #: StofSparseAttention ``qkv_format`` values: "bhsd" (default: query/key/value [B,H,S,D], output [B,H,Sq,D]) and
 #: "bs3hd" (packed: query is [B,S,3,H,D] = Q,K,V of one projection, key/value absent, output [B,S,H,D]).
@@ -131,18 +132,75 @@ def _unpack_tokens(b: _Body):
     return padded, flat, allowed
 
 
+def _spec_allowed(b: _Body, spec, q: str, k: str) -> str:
+    """The closed-form mask ``spec`` (a masks.MaskSpec, masks.closed_form) evaluated with ONNX ops: bool, broadcast
+    of ``q`` (int64 [Sq, 1] query positions) and ``k`` (int64 [1, Sk] key positions)."""
+    from ..masks import BigBird, Causal, Dilated, Full, Global, Intersection, Sliding, Union
+
+    i64 = lambda v: b.const(np.int64(v))  # noqa: E731
+    d = lambda: b.op("Sub", k, q)         # noqa: E731
+
+    def band(lo, hi, x):
+        parts = []
+        if lo is not None:
+            parts.append(b.op("GreaterOrEqual", x, i64(lo)))
+        parts.append(b.op("LessOrEqual", x, i64(hi)))
+        return parts[0] if len(parts) == 1 else b.op("And", *parts)
+
+    def member(x, tokens, axis):   # x [n, 1] or [1, n] in the sorted tokens (a [T] constant)
+        if not len(tokens):
+            return b.const(np.array(False))
+        t = b.const(np.asarray(tokens, np.int64).reshape((1, 1, -1)))
+        hits = b.op("Cast", b.op("Equal", b.op("Unsqueeze", x, b.const(np.array([-1], np.int64))), t),
+                    to=TensorProto.INT64)
+        return b.op("Greater", b.reduce("ReduceSum", hits, [-1], keepdims=0), i64(0))
+
+    if isinstance(spec, Full):
+        return b.const(np.array(True))
+    if isinstance(spec, Causal):
+        return b.op("LessOrEqual", d(), i64(spec.offset))
+    if isinstance(spec, Dilated):
+        x = d()
+        return b.op("And", band(-spec.left, spec.right, x),
+                    b.op("Equal", b.op("Mod", x, i64(spec.dilation)), i64(0)))
+    if isinstance(spec, Sliding):
+        return band(-spec.left, spec.right, d())
+    if isinstance(spec, Global):
+        if isinstance(spec.tokens, range):
+            n = i64(max(len(spec.tokens), 0))
+            return b.op("Or", b.op("Less", q, n), b.op("Less", k, n))
+        return b.op("Or", member(q, spec._sorted, 0), member(k, spec._sorted, 1))
+    if isinstance(spec, BigBird):   # random == 0 (closed_form)
+        blk = i64(spec.block)
+        bd = b.op("Sub", b.op("Div", k, blk), b.op("Div", q, blk))
+        g = i64(spec.global_blocks * spec.block)
+        return b.op("Or", b.op("Or", band(-spec.window, spec.window, bd), b.op("Less", q, g)), b.op("Less", k, g))
+    if isinstance(spec, (Union, Intersection)):
+        out = _spec_allowed(b, spec.parts[0], q, k)
+        for p in spec.parts[1:]:
+            out = b.op("Or" if isinstance(spec, Union) else "And", out, _spec_allowed(b, p, q, k))
+        return out
+    raise ValueError(f"not a closed-form spec: {spec}")
+
+
+def spec_overload(base: str, index: int) -> str:
+    """The overload of a StofSparseAttention node whose function evaluates the layout_spec numbered ``index``."""
+    return f"{base}_spec{index}" if base else f"spec{index}"
+
+
 def sparse_attention_function(opset: int, has_padding: bool, has_bias: bool,
-                              packed: bool = False, varlen: bool = False) -> onnx.FunctionProto:
+                              packed: bool = False, varlen: bool = False, spec: str | None = None,
+                              overload: str | None = None) -> onnx.FunctionProto:
     """O = softmax(scale·Q·Kᵀ + bias, masked by the tile layout ∧ key padding)·V; rows with no allowed key -> 0.
 
     The layout arrays are decoded into a dense [L, Sq, Sk] mask exactly as docs/format.md "Dense reconstruction":
     the tile row of each entry from row_ptr (count of row_ptr[1:] <= e), the bitmap words widened to unsigned
     int64 and split into bits (LSB first) by Div/Mod, FULL tiles all ones, a ScatterND into a
-    [L, Tq, Tk, tm·tn] grid, then a transpose/reshape to [L, Tq·tm, Tk·tn] and the top-left run-time corner."""
+    [L, Tq, Tk, tm·tn] grid, then a transpose/reshape to [L, Tq·tm, Tk·tn] and the top-left run-time corner.
+    With ``spec`` (the nodes' closed-form layout_spec, docs/rewrite.md "Sequence length"), the mask is the spec
+    evaluated at the run-time positions instead: the same bits up to the compiled length, and any length past it."""
     b = _Body(opset)
-    i64 = TensorProto.INT64
-    zero, one = b.const(np.int64(0)), b.const(np.int64(1))
-    query, key_rows = "query", None
+    query, key_rows, token_rows = "query", None, None
     if varlen:  # the packed tokens as a right-padded batch; keys past each sequence's length are masked
         query, token_rows, key_rows = _unpack_tokens(b)
         packed, has_padding, has_bias = True, True, False
@@ -151,6 +209,34 @@ def sparse_attention_function(opset: int, has_padding: bool, has_bias: bool,
                             for i in range(3))
     else:
         q_in, k_in, v_in = "query", "key", "value"
+    if spec is not None:
+        allowed = _spec_mask(b, spec, q_in, k_in)
+    else:
+        allowed = _layout_mask(b, q_in, k_in)
+    return _attention_body(b, allowed, q_in, k_in, v_in, has_padding, has_bias, packed, varlen, key_rows,
+                           token_rows,
+                           overload or ("varlen" if varlen else attention_overload(has_padding, has_bias, packed)),
+                           opset)
+
+
+def _spec_mask(b: _Body, spec: str, q_in: str, k_in: str) -> str:
+    """[1, 1, Sq, Sk] (or a broadcastable bool) from the closed-form ``spec`` at the run-time sizes."""
+    from ..masks import parse_mask
+
+    zero, one = b.const(np.int64(0)), b.const(np.int64(1))
+    ax0, ax1 = b.const(np.array([0], np.int64)), b.const(np.array([1], np.int64))
+    sizes = lambda t: b.op("Squeeze", b.op("Slice", b.op("Shape", t), b.const(np.array([2], np.int64)),  # noqa: E731
+                                           b.const(np.array([3], np.int64))), ax0)
+    q = b.op("Unsqueeze", b.op("Range", zero, sizes(q_in), one), ax1)          # [Sq, 1]
+    k = b.op("Unsqueeze", b.op("Range", zero, sizes(k_in), one), ax0)          # [1, Sk]
+    allowed = _spec_allowed(b, parse_mask(spec), q, k)
+    return b.op("Unsqueeze", allowed, b.const(np.array([0, 1], np.int64)))   # [1, 1, Sq, Sk]
+
+
+def _layout_mask(b: _Body, q_in: str, k_in: str) -> str:
+    """[1, H, Sq, Sk] bool from the node's layout inputs (docs/format.md "Dense reconstruction")."""
+    i64 = TensorProto.INT64
+    zero, one = b.const(np.int64(0)), b.const(np.int64(1))
     tm, tn, sq, sk, L = (b.ref_int(a) for a in ("tile_m", "tile_n", "seq_q", "seq_k", "num_layouts"))
     Tq = b.op("Div", b.op("Sub", b.op("Add", sq, tm), one), tm)
     Tk = b.op("Div", b.op("Sub", b.op("Add", sk, tn), one), tn)
@@ -206,7 +292,13 @@ def sparse_attention_function(opset: int, has_padding: bool, has_bias: bool,
     b.nodes[-1].name = node_name                                              # [L, Sq, Sk]
     heads = b.op("Mod", b.op("Range", zero, H, one), L)
     allowed = b.op("Cast", b.op("Gather", dense, heads, axis=0), to=TensorProto.BOOL)   # [H, Sq, Sk]
-    allowed = b.op("Unsqueeze", allowed, ax0)                                 # [1, H, Sq, Sk]
+    return b.op("Unsqueeze", allowed, ax0)                                    # [1, H, Sq, Sk]
+
+
+def _attention_body(b: _Body, allowed: str, q_in: str, k_in: str, v_in: str, has_padding: bool, has_bias: bool,
+                    packed: bool, varlen: bool, key_rows, token_rows, overload: str, opset: int) -> onnx.FunctionProto:
+    ax0, ax1, ax2 = (b.const(np.array([a], np.int64)) for a in (0, 1, 2))
+    qshape = b.op("Shape", q_in)
     if has_padding:
         kp = key_rows if varlen else b.op("Not", b.op("Equal", "key_padding_mask", b.const(np.int32(0))))  # [B, Sk]
         kp = b.op("Unsqueeze", kp, b.const(np.array([1, 2], np.int64)))       # [B, 1, 1, Sk]
@@ -235,8 +327,7 @@ def sparse_attention_function(opset: int, has_padding: bool, has_bias: bool,
         b.op("Transpose", b.op("MatMul", b.op("Div", ex, den), v_in), perm=[0, 2, 1, 3], out="output")
     else:
         b.op("MatMul", b.op("Div", ex, den), v_in, out="output")
-    return _function("StofSparseAttention", ATTENTION_INPUTS, ["output"], b, ATTENTION_ATTRS,
-                     "varlen" if varlen else attention_overload(has_padding, has_bias, packed), opset,
+    return _function("StofSparseAttention", ATTENTION_INPUTS, ["output"], b, ATTENTION_ATTRS, overload, opset,
                      "Masked sparse attention (docs/nodes.md). Portable fallback of the STOF kernels.")
 
 
@@ -298,13 +389,17 @@ def add_layernorm_function(opset: int, has_bias: bool, has_sum: bool = False) ->
                      "Residual add + LayerNormalization (docs/nodes.md).")
 
 
-def build_functions(needed: set[tuple[str, str]], opset: int) -> list[onnx.FunctionProto]:
-    """The FunctionProtos for the (op_type, overload) pairs a rewritten model uses."""
+def build_functions(needed: set[tuple[str, str]], opset: int,
+                    specs: dict[str, str] | None = None) -> list[onnx.FunctionProto]:
+    """The FunctionProtos for the (op_type, overload) pairs a rewritten model uses; ``specs`` maps the
+    StofSparseAttention overloads that evaluate a layout_spec (spec_overload) to their spec."""
     out = []
     for op_type, overload in sorted(needed):
         if op_type == "StofSparseAttention":
-            out.append(sparse_attention_function(opset, "padding" in overload, "bias" in overload,
-                                                 "packed" in overload, overload == "varlen"))
+            spec = (specs or {}).get(overload)
+            base = overload.rsplit("spec", 1)[0].rstrip("_") if spec is not None else overload
+            out.append(sparse_attention_function(opset, "padding" in base, "bias" in base, "packed" in base,
+                                                 base == "varlen", spec=spec, overload=overload))
         elif op_type == "StofGemmEpilogue":
             act = overload[:-len("_nobias")] if overload.endswith("_nobias") else overload
             out.append(gemm_epilogue_function(opset, act, not overload.endswith("_nobias")))

@@ -296,8 +296,8 @@ class FuseAttentionCore(Fusion):
                 self.skip(c.softmax, "the score scale is not one constant")
                 return None
             scale = scale * v if how == "mul" else scale / v
-        gmask, bias_terms = self._combine_masks(c, probe, sq, sk, H)
-        layout, source = choose_layout(self.ctx.options, gmask, sq, sk, H)
+        gmask, bias_terms, static_terms = self._combine_masks(c, probe, sq, sk, H)
+        layout, source = choose_layout(self.ctx.options, gmask, sq, sk, H, probe=probe, terms=tuple(static_terms))
         if bias_terms:
             source += " + graph bias (kept as attn_bias)"
         plan = AttentionPlan(name=c.softmax.name, heads=H, head_dim=D, seq_q=sq, seq_k=sk, scale=scale,
@@ -326,10 +326,10 @@ class FuseAttentionCore(Fusion):
 
     def _combine_masks(self, c: _Core, probe: AttentionProbe, sq: int, sk: int, H: int):
         """Classify every mask term; intersect the static parts, keep one key padding input, and return the
-        terms that stay biases (general biases, or a second padding input)."""
+        terms that stay biases (general biases, or a second padding input) and those the static part comes from."""
         if not c.masks:
-            return None, []
-        static, pad, bias_terms = None, None, []
+            return None, [], []
+        static, pad, bias_terms, static_terms = None, None, [], []
         for term in c.masks:
             g = probe.classify(term, sq, sk, H, (c.query.name, 2, c.kt.name, 3))
             if g.kind == "bias" or (g.padding_input and pad and g.padding_input != pad):
@@ -339,11 +339,13 @@ class FuseAttentionCore(Fusion):
                 continue
             if g.static is not None:
                 static = g.static if static is None else np.logical_and(static, g.static)
+                static_terms.append(term)
             pad = pad or g.padding_input
         if static is None and pad is None:
-            return GraphMask("none"), bias_terms
+            return GraphMask("none"), bias_terms, static_terms
         kind = ("static+padding" if pad else "static") if static is not None else "padding"
-        return GraphMask(kind, static, pad, name_pattern(static) if static is not None else ""), bias_terms
+        return (GraphMask(kind, static, pad, name_pattern(static) if static is not None else ""), bias_terms,
+                static_terms)
 
     def _builder(self, c: _Core, plan: AttentionPlan, info: dict):
         def build() -> list[gs.Node]:

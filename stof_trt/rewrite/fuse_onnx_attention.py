@@ -100,7 +100,9 @@ class FuseOnnxAttention(Fusion):
             scale = float(node.attrs.get("scale", 1.0 / math.sqrt(D)))
             gmask = probe.classify(term, sq, sk, H, short) if term is not None else None
             causal = np.tril(np.ones((sq, sk), bool))[None] if node.attrs.get("is_causal", 0) else None
-            layout, source = choose_layout(self.ctx.options, gmask, sq, sk, H, causal, "causal (is_causal)")
+            layout, source = choose_layout(self.ctx.options, gmask, sq, sk, H, causal, "causal (is_causal)",
+                                           extra_spec="causal" if causal is not None else None, probe=probe,
+                                           terms=(term,) if gmask is not None and gmask.static is not None else ())
             plan = AttentionPlan(name=node.name, heads=H, head_dim=D, seq_q=sq, seq_k=sk, scale=scale, layout=layout,
                                  mask_source=source,
                                  padding_input=gmask.padding_input if gmask and gmask.kind != "bias" else None)

@@ -163,6 +163,9 @@ def _rewrite_model(model, *, mask, epilogues, tile_m, tile_n, max_seq_len, packe
     if not ctx.functions:
         out = copy.deepcopy(original)
         return out, report
+    report.notes.extend(ctx.options.get("_spec_notes", ()))
+    grows = _layouts_grow(ctx, graph, report)
+    specs = _spec_overloads(ctx, graph)
     graph.cleanup().toposort()
     out = gs.export_onnx(graph, do_type_check=False)
     # metadata gs does not carry
@@ -176,8 +179,10 @@ def _rewrite_model(model, *, mask, epilogues, tile_m, tile_n, max_seq_len, packe
     out.metadata_props.add(key="stof.rewritten", value="1")
     if report.remove_padding.get("applied"):  # outputs are 0 at padded positions (docs/rewrite.md)
         out.metadata_props.add(key="stof.padding_removed", value="1")
-    if "_compiled_seq" in ctx.options:  # the longest sequence the rewritten model runs (docs/rewrite.md)
+    if "_compiled_seq" in ctx.options and not grows:  # the longest sequence it runs (docs/rewrite.md)
         out.metadata_props.add(key="stof.max_seq_len", value=str(ctx.options["_compiled_seq"]))
+    elif "_compiled_seq" in ctx.options:   # every layout is built for longer inputs: no limit, for information
+        out.metadata_props.add(key="stof.compiled_seq_len", value=str(ctx.options["_compiled_seq"]))
     for imp in list(out.opset_import):
         if imp.domain == DOMAIN:
             out.opset_import.remove(imp)
@@ -189,9 +194,52 @@ def _rewrite_model(model, *, mask, epilogues, tile_m, tile_n, max_seq_len, packe
         if node.domain == DOMAIN:
             node.overload = ctx.overloads.get(node.name, "")
     del out.functions[:]
-    out.functions.extend(list(original.functions) + build_functions(ctx.functions, opset))
+    out.functions.extend(list(original.functions) + build_functions(ctx.functions, opset, specs))
     check(out)
     return out, report
+
+
+def _spec_overloads(ctx, graph: gs.Graph) -> dict[str, str]:
+    """Give each StofSparseAttention node with a layout_spec the function overload that evaluates its spec at the
+    run-time length (functions.spec_overload: one per base overload and spec), so the ONNX function fallback runs at
+    every length too; returns {overload: spec} for build_functions."""
+    from .functions import spec_overload
+
+    nodes = [n for n in graph.nodes if n.op == "StofSparseAttention" and "layout_spec" in n.attrs]
+    index = {s: i for i, s in enumerate(sorted({n.attrs["layout_spec"] for n in nodes}))}
+    specs = {}
+    for n in nodes:
+        ov = spec_overload(ctx.overloads.get(n.name, ""), index[n.attrs["layout_spec"]])
+        ctx.overloads[n.name] = ov
+        specs[ov] = n.attrs["layout_spec"]
+    used = {(n.op, ctx.overloads.get(n.name, "")) for n in graph.nodes if n.domain == DOMAIN}
+    ctx.functions = {f for f in ctx.functions if f in used} | {("StofSparseAttention", ov) for ov in specs}
+    return specs
+
+
+def _layouts_grow(ctx, graph: gs.Graph, report: RewriteReport) -> bool:
+    """Whether every StofSparseAttention node carries a layout_spec (its layout is built for any run-time length in
+    the plugin) and the compiled length is no limit of the model's own: then the model runs at every length the
+    original runs at, and the report's notes say so instead of naming a limit."""
+    nodes = [n for n in graph.nodes if n.op == "StofSparseAttention"]
+    source = ctx.options.get("_compiled_seq_source")
+    if not nodes or source not in ("default", "given") or any("layout_spec" not in n.attrs for n in nodes):
+        return False
+    seq = ctx.options["_compiled_seq"]
+    msg = (f"compiled for sequence length {seq}; longer inputs build their layouts at run time from the nodes' "
+           "layout_spec (the CUDA plugin; the ONNX functions evaluate the spec at the run-time length)")
+    at = ctx.options.get("_compiled_seq_note")
+    if at is not None and at < len(report.notes):
+        report.notes[at] = msg
+    else:
+        report.notes.append(msg)
+    # a graph band with a side it does not reach at the compiled length that could not be checked longer
+    unchecked = sorted(ctx.options.get("_unchecked_specs", ()))
+    if unchecked:
+        report.notes.append(f"layout_spec {', '.join(repr(s) for s in unchecked)} read from the graph's mask at "
+                            f"length {seq} without a longer check: a sliding window wider than {seq} would read as "
+                            "unbounded there; pass max_seq_len above such a window")
+    return True
 
 
 def _note_dense_on_stof(report: RewriteReport, packed_qkv: bool, epilogues: bool) -> None:

@@ -367,6 +367,35 @@ STOF_API stof_status_t stof_presearch_profile_coef(const char* path, const stof_
  * "B8|Sq4096|Sk4096"; writes at most cap bytes with the NUL. */
 STOF_API stof_status_t stof_shape_bucket(int64_t batch, int64_t seq_q, int64_t seq_k, char* out, size_t cap);
 
+/* --- mask specs (host only; also in libstof_host) ---------------------------------------------------------- */
+
+/* A layout compiled from a mask spec: the arrays of docs/format.md in host memory. */
+typedef struct stof_mask_layout_st* stof_mask_layout_t;
+
+/* The most stored tiles stof_mask_compile builds by default (stof_trt.format.MAX_STORED_TILES). */
+#define STOF_MASK_MAX_TILES (1LL << 28)
+
+/* SUCCESS when `spec` (the grammar of stof_trt/masks.py) is a closed-form spec this library compiles for any
+ * length: full, causal, sliding, dilated, global, longformer, bigbird without random blocks, combined with '|', '&'
+ * and parentheses.  UNSUPPORTED for a valid spec it cannot build per length (npy:, blocks:, bigbird with random
+ * blocks); INVALID_ARGUMENT for a malformed one.  stof_last_error_message says why. */
+STOF_API stof_status_t stof_mask_check(const char* spec);
+
+/* Compile `spec` for a seq_q x seq_k attention in tile_m x tile_n tiles: exactly the arrays of
+ * stof_trt.format.compile_mask (same stored tiles, order and bits; bitmaps numbered by first use), with
+ * num_layouts copies of the one pattern (closed-form specs are the same for every head).  Time and memory follow
+ * the stored tiles, not the tile grid.  A mask that may store more than max_tiles tiles (<= 0: STOF_MASK_MAX_TILES)
+ * is INVALID_ARGUMENT before anything is allocated; the statuses of stof_mask_check otherwise. */
+STOF_API stof_status_t stof_mask_compile(const char* spec, int32_t seq_q, int32_t seq_k, int32_t tile_m,
+                                         int32_t tile_n, int32_t num_layouts, int64_t max_tiles,
+                                         stof_mask_layout_t* out);
+
+/* The compiled arrays as a layout description (pointers into the handle: valid until it is destroyed), ready for
+ * stof_layout_create. */
+STOF_API stof_status_t stof_mask_layout_desc(stof_mask_layout_t layout, stof_layout_desc_t* out);
+
+STOF_API void stof_mask_layout_destroy(stof_mask_layout_t layout);
+
 /* --- the GPU and the build ----------------------------------------------------------------------------------- */
 
 /* STOF_SUCCESS when this build has code for CUDA device `device` (< 0: the current one) and can load it there; else

@@ -92,6 +92,13 @@ SparseAttentionKernel::SparseAttentionKernel(OrtKernelInfo const* info, ONNXTens
     }
     STOF_VALIDATE(qkvFormat == "bhsd" || qkvFormat == "bs3hd" || qkvFormat == "t3hd", "qkv_format '", qkvFormat,
                   "' (must be 'bhsd', 'bs3hd' or 't3hd')");
+    try {
+        mLayoutSpec = ki.GetAttribute<std::string>("layout_spec");
+    } catch (Ort::Exception const&) {  // absent: the layout inputs are all there is
+    }
+    if (!mLayoutSpec.empty() && stof_mask_check(mLayoutSpec.c_str()) != STOF_SUCCESS)
+        throw StofOrtError(ORT_INVALID_ARGUMENT,
+                           strCat("layout_spec '", mLayoutSpec, "': ", stof_last_error_message()));
     mTokens = qkvFormat == "t3hd";
     mPacked = qkvFormat == "bs3hd" || mTokens;  // K and V come from the query tensor
     // version 1 (one bitmap per PARTIAL tile) is version 2 without shared bitmaps: read both
@@ -119,6 +126,74 @@ OrtStatusPtr SparseAttentionKernel::ComputeV2(OrtKernelContext* context) {
             throw StofOrtError(e.code(), strCat("node '", mName, "': ", e.what()));
         }
     });
+}
+
+SparseAttentionKernel::Layout::~Layout() {
+    stof_layout_destroy(handle);
+    // cudaFree waits for the kernels that read it; a destructor has no one to report an error to
+    if (owned != nullptr && cudaFree(owned) != cudaSuccess) cudaGetLastError();
+}
+
+namespace {
+
+// The length a grown layout is built for: S rounded up to a quarter of its octave (S <= bucket < 1.25 S + 1), so a
+// model run at many lengths builds few layouts and the kernels keep their row orders (the run-time rows stay
+// above 3/4 of the layout's).
+int64_t lengthBucket(int64_t S) {
+    int64_t step = 1;
+    while (step * 8 < S) step *= 2;
+    return std::min(kMAX_DIM, (S + step - 1) / step * step);
+}
+
+}  // namespace
+
+std::shared_ptr<SparseAttentionKernel::Layout const> SparseAttentionKernel::grownLayout(int64_t Sq, int64_t Sk,
+                                                                                       cudaStream_t stream) {
+    auto const key = std::make_pair(lengthBucket(std::max(Sq, mSeqQ)), lengthBucket(std::max(Sk, mSeqK)));
+    std::lock_guard<std::mutex> lock(mMutex);
+    for (size_t i = 0; i < mGrown.size(); ++i) {
+        if (mGrown[i].first != key) continue;
+        auto const at = mGrown.begin() + static_cast<std::ptrdiff_t>(i);
+        std::rotate(at, at + 1, mGrown.end());  // most recently used last
+        return mGrown.back().second;
+    }
+    stof_mask_layout_t compiled = nullptr;
+    stof_status_t const st = stof_mask_compile(mLayoutSpec.c_str(), static_cast<int32_t>(key.first),
+                                               static_cast<int32_t>(key.second), static_cast<int32_t>(mTileM),
+                                               static_cast<int32_t>(mTileN), static_cast<int32_t>(mNumLayouts), 0,
+                                               &compiled);
+    STOF_REQUIRE(st == STOF_SUCCESS, ORT_INVALID_ARGUMENT, "run-time Sq=", Sq, ", Sk=", Sk,
+                 " exceed the compiled layout's seq_q=", mSeqQ, ", seq_k=", mSeqK, " and its layout_spec '",
+                 mLayoutSpec, "' cannot be built at ", key.first, "x", key.second, ": ", stof_last_error_message());
+    std::unique_ptr<stof_mask_layout_st, void (*)(stof_mask_layout_t)> guard(compiled, stof_mask_layout_destroy);
+    stof_layout_desc_t d{};
+    STOF_LIB_THROW(stof_mask_layout_desc(compiled, &d));
+    auto made = std::make_shared<Layout>();
+    made->seqQ = key.first, made->seqK = key.second;
+    STOF_LIB_THROW(stof_layout_create(&d, &made->handle));
+    STOF_LIB_THROW(stof_layout_upload(made->handle, reinterpret_cast<stof_stream_t>(stream)));
+    // the general kernel's copy of the four arrays, one allocation
+    int32_t const* src[4] = {d.row_ptr, d.col_idx, d.tile_bitmap_index, d.bitmaps};
+    int64_t const len[4] = {d.row_ptr_len, d.col_idx_len, d.tile_bitmap_index_len, d.bitmaps_len};
+    int64_t total = 0;
+    for (int i = 0; i < 4; ++i) total += (len[i] + 3) / 4 * 4;
+    STOF_CUDA_THROW(cudaMalloc(&made->owned, static_cast<size_t>(total) * sizeof(int32_t)));
+    int64_t off = 0;
+    for (int i = 0; i < 4; ++i) {
+        made->ptrs[i] = made->owned + off;
+        made->sizes[i] = len[i];
+        STOF_CUDA_THROW(cudaMemcpyAsync(made->owned + off, src[i], static_cast<size_t>(len[i]) * sizeof(int32_t),
+                                        cudaMemcpyHostToDevice, stream));
+        off += (len[i] + 3) / 4 * 4;
+    }
+    STOF_CUDA_THROW(cudaStreamSynchronize(stream));  // the host arrays go with the guard
+    if (mGrown.size() >= kGROWN_CACHE_SIZE) mGrown.erase(mGrown.begin());
+    mGrown.emplace_back(key, made);
+    if (verboseEnabled())
+        std::fprintf(stderr, "[stof] %s: layout '%s' built for %lldx%lld (run-time Sq %lld, Sk %lld)\n", mName.c_str(),
+                     mLayoutSpec.c_str(), static_cast<long long>(key.first), static_cast<long long>(key.second),
+                     static_cast<long long>(Sq), static_cast<long long>(Sk));
+    return made;
 }
 
 std::shared_ptr<SparseAttentionKernel::Layout const> SparseAttentionKernel::layout(TensorArg const* arrays,
@@ -241,7 +316,9 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
         kSt[0] = vSt[0] = Hkv * Sk * D, kSt[1] = vSt[1] = Sk * D, kSt[2] = vSt[2] = D;
         outShape = qs;
     }
-    STOF_VALIDATE(Sq <= mSeqQ && Sk <= mSeqK, "run-time Sq=", Sq, ", Sk=", Sk,
+    // above the compiled length a node with a layout_spec builds the layout for the run-time one
+    bool const grow = !mLayoutSpec.empty() && (Sq > mSeqQ || Sk > mSeqK);
+    STOF_VALIDATE(grow || (Sq <= mSeqQ && Sk <= mSeqK), "run-time Sq=", Sq, ", Sk=", Sk,
                   " exceed the compiled layout's seq_q=", mSeqQ, ", seq_k=", mSeqK);
     STOF_VALIDATE(B <= kMAX_GRID_YZ && H <= kMAX_GRID_YZ, "batch ", B, " or heads ", H, " above ", kMAX_GRID_YZ);
     STOF_VALIDATE(H % mNumLayouts == 0 || mNumLayouts == 1, "num_layouts ", mNumLayouts, " does not divide heads ",
@@ -286,7 +363,8 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
     }
     STOF_VALIDATE(D <= kGENERIC_MAX_HEAD_DIM, "head dim ", D, " above ", kGENERIC_MAX_HEAD_DIM);
 
-    std::shared_ptr<Layout const> const lay = layout(&in[kROW_PTR], stream);  // held until the kernel is enqueued
+    // held until the kernel is enqueued
+    std::shared_ptr<Layout const> const lay = grow ? grownLayout(Sq, Sk, stream) : layout(&in[kROW_PTR], stream);
     char const* const qBase = static_cast<char const*>(in[kQUERY].data);
     void const* const kData = mPacked ? static_cast<void const*>(qBase + kOff * elemBytes) : in[kKEY].data;
     void const* const vData = mPacked ? static_cast<void const*>(qBase + vOff * elemBytes) : in[kVALUE].data;
@@ -342,12 +420,15 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
     g.seqQ = static_cast<int32_t>(Sq), g.seqK = static_cast<int32_t>(Sk), g.scale = mScale;
     g.q = in[kQUERY].data, g.k = kData, g.v = vData, g.o = o;
     for (int d = 0; d < 3; ++d) g.qStride[d] = qSt[d], g.kStride[d] = kSt[d], g.vStride[d] = vSt[d], g.oStride[d] = oSt[d];
-    g.rowPtr = static_cast<int32_t const*>(in[kROW_PTR].data);
-    g.colIdx = static_cast<int32_t const*>(in[kCOL_IDX].data);
-    g.tileBitmapIndex = static_cast<int32_t const*>(in[kTILE_BITMAP_INDEX].data);
-    g.bitmaps = static_cast<int32_t const*>(in[kBITMAPS].data);
+    // a grown layout's arrays are its own; else the node's inputs
+    void const* const* arrays = grow ? lay->ptrs : nullptr;
+    g.rowPtr = static_cast<int32_t const*>(grow ? arrays[0] : in[kROW_PTR].data);
+    g.colIdx = static_cast<int32_t const*>(grow ? arrays[1] : in[kCOL_IDX].data);
+    g.tileBitmapIndex = static_cast<int32_t const*>(grow ? arrays[2] : in[kTILE_BITMAP_INDEX].data);
+    g.bitmaps = static_cast<int32_t const*>(grow ? arrays[3] : in[kBITMAPS].data);
     g.tileM = static_cast<int32_t>(mTileM), g.tileN = static_cast<int32_t>(mTileN);
-    g.numLayouts = static_cast<int32_t>(mNumLayouts), g.layoutSeqQ = static_cast<int32_t>(mSeqQ);
+    g.numLayouts = static_cast<int32_t>(mNumLayouts);
+    g.layoutSeqQ = static_cast<int32_t>(grow ? lay->seqQ : mSeqQ);
     g.keyPaddingMask = kpm.present && !mTokens ? static_cast<int32_t const*>(kpm.data) : nullptr;
     g.seqOffsets = mTokens ? static_cast<int32_t const*>(offsets.data) : nullptr;
     g.bias = bias.present ? bias.data : nullptr;

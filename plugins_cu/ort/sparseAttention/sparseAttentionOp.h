@@ -8,6 +8,8 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "../common/ortCommon.h"
 #include "stof/stof_attention.h"
@@ -16,6 +18,7 @@ namespace stof_ort {
 
 constexpr char const* kSPARSE_ATTENTION_NAME = "StofSparseAttention";
 constexpr size_t kSA_NUM_INPUTS = 10;
+constexpr size_t kGROWN_CACHE_SIZE = 8;  // layouts built from layout_spec kept per node
 enum SparseAttentionInput : size_t {
     kQUERY = 0, kKEY, kVALUE, kROW_PTR, kCOL_IDX, kTILE_BITMAP_INDEX, kBITMAPS, kKEY_PADDING_MASK, kATTN_BIAS,
     kSEQ_OFFSETS
@@ -34,13 +37,21 @@ private:
         void const* ptrs[4]{};
         int64_t sizes[4]{};
         stof_layout_t handle{nullptr};
+        // A layout built from layout_spec for a run-time length: its own device copy of the four arrays (the
+        // general kernel reads them) and its compiled length.
+        int32_t* owned{nullptr};
+        int64_t seqQ{0}, seqK{0};
         Layout() = default;
         Layout(Layout const&) = delete;
         Layout& operator=(Layout const&) = delete;
-        ~Layout() { stof_layout_destroy(handle); }
+        ~Layout();
     };
     void compute(Ort::KernelContext& ctx);
     std::shared_ptr<Layout const> layout(TensorArg const* arrays, cudaStream_t stream);
+    // The layout of layout_spec for a run-time Sq x Sk above the compiled one, built by the host layer's mask
+    // compiler at a length bucket that holds it and cached per bucket (the least recently used of
+    // kGROWN_CACHE_SIZE goes).
+    std::shared_ptr<Layout const> grownLayout(int64_t Sq, int64_t Sk, cudaStream_t stream);
 
     ONNXTensorElementDataType mType;
     std::string mName;
@@ -49,9 +60,11 @@ private:
     bool mPacked{false};  // qkv_format "bs3hd": query [B,S,3,H,D], key/value absent, output [B,S,H,D]
     bool mTokens{false};  // qkv_format "t3hd": query [T,3,H,D] of packed sequences (seq_offsets), output [T,H,D]
     bool mLayoutConstant{false};
+    std::string mLayoutSpec;  // closed-form spec of the layout: any run-time length builds its layout from it
+    std::vector<std::pair<std::pair<int64_t, int64_t>, std::shared_ptr<Layout const>>> mGrown;  // most recent last
     std::string mCachePath;
     bool mFirstUseTiming{true};  // stof_attn_select's STOF_SELECT_TIME
-    std::mutex mMutex;  // guards mLayout and mReported
+    std::mutex mMutex;  // guards mLayout, mGrown and mReported
     std::shared_ptr<Layout const> mLayout;
     std::set<std::string> mReported;  // verbose: choices already printed
 };
