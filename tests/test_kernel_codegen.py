@@ -35,7 +35,8 @@ pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 # the three-consumer kernels' known spills (set-up and producer code, not the step loop)
 THREE_CONSUMER_SPILL_LIMIT = 256
 # tactic 23 at head dim 128 (S, P and O in 160 registers): its one-CTA-per-item forms, which run without a workspace
-# or with key_lengths, spill a few words; the persistent form spills none
+# or with key_lengths, spill 3-7 words, stored before the first wgmma and loaded after the last (the SASS); the
+# persistent form spills none
 WIDE_ONE_ITEM_SPILL_LIMIT = 32
 
 

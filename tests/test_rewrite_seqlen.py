@@ -162,13 +162,14 @@ def test_user_specs(mask, grows):
 
 
 def test_models_with_a_limit_keep_it():
-    """GPT-2's position table (72 here) is a limit of the model's own: its nodes carry layout_spec (causal) but the
-    model keeps stof.max_seq_len, and max_seq_len given below a model's limit grows like the default."""
+    """GPT-2's position table (72 here) is a limit of the model's own: the model keeps stof.max_seq_len and its
+    nodes carry no layout_spec (past the limit the plugin refuses, as the model's own Gather does on the CPU and
+    does not on CUDA), and max_seq_len given below a model's limit grows like the default."""
     from models_util import family
 
     new, _ = rewrite_model(family("gpt2")[0], **TILE)
     meta = {p.key: p.value for p in new.metadata_props}
-    assert meta["stof.max_seq_len"] == "72" and set(_layout_specs(new)) == {"causal"}
+    assert meta["stof.max_seq_len"] == "72" and set(_layout_specs(new)) == {None}
     new, _ = rewrite_model(family("llama")[0], max_seq_len=100, **TILE)
     meta = {p.key: p.value for p in new.metadata_props}
     assert "stof.max_seq_len" not in meta and meta["stof.compiled_seq_len"] == "100"
