@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import glob
 import os
 import sysconfig
@@ -23,3 +24,24 @@ def find_library(name: str, env_var: str, build_subdir: str) -> Path | None:
     cands += [Path(p) for p in sorted(glob.glob(str(root / "build*" / build_subdir / name)))]
     cands += [Path(p) for p in sorted(glob.glob(str(root / "build" / "*" / "native" / build_subdir / name)))]
     return next((c for c in cands if c.is_file()), None)
+
+
+def load_native(order, symbol: str, what: str, hint: str) -> ctypes.CDLL:
+    """The first of ``order`` ((file name, env var) pairs, found by :func:`find_library` under plugins_cu) that loads
+    and exports ``symbol``; RuntimeError naming every candidate tried otherwise (``what`` needs it, ``hint``)."""
+    tried = []
+    for name, env in order:
+        path = find_library(name, env, "plugins_cu")
+        if path is None:
+            tried.append(name)
+            continue
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as e:
+            tried.append(f"{path} ({e})")
+            continue
+        if not hasattr(lib, symbol):
+            tried.append(f"{path} (no {symbol}: a stale build)")
+            continue
+        return lib
+    raise RuntimeError(f"{what} needs libstof_host.so or libstof_kernels.so (tried: " + "; ".join(tried) + f"): {hint}")

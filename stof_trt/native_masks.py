@@ -35,34 +35,20 @@ def native_library() -> ctypes.CDLL:
     global _LIB
     if _LIB is not None:
         return _LIB
-    from ._libs import find_library
+    from ._libs import load_native
 
-    tried = []
-    for name, env in (("libstof_host.so", "STOF_HOST_LIB"), ("libstof_kernels.so", "STOF_KERNELS_LIB")):
-        path = find_library(name, env, "plugins_cu")
-        if path is None:
-            tried.append(name)
-            continue
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as e:
-            tried.append(f"{path} ({e})")
-            continue
-        if not hasattr(lib, "stof_mask_compile"):
-            tried.append(f"{path} (no stof_mask_compile: a stale build)")
-            continue
-        lib.stof_mask_check.argtypes, lib.stof_mask_check.restype = [ctypes.c_char_p], ctypes.c_int
-        lib.stof_mask_compile.argtypes = [ctypes.c_char_p] + [ctypes.c_int32] * 5 + [
-            ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p)]
-        lib.stof_mask_compile.restype = ctypes.c_int
-        lib.stof_mask_layout_desc.argtypes = [ctypes.c_void_p, ctypes.POINTER(_LayoutDesc)]
-        lib.stof_mask_layout_desc.restype = ctypes.c_int
-        lib.stof_mask_layout_destroy.argtypes, lib.stof_mask_layout_destroy.restype = [ctypes.c_void_p], None
-        lib.stof_last_error_message.argtypes, lib.stof_last_error_message.restype = [], ctypes.c_char_p
-        _LIB = lib
-        return lib
-    raise RuntimeError("the mask-spec compiler needs libstof_host.so or libstof_kernels.so (tried: " +
-                       "; ".join(tried) + "): build with cmake and set STOF_HOST_LIB")
+    lib = load_native((("libstof_host.so", "STOF_HOST_LIB"), ("libstof_kernels.so", "STOF_KERNELS_LIB")),
+                      "stof_mask_compile", "the mask-spec compiler", "build with cmake and set STOF_HOST_LIB")
+    lib.stof_mask_check.argtypes, lib.stof_mask_check.restype = [ctypes.c_char_p], ctypes.c_int
+    lib.stof_mask_compile.argtypes = [ctypes.c_char_p] + [ctypes.c_int32] * 5 + [
+        ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p)]
+    lib.stof_mask_compile.restype = ctypes.c_int
+    lib.stof_mask_layout_desc.argtypes = [ctypes.c_void_p, ctypes.POINTER(_LayoutDesc)]
+    lib.stof_mask_layout_desc.restype = ctypes.c_int
+    lib.stof_mask_layout_destroy.argtypes, lib.stof_mask_layout_destroy.restype = [ctypes.c_void_p], None
+    lib.stof_last_error_message.argtypes, lib.stof_last_error_message.restype = [], ctypes.c_char_p
+    _LIB = lib
+    return lib
 
 
 def _error(lib, status: int) -> StofError:

@@ -178,34 +178,21 @@ def native_library() -> ctypes.CDLL:
     global _NATIVE
     if _NATIVE is not None:
         return _NATIVE
-    from ._libs import find_library
+    from ._libs import load_native
 
-    tried = []
-    for name, env in (("libstof_kernels.so", "STOF_KERNELS_LIB"), ("libstof_host.so", "STOF_HOST_LIB")):
-        path = find_library(name, env, "plugins_cu")
-        if path is None:
-            tried.append(name)
-            continue
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as e:
-            tried.append(f"{path} ({e})")
-            continue
-        if not hasattr(lib, "stof_presearch_terms"):
-            tried.append(f"{path} (no stof_presearch_terms: a stale build)")
-            continue
-        P, L, i32p = ctypes.POINTER(_GpuProps), ctypes.POINTER(_HostLayout), ctypes.POINTER(ctypes.c_int32)
-        dp = ctypes.POINTER(ctypes.c_double)
-        lib.stof_presearch_h100_props.argtypes, lib.stof_presearch_h100_props.restype = [P], None
-        lib.stof_presearch_rank_coef.argtypes = [P, L] + [ctypes.c_int32] * 5 + [
-            ctypes.POINTER(_Coef), ctypes.c_int32, i32p, dp, ctypes.c_int32, i32p]
-        lib.stof_presearch_rank_coef.restype = ctypes.c_int
-        lib.stof_presearch_terms.argtypes = [P, L] + [ctypes.c_int32] * 5 + [dp]
-        lib.stof_presearch_terms.restype = ctypes.c_int
-        _NATIVE = lib
-        return lib
-    raise RuntimeError("the pre-search needs libstof_host.so or libstof_kernels.so (tried: " + "; ".join(tried) +
-                       "): install the package with a C++ compiler, or build with cmake and set STOF_HOST_LIB")
+    lib = load_native((("libstof_kernels.so", "STOF_KERNELS_LIB"), ("libstof_host.so", "STOF_HOST_LIB")),
+                      "stof_presearch_terms", "the pre-search",
+                      "install the package with a C++ compiler, or build with cmake and set STOF_HOST_LIB")
+    P, L, i32p = ctypes.POINTER(_GpuProps), ctypes.POINTER(_HostLayout), ctypes.POINTER(ctypes.c_int32)
+    dp = ctypes.POINTER(ctypes.c_double)
+    lib.stof_presearch_h100_props.argtypes, lib.stof_presearch_h100_props.restype = [P], None
+    lib.stof_presearch_rank_coef.argtypes = [P, L] + [ctypes.c_int32] * 5 + [
+        ctypes.POINTER(_Coef), ctypes.c_int32, i32p, dp, ctypes.c_int32, i32p]
+    lib.stof_presearch_rank_coef.restype = ctypes.c_int
+    lib.stof_presearch_terms.argtypes = [P, L] + [ctypes.c_int32] * 5 + [dp]
+    lib.stof_presearch_terms.restype = ctypes.c_int
+    _NATIVE = lib
+    return lib
 
 
 def _gpu_struct(g: GpuProps) -> _GpuProps:
