@@ -180,3 +180,39 @@ def test_onnx_attention_grows_past_the_compiled_length(causal):
     except Exception as exc:  # noqa: BLE001 - an ONNX Runtime without this Attention version
         pytest.skip(f"ONNX Runtime cannot run the original: {str(exc)[:100]}")
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+# -- SparseAttention: the block table is the operator's own limit ---------------------------------------------------
+@pytest.mark.parametrize("nb,block", [(8, 8), (40, 64)])
+def test_sparse_attention_compiles_for_its_block_table(nb, block):
+    """A dynamic model with no max_seq_len is compiled for the nb·bs tokens the block table covers (below the default
+    2048, where it used to be left alone, and above it, where it used to stop at 2048), with no layout_spec (not
+    closed-form) and stof.max_seq_len nb·bs; at that length and a shorter one it equals the float64 reference, and
+    one token more is an error."""
+    from test_rewrite_ort_ops import local_stride_blocks, sparse_attention_model, sparse_attention_reference
+
+    H, KV, D, L = 2, 1, 8, 2
+    cover = nb * block
+    blocks = local_stride_blocks(L, nb, 2, 3)
+    model = sparse_attention_model("batch", "seq", H, KV, D, blocks, block, "max_seq")
+    new, report = rewrite_model(model, **TILE)
+    assert_fused(new, {"StofSparseAttention": 1, "SparseAttention": 0})
+    assert report.to_dict()["attention"][0]["seq_q"] == cover
+    assert _specs(new) == [None] and _meta(new)["stof.max_seq_len"] == str(cover)
+    assert any(f"covers {nb} blocks of {block} tokens" in n for n in report.notes), report.notes
+    sess = session(new)
+    rng = np.random.default_rng(nb)
+
+    def feeds(seq, lengths):
+        return {"q": rng.standard_normal((2, seq, H * D)).astype(np.float32),
+                "k": rng.standard_normal((2, seq, KV * D)).astype(np.float32),
+                "v": rng.standard_normal((2, seq, KV * D)).astype(np.float32),
+                "past_key": np.zeros((2, KV, cover, D), np.float32),
+                "past_value": np.zeros((2, KV, cover, D), np.float32),
+                "total": np.array([seq], np.int32), "key_lengths": np.array(lengths, np.int32)}
+
+    for seq in sorted({cover, min(cover, LONG) - 13}):
+        f = feeds(seq, [seq, seq // 2 + 1])
+        _close(run(sess, f)[0], sparse_attention_reference(f, blocks, block, H, KV), [seq, seq // 2 + 1])
+    with pytest.raises(Exception, match="exceeds_compiled_seq_q_seq_k"):
+        run(sess, feeds(cover + 1, [cover + 1] * 2))

@@ -12,6 +12,12 @@ Replaced by Q, K, V -> heads (K/V repeated to H heads) -> StofSparseAttention ->
 key_padding_mask = (k < key_total_sequence_lengths). Layout: block (q // bs, k // bs) of pattern h % L allowed,
 and causal inside (the op's semantics); per-head patterns become per-head STOF layouts.
 
+Sequence length: the block table (nb + 1 row pointers, block bs) is the operator's own limit, nb·bs tokens; a model
+with a dynamic sequence axis and no max_seq_len is compiled for it (attention_common.compiled_length,
+``_op_seq_limit``) and keeps it as stof.max_seq_len. Its nodes carry no layout_spec: the vertical stride (every
+stride-th block column, its phase per layout) and per-layout patterns have no closed-form spec, and past nb·bs the
+operator has no layout to grow.
+
 ONNX Runtime runs SparseAttention on CUDA only; tests/test_rewrite_ort_ops.py checks the rewritten model against a
 float64 reference of these semantics. Left alone: packed QKV, rotary, block indices that are not constants, used
 present outputs. With unused presents the past buffers are taken to hold no tokens (total_sequence_length = S):
@@ -84,6 +90,11 @@ class FuseOrtSparseAttention(Fusion):
     def analyze(self, matches: list[Match]) -> list[Match]:
         if not matches:
             return matches
+        opts = self.ctx.options
+        if opts.get("max_seq_len") is None and "_compiled_seq" not in opts:
+            # the block table is the op's own length limit: a dynamic model is compiled for it, not for the default
+            nb, bs = min(((m.info["blocks"].shape[1], m.info["block"]) for m in matches), key=lambda x: x[0] * x[1])
+            opts["_op_seq_limit"] = (nb * bs, f"SparseAttention's block layout covers {nb} blocks of {bs} tokens")
         shapes = tensor_shapes(self, {t.name for m in matches for t in m.anchor.inputs[:3]})
         kept = []
         for m in matches:
