@@ -216,3 +216,21 @@ def test_sparse_attention_compiles_for_its_block_table(nb, block):
         _close(run(sess, f)[0], sparse_attention_reference(f, blocks, block, H, KV), [seq, seq // 2 + 1])
     with pytest.raises(Exception, match="exceeds_compiled_seq_q_seq_k"):
         run(sess, feeds(cover + 1, [cover + 1] * 2))
+
+
+@pytest.mark.parametrize("L,H,nb,block,seq,tm,tn", [(1, 2, 10, 8, 77, 16, 32), (2, 4, 8, 8, 56, 16, 32),
+                                                    (4, 8, 12, 16, 190, 64, 64), (4, 4, 9, 32, 260, 64, 32)])
+def test_sparse_attention_layout_compiles_from_the_block_grid(L, H, nb, block, seq, tm, tn):
+    """The layout compiled from the block grid (blocks ∧ causal, per-layout grids through a 3-D block layout) is
+    exactly the dense definition's, random block tables included."""
+    from stof_trt.format import TileLayout
+    from stof_trt.rewrite.fuse_ort_sparse_attention import block_causal_dense, block_causal_layout
+    from stof_trt.rewrite.ort_contrib import layout_per_head
+
+    rng = np.random.default_rng(nb * L)
+    blocks = rng.random((L, nb, nb)) < 0.4
+    want = layout_per_head(TileLayout.from_dense(block_causal_dense(blocks, block, seq), tm, tn, mask_spec="graph"),
+                           H)
+    got = block_causal_layout(blocks, block, seq, tm, tn, H)
+    assert got.signature() == want.signature() and got.num_layouts == want.num_layouts
+    assert got.mask_spec == "graph"
