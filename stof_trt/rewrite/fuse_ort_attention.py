@@ -19,9 +19,10 @@ MultiHeadAttention (separate Q, K, V [B,S,H·D], optional packed bias)::
   becomes  (Q, K, V) + bias slices -> Reshape + Transpose -> StofSparseAttention -> Transpose + Reshape -> Y
 
 Key lengths become a [B, Sk] key padding mask (key k kept iff k < length), a 2-D mask is used directly,
-``unidirectional`` becomes a static causal layout (top-left aligned: no past), ``attention_bias`` becomes attn_bias.
-The node's layout_spec is ``causal`` or ``full``, so a model with a dynamic sequence axis runs at any length. Left alone: past /
-present (KV cache), rotary, packed K/V formats, other mask_index formats, unequal qkv_hidden_sizes.
+``unidirectional`` becomes a static causal layout (top-left aligned: no past), ``attention_bias`` becomes
+attn_bias. The node's layout_spec is ``causal`` or ``full``, so a model with a dynamic sequence axis runs at any
+length. Left alone: past / present (KV cache), rotary, packed K/V formats, other mask_index formats, unequal
+qkv_hidden_sizes.
 Legend: B batch, S/L query/key length, H heads, D head dim.
 """
 from __future__ import annotations

@@ -14,8 +14,8 @@ Replaced by::
 
 Layout: causal, and with W > 0 query i sees keys i-W+1 .. i (W keys, itself included — ONNX Runtime's CPU kernel,
 checked by tests/test_rewrite_ort_ops.py); the node's layout_spec is that window (``window_spec``), so a model
-with a dynamic sequence axis runs at any length. Query rows past a sequence's length are padding; their output is not
-defined by the op and may differ. Left alone: past_key / past_value (KV cache), packed QKV (no key input), rotary
+with a dynamic sequence axis runs at any length. Query rows past a sequence's length are padding; their output is
+not defined by the op and may differ. Left alone: past_key / past_value (KV cache), packed QKV (no key input), rotary
 inside the op, softcap, smooth_softmax, position_ids / attention_bias / head_sink inputs, used present outputs.
 """
 from __future__ import annotations
