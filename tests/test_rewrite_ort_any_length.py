@@ -234,3 +234,72 @@ def test_sparse_attention_layout_compiles_from_the_block_grid(L, H, nb, block, s
     got = block_causal_layout(blocks, block, seq, tm, tn, H)
     assert got.signature() == want.signature() and got.num_layouts == want.num_layouts
     assert got.mask_spec == "graph"
+
+
+# -- several layers of CPU-less operators with a dynamic sequence axis -----------------------------------------------
+def _second_layer(model, node_op, inputs):
+    """``model`` with a second ``node_op`` node after the first, reading the first's output (same attributes and
+    weights), its output the graph's."""
+    g = model.graph
+    first = g.node[0]
+    second = helper.make_node(node_op, inputs, ["y2"] + [f"{o}_2" for o in first.output[1:]], domain="com.microsoft")
+    second.attribute.extend(first.attribute)
+    for i in range(1, len(first.output)):
+        first.output[i] = first.output[i] + "_1"
+    g.node.append(second)
+    g.output[0].name = "y2"
+    return model
+
+
+def test_two_sparse_attention_layers_with_a_dynamic_axis():
+    """The shape probe runs past the first SparseAttention (ONNX Runtime's CPU cannot run it as a plain node: it
+    stands in as an Identity of its query there), so both layers are rewritten with no flags, compiled for the
+    block table; the model equals the chained float64 reference."""
+    from test_rewrite_ort_ops import local_stride_blocks, sparse_attention_model, sparse_attention_reference
+
+    H, D, nb, block = 2, 8, 8, 8
+    blocks = local_stride_blocks(2, nb, 2, 3)
+    model = sparse_attention_model("batch", "seq", H, H, D, blocks, block, "max_seq")
+    model = _second_layer(model, "SparseAttention", ["y", "y", "y", "past_key", "past_value", "block_row_indices",
+                                                     "block_col_indices", "total", "key_lengths"])
+    model.graph.input[3].type.tensor_type.shape.dim[1].dim_value = H   # past buffers: H K/V heads
+    model.graph.input[4].type.tensor_type.shape.dim[1].dim_value = H
+    new, report = rewrite_model(model, **TILE)
+    assert_fused(new, {"StofSparseAttention": 2, "SparseAttention": 0})
+    assert _meta(new)["stof.max_seq_len"] == str(nb * block)
+    rng = np.random.default_rng(21)
+    for seq in (nb * block, 41):
+        lengths = [seq, seq - 9]
+        f = {n: rng.standard_normal((2, seq, H * D)).astype(np.float32) for n in "qkv"}
+        f.update(total=np.array([seq], np.int32), key_lengths=np.array(lengths, np.int32),
+                 past_key=np.zeros((2, H, nb * block, D), np.float32),
+                 past_value=np.zeros((2, H, nb * block, D), np.float32))
+        y1 = sparse_attention_reference(f, blocks, block, H, H)
+        want = sparse_attention_reference(dict(f, q=y1, k=y1, v=y1), blocks, block, H, H)
+        got = run(new, f)[0]
+        # padded rows of the first layer are keys the second layer masks: only real rows are compared
+        _close(got, want, lengths)
+
+
+def test_two_longformer_layers_with_a_dynamic_axis():
+    """Two LongformerAttention layers (CUDA-only) with a dynamic sequence axis rewrite with no flags: the shape
+    probe runs past the first; the model equals the chained float64 reference."""
+    from test_rewrite_ort_ops import longformer_model, longformer_reference
+
+    B, S, H, D, W = 2, 48, 2, 8, 4
+    rng = np.random.default_rng(22)
+    model = longformer_model(B, S, H, D, W, rng)
+    for t in (*model.graph.input, *model.graph.output):
+        t.type.tensor_type.shape.dim[1].dim_param = "seq"
+    model = _second_layer(model, "LongformerAttention", ["y", "w", "b", "mask", "wg", "bg", "global"])
+    new, _ = rewrite_model(model, max_seq_len=S, **TILE)
+    assert_fused(new, {"StofSparseAttention": 4, "LongformerAttention": 0})
+    for seq in (S, 24):
+        glob = np.zeros((B, seq), np.int32)
+        glob[0, [0, seq - 1]] = 1
+        glob[1, :3] = 1
+        f = {"x": rng.standard_normal((B, seq, H * D)).astype(np.float32), "mask": np.zeros((B, seq), np.float32),
+             "global": glob}
+        y1 = longformer_reference(model, f, H, W)
+        want = longformer_reference(model, dict(f, x=y1), H, W)
+        np.testing.assert_allclose(run(new, f)[0], want, rtol=1e-4, atol=1e-4)
