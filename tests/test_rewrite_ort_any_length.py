@@ -46,7 +46,7 @@ def _close(got, want, rows):
 
 
 # -- GroupQueryAttention ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("window", [0, 7, 2060])
+@pytest.mark.parametrize("window", [0, 1, 7, 2060])
 def test_gqa_grows_past_the_compiled_length(window):
     """No window (causal), a short one, and one wider than the compiled length (read from the attribute, not from
     the pattern at 2048, where it is causal): each node carries the window's own spec; at 2100 the rewritten model

@@ -32,8 +32,10 @@ from .ort_contrib import ORT_DOMAIN, check_heads, emit_grouped_node, outputs_use
 
 def window_spec(window: int) -> str:
     """The closed-form spec of ``sliding_causal`` at every length (the node's layout_spec): causal, or the W keys
-    i-W+1 .. i."""
-    return "causal" if window <= 0 else f"sliding:left={window - 1},right=0"
+    i-W+1 .. i (canonical spelling, as the node carries it)."""
+    from ..masks import parse_mask
+
+    return str(parse_mask("causal" if window <= 0 else f"sliding:left={window - 1},right=0"))
 
 
 def sliding_causal(seq: int, window: int) -> np.ndarray:
