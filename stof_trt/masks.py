@@ -416,7 +416,7 @@ class BlockLayout(MaskSpec):
                 self.per_head = True
             if self._layout.ndim in (2, 3) and 0 in self._layout.shape:
                 raise MaskSpecError(f"block layout {source} is empty (shape {self._layout.shape})")
-            elif self._layout.ndim != 2:
+            elif self._layout.ndim not in (2, 3):
                 raise MaskSpecError(f"block layout must be 2-D [Qb,Kb] or 3-D [H,Qb,Kb], got {self._layout.shape}")
         self._cache: dict = {}
 

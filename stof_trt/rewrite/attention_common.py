@@ -407,6 +407,10 @@ def compiled_length(ctx, graph: gs.Graph, shape_names: set[str], mask_terms: lis
                         f"{_longest_mask_probe()} fits")
     fixed = fixed_mask_size(opts.get("mask"))
     cap = given or min(DEFAULT_MAX_SEQ, fixed or DEFAULT_MAX_SEQ)
+    # (tokens, what): an operator's own limit that the CPU probe cannot run into (SparseAttention's block table)
+    op_limit = opts.get("_op_seq_limit") if given is None else None
+    if op_limit is not None:
+        cap = min(op_limit[0], fixed or op_limit[0], MAX_SEQ)
     # The earliest attention input's shape and every mask: a position table or mask buffer limits them.
     order = {id(t): i for i, n in enumerate(graph.nodes) for t in n.outputs}
     tensors = graph.tensors()
@@ -426,6 +430,10 @@ def compiled_length(ctx, graph: gs.Graph, shape_names: set[str], mask_terms: lis
         seq, source = limit, "model"
         notes.append(f"compiled for sequence length {seq}: the model's own limit (longer inputs fail in the "
                      "original model too)")
+    elif op_limit is not None and cap == op_limit[0]:
+        seq, source = cap, "model"
+        notes.append(f"compiled for sequence length {seq}: {op_limit[1]}, the operator's own limit (longer inputs "
+                     "fail in the original model too)")
     elif fixed is not None and fixed <= DEFAULT_MAX_SEQ:
         seq, source = fixed, "mask"
         notes.append(f"compiled for sequence length {seq}: the size of the mask {opts['mask']} (a fixed mask "

@@ -19,8 +19,10 @@ MultiHeadAttention (separate Q, K, V [B,S,H·D], optional packed bias)::
   becomes  (Q, K, V) + bias slices -> Reshape + Transpose -> StofSparseAttention -> Transpose + Reshape -> Y
 
 Key lengths become a [B, Sk] key padding mask (key k kept iff k < length), a 2-D mask is used directly,
-``unidirectional`` becomes a static causal layout, ``attention_bias`` becomes attn_bias. Left alone: past /
-present (KV cache), rotary, packed K/V formats, other mask_index formats, unequal qkv_hidden_sizes.
+``unidirectional`` becomes a static causal layout (top-left aligned: no past), ``attention_bias`` becomes
+attn_bias. The node's layout_spec is ``causal`` or ``full``, so a model with a dynamic sequence axis runs at any
+length. Left alone: past / present (KV cache), rotary, packed K/V formats, other mask_index formats, unequal
+qkv_hidden_sizes.
 Legend: B batch, S/L query/key length, H heads, D head dim.
 """
 from __future__ import annotations
@@ -100,7 +102,8 @@ class _OrtAttentionBase(Fusion):
                     continue
             scale = float(node.attrs.get("scale", 0.0) or 1.0 / math.sqrt(D))
             causal = np.tril(np.ones((sq, sk), bool))[None] if node.attrs.get("unidirectional", 0) else None
-            layout, source = choose_layout(self.ctx.options, None, sq, sk, H, causal, "causal (unidirectional)")
+            layout, source = choose_layout(self.ctx.options, None, sq, sk, H, causal, "causal (unidirectional)",
+                                           extra_spec="causal" if causal is not None else None)
             if padding:
                 what = "key padding from " + ("[B] key lengths" if padding == "lengths" else "a 2-D [B, Sk] mask")
                 source = what if source.startswith("none") else f"{source} & {what}"

@@ -13,8 +13,9 @@ Replaced by::
       Reshape -> Y          key_padding_mask = (k < seqlens_k + 1)
 
 Layout: causal, and with W > 0 query i sees keys i-W+1 .. i (W keys, itself included — ONNX Runtime's CPU kernel,
-checked by tests/test_rewrite_ort_ops.py). Query rows past a sequence's length are padding; their output is not
-defined by the op and may differ. Left alone: past_key / past_value (KV cache), packed QKV (no key input), rotary
+checked by tests/test_rewrite_ort_ops.py); the node's layout_spec is that window (``window_spec``), so a model
+with a dynamic sequence axis runs at any length. Query rows past a sequence's length are padding; their output is
+not defined by the op and may differ. Left alone: past_key / past_value (KV cache), packed QKV (no key input), rotary
 inside the op, softcap, smooth_softmax, position_ids / attention_bias / head_sink inputs, used present outputs.
 """
 from __future__ import annotations
@@ -27,6 +28,14 @@ import onnx_graphsurgeon as gs
 from .attention_common import AttentionPlan, choose_layout, lengths_to_padding
 from .base import Fusion, Match
 from .ort_contrib import ORT_DOMAIN, check_heads, emit_grouped_node, outputs_used, present, tensor_shapes
+
+
+def window_spec(window: int) -> str:
+    """The closed-form spec of ``sliding_causal`` at every length (the node's layout_spec): causal, or the W keys
+    i-W+1 .. i (canonical spelling, as the node carries it)."""
+    from ..masks import parse_mask
+
+    return str(parse_mask("causal" if window <= 0 else f"sliding:left={window - 1},right=0"))
 
 
 def sliding_causal(seq: int, window: int) -> np.ndarray:
@@ -88,7 +97,8 @@ class FuseOrtGroupQueryAttention(Fusion):
             window = int(node.attrs.get("local_window_size", -1))
             scale = float(node.attrs.get("scale", 0.0) or 1.0 / math.sqrt(D))
             what = f"causal, local_window_size {window}" if window > 0 else "causal"
-            layout, source = choose_layout(self.ctx.options, None, S, S, H, sliding_causal(S, window), what)
+            layout, source = choose_layout(self.ctx.options, None, S, S, H, sliding_causal(S, window), what,
+                                           extra_spec=window_spec(window))
             source += " & key padding from seqlens_k"
             plan = AttentionPlan(name=node.name, heads=H, head_dim=D, seq_q=S, seq_k=S, scale=scale, layout=layout,
                                  mask_source=source, padding_tensor=node.inputs[5])

@@ -12,6 +12,12 @@ Replaced by Q, K, V -> heads (K/V repeated to H heads) -> StofSparseAttention ->
 key_padding_mask = (k < key_total_sequence_lengths). Layout: block (q // bs, k // bs) of pattern h % L allowed,
 and causal inside (the op's semantics); per-head patterns become per-head STOF layouts.
 
+Sequence length: the block table (nb + 1 row pointers, block bs) is the operator's own limit, nb·bs tokens; a model
+with a dynamic sequence axis and no max_seq_len is compiled for it (attention_common.compiled_length,
+``_op_seq_limit``) and keeps it as stof.max_seq_len. Its nodes carry no layout_spec: the vertical stride (every
+stride-th block column, its phase per layout) and per-layout patterns have no closed-form spec, and past nb·bs the
+operator has no layout to grow.
+
 ONNX Runtime runs SparseAttention on CUDA only; tests/test_rewrite_ort_ops.py checks the rewritten model against a
 float64 reference of these semantics. Left alone: packed QKV, rotary, block indices that are not constants, used
 present outputs. With unused presents the past buffers are taken to hold no tokens (total_sequence_length = S):
@@ -19,13 +25,14 @@ a model that caches keys exposes its presents.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..errors import StofError
-from ..format import TileLayout
+from ..format import TileLayout, compile_mask
 
 from .attention_common import AttentionPlan, choose_layout, lengths_to_padding
 from .base import Fusion, Match
@@ -42,6 +49,19 @@ def block_causal_dense(blocks: np.ndarray, block: int, seq: int) -> np.ndarray:
     idx = np.arange(seq) // block
     dense = blocks[:, idx][:, :, idx]
     return dense & np.tril(np.ones((seq, seq), bool))[None]
+
+
+def block_causal_layout(blocks: np.ndarray, block: int, seq: int, tile_m: int, tile_n: int, heads: int) -> TileLayout:
+    """``block_causal_dense`` as a tile layout of 1 or ``heads`` layouts, compiled from the block grid (a blocks ∧
+    causal spec: no [L, S, S] array, so a Phi-3-small table at 8192 tokens compiles in a few ms, not seconds)."""
+    from ..masks import BlockLayout, Causal, Intersection
+
+    nb = blocks.shape[1]
+    if nb * block < seq:
+        raise StofError(f"the block layout covers {nb * block} tokens, fewer than the sequence length {seq}")
+    grid = BlockLayout(blocks if blocks.shape[0] > 1 else blocks[0], block, source="SparseAttention")
+    lay = compile_mask(Intersection((grid, Causal())), seq, seq, tile_m=tile_m, tile_n=tile_n, num_heads=heads)
+    return layout_per_head(dataclasses.replace(lay, mask_spec="graph"), heads)
 
 
 class FuseOrtSparseAttention(Fusion):
@@ -84,8 +104,13 @@ class FuseOrtSparseAttention(Fusion):
     def analyze(self, matches: list[Match]) -> list[Match]:
         if not matches:
             return matches
+        opts = self.ctx.options
+        if opts.get("max_seq_len") is None and "_compiled_seq" not in opts:
+            # the block table is the op's own length limit: a dynamic model is compiled for it, not for the default
+            nb, bs = min(((m.info["blocks"].shape[1], m.info["block"]) for m in matches), key=lambda x: x[0] * x[1])
+            opts["_op_seq_limit"] = (nb * bs, f"SparseAttention's block layout covers {nb} blocks of {bs} tokens")
         shapes = tensor_shapes(self, {t.name for m in matches for t in m.anchor.inputs[:3]})
-        kept = []
+        kept, compiled = [], {}
         for m in matches:
             node, H, kv, blocks, bs = m.anchor, m.info["heads"], m.info["kv_heads"], m.info["blocks"], m.info["block"]
             qs, ks, vs = (shapes[t.name] for t in node.inputs[:3])
@@ -94,15 +119,20 @@ class FuseOrtSparseAttention(Fusion):
                 self.skip(node, f"Q{qs} K{ks} V{vs}: expected [B,S,H·D] and [B,S,Hkv·D] of one length")
                 continue
             S, D = qs[1], qs[2] // H
+            what = f"SparseAttention blocks ({blocks.shape[0]} layout(s), block {bs}) & causal"
+            tm, tn = self.ctx.options["tile_m"], self.ctx.options["tile_n"]
             try:
-                dense = block_causal_dense(blocks, bs, S)
+                if self.ctx.options.get("mask") is None:   # one compile per distinct table (the layers share one)
+                    key = (blocks.shape, blocks.tobytes(), bs, S, tm, tn, H)
+                    if key not in compiled:
+                        compiled[key] = block_causal_layout(blocks, bs, S, tm, tn, H)
+                    layout, dense = compiled[key], None
+                else:
+                    dense = block_causal_dense(blocks, bs, S)
             except StofError as exc:
                 self.skip(node, str(exc))
                 continue
-            what = f"SparseAttention blocks ({blocks.shape[0]} layout(s), block {bs}) & causal"
-            tm, tn = self.ctx.options["tile_m"], self.ctx.options["tile_n"]
-            if self.ctx.options.get("mask") is None:
-                layout = layout_per_head(TileLayout.from_dense(dense, tm, tn, mask_spec="graph"), H)
+            if dense is None:
                 source = what
             else:
                 if dense.shape[0] not in (1, H):

@@ -38,9 +38,42 @@ def tensor_shapes(fusion: Fusion, names: set[str]) -> dict[str, tuple]:
     if rest:
         from .attention_common import AttentionProbe
 
-        probe = AttentionProbe(fusion.ctx, fusion.graph, rest, [], set())
+        opts = fusion.ctx.options
+        original = opts["_original_model"]
+        opts["_original_model"] = shape_stand_in(original)
+        try:
+            probe = AttentionProbe(fusion.ctx, fusion.graph, rest, [], set())
+        finally:
+            opts["_original_model"] = original
         shapes.update({n: tuple(probe.shape(n)) for n in rest})
     return shapes
+
+
+#: Operators whose output 0 has the shape of input 0 and that ONNX Runtime's CPU cannot run as plain nodes
+#: (SparseAttention's CPU kernel needs its past and present buffers bound to one memory; LongformerAttention has
+#: none), with the inputs that must be present for that shape to hold (packed QKV changes it).
+_SHAPE_LIKE_INPUT0 = {"SparseAttention": (1, 2), "LongformerAttention": ()}
+
+
+def shape_stand_in(model):
+    """``model``, or a copy in which every _SHAPE_LIKE_INPUT0 operator is an Identity of its input 0: the shape
+    probe then runs past earlier layers of such operators (a multi-layer model with a dynamic sequence axis), and
+    output 0 keeps its shape, all the probe reads there. Values past them differ: only shapes are probed so."""
+    import onnx
+
+    def stand_in(n) -> bool:
+        need = _SHAPE_LIKE_INPUT0.get(n.op_type)
+        return n.domain == ORT_DOMAIN and need is not None and all(i < len(n.input) and n.input[i] for i in need)
+
+    if not any(stand_in(n) for n in model.graph.node):
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    nodes = [onnx.helper.make_node("Identity", [n.input[0]], [n.output[0]], name=n.name) if stand_in(n) else n
+             for n in out.graph.node]
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out
 
 
 def keys_axis1(fusion: Fusion, k: gs.Tensor, new: list[gs.Node]) -> gs.Tensor:
