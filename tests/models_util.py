@@ -229,3 +229,13 @@ def family(name: str) -> tuple[onnx.ModelProto, int | None]:
 
 _FAMILY_LIMITS = {"roberta": 64, "distilbert": 96, "modernbert": None, "mistral": None, "clip_text": 77,
                   "whisper_encoder": None}
+
+
+def layout_specs(model: onnx.ModelProto) -> list[str | None]:
+    """Each StofSparseAttention node's layout_spec attribute, None where it has none."""
+    out = []
+    for n in model.graph.node:
+        if n.op_type == "StofSparseAttention":
+            a = {x.name: x for x in n.attribute}
+            out.append(a["layout_spec"].s.decode() if "layout_spec" in a else None)
+    return out

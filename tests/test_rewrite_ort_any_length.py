@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from models_util import TILE, assert_fused, run, session
+from models_util import TILE, assert_fused, layout_specs, run, session
 from stof_trt.rewrite import rewrite_model
 from stof_trt.rewrite.fuse_ort_gqa import window_spec
 from test_rewrite_ort_ops import (_heads, _merge, _model, _softmax_attention, _vi, gqa_feeds, gqa_model,
@@ -20,21 +20,12 @@ from test_rewrite_ort_ops import (_heads, _merge, _model, _softmax_attention, _v
 LONG = 2100
 
 
-def _specs(model) -> list[str | None]:
-    out = []
-    for n in model.graph.node:
-        if n.op_type == "StofSparseAttention":
-            a = {x.name: x for x in n.attribute}
-            out.append(a["layout_spec"].s.decode() if "layout_spec" in a else None)
-    return out
-
-
 def _meta(model) -> dict:
     return {p.key: p.value for p in model.metadata_props}
 
 
 def _grows(model, spec):
-    assert _specs(model) == [spec]
+    assert layout_specs(model) == [spec]
     meta = _meta(model)
     assert "stof.max_seq_len" not in meta and meta["stof.compiled_seq_len"] == "2048", meta
 
@@ -94,7 +85,7 @@ def test_gqa_below_a_position_table_keeps_its_limit():
     g.node.extend(nodes)
     new, report = rewrite_model(model, **TILE)
     assert_fused(new, {"StofSparseAttention": 1, "GroupQueryAttention": 0})
-    assert _specs(new) == [None] and _meta(new)["stof.max_seq_len"] == str(P)
+    assert layout_specs(new) == [None] and _meta(new)["stof.max_seq_len"] == str(P)
     feeds = gqa_feeds(np.random.default_rng(2), 2, P, H, KV, D, [P, 60])
     _close(run(new, feeds)[0], run(model, feeds)[0], [P, 60])
 
@@ -198,7 +189,7 @@ def test_sparse_attention_compiles_for_its_block_table(nb, block):
     new, report = rewrite_model(model, **TILE)
     assert_fused(new, {"StofSparseAttention": 1, "SparseAttention": 0})
     assert report.to_dict()["attention"][0]["seq_q"] == cover
-    assert _specs(new) == [None] and _meta(new)["stof.max_seq_len"] == str(cover)
+    assert layout_specs(new) == [None] and _meta(new)["stof.max_seq_len"] == str(cover)
     assert any(f"covers {nb} blocks of {block} tokens" in n for n in report.notes), report.notes
     sess = session(new)
     rng = np.random.default_rng(nb)

@@ -69,6 +69,18 @@ def gqa_feeds(rng, B, S, H, KV, D, lengths):
             "seqlens_k": np.asarray(lengths, np.int32) - 1, "total": np.array(S, np.int32)}
 
 
+def gqa_reference(feeds, H, KV, D, window, lengths):
+    """GroupQueryAttention's documented semantics in float64: causal, a query sees its last `window` keys (window
+    0: all of them), keys past each sequence's length masked; [B, S, H * D]."""
+    S = feeds["q"].shape[1]
+    q, k, v = _heads(feeds["q"], H), _heads(feeds["k"], KV), _heads(feeds["v"], KV)
+    k, v = np.repeat(k, H // KV, 1), np.repeat(v, H // KV, 1)
+    i, j = np.arange(S)[:, None], np.arange(S)[None]
+    allowed = (j <= i) & (((i - j) < window) if window > 0 else True)
+    allowed = allowed[None, None] & (j < np.asarray(lengths)[:, None, None, None])
+    return _merge(_softmax_attention(q, k, v, allowed, 1 / np.sqrt(D)))
+
+
 @pytest.mark.parametrize("H,KV,window", [(4, 2, 7), (4, 1, 0), (4, 4, 16), (8, 2, 33)])
 def test_gqa_local_window_matches_ort(H, KV, window):
     B, S, D = 2, 40, 8
@@ -86,12 +98,7 @@ def test_gqa_local_window_matches_ort(H, KV, window):
         for b, n in enumerate(lengths):  # rows past a sequence's length are padding (undefined in the op)
             np.testing.assert_allclose(got[b, :n], want[b, :n], rtol=1e-4, atol=1e-4)
         # and the original itself against the documented semantics, so both cannot be wrong together
-        q, k, v = _heads(feeds["q"], H), _heads(feeds["k"], KV), _heads(feeds["v"], KV)
-        k, v = np.repeat(k, H // KV, 1), np.repeat(v, H // KV, 1)
-        i, j = np.arange(S)[:, None], np.arange(S)[None]
-        allowed = (j <= i) & (((i - j) < window) if window > 0 else True)
-        allowed = allowed[None, None] & (j < np.asarray(lengths)[:, None, None, None])
-        ref = _merge(_softmax_attention(q, k, v, allowed, 1 / np.sqrt(D)))
+        ref = gqa_reference(feeds, H, KV, D, window, lengths)
         for b, n in enumerate(lengths):
             np.testing.assert_allclose(got[b, :n], ref[b, :n], rtol=1e-4, atol=1e-4)
 

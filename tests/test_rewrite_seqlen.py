@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from models_util import TILE, assert_parity, exported, padding_mask, run, session, token_feeds
+from models_util import TILE, assert_parity, exported, layout_specs, padding_mask, run, session, token_feeds
 from stof_trt.rewrite import rewrite_model
 
 
@@ -71,15 +71,6 @@ def test_fixed_user_mask_sets_the_compiled_length(tmp_path):
         run(sess, token_feeds(rng, 2, 41))
 
 
-def _layout_specs(model) -> list[str | None]:
-    out = []
-    for n in model.graph.node:
-        if n.op_type == "StofSparseAttention":
-            a = {x.name: x for x in n.attribute}
-            out.append(a["layout_spec"].s.decode() if "layout_spec" in a else None)
-    return out
-
-
 @pytest.mark.parametrize("name, expect", [("llama", {"causal"}), ("mistral", {"sliding:left=23,right=0"}),
                                           ("modernbert", {"full", "sliding:window=8"}), ("t5_encoder", {"full"})])
 def test_closed_form_layouts_carry_their_spec(name, expect):
@@ -93,7 +84,7 @@ def test_closed_form_layouts_carry_their_spec(name, expect):
     model, limit = family(name)
     assert limit is None
     new, report = rewrite_model(model, **TILE)
-    specs = _layout_specs(new)
+    specs = layout_specs(new)
     assert specs and None not in specs and set(specs) == expect
     meta = {p.key: p.value for p in new.metadata_props}
     assert "stof.max_seq_len" not in meta and meta["stof.compiled_seq_len"] == "2048"
@@ -112,11 +103,11 @@ def test_a_window_wider_than_the_compiled_length_is_found():
     from models_util import family
 
     new, report = rewrite_model(family("mistral")[0], max_seq_len=16, **TILE)
-    assert set(_layout_specs(new)) == {None}
+    assert set(layout_specs(new)) == {None}
     assert {p.key: p.value for p in new.metadata_props}["stof.max_seq_len"] == "16"
     assert any("reads as 'causal' at length 16 but not at 34" in n for n in report.notes), report.notes
     new, report = rewrite_model(family("mistral")[0], max_seq_len=40, **TILE)   # the window is seen at 40
-    assert set(_layout_specs(new)) == {"sliding:left=23,right=0"}
+    assert set(layout_specs(new)) == {"sliding:left=23,right=0"}
 
 
 def test_layout_spec_compiles_to_the_node_layout():
@@ -129,7 +120,7 @@ def test_layout_spec_compiles_to_the_node_layout():
 
     model, _ = family("modernbert")
     new, _ = rewrite_model(model, **TILE)
-    specs = _layout_specs(new)
+    specs = layout_specs(new)
     for node, spec in zip(attention_nodes(new), specs):
         lay = node.layout
         again = compile_mask(spec, lay.seq_q, lay.seq_k, tile_m=lay.tile_m, tile_n=lay.tile_n)
@@ -152,7 +143,7 @@ def test_user_specs(mask, grows):
     from models_util import family
 
     new, _ = rewrite_model(family("llama")[0], mask=mask, **TILE)
-    specs = _layout_specs(new)
+    specs = layout_specs(new)
     meta = {p.key: p.value for p in new.metadata_props}
     if grows:
         assert None not in specs and all(s.endswith("&causal") for s in specs), specs
@@ -169,7 +160,7 @@ def test_models_with_a_limit_keep_it():
 
     new, _ = rewrite_model(family("gpt2")[0], **TILE)
     meta = {p.key: p.value for p in new.metadata_props}
-    assert meta["stof.max_seq_len"] == "72" and set(_layout_specs(new)) == {None}
+    assert meta["stof.max_seq_len"] == "72" and set(layout_specs(new)) == {None}
     new, _ = rewrite_model(family("llama")[0], max_seq_len=100, **TILE)
     meta = {p.key: p.value for p in new.metadata_props}
     assert "stof.max_seq_len" not in meta and meta["stof.compiled_seq_len"] == "100"

@@ -49,7 +49,8 @@ def _close(got, ref, rows, tol):
 @pytest.mark.parametrize("window", [0, 256, 2060])
 @pytest.mark.parametrize("fp16", [False, True])
 def test_gqa_past_the_compiled_length(window, fp16):
-    from test_rewrite_ort_ops import _heads, _merge, _softmax_attention, gqa_feeds, gqa_model
+    from models_util import layout_specs
+    from test_rewrite_ort_ops import gqa_feeds, gqa_model, gqa_reference
 
     from stof_trt.rewrite import rewrite_model
     from stof_trt.rewrite.fuse_ort_gqa import window_spec
@@ -58,9 +59,7 @@ def test_gqa_past_the_compiled_length(window, fp16):
     model = gqa_model("batch", "seq", H, KV, D, window if window else -1)
     model = _as_fp16(model) if fp16 else model
     new, _ = rewrite_model(model)
-    specs = [{a.name: a for a in n.attribute}["layout_spec"].s.decode() for n in new.graph.node
-             if n.op_type == "StofSparseAttention"]
-    assert specs == [window_spec(window)]
+    assert layout_specs(new) == [window_spec(window)]
     sess = sort.session(new, cuda_options=NO_TF32)
     rng = np.random.default_rng(window)
     for seq in LENGTHS:
@@ -69,12 +68,7 @@ def test_gqa_past_the_compiled_length(window, fp16):
         if fp16:
             feeds = {k: v.astype(np.float16) if v.dtype == np.float32 else v for k, v in feeds.items()}
         got = _run(sess, feeds)
-        q, k, v = _heads(feeds["q"], H), _heads(feeds["k"], KV), _heads(feeds["v"], KV)
-        k, v = np.repeat(k, H // KV, 1), np.repeat(v, H // KV, 1)
-        i, j = np.arange(seq)[:, None], np.arange(seq)[None]
-        allowed = (j <= i) & (((i - j) < window) if window > 0 else True)
-        allowed = allowed[None, None] & (j < np.asarray(lengths)[:, None, None, None])
-        ref = _merge(_softmax_attention(q, k, v, allowed, 1 / np.sqrt(D)))
+        ref = gqa_reference(feeds, H, KV, D, window, lengths)
         _close(got, ref, lengths, 2e-2 if fp16 else 2e-4)
 
 
