@@ -12,10 +12,11 @@
 //   warpgroups 1 .. kConsumers, the consumers (hopper_ws_consumer.cuh): each owns 64 query rows (inside one format
 //     tile row) and runs, per step,
 //     S_i = Q K_i^T  (wgmma, issued before the previous step's P V so the tensor cores stay fed; with two
-//       consumers Q comes from registers, WsTraits::kQRegs),
+//       consumers Q comes from registers, WsTraits::kQRegs, except in tactic 23 at head dim 128),
 //     O += P_{i-1} V_{i-1},
 //     mask + online softmax of S_i while P_{i-1} V_{i-1} runs, then O rescaled and the stage released
-//     (mbarrier empty[stage], one arrival per consumer thread).  A consumer whose tile row has no tile in a
+//     (mbarrier empty[stage], one arrival per consumer thread; tactic 23 at head dim 128 releases a stage's K once
+//     S_i is done and its V after P_i V_i, WsTraits::kSplitKV).  A consumer whose tile row has no tile in a
 //     sub-block masks it.  In tactic 24 the two consumers take turns on the tensor cores (WsTraits::kTurns): one
 //     issues its MMAs once the other's max is reduced, so they run under the other's exps.
 //   hopper_ws_persist_fwd: the same, persistent (one CTA per SM taking items from a work counter); the consumers
