@@ -23,6 +23,7 @@ has() { local s; for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done; 
 rc=0
 export STOF_ORT_LIB=$BUILD/plugins_cu/ort/libstof_ort.so
 export STOF_KERNELS_LIB=$BUILD/plugins_cu/libstof_kernels.so
+export STOF_HOST_LIB=$BUILD/plugins_cu/libstof_host.so
 
 if has env; then
   echo "== env"
@@ -43,7 +44,8 @@ fi
 if has test; then
   echo "== test"
   python3 -m pytest -q -p no:cacheprovider tests/gpu/test_ort_plugin.py tests/gpu/test_ort_models.py \
-    tests/test_tactic_cache.py 2>&1 | tee "$OUT/test.log" | tail -40 || rc=1
+    tests/gpu/test_ort_any_length.py tests/gpu/test_ort_ops_any_length.py tests/gpu/test_ort_ops_cuda.py \
+    tests/test_tactic_cache.py tests/test_mask_native.py 2>&1 | tee "$OUT/test.log" | tail -40 || rc=1
 fi
 
 if has bench; then
