@@ -181,13 +181,20 @@ extern "C" stof_epi_status_t stof_gemm_epilogue_run_algo(stof_gemm_context_t ctx
         }
         PlanKey key{dtype, rowBucket(m), n, k, activation, bias != nullptr, align, workspaceBytes, algo < 0 ? 0 : algo};
         std::lock_guard<std::mutex> lock(ctx->mMutex);
-        auto it = ctx->mPlans.find(key);
-        if (it == ctx->mPlans.end()) {
-            auto plan = std::make_unique<Plan>();
-            stof_epi_status_t s = buildPlan(ctx, key, *plan);
-            if (s != STOF_EPI_SUCCESS) return s;
-            it = ctx->mPlans.emplace(key, std::move(plan)).first;
-        }
+        // the context's plan of a key, built on first use
+        auto planOf = [&](PlanKey const& pk, Plan*& out) -> stof_epi_status_t {
+            auto found = ctx->mPlans.find(pk);
+            if (found == ctx->mPlans.end()) {
+                auto plan = std::make_unique<Plan>();
+                stof_epi_status_t s = buildPlan(ctx, pk, *plan);
+                if (s != STOF_EPI_SUCCESS) return s;
+                found = ctx->mPlans.emplace(pk, std::move(plan)).first;
+            }
+            out = found->second.get();
+            return STOF_EPI_SUCCESS;
+        };
+        Plan* bucketPlan = nullptr;
+        if (stof_epi_status_t s = planOf(key, bucketPlan); s != STOF_EPI_SUCCESS) return s;
         float const alpha = 1.f, beta = 0.f;
         auto cs = reinterpret_cast<cudaStream_t>(stream);
         // a failed attribute call's status, else cublasLtMatmul's (checked below, after the exact-M fallback)
@@ -209,19 +216,14 @@ extern "C" stof_epi_status_t stof_gemm_epilogue_run_algo(stof_gemm_context_t ctx
             return cublasLtMatmul(ctx->mHandle, plan.mOp, &alpha, w, plan.mA, x, plan.mB, &beta, y, plan.mC, y,
                                   plan.mC, &plan.mAlgo, workspace, workspaceBytes, cs);
         };
-        cublasStatus_t st = run(*it->second);
+        cublasStatus_t st = run(*bucketPlan);
         if ((st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE) && std::get<1>(key) != m) {
             // the bucket's algorithm does not take this M: a plan of this exact M, kept beside the bucket's
             PlanKey exactKey = key;
             std::get<1>(exactKey) = m;
-            auto ex = ctx->mPlans.find(exactKey);
-            if (ex == ctx->mPlans.end()) {
-                auto plan = std::make_unique<Plan>();
-                stof_epi_status_t s = buildPlan(ctx, exactKey, *plan);
-                if (s != STOF_EPI_SUCCESS) return s;
-                ex = ctx->mPlans.emplace(exactKey, std::move(plan)).first;
-            }
-            st = run(*ex->second);
+            Plan* exactPlan = nullptr;
+            if (stof_epi_status_t s = planOf(exactKey, exactPlan); s != STOF_EPI_SUCCESS) return s;
+            st = run(*exactPlan);
         }
         STOF_EPI_CHECK(st == CUBLAS_STATUS_SUCCESS, STOF_EPI_ERROR_CUBLAS, "cublasLtMatmul: cuBLAS status %d",
                        static_cast<int>(st));
