@@ -14,7 +14,8 @@ Grid (stof_trt/bench/e2e.py): BERT-base, BERT-large, RoBERTa-base (padding mask)
   ortpacking    convert_to_packing_mode of the ortopt model (RemovePadding / PackedAttention / RestorePadding);
                 BERT and RoBERTa
   stof          the STOF rewrite (stof_trt.rewrite.rewrite_model, defaults) + fp16 with libstof_ort
-  stof-graph    the same through CUDA graphs (refused where the rewrite removed the padding: data-dependent shapes)
+  stof-graph    the rewrite with a token capacity input (--token-capacity-input: the real tokens packed into
+                token_capacity(T) slots, a fixed shape) through CUDA graphs, one graph per case
   stof-padded-graph  the rewrite with padding removal off (--no-remove-padding), through CUDA graphs; models
                 with a padding mask
 Each variant has one session per model, reused across B, S and padding (dynamic axes); a case times its variants in
@@ -192,7 +193,9 @@ def make_session(model, variant: str, cpu: bool, tactic_cache: Path | None):
 def _cast_feeds(sess, feeds: dict) -> dict:
     types = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(float)": np.float32,
              "tensor(float16)": np.float16}
-    return {i.name: feeds[i.name].astype(types.get(i.type, feeds[i.name].dtype)) for i in sess.get_inputs()}
+    # (a token capacity input is not a case feed: Binding sizes it from the padding mask)
+    return {i.name: feeds[i.name].astype(types.get(i.type, feeds[i.name].dtype)) for i in sess.get_inputs()
+            if i.name in feeds}
 
 
 def bench_case(case: dict, sessions: dict, args, graph_id: int, errors: dict) -> tuple[dict, dict]:

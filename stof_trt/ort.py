@@ -31,11 +31,13 @@ from pathlib import Path
 from .errors import StofError
 
 __all__ = ["library_path", "library_available", "session", "Binding", "time_session", "latency_stats",
-           "CONFIG_TACTIC_CACHE", "CONFIG_VERBOSE", "CONFIG_FIRST_USE_TIMING"]
+           "token_capacity", "with_token_capacity", "CONFIG_TACTIC_CACHE", "CONFIG_VERBOSE",
+           "CONFIG_FIRST_USE_TIMING"]
 
 CONFIG_TACTIC_CACHE = "stof.tactic_cache"
 CONFIG_FIRST_USE_TIMING = "stof.first_use_timing"
 CONFIG_VERBOSE = "stof.verbose"
+META_TOKEN_CAPACITY = "stof.token_capacity_input"
 _LIB_NAME = "libstof_ort.so"
 
 
@@ -124,9 +126,9 @@ def session(model, *, providers=None, device_id: int = 0, cuda_options: dict | N
         if optimization_level not in levels:
             raise StofError(f"optimization_level must be one of {sorted(levels)}")
         so.graph_optimization_level = levels[optimization_level]
-    if cuda_graphs and _padding_removed(model):
+    if cuda_graphs and _padding_removed(model) and not _model_meta(model).get(META_TOKEN_CAPACITY):
         raise StofError("CUDA graphs cannot replay a model whose padding is removed: its token count changes with "
-                        "every batch's padding (rewrite with --no-remove-padding to capture graphs)")
+                        "every batch's padding (rewrite with --token-capacity-input to capture graphs)")
     provs = _providers(providers, device_id, cuda_options, cuda_graphs)
     wants_cuda = any((p[0] if isinstance(p, tuple) else p) == "CUDAExecutionProvider" for p in provs)
     if wants_cuda and "CUDAExecutionProvider" not in ort.get_available_providers():
@@ -174,16 +176,50 @@ def session(model, *, providers=None, device_id: int = 0, cuda_options: dict | N
     return sess
 
 
-def _padding_removed(model) -> bool:
-    """Whether the rewrite packed the model's real tokens (metadata ``stof.padding_removed``)."""
+def _model_meta(model) -> dict:
+    """The model's metadata (a path or a ModelProto); {} when it cannot be read (ORT reports that itself)."""
     if not hasattr(model, "metadata_props"):
         import onnx
 
         try:
             model = onnx.load(str(model), load_external_data=False)
-        except Exception:  # noqa: BLE001 - ORT reports an unreadable model itself
-            return False
-    return any(p.key == "stof.padding_removed" and p.value == "1" for p in model.metadata_props)
+        except Exception:  # noqa: BLE001
+            return {}
+    return {p.key: p.value for p in model.metadata_props}
+
+
+def _padding_removed(model) -> bool:
+    """Whether the rewrite packed the model's real tokens (metadata ``stof.padding_removed``)."""
+    return _model_meta(model).get("stof.padding_removed") == "1"
+
+
+def token_capacity(tokens: int, limit: int) -> int:
+    """The token slots for a batch of ``tokens`` real tokens, at most ``limit`` (B·S): rounded up to an eighth of
+    its power-of-two octave (at least 64), so at most 12.5 % of the slots are spare and a server replays at most
+    eight CUDA graphs per octave of batch sizes."""
+    tokens = max(int(tokens), 1)
+    step = max(64, 1 << max((tokens - 1).bit_length() - 4, 0))
+    return max(1, min(int(limit), -(-tokens // step) * step))
+
+
+def with_token_capacity(sess, feeds: dict, capacity: int | None = None) -> dict:
+    """``feeds`` plus the ``stof_token_capacity`` input of a model rewritten with ``token_capacity_input``: an int32
+    buffer of ``capacity`` slots (default :func:`token_capacity` of the padding mask's real tokens). Feeds of
+    other models, or that already have it, come back unchanged."""
+    import numpy as np
+
+    meta = sess.get_modelmeta().custom_metadata_map
+    name, mask_name = meta.get(META_TOKEN_CAPACITY), meta.get("stof.padding_mask_input")
+    if not name or name in feeds:
+        return feeds
+    if capacity is None:
+        if mask_name not in feeds:
+            raise StofError(f"missing input {mask_name} (the padding mask the token capacity is counted from)")
+        mask = np.asarray(feeds[mask_name])
+        capacity = token_capacity(np.count_nonzero(mask), mask.size)
+    if capacity < 1:
+        raise StofError(f"token capacity must be at least 1, got {capacity}")
+    return {**feeds, name: np.zeros(int(capacity), np.int32)}
 
 
 def _check_device(device_id: int) -> None:
@@ -221,7 +257,10 @@ class Binding:
     """IO binding of a session: inputs copied to the device once, outputs preallocated there.
 
     With ``cuda_graphs=True`` sessions the buffers stay fixed across runs, as ORT's graph replay requires.
-    ``update(feeds)`` copies new host values into the same device buffers.
+    ``update(feeds)`` copies new host values into the same device buffers. A model rewritten with
+    ``token_capacity_input`` gets its ``stof_token_capacity`` input from the padding mask (:func:`with_token_capacity`);
+    ``update`` keeps that capacity and refuses a batch with more real tokens (a new capacity is a new CUDA graph:
+    make a new Binding).
     """
 
     def __init__(self, sess, feeds: dict, device_id: int = 0, device: str | None = None):
@@ -234,6 +273,7 @@ class Binding:
         self.device_id = device_id
         self.binding = sess.io_binding()
         self._inputs = {}
+        feeds = with_token_capacity(sess, feeds)
         names = [i.name for i in sess.get_inputs()]
         missing = [n for n in names if n not in feeds]
         if missing:
@@ -248,6 +288,13 @@ class Binding:
     def update(self, feeds: dict) -> None:
         import numpy as np
 
+        meta = self.sess.get_modelmeta().custom_metadata_map
+        cap, mask_name = meta.get(META_TOKEN_CAPACITY), meta.get("stof.padding_mask_input")
+        if cap in self._inputs and mask_name in feeds:
+            slots, tokens = self._inputs[cap].shape()[0], int(np.count_nonzero(feeds[mask_name]))
+            if tokens > slots:
+                raise StofError(f"the batch has {tokens} real tokens, more than the {slots} token slots this binding "
+                                "was made for: make a new Binding (a new capacity is a new CUDA graph)")
         for name, arr in feeds.items():
             self._inputs[name].update_inplace(np.ascontiguousarray(arr))
 

@@ -220,7 +220,8 @@ def test_flow_on_tiny_models_cpu(tmp_path, monkeypatch):
     remade = sorted(n for n in after if after[n] != before[n])
     assert remade == ["bert-base.base.skel.onnx", "bert-base.stof.skel.onnx"]
     manifest = json.loads((skel / "manifest.json").read_text())
-    assert set(manifest["bert-base"]["variants"]) == {"original", "ortopt", "ortpacking", "stof", "stof-padded"}
+    assert set(manifest["bert-base"]["variants"]) == {"original", "ortopt", "ortpacking", "stof", "stof-slots",
+                                                      "stof-padded"}
     assert mod.main(["--skeletons", str(skel), "--out", str(out), "--cpu", "--models", "bert-base", "--batches", "2",
                      "--seqs", "128", "--paddings", "U[0.25S,S]", "--iters", "2", "--min-iters", "1",
                      "--warmup", "1"]) == 0

@@ -64,15 +64,17 @@ def assert_packed(model, report, restored=("last_hidden_state",)):
     onnx.checker.check_model(model, full_check=True)
 
 
-def token_rows(model, feeds, mask) -> None:
-    """Every StofGemmEpilogue / MatMul / StofAddLayerNorm output has one row per real token at run time."""
+def token_rows(model, feeds, mask, rows: int | None = None) -> None:
+    """Every StofGemmEpilogue / MatMul / StofAddLayerNorm output has one row per real token (or ``rows`` token
+    slots) at run time."""
     m = onnx.ModelProto()
     m.CopyFrom(model)
     names = [n.output[0] for n in m.graph.node if n.op_type in ("StofGemmEpilogue", "MatMul", "StofAddLayerNorm")]
     assert names
     m.graph.output.extend(helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in names)
     outs = run(m, feeds)[-len(names):]
-    assert all(o.shape[0] == int(mask.sum()) for o in outs), [o.shape for o in outs]
+    want = int(mask.sum()) if rows is None else rows
+    assert all(o.shape[0] == want for o in outs), [o.shape for o in outs]
 
 
 def compare(original, new, feeds, atol=2e-5):
@@ -102,6 +104,58 @@ def test_packed_model_matches_original(kind):
     # a shorter run and one row of one token
     feeds = token_feeds(rng, 1, 1, mask=np.ones((1, 1), np.int64))
     compare(model, new, feeds)
+
+
+@pytest.mark.parametrize("kind", ["bert", "gpt2"])
+def test_token_slots_match_original(kind):
+    """token_capacity_input: the packed tokens fill C slots (the input's length, at most B·S) and the outputs equal
+    the original's at any C >= T; every restored output is NaN when C < T."""
+    from stof_trt import ort as sort
+
+    model = exported(kind)
+    new, report = rewrite_model(model, token_capacity_input=True, **TILE)
+    rp = report.to_dict()["remove_padding"]
+    assert rp["applied"] and rp["token_capacity_input"] == "stof_token_capacity"
+    counts = op_counts(new)
+    assert counts["NonZero"] == 0 and counts["ScatterElements"] == 1
+    assert [i.name for i in new.graph.input][-1] == "stof_token_capacity"
+    meta = {p.key: p.value for p in new.metadata_props}
+    assert meta["stof.token_capacity_input"] == "stof_token_capacity"
+    assert meta["stof.padding_mask_input"] == "attention_mask"
+    onnx.checker.check_model(new, full_check=True)
+    rng = np.random.default_rng(6)
+    for mask in _masks(rng).values():
+        feeds = token_feeds(rng, B, S, mask=mask)
+        tokens = int(mask.sum())
+        for cap in sorted({tokens, tokens + 5, B * S, B * S + 40}):
+            compare(model, new, {**feeds, "stof_token_capacity": np.zeros(cap, np.int32)})
+        token_rows(new, {**feeds, "stof_token_capacity": np.zeros(tokens + 3, np.int32)}, mask,
+                   rows=min(tokens + 3, B * S))
+    sess = session(new)
+    filled = sort.with_token_capacity(sess, feeds)
+    assert filled["stof_token_capacity"].shape == (sort.token_capacity(tokens, B * S),)
+    assert sort.with_token_capacity(session(model), feeds) is feeds
+    short = run(new, {**feeds, "stof_token_capacity": np.zeros(tokens - 1, np.int32)})
+    assert all(np.isnan(o).all() for o in short if o.dtype.kind == "f")
+
+
+def test_token_capacity_buckets():
+    from stof_trt.ort import token_capacity
+
+    assert token_capacity(1, 4096) == 64 and token_capacity(64, 4096) == 64 and token_capacity(65, 4096) == 128
+    assert token_capacity(50, 40) == 40 and token_capacity(0, 10) == 10
+    for t in range(1, 20000, 37):
+        c = token_capacity(t, 1 << 20)
+        assert t <= c and (c - t) <= max(63, t // 8), (t, c)
+    # at most eight capacities per octave
+    assert len({token_capacity(t, 1 << 20) for t in range(4097, 8193)}) <= 8
+
+
+def test_token_capacity_needs_padding_removal():
+    from stof_trt.errors import StofError
+
+    with pytest.raises(StofError, match="needs remove_padding"):
+        rewrite_model(exported("bert"), remove_padding=False, token_capacity_input=True, **TILE)
 
 
 @pytest.mark.parametrize("kind", ["bert", "gpt2"])
@@ -196,10 +250,14 @@ def test_cli_flag(tmp_path):
 
     src = tmp_path / "bert.onnx"
     onnx.save(exported("bert"), src)
-    for flag, fmt in (([], "t3hd"), (["--no-remove-padding"], "bs3hd")):
-        out = tmp_path / f"out{len(flag)}.onnx"
+    for flag, fmt in (([], "t3hd"), (["--no-remove-padding"], "bs3hd"), (["--token-capacity-input"], "t3hd")):
+        out = tmp_path / f"out{flag}.onnx"
         assert main(["rewrite", str(src), "-o", str(out), "--tile", "16", "32", *flag]) in (0, None)
-        assert {_fmt(n) for n in _attention_nodes(onnx.load(out))} == {fmt}
+        new = onnx.load(out)
+        assert {_fmt(n) for n in _attention_nodes(new)} == {fmt}
+        assert ("stof_token_capacity" in {i.name for i in new.graph.input}) == ("--token-capacity-input" in flag)
+    assert main(["rewrite", str(src), "-o", str(tmp_path / "x.onnx"), "--no-remove-padding",
+                 "--token-capacity-input"]) == 2
 
 
 def test_unpacked_attention_keeps_padded_path():

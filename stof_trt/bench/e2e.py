@@ -48,9 +48,10 @@ ORT_VARIANTS = ("ortopt", "ortopt-graph", "ortpacking")
 STOF_VARIANTS = ("stof", "stof-graph", "stof-padded-graph")
 VARIANTS = ("original",) + ORT_VARIANTS + STOF_VARIANTS
 CASE_KEYS = ("model", "mask", "B", "S", "padding", "variants", "fused_ops", "max_diff_real_tokens")
-# the model file each variant runs (the -graph variants replay the same model through CUDA graphs)
+# the model file each variant runs: ortopt-graph replays ortopt through CUDA graphs; stof-graph replays the rewrite
+# with a token capacity input (packed into fixed token slots; the same model as stof where nothing is packed)
 VARIANT_MODEL = {"original": "original", "ortopt": "ortopt", "ortopt-graph": "ortopt", "ortpacking": "ortpacking",
-                 "stof": "stof", "stof-graph": "stof", "stof-padded-graph": "stof-padded"}
+                 "stof": "stof", "stof-graph": "stof-slots", "stof-padded-graph": "stof-padded"}
 ATTENTION_OPS = ("Attention", "MultiHeadAttention", "PackedAttention", "PackedMultiHeadAttention")
 
 
@@ -677,7 +678,7 @@ def derive_models(base, name: str, work: str, tiny: bool = False, log=print, wan
     cfg = dict(MODELS[name])
     if tiny:
         cfg.update(TINY)
-    want = set(want or ("original", "ortopt", "ortpacking", "stof", "stof-padded"))
+    want = set(want or set(VARIANT_MODEL.values()))
     if "original" in want:
         yield "original", _fp16(base), {}
         gc.collect()
@@ -692,6 +693,11 @@ def derive_models(base, name: str, work: str, tiny: bool = False, log=print, wan
         info["stof"] = stof_meta(m)
         log(f"{name}: rewrite {info['rewrite']}, padding removal {info['stof']['padding_removal']}")
         yield "stof", m, info
+        del m
+        gc.collect()
+    if "stof-slots" in want:  # packed into token slots sized by an input: CUDA graphs replay it
+        m, _ = rewrite_model(base, max_seq_len=512 if cfg["family"] != "vit" else None, token_capacity_input=True)
+        yield "stof-slots", _fp16(m), {}
         del m
         gc.collect()
     if "stof-padded" in want and cfg["mask"] != "none":

@@ -42,6 +42,10 @@ def add_args(p):
                    help="keep the padded [B, S] layout through the model (default: a model with one padding mask "
                         "and full or causal attention runs its GEMMs, LayerNorms and attention on the real tokens "
                         "only, with zeros at padded positions of the outputs; docs/rewrite.md)")
+    p.add_argument("--token-capacity-input", action="store_true",
+                   help="pack the real tokens into a fixed number of slots, the length of a new int32 input "
+                        "stof_token_capacity (at least the batch's real tokens; stof_trt.ort.Binding fills it), so "
+                        "ONNX Runtime can replay the packed model through CUDA graphs, one per capacity")
     p.add_argument("--dense-attention", choices=("stof", "ort"), default="stof",
                    help="where attention with no static sparsity (padding-only or unmasked) goes: STOF nodes "
                         "(default) or ONNX Runtime's contrib Attention (measured slower with 2-D padding masks; "
@@ -99,7 +103,8 @@ def run(args) -> int:
                                           external_data_dir=data_dir, packed_qkv=not args.no_packed_qkv,
                                           dense_attention=args.dense_attention, schemes=choices,
                                           scheme_tokens=args.scheme_tokens,
-                                          remove_padding=not args.no_remove_padding)
+                                          remove_padding=not args.no_remove_padding,
+                                          token_capacity_input=args.token_capacity_input)
     except MemoryError:
         size = f" --max-seq-len {args.max_seq_len}" if args.max_seq_len else " this model"
         raise StofError(f"not enough memory to rewrite for{size}: the probe's and the masks' arrays do not fit "
@@ -166,8 +171,9 @@ def print_report(info: dict, wrote: bool = True) -> None:
         print_table(rows, ["attention node", "heads", "D", "density", "full", "partial", "empty", "mask"])
     rp = info.get("remove_padding") or {}
     if rp:
+        slots = (f"; token slots: input {rp['token_capacity_input']}" if rp.get("token_capacity_input") else "")
         print("\npadding removal: " + (f"applied ({rp.get('attention_nodes')} attention node(s) on packed tokens, "
-                                       f"restored: {', '.join(rp.get('restored', []))})" if rp.get("applied")
+                                       f"restored: {', '.join(rp.get('restored', []))}{slots})" if rp.get("applied")
                                        else f"not applied: {rp.get('reason')}"))
     left = info.get("left_alone", [])
     if left:

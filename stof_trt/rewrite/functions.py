@@ -106,7 +106,8 @@ def _repeat_kv_heads(b: _Body, x: str, q_heads: str) -> str:
 
 def _unpack_tokens(b: _Body):
     """t3hd: query [T,3,H,D] -> [B,S,3,H,D] with token t of sequence b at row r = t - seq_offsets[b] (zeros
-    elsewhere); returns (padded query, flat padded row of each token [T], allowed keys [B,S] = k < n_b)."""
+    elsewhere); returns (padded query, flat padded row of each token [T], allowed keys [B,S] = k < n_b). Rows
+    past seq_offsets[B] (unused token slots) get flat row B·S: no sequence reads them and their output is 0."""
     i64 = TensorProto.INT64
     ax0, ax1 = b.const(np.array([0], np.int64)), b.const(np.array([1], np.int64))
     big = b.const(np.array([np.iinfo(np.int64).max], np.int64))
@@ -120,12 +121,18 @@ def _unpack_tokens(b: _Body):
     t = b.op("Range", zero, b.op("Squeeze", b.op("Slice", qs, ax0, ax1), ax0), one)   # [T]
     seq = b.reduce("ReduceSum", b.op("Cast", b.op("LessOrEqual", b.op("Unsqueeze", ends, ax0),
                                                      b.op("Unsqueeze", t, ax1)), to=i64), [1], keepdims=0)
+    nb = b.op("Squeeze", b.op("Slice", ks, ax0, ax1), ax0)                   # B
+    seq = b.op("Min", seq, b.op("Sub", nb, one))
     row = b.op("Sub", t, b.op("Gather", starts, seq, axis=0))
-    flat = b.op("Add", b.op("Mul", seq, b.op("Squeeze", S, ax0)), row)      # [T]
+    bs = b.reduce("ReduceProd", ks, [0])                                      # [B·S]
+    flat = b.op("Add", b.op("Mul", seq, b.op("Squeeze", S, ax0)), row)
+    flat = b.op("Where", b.op("Less", t, b.op("Gather", so, b.const(np.int64(-1)), axis=0)), flat,
+                b.op("Squeeze", bs, ax0))                                     # [T]
     rest = b.op("Slice", qs, ax1, big)                                        # [3, H, D]
-    zeros = b.op("ConstantOfShape", b.op("Concat", b.reduce("ReduceProd", ks, [0]), rest, axis=0),
+    zeros = b.op("ConstantOfShape", b.op("Concat", b.op("Add", bs, one), rest, axis=0),
                  value=numpy_helper.from_array(np.zeros(1, np.float32), name=""))
     padded = b.op("ScatterND", b.op("CastLike", zeros, "query"), b.op("Unsqueeze", flat, ax1), "query")
+    padded = b.op("Slice", padded, b.const(np.array([0], np.int64)), bs)      # the unused slots' row dropped
     padded = b.op("Reshape", padded, b.op("Concat", ks, rest, axis=0))       # [B, S, 3, H, D]
     keys = b.op("Range", zero, b.op("Squeeze", S, ax0), one)                 # [S]
     allowed = b.op("Less", b.op("Unsqueeze", keys, ax0), b.op("Unsqueeze", b.op("Sub", ends, starts), ax1))
@@ -320,9 +327,11 @@ def _attention_body(b: _Body, allowed: str, q_in: str, k_in: str, v_in: str, has
     den = b.op("Where", b.op("Equal", den, zero_t), one_t, den)
     if varlen:  # [B, H, S, D] -> [B·S, H, D] -> the tokens' rows [T, H, D]
         o = b.op("Transpose", b.op("MatMul", b.op("Div", ex, den), v_in), perm=[0, 2, 1, 3])
-        o = b.op("Reshape", o, b.op("Concat", b.const(np.array([-1], np.int64)),
-                                    b.op("Slice", b.op("Shape", o), ax2, b.const(np.array([4], np.int64))), axis=0))
-        b.op("Gather", o, token_rows, axis=0, out="output")
+        hd = b.op("Slice", b.op("Shape", o), ax2, b.const(np.array([4], np.int64)))          # [H, D]
+        o = b.op("Reshape", o, b.op("Concat", b.const(np.array([-1], np.int64)), hd, axis=0))
+        zero_row = b.op("CastLike", b.op("ConstantOfShape", b.op("Concat", ax1, hd, axis=0),
+                                         value=numpy_helper.from_array(np.zeros(1, np.float32), name="")), o)
+        b.op("Gather", b.op("Concat", o, zero_row, axis=0), token_rows, axis=0, out="output")
     elif packed:  # [B, H, Sq, D] -> [B, Sq, H, D]
         b.op("Transpose", b.op("MatMul", b.op("Div", ex, den), v_in), perm=[0, 2, 1, 3], out="output")
     else:

@@ -31,6 +31,8 @@ _UNARY = {"Gelu", "Erf", "Tanh", "Sigmoid", "Relu", "Cast", "Identity", "Dropout
           "Abs", "Softplus", "FastGelu", "BiasGelu"}
 _BINARY = {"Add", "Sub", "Mul", "Div", "Pow"}
 _PROBE_SIZES = ((2, 5), (3, 7))
+# the input whose length is the number of token slots of a packed model built for CUDA graphs (its values unused)
+TOKEN_CAPACITY_INPUT = "stof_token_capacity"
 
 
 def _full_or_causal(lay: TileLayout) -> bool:
@@ -315,6 +317,34 @@ class RemovePadding(Fusion):
         return None
 
     # -- rewrite ------------------------------------------------------------------------------------------------
+    def _slots(self, op, i64, kpm, flat, keep_flat, keep_i64, rank, offsets):
+        """Pack into C = min(len(stof_token_capacity), B·S) token slots, a size fixed by an input's shape, so the
+        run has no data-dependent shape and a CUDA graph can replay it (one graph per capacity). The real tokens
+        fill the first T slots, the rest hold padded tokens no sequence reads. Only shape values stay on the host
+        (ORT keeps such subgraphs on the CPU without copies); the capacity the device ops need is counted on the
+        device. With T > C every restored output is NaN: a too-small capacity never passes silently."""
+        g = self.graph
+        slots_in = gs.Variable(TOKEN_CAPACITY_INPUT, dtype=np.int32, shape=["token_capacity"])
+        g.inputs.append(slots_in)
+        one = gs.Constant("", np.ones(1, np.int64))
+        cap = op("Min", [op("Shape", [slots_in], np.int64), flat], np.int64)           # [1], on the host
+        cap_dev = op("ReduceSum", [op("ConstantOfShape", [cap], np.int64, value=one), i64([0])], np.int64,
+                     keepdims=0)
+        tokens = op("ReduceSum", [keep_i64, i64([0])], np.int64, keepdims=0)           # T
+        arange = op("Sub", [op("CumSum", [op("ConstantOfShape", [flat], np.int64, value=one), i64(0)], np.int64),
+                            i64(1)], np.int64)                                          # [B·S]
+        pad_rank = op("Sub", [op("CumSum", [op("Sub", [i64(1), keep_i64], np.int64), i64(0)], np.int64), i64(1)],
+                      np.int64)
+        order = op("Where", [keep_flat, rank, op("Add", [tokens, pad_rank], np.int64)], np.int64)  # a permutation
+        perm = op("ScatterElements", [arange, order, arange], np.int64, axis=0)  # real tokens first, in order
+        idx = op("Slice", [perm, i64([0]), cap, i64([0])], np.int64)                   # [C]
+        cap32 = op("Cast", [cap_dev], np.int32, to=6)   # (Where and Greater: int32 CUDA kernels in every ORT)
+        offsets = op("Where", [op("Greater", [offsets, cap32], np.bool_), cap32, offsets], np.int32)
+        overflow = op("Greater", [tokens, cap_dev], np.bool_)
+        source_row = op("Where", [keep_flat, rank, cap_dev], np.int64)                 # row C: zeros
+        source_row = op("Where", [overflow, op("Add", [cap_dev, i64(1)], np.int64), source_row], np.int64)
+        return idx, offsets, source_row, [float("nan")]                                # row C + 1: NaN
+
     def _rewrite(self, entry, kpm, info, region) -> None:
         g, ctx = self.graph, self.ctx
         i64 = lambda v: self.new_const("stof_unpad_c", np.array(v, np.int64))  # noqa: E731
@@ -327,19 +357,24 @@ class RemovePadding(Fusion):
 
         # Token index and sequence offsets from the one padding mask.
         keep = op("Cast", [kpm], np.bool_, to=9)                                    # [B, S]
-        idx = op("Squeeze", [op("NonZero", [op("Reshape", [keep, i64([-1])], np.bool_)], np.int64), i64([0])],
-                 np.int64)                                                          # [T]
         lengths = op("ReduceSum", [op("Cast", [keep], np.int32, to=6), i64([1])], np.int32, keepdims=0)
         offsets = op("Concat", [self.new_const("stof_unpad_zero", np.zeros(1, np.int32)),
                                 op("CumSum", [lengths, i64(0)], np.int32)], np.int32, axis=0)   # [B+1]
         bs = op("Shape", [kpm], np.int64)                                             # [B, S]
         flat = op("ReduceProd", [bs], np.int64, keepdims=1)                         # [B·S]
-        # Restore as a Gather: padded position p reads packed row rank(p), a padded one the zero row T appended
-        # after the packed rows. (ScatterND's CUDA kernel copies each [F] row in one thread: ~0.4 ms per output.)
         keep_flat = op("Reshape", [keep, i64([-1])], np.bool_)                       # [B·S]
-        rank = op("Sub", [op("CumSum", [op("Cast", [keep_flat], np.int64, to=7), i64(0)], np.int64), i64(1)],
-                  np.int64)
-        source_row = op("Where", [keep_flat, rank, op("Shape", [idx], np.int64)], np.int64)   # [B·S] in [0, T]
+        keep_i64 = op("Cast", [keep_flat], np.int64, to=7)
+        rank = op("Sub", [op("CumSum", [keep_i64, i64(0)], np.int64), i64(1)], np.int64)   # of each real token
+        extra_rows = []
+        if ctx.options.get("token_capacity_input"):
+            idx, offsets, source_row, extra_rows = self._slots(op, i64, kpm, flat, keep_flat, keep_i64, rank,
+                                                               offsets)
+        else:
+            idx = op("Squeeze", [op("NonZero", [keep_flat], np.int64), i64([0])], np.int64)   # [T]
+            # Restore as a Gather: padded position p reads packed row rank(p), a padded one the zero row T
+            # appended after the packed rows. (ScatterND's CUDA kernel copies each [F] row in one thread: ~0.4 ms
+            # per output.)
+            source_row = op("Where", [keep_flat, rank, op("Shape", [idx], np.int64)], np.int64)   # in [0, T]
 
         def prefix(kind):
             return bs if kind == "bs" else flat
@@ -397,10 +432,10 @@ class RemovePadding(Fusion):
                     if id(c) in region_ids:
                         _swap(c.inputs, t, tp)
                 _swap(n.outputs, t, tp)
-                zero_row = op("Expand", [op("CastLike", [self.new_const("stof_unpad_zero", np.zeros((), np.float32)),
-                                                         tp], t.dtype), i64([1, *f])], t.dtype)
-                scattered = op("Gather", [op("Concat", [tp, zero_row], t.dtype, axis=0), source_row], t.dtype,
-                               axis=0)
+                rows = [tp] + [op("Expand", [op("CastLike", [self.new_const("stof_unpad_fill", np.array(v, np.float32)),
+                                                              tp], t.dtype), i64([1, *f])], t.dtype)
+                               for v in [0.0] + extra_rows]
+                scattered = op("Gather", [op("Concat", rows, t.dtype, axis=0), source_row], t.dtype, axis=0)
                 new.append(gs.Node("Reshape", ctx.unique("stof_unpad_restore"), {},
                                    [scattered, op("Concat", [prefix(k), i64(list(f))], np.int64, axis=0)], [t]))
                 restored.append(t.name)
@@ -414,7 +449,10 @@ class RemovePadding(Fusion):
         g.cleanup().toposort()
         n_att = sum(1 for n in region.values() if n.op == "StofSparseAttention")
         ctx.report.remove_padding = {"applied": True, "reason": "", "entry": entry.name,
-                                     "region_nodes": len(region), "attention_nodes": n_att, "restored": restored}
+                                     "region_nodes": len(region), "attention_nodes": n_att, "restored": restored,
+                                     "padding_mask_input": self._pad_input(kpm)}
+        if ctx.options.get("token_capacity_input"):
+            ctx.report.remove_padding["token_capacity_input"] = TOKEN_CAPACITY_INPUT
         alive = {id(n) for n in g.nodes}  # rebuilt Shapes that only fed the old Reshape targets are gone
         ctx.report.matched(self.pattern, self.fused_op_type, removed=[], added=[n for n in new if id(n) in alive],
                            info={"entry": entry.name, "restored": restored})

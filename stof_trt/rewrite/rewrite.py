@@ -61,7 +61,8 @@ def default_opset(model: onnx.ModelProto) -> int:
 def rewrite_model(model: onnx.ModelProto, *, mask=None, epilogues: bool = True, tile_m: int = 64, tile_n: int = 64,
                   max_seq_len: int | None = None, external_data_dir: str | None = None,
                   packed_qkv: bool = True, dense_attention: str = "stof", schemes: dict | None = None,
-                  scheme_tokens: int | None = None, remove_padding: bool = True) -> tuple[onnx.ModelProto, RewriteReport]:
+                  scheme_tokens: int | None = None, remove_padding: bool = True,
+                  token_capacity_input: bool = False) -> tuple[onnx.ModelProto, RewriteReport]:
     """Rewrite masked attention cores and epilogues of ``model`` into STOF nodes (domain ``stof``).
 
     Args:
@@ -85,6 +86,11 @@ def rewrite_model(model: onnx.ModelProto, *, mask=None, epilogues: bool = True, 
             real tokens only when it has one padding mask and every attention is full or causal: pack the tokens
             after the embeddings (``qkv_format="t3hd"``) and restore [B, S, ·] at the outputs, with zeros at padded
             positions. The report's ``remove_padding`` says whether it applied and, if not, why.
+        token_capacity_input: where padding is removed, pack into a fixed number of token slots, the length of
+            a new int32 input ``stof_token_capacity`` (values unused; at least the batch's real tokens), instead
+            of exactly the real tokens. The run then has no data-dependent shape, so ORT can replay it through a
+            CUDA graph, one per capacity; ``stof_trt.ort.Binding`` fills the input from the padding mask
+            (docs/rewrite.md, "CUDA graphs").
         external_data_dir: for a model loaded with ``onnx.load(..., load_external_data=False)`` (needed when a
             single tensor is over 2 GB): the directory its external data locations are relative to. Those
             weights are read where a value is needed and stay external in the returned model.
@@ -97,13 +103,14 @@ def rewrite_model(model: onnx.ModelProto, *, mask=None, epilogues: bool = True, 
     try:
         return _rewrite_model(model, mask=mask, epilogues=epilogues, tile_m=tile_m, tile_n=tile_n,
                               max_seq_len=max_seq_len, packed_qkv=packed_qkv, dense_attention=dense_attention,
-                              schemes=schemes, scheme_tokens=scheme_tokens, remove_padding=remove_padding)
+                              schemes=schemes, scheme_tokens=scheme_tokens, remove_padding=remove_padding,
+                              token_capacity_input=token_capacity_input)
     finally:
         EXTERNAL_DATA_DIR.reset(token)
 
 
 def _rewrite_model(model, *, mask, epilogues, tile_m, tile_n, max_seq_len, packed_qkv=True, dense_attention="stof",
-                   schemes=None, scheme_tokens=None, remove_padding=True):
+                   schemes=None, scheme_tokens=None, remove_padding=True, token_capacity_input=False):
     from ..format import check_tile_shape
     from ..masks import parse_mask
 
@@ -116,6 +123,8 @@ def _rewrite_model(model, *, mask, epilogues, tile_m, tile_n, max_seq_len, packe
         raise StofError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
     if mask is not None:
         mask = parse_mask(mask)
+    if token_capacity_input and not remove_padding:
+        raise StofError("token_capacity_input sizes the packed tokens: it needs remove_padding=True")
     if any(imp.domain == DOMAIN for imp in model.opset_import):
         raise StofError("the model already contains STOF nodes (domain 'stof'): rewrite the original model")
     original = model
@@ -134,7 +143,8 @@ def _rewrite_model(model, *, mask, epilogues, tile_m, tile_n, max_seq_len, packe
     report.nodes_before = len(graph.nodes)
     ctx = RewriteContext(graph=graph, report=report, opset=opset,
                          options={"mask": mask, "epilogues": epilogues, "tile_m": tile_m, "tile_n": tile_n, "max_seq_len": max_seq_len,
-                                  "_original_model": model, "schemes": schemes, "scheme_tokens": scheme_tokens})
+                                  "_original_model": model, "schemes": schemes, "scheme_tokens": scheme_tokens,
+                                  "token_capacity_input": token_capacity_input})
     if opset != default_opset(original):
         report.notes.append(f"model converted from opset {default_opset(original)} to {opset}")
     fusions = _fusions(epilogues, packed_qkv, dense_attention, remove_padding)
@@ -183,6 +193,10 @@ def _rewrite_model(model, *, mask, epilogues, tile_m, tile_n, max_seq_len, packe
     out.metadata_props.add(key="stof.rewritten", value="1")
     if report.remove_padding.get("applied"):  # outputs are 0 at padded positions (docs/rewrite.md)
         out.metadata_props.add(key="stof.padding_removed", value="1")
+        out.metadata_props.add(key="stof.padding_mask_input", value=report.remove_padding["padding_mask_input"])
+        if token_capacity_input:
+            out.metadata_props.add(key="stof.token_capacity_input",
+                                   value=report.remove_padding["token_capacity_input"])
     if "_compiled_seq" in ctx.options and not grows:  # the longest sequence it runs (docs/rewrite.md)
         out.metadata_props.add(key="stof.max_seq_len", value=str(ctx.options["_compiled_seq"]))
     elif "_compiled_seq" in ctx.options:   # every layout is built for longer inputs: no limit, for information

@@ -49,7 +49,9 @@ def models(request, tmp_path_factory):
     atts = [n for n in new.graph.node if n.op_type == "StofSparseAttention"]
     assert atts and all(any(a.name == "qkv_format" and a.s == b"t3hd" for a in n.attribute) for n in atts)
     padded, _ = rewrite_model(orig, max_seq_len=256, remove_padding=False)
-    return {"orig": orig, "t3hd": new, "bs3hd": padded,
+    slots, _ = rewrite_model(orig, max_seq_len=256, token_capacity_input=True)
+    return {"orig": orig, "t3hd": new, "bs3hd": padded, "slots": slots,
+            "slots16": convert_float_to_float16(slots, keep_io_types=False),
             "t3hd16": convert_float_to_float16(new, keep_io_types=False),
             "orig16": convert_float_to_float16(orig, keep_io_types=False)}
 
@@ -98,3 +100,53 @@ def test_short_batches_on_cuda(models):
         ref, got = _cpu(models["orig"], feeds), _cuda(models["t3hd"], feeds)
         assert not np.any(got[~keep])
         assert np.abs(got - ref)[keep].max() < 2e-4 * max(1.0, np.abs(ref).max())
+
+
+@pytest.mark.parametrize("mask", ["right", "holes", "full"])
+def test_token_slots_on_cuda_match_original(models, mask):
+    """The packed model with a fixed number of token slots (token_capacity_input) at the capacity Binding picks
+    and at B·S: real tokens equal the original's, padded positions 0; fp16 too."""
+    m = _masks()[mask]
+    rng = np.random.default_rng(3)
+    feeds = {"input_ids": rng.integers(3, 1000, (B, S)).astype(np.int64), "attention_mask": m}
+    keep = m != 0
+    ref = _cpu(models["orig"], feeds).astype(np.float64)
+    scale = max(1.0, np.abs(ref[keep]).max())
+    sess = sort.session(models["slots"], cuda_options=NO_TF32)
+    for cap in (None, B * S):
+        got = sess.run(None, sort.with_token_capacity(sess, feeds, cap))[0].astype(np.float64)
+        assert np.isfinite(got).all() and not np.any(got[~keep])
+        assert np.abs(got - ref)[keep].max() / scale < 2e-4
+    s16 = sort.session(models["slots16"])
+    got16 = s16.run(None, sort.with_token_capacity(s16, feeds))[0].astype(np.float64)
+    err16 = np.abs(_cpu(models["orig16"], feeds).astype(np.float64) - ref)[keep].max() / scale
+    assert np.abs(got16 - ref)[keep].max() / scale < max(3 * err16, 2e-2)
+    # too few slots: NaN everywhere, never a silently wrong answer
+    short = sess.run(None, sort.with_token_capacity(sess, feeds, int(keep.sum()) - 1))[0]
+    assert np.isnan(short).all()
+
+
+def test_token_slots_replay_through_cuda_graphs(models):
+    """A packed model replayed by ORT's CUDA graphs: batches with other masks (no more real tokens than the
+    binding's slots) copied into the bound buffers give their own results."""
+    rng = np.random.default_rng(4)
+    masks = _masks()
+    sess = sort.session(models["slots16"], cuda_graphs=True)
+    first = {"input_ids": rng.integers(3, 1000, (B, S)).astype(np.int64), "attention_mask": masks["full"]}
+    b = sort.Binding(sess, first)
+    assert b._inputs["stof_token_capacity"].shape() == [B * S]
+    for _ in range(3):
+        b.run()
+    for name in ("right", "holes", "left", "full"):
+        feeds = {"input_ids": rng.integers(3, 1000, (B, S)).astype(np.int64), "attention_mask": masks[name]}
+        b.update(feeds)
+        b.run()
+        got = b.outputs()[0].astype(np.float64)
+        keep = masks[name] != 0
+        ref = _cpu(models["orig"], feeds).astype(np.float64)
+        scale = max(1.0, np.abs(ref[keep]).max())
+        assert not np.any(got[~keep])
+        assert np.abs(got - ref)[keep].max() / scale < 2e-2, name
+    small = sort.Binding(sess, {"input_ids": first["input_ids"], "attention_mask": masks["right"]})
+    with pytest.raises(sort.StofError, match="token slots"):
+        small.update({"attention_mask": masks["full"]})

@@ -282,7 +282,8 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
         STOF_VALIDATE(qs[1] == 3, "packed query shape ", shapeStr(qs), " is not [T,3,H,D]");
         auto const& ms = in[kKEY_PADDING_MASK].shape;
         B = ms[0], Sq = Sk = ms[1], H = Hkv = qs[2], D = qs[3];
-        // T real tokens out of B sequences of at most S: T <= B*S (seq_offsets' values stay on the device)
+        // T token slots for B sequences of at most S, the real tokens first: T <= B*S (seq_offsets stays on the
+        // device; slots from seq_offsets[B] on are not written)
         STOF_VALIDATE(qs[0] <= B * Sq, "packed query has T=", qs[0], " tokens, more than B*S = ", B, "*", Sq,
                       " (key_padding_mask ", shapeStr(ms), ")");
         int64_t const row = 3 * H * D;
