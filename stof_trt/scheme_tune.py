@@ -299,13 +299,14 @@ def tune_schemes(model, feeds_list: list[dict], cache: TacticCache, *, gpu: tupl
 
 
 def _attr(algo: int) -> int:
-    """A measured heuristic index as the node's attribute says it (-1: the first result)."""
-    return -1 if algo == 0 else algo
+    """A measured heuristic index as the node's attribute says it: the index itself (0: the first result; -1, the
+    attribute's default, would time the candidates again at first use)."""
+    return algo
 
 
 def block_rows(results: list[SchemeResult]) -> list[dict]:
     """One row per chain of the model (block order): the JSON report of ``stof tune``; ``algo`` as the node's
-    attribute (-1: the heuristic's first result)."""
+    attribute (0: the heuristic's first result; -1 for templates without a GEMM node's algorithm)."""
     rows = []
     for r in results:
         for block, role, names in r.sites:

@@ -9,7 +9,7 @@ Each chain can run as several *schemes*: which neighbours share a kernel.  A sch
 (:class:`SchemeTemplate`) listing the kernels it launches for a chain shape (:class:`ChainShape`) -- GEMMs with
 their cuBLASLt epilogue, element-wise passes, the fused bias + residual + LayerNorm kernel -- and the nodes it
 becomes in a rewritten model (stof_trt.rewrite.schemes).  Templates with a StofGemmEpilogue take the parameter
-``algo``: the index of the cuBLASLt heuristic result the node runs (-1 = the first).
+``algo``: the index of the cuBLASLt heuristic result the node runs (-1 = timed at first use, docs/ort.md).
 
 :class:`CostModel` predicts each scheme's time from the kernels' bytes moved, FLOPs and launches on a
 :class:`~stof_trt.presearch.GpuProps` (a roofline with wave quantisation for the GEMM), and :func:`rank` orders

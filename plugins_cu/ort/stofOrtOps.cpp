@@ -5,7 +5,8 @@
 // Options (session config entry, else environment variable):
 //   stof.tactic_cache / STOF_TACTIC_CACHE   path of a tactic cache written by `stof tune` (and by first-use
 //                                           timing, which creates it when missing)
-//   stof.first_use_timing / STOF_FIRST_USE_TIMING   "0": no first-use timing (cache, pre-search, default only)
+//   stof.first_use_timing / STOF_FIRST_USE_TIMING   "0": no first-use timing (attention: cache, pre-search,
+//                                           default only; GEMMs without an `algo`: the heuristic's first)
 //   stof.verbose      / STOF_ORT_VERBOSE    "1": print each attention node's tactic choice to stderr
 #include <cstdio>
 #include <cstdlib>
@@ -88,7 +89,7 @@ RegisterCustomOps(OrtSessionOptions* options, OrtApiBase const* apiBase) {
             reg.attention.push_back(std::make_unique<SparseAttentionOp>(t, cachePath, timing));
             domain.Add(reg.attention.back().get());
             if (stof_gemm_available()) {  // else the GEMM nodes run as their ONNX function
-                reg.gemm.push_back(std::make_unique<GemmEpilogueOp>(t));
+                reg.gemm.push_back(std::make_unique<GemmEpilogueOp>(t, timing));
                 domain.Add(reg.gemm.back().get());
             }
             reg.layerNorm.push_back(std::make_unique<AddLayerNormOp>(t));

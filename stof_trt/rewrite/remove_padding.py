@@ -326,16 +326,16 @@ class RemovePadding(Fusion):
         g = self.graph
         slots_in = gs.Variable(TOKEN_CAPACITY_INPUT, dtype=np.int32, shape=["token_capacity"])
         g.inputs.append(slots_in)
-        one = gs.Constant("", np.ones(1, np.int64))
+        one = gs.Constant("", np.ones(1, np.int64))  # ConstantOfShape's value
         cap = op("Min", [op("Shape", [slots_in], np.int64), flat], np.int64)           # [1], on the host
         cap_dev = op("ReduceSum", [op("ConstantOfShape", [cap], np.int64, value=one), i64([0])], np.int64,
                      keepdims=0)
         tokens = op("ReduceSum", [keep_i64, i64([0])], np.int64, keepdims=0)           # T
-        arange = op("Sub", [op("CumSum", [op("ConstantOfShape", [flat], np.int64, value=one), i64(0)], np.int64),
-                            i64(1)], np.int64)                                          # [B·S]
-        pad_rank = op("Sub", [op("CumSum", [op("Sub", [i64(1), keep_i64], np.int64), i64(0)], np.int64), i64(1)],
-                      np.int64)
-        order = op("Where", [keep_flat, rank, op("Add", [tokens, pad_rank], np.int64)], np.int64)  # a permutation
+        arange = op("Range", [i64(0), op("Squeeze", [flat, i64([0])], np.int64), i64(1)], np.int64)   # [B·S]
+        # padded position p goes after the real tokens: T + p - (real tokens up to p) = T + p - (rank(p) + 1)
+        pad_order = op("Sub", [op("Add", [tokens, arange], np.int64), op("Add", [rank, i64(1)], np.int64)],
+                       np.int64)
+        order = op("Where", [keep_flat, rank, pad_order], np.int64)                    # a permutation of [0, B·S)
         perm = op("ScatterElements", [arange, order, arange], np.int64, axis=0)  # real tokens first, in order
         idx = op("Slice", [perm, i64([0]), cap, i64([0])], np.int64)                   # [C]
         cap32 = op("Cast", [cap_dev], np.int32, to=6)   # (Where and Greater: int32 CUDA kernels in every ORT)

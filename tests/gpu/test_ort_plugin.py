@@ -521,6 +521,23 @@ def test_gemm_epilogue_cuda(activation, dtype):
 
 @needs_lib
 @needs_cuda
+@pytest.mark.parametrize("activation", ["none", "gelu_erf"])
+def test_gemm_first_use_timing_across_a_bucket(activation):
+    """A node without an `algo` times cuBLASLt's candidates at the first call of a row-count bucket and reuses the
+    choice for another M of the bucket; with timing off it runs the heuristic's first: both equal the reference."""
+    K, N = 768, 2304
+    m, w, b = gemm_model(K, N, activation)
+    rng = np.random.default_rng(3)
+    for timing in (True, False):
+        sess = sort.session(m, first_use_timing=timing)
+        for rows in (1000, 990, 1024, 77, 1000):
+            x = rng.standard_normal((1, rows, K)).astype(np.float16)
+            got = sess.run(None, {"x": x})[0].astype(np.float64)
+            np.testing.assert_allclose(got, gemm_ref(x, w, b, activation), atol=2e-2, rtol=2e-2)
+
+
+@needs_lib
+@needs_cuda
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 @pytest.mark.parametrize("has_bias,has_sum", [(True, False), (False, False), (True, True)])
 def test_add_layernorm_cuda(dtype, has_bias, has_sum):

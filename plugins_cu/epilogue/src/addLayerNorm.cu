@@ -92,6 +92,17 @@ __global__ void __launch_bounds__(32 * kWarpRowsPerCta) addLayerNormWarpKernel(
     int64_t const base = row * n;
     float s[kVecs][V];
     float localSum = 0.f;
+    // gamma and beta are loaded with the row, not after the reductions: at small row counts the kernel is latency
+    // bound and this takes one global-memory round trip off its critical path
+    Vec<T> gv[kVecs], btv[kVecs];
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+        int const col = (j * 32 + lane) * V;
+        if (col < n) {
+            gv[j].raw = *reinterpret_cast<uint4 const*>(gamma + col);
+            btv[j].raw = *reinterpret_cast<uint4 const*>(beta + col);
+        }
+    }
 #pragma unroll
     for (int j = 0; j < kVecs; ++j) {
         int const col = (j * 32 + lane) * V;
@@ -133,12 +144,10 @@ __global__ void __launch_bounds__(32 * kWarpRowsPerCta) addLayerNormWarpKernel(
     for (int j = 0; j < kVecs; ++j) {
         int const col = (j * 32 + lane) * V;
         if (col < n) {
-            Vec<T> gv, bv, yv;
-            gv.raw = *reinterpret_cast<uint4 const*>(gamma + col);
-            bv.raw = *reinterpret_cast<uint4 const*>(beta + col);
+            Vec<T> yv;
 #pragma unroll
             for (int e = 0; e < V; ++e)
-                yv.v[e] = fromFloat<T>((s[j][e] - mean) * rstd * toFloat(gv.v[e]) + toFloat(bv.v[e]));
+                yv.v[e] = fromFloat<T>((s[j][e] - mean) * rstd * toFloat(gv[j].v[e]) + toFloat(btv[j].v[e]));
             *reinterpret_cast<uint4*>(y + base + col) = yv.raw;
         }
     }

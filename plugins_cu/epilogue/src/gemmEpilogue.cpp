@@ -12,6 +12,7 @@
 #include <memory>
 #include <mutex>
 #include <tuple>
+#include <vector>
 
 #include "epilogueCommon.h"
 
@@ -48,6 +49,8 @@ struct Plan {
     cublasLtMatmulDesc_t mOp{nullptr};
     cublasLtMatrixLayout_t mA{nullptr}, mB{nullptr}, mC{nullptr};
     cublasLtMatmulAlgo_t mAlgo{};
+    std::vector<cublasLtMatmulAlgo_t> mCandidates;  // STOF_GEMM_ALGO_TIMED: the heuristic's first results
+    bool mTimed{true};                               // false until the candidates are timed
     int64_t mRows{0};  // the M the layouts describe now
     ~Plan() {
         if (mA) cublasLtMatrixLayoutDestroy(mA);
@@ -70,6 +73,7 @@ struct stof_gemm_context {
     cublasLtHandle_t mHandle{nullptr};
     std::mutex mMutex;
     std::map<PlanKey, std::unique_ptr<Plan>> mPlans;
+    cudaEvent_t mStart{nullptr}, mStop{nullptr};  // created on the first timing
 };
 
 namespace {
@@ -116,6 +120,10 @@ stof_epi_status_t buildPlan(stof_gemm_context* ctx, PlanKey const& key, Plan& pl
                    static_cast<int>(epi));
     // an index past the heuristic's list (it varies with the shape) runs the first result, like -1
     plan.mAlgo = results[algo >= 0 && algo < found ? algo : 0].algo;
+    if (algo == STOF_GEMM_ALGO_TIMED) {
+        for (int i = 0; i < std::min(found, STOF_GEMM_TIMED_CANDIDATES); ++i) plan.mCandidates.push_back(results[i].algo);
+        plan.mTimed = plan.mCandidates.size() < 2;
+    }
     plan.mRows = m;
     return STOF_EPI_SUCCESS;
 }
@@ -141,6 +149,8 @@ extern "C" void stof_gemm_context_destroy(stof_gemm_context_t ctx) {
     if (ctx == nullptr) return;
     try {
         ctx->mPlans.clear();
+        if (ctx->mStart) cudaEventDestroy(ctx->mStart);
+        if (ctx->mStop) cudaEventDestroy(ctx->mStop);
         if (ctx->mHandle) cublasLtDestroy(ctx->mHandle);
         delete ctx;
     } catch (...) {
@@ -172,14 +182,15 @@ extern "C" stof_epi_status_t stof_gemm_epilogue_run_algo(stof_gemm_context_t ctx
         STOF_EPI_CHECK(activation >= STOF_ACT_NONE && activation <= STOF_ACT_GELU_TANH,
                        STOF_EPI_ERROR_INVALID_ARGUMENT, "unknown activation %d", activation);
         STOF_EPI_CHECK(m > 0 && n > 0 && k > 0, STOF_EPI_ERROR_INVALID_ARGUMENT, "GEMM sizes must be positive");
-        STOF_EPI_CHECK(algo >= -1, STOF_EPI_ERROR_INVALID_ARGUMENT, "algo must be >= -1, got %d", algo);
+        STOF_EPI_CHECK(algo >= -1 || algo == STOF_GEMM_ALGO_TIMED, STOF_EPI_ERROR_INVALID_ARGUMENT,
+                       "algo must be >= -1 or STOF_GEMM_ALGO_TIMED, got %d", algo);
         STOF_EPI_CHECK(workspace != nullptr || workspaceBytes == 0, STOF_EPI_ERROR_INVALID_ARGUMENT,
                        "workspace NULL with %zu bytes", workspaceBytes);
         uint32_t align = alignmentOf(x);
         for (void const* p : {static_cast<void const*>(w), static_cast<void const*>(y), bias}) {
             if (p != nullptr) align = std::min(align, alignmentOf(p));
         }
-        PlanKey key{dtype, rowBucket(m), n, k, activation, bias != nullptr, align, workspaceBytes, algo < 0 ? 0 : algo};
+        PlanKey key{dtype, rowBucket(m), n, k, activation, bias != nullptr, align, workspaceBytes, algo == -1 ? 0 : algo};
         std::lock_guard<std::mutex> lock(ctx->mMutex);
         // the context's plan of a key, built on first use
         auto planOf = [&](PlanKey const& pk, Plan*& out) -> stof_epi_status_t {
@@ -216,6 +227,37 @@ extern "C" stof_epi_status_t stof_gemm_epilogue_run_algo(stof_gemm_context_t ctx
             return cublasLtMatmul(ctx->mHandle, plan.mOp, &alpha, w, plan.mA, x, plan.mB, &beta, y, plan.mC, y,
                                   plan.mC, &plan.mAlgo, workspace, workspaceBytes, cs);
         };
+        // STOF_GEMM_ALGO_TIMED: each candidate once to warm up (and to see that it takes this M), then three
+        // timed runs; the fastest stays the plan's algorithm. Not while the stream captures a CUDA graph.
+        auto timeCandidates = [&](Plan& plan) -> stof_epi_status_t {
+            cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+            if (plan.mTimed || cudaStreamIsCapturing(cs, &capture) != cudaSuccess ||
+                capture != cudaStreamCaptureStatusNone)
+                return STOF_EPI_SUCCESS;
+            if (ctx->mStart == nullptr) {
+                STOF_EPI_CUDA(cudaEventCreate(&ctx->mStart));
+                STOF_EPI_CUDA(cudaEventCreate(&ctx->mStop));
+            }
+            cublasLtMatmulAlgo_t best = plan.mAlgo;
+            float bestMs = 0.f;
+            bool any = false;
+            for (cublasLtMatmulAlgo_t const& cand : plan.mCandidates) {
+                plan.mAlgo = cand;
+                if (run(plan) != CUBLAS_STATUS_SUCCESS) continue;
+                STOF_EPI_CUDA(cudaEventRecord(ctx->mStart, cs));
+                bool ok = true;
+                for (int r = 0; r < 3 && ok; ++r) ok = run(plan) == CUBLAS_STATUS_SUCCESS;
+                STOF_EPI_CUDA(cudaEventRecord(ctx->mStop, cs));
+                STOF_EPI_CUDA(cudaEventSynchronize(ctx->mStop));
+                float ms = 0.f;
+                STOF_EPI_CUDA(cudaEventElapsedTime(&ms, ctx->mStart, ctx->mStop));
+                if (ok && (!any || ms < bestMs)) best = cand, bestMs = ms, any = true;
+            }
+            plan.mAlgo = any ? best : plan.mCandidates.front();
+            plan.mTimed = true;
+            return STOF_EPI_SUCCESS;
+        };
+        if (stof_epi_status_t s = timeCandidates(*bucketPlan); s != STOF_EPI_SUCCESS) return s;
         cublasStatus_t st = run(*bucketPlan);
         if ((st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE) && std::get<1>(key) != m) {
             // the bucket's algorithm does not take this M: a plan of this exact M, kept beside the bucket's
@@ -223,6 +265,7 @@ extern "C" stof_epi_status_t stof_gemm_epilogue_run_algo(stof_gemm_context_t ctx
             std::get<1>(exactKey) = m;
             Plan* exactPlan = nullptr;
             if (stof_epi_status_t s = planOf(exactKey, exactPlan); s != STOF_EPI_SUCCESS) return s;
+            if (stof_epi_status_t s = timeCandidates(*exactPlan); s != STOF_EPI_SUCCESS) return s;
             st = run(*exactPlan);
         }
         STOF_EPI_CHECK(st == CUBLAS_STATUS_SUCCESS, STOF_EPI_ERROR_CUBLAS, "cublasLtMatmul: cuBLAS status %d",

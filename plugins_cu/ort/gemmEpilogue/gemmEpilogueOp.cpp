@@ -16,7 +16,9 @@ int32_t epiDType(ONNXTensorElementDataType t) {
 
 }  // namespace
 
-GemmEpilogueKernel::GemmEpilogueKernel(OrtKernelInfo const* info, ONNXTensorElementDataType type) : mType(type) {
+GemmEpilogueKernel::GemmEpilogueKernel(OrtKernelInfo const* info, ONNXTensorElementDataType type,
+                                       bool firstUseTiming)
+    : mType(type), mFirstUseTiming(firstUseTiming) {
     Ort::ConstKernelInfo ki(info);
     mName = ki.GetNodeName();
     std::string act = "none";
@@ -35,7 +37,8 @@ GemmEpilogueKernel::GemmEpilogueKernel(OrtKernelInfo const* info, ONNXTensorElem
     }
     if (mAlgo < -1 || mAlgo > 1023)
         throw StofOrtError(ORT_INVALID_ARGUMENT, strCat("node '", mName, "': algo ", mAlgo,
-                                                         " (the cuBLASLt heuristic index, 0..1023; -1 = the first)"));
+                                                         " (the cuBLASLt heuristic index, 0..1023; -1 = timed at "
+                                                         "first use)"));
 }
 
 GemmEpilogueKernel::~GemmEpilogueKernel() { stof_gemm_context_destroy(mGemm); }
@@ -91,22 +94,26 @@ void GemmEpilogueKernel::compute(Ort::KernelContext& ctx) {
         gemm = mGemm;
     }
     ScopedScratch ws(ctx, stof_gemm_workspace_size());
+    // a node without a measured `algo` (stof tune) times cuBLASLt's first candidates at the first call of each
+    // row-count bucket, like the attention nodes' first-use timing (off: the heuristic's first)
+    int32_t const algo = mAlgo >= 0 ? static_cast<int32_t>(mAlgo) : mFirstUseTiming ? STOF_GEMM_ALGO_TIMED : -1;
     stof_epi_status_t s = stof_gemm_epilogue_run_algo(gemm, epiDType(mType), M, N, K, x.data, w.data,
                                                       bias.present ? bias.data : nullptr, mActivation,
-                                                      static_cast<int32_t>(mAlgo), yData, ws.data(), ws.bytes(),
+                                                      algo, yData, ws.data(), ws.bytes(),
                                                       reinterpret_cast<stof_epi_stream_t>(stream));
     STOF_REQUIRE(s == STOF_EPI_SUCCESS, s == STOF_EPI_ERROR_INVALID_ARGUMENT ? ORT_INVALID_ARGUMENT : ORT_FAIL,
                  "stof_gemm_epilogue_run: ", stof_epi_status_string(s), ": ", stof_epi_last_error_message());
 }
 
-GemmEpilogueOp::GemmEpilogueOp(ONNXTensorElementDataType type) : mType(type) {
+GemmEpilogueOp::GemmEpilogueOp(ONNXTensorElementDataType type, bool firstUseTiming)
+    : mType(type), mFirstUseTiming(firstUseTiming) {
     OrtCustomOp::InferOutputShapeFn = [](OrtCustomOp const* op, OrtShapeInferContext* ctx) -> OrtStatusPtr {
         return inferShapeFromInput(ctx, 0, static_cast<GemmEpilogueOp const*>(op)->mType, 1, 1);
     };
 }
 
 OrtStatusPtr GemmEpilogueOp::CreateKernelV2(OrtApi const&, OrtKernelInfo const* info, void** kernel) const {
-    return guarded(kGEMM_EPILOGUE_NAME, [&] { *kernel = new GemmEpilogueKernel(info, mType); });
+    return guarded(kGEMM_EPILOGUE_NAME, [&] { *kernel = new GemmEpilogueKernel(info, mType, mFirstUseTiming); });
 }
 
 }  // namespace stof_ort

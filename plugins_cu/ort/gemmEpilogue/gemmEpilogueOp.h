@@ -14,7 +14,7 @@ constexpr char const* kGEMM_EPILOGUE_NAME = "StofGemmEpilogue";
 
 class GemmEpilogueKernel {
 public:
-    GemmEpilogueKernel(OrtKernelInfo const* info, ONNXTensorElementDataType type);
+    GemmEpilogueKernel(OrtKernelInfo const* info, ONNXTensorElementDataType type, bool firstUseTiming);
     ~GemmEpilogueKernel();
     OrtStatusPtr ComputeV2(OrtKernelContext* context);
 
@@ -23,14 +23,15 @@ private:
     ONNXTensorElementDataType mType;
     std::string mName;
     int32_t mActivation{STOF_ACT_NONE};
-    int64_t mAlgo{-1};  // attribute `algo`: cuBLASLt heuristic index (-1 = the first)
+    int64_t mAlgo{-1};  // attribute `algo`: cuBLASLt heuristic index (-1: timed at first use, else the first)
+    bool mFirstUseTiming{true};
     std::mutex mInitMutex;  // ORT may run one kernel instance from several threads (concurrent Run calls)
     stof_gemm_context_t mGemm{nullptr};
 };
 
 class GemmEpilogueOp : public Ort::CustomOpBase<GemmEpilogueOp, GemmEpilogueKernel, true> {
 public:
-    explicit GemmEpilogueOp(ONNXTensorElementDataType type);
+    GemmEpilogueOp(ONNXTensorElementDataType type, bool firstUseTiming);
     OrtStatusPtr CreateKernelV2(OrtApi const& api, OrtKernelInfo const* info, void** kernel) const;
     char const* GetName() const { return kGEMM_EPILOGUE_NAME; }
     char const* GetExecutionProviderType() const { return kCUDA_EP; }
@@ -45,6 +46,7 @@ public:
 
 private:
     ONNXTensorElementDataType mType;
+    bool mFirstUseTiming;  // session option stof.first_use_timing: nodes without an `algo` time cuBLASLt's candidates
 };
 
 }  // namespace stof_ort
