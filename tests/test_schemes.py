@@ -30,7 +30,7 @@ BERT_BASE = {
 # -- enumeration --------------------------------------------------------------------------------------------------
 def test_templates_per_chain_kind_and_opset():
     assert [t.name for t in S.templates_for("residual_ln", 17)] == \
-        ["matmul+bias_add_ln", "gemm+bias_add_ln", "gemm_bias+add_ln", "unfused"]
+        ["gemm_bias+add_ln", "matmul+bias_add_ln", "gemm+bias_add_ln", "unfused"]
     assert "unfused" not in [t.name for t in S.templates_for("residual_ln", 15)]  # no LayerNormalization op
     assert [t.name for t in S.templates_for("bias_gelu", 15)] == ["gemm_bias_gelu", "gemm_bias+gelu", "unfused"]
     for kind in S.CHAIN_KINDS:
@@ -100,7 +100,7 @@ def test_gemm_rate_wave_quantisation():
 def test_shortlist_keeps_the_fixed_rule():
     s = BERT_BASE["ffn2"]
     short = S.shortlist(s, k=1)
-    assert [c.name for c in short] == ["matmul+bias_add_ln"]
+    assert [c.name for c in short] == ["gemm_bias+add_ln"]
     # a model under which the separate bias pass is best still times the fixed rule
     odd = S.shortlist(s, S.CostModel(launch_s=0.0), k=1)
     assert any(c.template.fixed_rule for c in odd)
@@ -174,9 +174,9 @@ def test_find_chains_roles_and_blocks(bert):
     _, new = bert
     sites = find_chains(gs.import_onnx(new))
     assert [(s.block, s.role, s.kind, s.scheme) for s in sites] == [
-        (b, r, k, sc) for b in (0, 1) for r, k, sc in (("attn_out", "residual_ln", "matmul+bias_add_ln"),
+        (b, r, k, sc) for b in (0, 1) for r, k, sc in (("attn_out", "residual_ln", "gemm_bias+add_ln"),
                                                        ("ffn1", "bias_gelu", "gemm_bias_gelu"),
-                                                       ("ffn2", "residual_ln", "matmul+bias_add_ln"))]
+                                                       ("ffn2", "residual_ln", "gemm_bias+add_ln"))]
     assert sites[2].k == sites[1].n and sites[0].signature() == "residual_ln|float|N32|K32|sum0"
 
 
@@ -184,8 +184,11 @@ def test_default_rewrite_is_the_fixed_rules(bert):
     model, new = bert
     again, report = rewrite_model(model, max_seq_len=32, scheme_tokens=4096, **TILE)
     assert again.SerializeToString() == new.SerializeToString()
-    assert not any("fusion schemes" in n for n in report.notes)
-    assert not any(a.name == "algo" for n in new.graph.node for a in n.attribute)
+    # the epilogue fusions leave MatMul -> StofAddLayerNorm(bias); the fixed rule moves the bias into the GEMM
+    assert any("fusion schemes, cost model" in n and "residual_ln gemm_bias+add_ln x4" in n for n in report.notes)
+    assert all(a.i == -1 for n in new.graph.node for a in n.attribute if a.name == "algo")
+    ops = [n.op_type for n in new.graph.node]
+    assert "MatMul" not in ops and ops.count("StofGemmEpilogue") == 8   # QKV, attn_out, FFN1, FFN2 per block
 
 
 @pytest.mark.parametrize("ln_scheme", ["gemm+bias_add_ln", "gemm_bias+add_ln", "unfused"])
@@ -286,7 +289,7 @@ def test_model_only_tune_records_the_first_choice(bert):
                        props=H100_SXM, measure=False, cpu_probe=True)
     assert all(r.times == {} and r.best == r.model_first for r in res)
     assert {e["source"] for e in cache.schemes.values()} == {"model"}
-    assert {e["scheme"] for e in cache.schemes.values()} == {"matmul+bias_add_ln", "gemm_bias_gelu"}
+    assert {e["scheme"] for e in cache.schemes.values()} == {"gemm_bias+add_ln", "gemm_bias_gelu"}
     assert all(r["ratio"] is None and r["time_ms"] is None for r in block_rows(res))
 
 
@@ -342,9 +345,9 @@ def test_cli_tune_presearch_only_for_a_named_gpu_reports_schemes(bert, tmp_path,
     info = json.loads(capsys.readouterr().out)
     rows = info["schemes"]["blocks"]
     assert [(r["block"], r["role"], r["scheme"], r["tokens"]) for r in rows] == [
-        (b, role, sch, 128) for b in (0, 1) for role, sch in (("attn_out", "matmul+bias_add_ln"),
+        (b, role, sch, 128) for b in (0, 1) for role, sch in (("attn_out", "gemm_bias+add_ln"),
                                                               ("ffn1", "gemm_bias_gelu"),
-                                                              ("ffn2", "matmul+bias_add_ln"))]
+                                                              ("ffn2", "gemm_bias+add_ln"))]
     assert info["problems"] == [] and info["schemes"]["model_within_5pct"] is None
     doc = json.loads(out.read_text())
     assert doc["entries"] == [] and {e["gpu"] for e in doc["schemes"]["entries"]} == {"NVIDIA H200"}
