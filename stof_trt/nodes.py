@@ -13,9 +13,12 @@ import numpy as np
 from .errors import StofError
 from .format import STOF_FORMAT_VERSIONS_READ, TileLayout
 
-__all__ = ["ONNX_DTYPES", "AttentionNode", "attention_nodes", "attention_problem_dims"]
+__all__ = ["ONNX_DTYPES", "TOKEN_CAPACITY_INPUT", "AttentionNode", "attention_nodes", "attention_problem_dims"]
 
 ONNX_DTYPES = {1: "float", 10: "float16", 16: "bfloat16"}
+#: The input of a model packed into token slots (rewrite option token_capacity_input): int32 [C], its length the
+#: number of slots, its values unused; stof_trt.ort.with_token_capacity fills it from the padding mask.
+TOKEN_CAPACITY_INPUT = "stof_token_capacity"
 _LAYOUT_INPUTS = ("row_ptr", "col_idx", "tile_bitmap_index", "bitmaps")
 
 

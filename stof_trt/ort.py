@@ -383,13 +383,18 @@ def input_specs(sess) -> list[tuple[str, list, str]]:
 
 def random_feeds(sess, shapes: dict | None = None, *, seed: int = 0, vocab: int = 100) -> dict:
     """Random inputs for a session: ids in [0, vocab), masks of ones, token types 0, position ids 0..S-1, floats
-    N(0,1).  Symbolic dims come from `shapes` (name -> tuple); a static input may be given there too."""
+    N(0,1).  Symbolic dims come from `shapes` (name -> tuple); a static input may be given there too.  A token
+    capacity input is left out unless `shapes` names it (:func:`with_token_capacity` and Binding size it)."""
     import numpy as np
+
+    from .nodes import TOKEN_CAPACITY_INPUT
 
     rng = np.random.default_rng(seed)
     shapes = dict(shapes or {})
     feeds = {}
     for name, shape, dt in input_specs(sess):
+        if name == TOKEN_CAPACITY_INPUT and name not in shapes:
+            continue
         if name in shapes:
             shp = tuple(shapes.pop(name))
             if len(shp) != len(shape) or any(s is not None and s != d for s, d in zip(shape, shp)):

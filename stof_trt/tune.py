@@ -82,6 +82,7 @@ def probe_problems(model, feeds: dict, sess_kwargs: dict | None = None, *, cpu: 
         m.graph.output.append(onnx.helper.make_tensor_value_info(name, dtype_of.get(name, 0), None))
     if cpu:
         sess = sort.session(m, providers="cpu", register=False)
+        feeds = sort.with_token_capacity(sess, feeds)
         names = {i.name for i in sess.get_inputs()}
         try:
             outs = sess.run(None, {k: v for k, v in feeds.items() if k in names})
@@ -91,6 +92,7 @@ def probe_problems(model, feeds: dict, sess_kwargs: dict | None = None, *, cpu: 
         vals = {o.name: _HostValue(a) for o, a in zip(sess.get_outputs(), outs)}
         return _problems(nodes, vals)
     sess = sort.session(m, **(sess_kwargs or {}))
+    feeds = sort.with_token_capacity(sess, feeds)
     binding = sess.io_binding()
     for i in sess.get_inputs():
         binding.bind_ortvalue_input(i.name, ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(feeds[i.name]),

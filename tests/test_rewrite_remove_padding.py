@@ -258,6 +258,10 @@ def test_cli_flag(tmp_path):
         assert ("stof_token_capacity" in {i.name for i in new.graph.input}) == ("--token-capacity-input" in flag)
     assert main(["rewrite", str(src), "-o", str(tmp_path / "x.onnx"), "--no-remove-padding",
                  "--token-capacity-input"]) == 2
+    # `stof run` sizes the token capacity input from the padding mask: no --shapes for it
+    slots = tmp_path / "out['--token-capacity-input'].onnx"
+    assert main(["run", str(slots), "--provider", "cpu", "--shapes", f"input_ids={B}x{S},attention_mask={B}x{S}",
+                 "--json"]) in (0, None)
 
 
 def test_unpacked_attention_keeps_padded_path():

@@ -67,7 +67,11 @@ def masked_feeds(feeds: dict, mask_dense: np.ndarray | None, padding: float | No
 def feeds_for(sess, feeds2: dict, feeds3: dict) -> dict:
     """Pick the 2-D or 3-D attention mask by the session's input rank; other inputs as given."""
     out = {}
+    from ..nodes import TOKEN_CAPACITY_INPUT
+
     for i in sess.get_inputs():
+        if i.name == TOKEN_CAPACITY_INPUT:  # Binding sizes it from the padding mask
+            continue
         if i.name == "attention_mask" and len(i.shape) == 3:
             out[i.name] = feeds3[i.name]
         elif i.name in feeds2:

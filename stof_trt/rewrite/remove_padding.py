@@ -23,6 +23,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..format import TileLayout
+from ..nodes import TOKEN_CAPACITY_INPUT
 from .base import Fusion
 from .functions import attention_overload
 from .matcher import const_value, producer
@@ -31,8 +32,6 @@ _UNARY = {"Gelu", "Erf", "Tanh", "Sigmoid", "Relu", "Cast", "Identity", "Dropout
           "Abs", "Softplus", "FastGelu", "BiasGelu"}
 _BINARY = {"Add", "Sub", "Mul", "Div", "Pow"}
 _PROBE_SIZES = ((2, 5), (3, 7))
-# the input whose length is the number of token slots of a packed model built for CUDA graphs (its values unused)
-TOKEN_CAPACITY_INPUT = "stof_token_capacity"
 
 
 def _full_or_causal(lay: TileLayout) -> bool:
