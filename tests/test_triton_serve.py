@@ -84,6 +84,23 @@ def test_serve_errors_are_one_line_exit_2(tmp_path):
     assert rc == 2 and "not a readable ONNX model" in err and len(err.strip().splitlines()) == 1
 
 
+def test_token_slot_models_are_refused_in_one_line(tmp_path):
+    """A model packed into token slots (--token-capacity-input) needs its capacity sized per batch: neither server
+    does that, so both refuse it before any work."""
+    from onnx import TensorProto, helper, save
+
+    g = helper.make_graph([helper.make_node("Relu", ["X"], ["Y"])], "g",
+                          [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["b", 4]),
+                           helper.make_tensor_value_info("stof_token_capacity", TensorProto.INT32, ["c"])],
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["b", 4])])
+    save(helper.make_model(g), str(tmp_path / "slots.onnx"))
+    for cmd in (("serve", str(tmp_path / "slots.onnx")),
+                ("export-triton", str(tmp_path / "slots.onnx"), "--repo", str(tmp_path / "repo"))):
+        rc, _, err = run_cli(*cmd)
+        assert rc == 2 and len(err.strip().splitlines()) == 1 and "stof_token_capacity" in err, err
+    assert not (tmp_path / "repo").exists()
+
+
 def test_serve_without_a_serving_python_says_why(tmp_path):
     from onnx import TensorProto, helper, save
 

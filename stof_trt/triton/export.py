@@ -108,6 +108,16 @@ def model_io(model) -> tuple[list[TensorSpec], list[TensorSpec]]:
     return inputs, outputs
 
 
+def refuse_token_slots(model, path: str) -> None:
+    """A model packed into token slots needs its capacity input sized from each batch's padding mask
+    (stof_trt.ort.with_token_capacity), which neither Triton's ONNX Runtime backend nor a client does."""
+    from ..nodes import TOKEN_CAPACITY_INPUT
+
+    if any(i.name == TOKEN_CAPACITY_INPUT for i in model.graph.input):
+        raise StofError(f"{path} takes the token capacity input {TOKEN_CAPACITY_INPUT} (rewritten with "
+                        "--token-capacity-input), which the server cannot size per batch: serve the default rewrite")
+
+
 def stof_node_count(model) -> int:
     return sum(1 for n in model.graph.node if n.domain == "stof")
 
@@ -298,6 +308,7 @@ def export_repository(model_path: str, repo: str, *, name: str | None = None, ma
     model_dir = Path(model_path).resolve().parent
     external = _external_files(model, model_dir)
     n_stof = stof_node_count(model)
+    refuse_token_slots(model, model_path)
     inputs, outputs = model_io(model)
     if not outputs:
         raise StofError(f"{model_path} has no outputs")

@@ -127,6 +127,9 @@ def serve(model: str, *, port: int = 8000, grpc_port: int | None = None, metrics
         proto = onnx.load(model, load_external_data=False)
     except Exception as e:  # noqa: BLE001 - protobuf DecodeError and friends
         raise StofError(f"{model} is not a readable ONNX model ({(str(e).splitlines() or [''])[0]})") from None
+    from .export import refuse_token_slots
+
+    refuse_token_slots(proto, model)
     for p in [port] + [q for q in (grpc_port, metrics_port) if q is not None]:
         if not 0 < p < 65536:
             raise StofError(f"bad port {p}")
