@@ -324,7 +324,10 @@ def apply_schemes(ctx: RewriteContext) -> dict:
         changed[key] = changed.get(key, 0) + 1
     if changed:
         ctx.graph.cleanup().toposort()
+    # the note names what differs from the fixed rules (which every rewrite applies without a word)
+    said = {key: c for key, c in changed.items() if chosen or not S.template(key[0], key[1]).fixed_rule}
+    if said:
         src = "measured (tactic cache)" if chosen else f"cost model at {tokens} tokens"
         ctx.report.notes.append("fusion schemes, " + src + ": " + ", ".join(
-            f"{k} {s}{'' if a < 0 else f' algo {a}'} x{c}" for (k, s, a), c in sorted(changed.items())))
+            f"{k} {s}{'' if a < 0 else f' algo {a}'} x{c}" for (k, s, a), c in sorted(said.items())))
     return changed
