@@ -126,7 +126,8 @@ def session(model, *, providers=None, device_id: int = 0, cuda_options: dict | N
         if optimization_level not in levels:
             raise StofError(f"optimization_level must be one of {sorted(levels)}")
         so.graph_optimization_level = levels[optimization_level]
-    if cuda_graphs and _padding_removed(model) and not _model_meta(model).get(META_TOKEN_CAPACITY):
+    meta = _model_meta(model) if cuda_graphs else {}
+    if meta.get("stof.padding_removed") == "1" and not meta.get(META_TOKEN_CAPACITY):
         raise StofError("CUDA graphs cannot replay a model whose padding is removed: its token count changes with "
                         "every batch's padding (rewrite with --token-capacity-input to capture graphs)")
     provs = _providers(providers, device_id, cuda_options, cuda_graphs)
@@ -188,11 +189,6 @@ def _model_meta(model) -> dict:
     return {p.key: p.value for p in model.metadata_props}
 
 
-def _padding_removed(model) -> bool:
-    """Whether the rewrite packed the model's real tokens (metadata ``stof.padding_removed``)."""
-    return _model_meta(model).get("stof.padding_removed") == "1"
-
-
 def token_capacity(tokens: int, limit: int) -> int:
     """The token slots for a batch of ``tokens`` real tokens, at most ``limit`` (B·S): rounded up to an eighth of
     its power-of-two octave (at least 64), so at most 12.5 % of the slots are spare and a server replays at most
@@ -202,14 +198,21 @@ def token_capacity(tokens: int, limit: int) -> int:
     return max(1, min(int(limit), -(-tokens // step) * step))
 
 
+def _token_slot_inputs(sess) -> tuple[str | None, str | None]:
+    """(token capacity input, padding mask input) of a model packed into token slots, else (None, None)."""
+    meta = sess.get_modelmeta().custom_metadata_map
+    if not meta.get(META_TOKEN_CAPACITY):
+        return None, None
+    return meta[META_TOKEN_CAPACITY], meta.get("stof.padding_mask_input")
+
+
 def with_token_capacity(sess, feeds: dict, capacity: int | None = None) -> dict:
     """``feeds`` plus the ``stof_token_capacity`` input of a model rewritten with ``token_capacity_input``: an int32
     buffer of ``capacity`` slots (default :func:`token_capacity` of the padding mask's real tokens). Feeds of
     other models, or that already have it, come back unchanged."""
     import numpy as np
 
-    meta = sess.get_modelmeta().custom_metadata_map
-    name, mask_name = meta.get(META_TOKEN_CAPACITY), meta.get("stof.padding_mask_input")
+    name, mask_name = _token_slot_inputs(sess)
     if not name or name in feeds:
         return feeds
     if capacity is None:
@@ -288,8 +291,7 @@ class Binding:
     def update(self, feeds: dict) -> None:
         import numpy as np
 
-        meta = self.sess.get_modelmeta().custom_metadata_map
-        cap, mask_name = meta.get(META_TOKEN_CAPACITY), meta.get("stof.padding_mask_input")
+        cap, mask_name = _token_slot_inputs(self.sess)
         if cap in self._inputs and mask_name in feeds:
             slots, tokens = self._inputs[cap].shape()[0], int(np.count_nonzero(feeds[mask_name]))
             if tokens > slots:
