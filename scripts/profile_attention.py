@@ -5,13 +5,18 @@ GPU machine:
     ncu --clock-control none --kernel-name regex:attn_fwd --launch-skip 3 --launch-count 1 \
         --section SpeedOfLight --section WarpStateStats python scripts/profile_attention.py --tactics 19,23
 
-    # STOF's tactic and FA4's kernel on the same cell, one profiled launch each (NVTX ranges "prof/<method>")
-    ncu --clock-control none --nvtx --nvtx-include "prof/" --set full -o causal \
-        python scripts/profile_attention.py --D 128 --tactics wgmma_ws_m2x64_n64_s4 --fa4 --nvtx
+    # STOF's tactic and FA4's kernel on the same cell, one profiled launch each (two ncu runs; FA4's kernel name
+    # holds "FlashAttentionForwardSm90")
+    ncu --clock-control none --kernel-name regex:hopper_ws --launch-skip 3 --launch-count 1 --set full -o stof \
+        python scripts/profile_attention.py --S 8192 --D 64 --tactics 24
+    ncu --clock-control none --kernel-name regex:FlashAttention --launch-skip 3 --launch-count 1 --set full -o fa4 \
+        python scripts/profile_attention.py --S 8192 --D 64 --tactics 24 --fa4
+    ncu -i stof.ncu-rep --page source --csv --print-source sass > stof.sass.csv   # stall samples per instruction
 
-Each method runs 4 times (3 warm-up launches, then the profiled one: --launch-skip 3 with one tactic per ncu
-invocation, or the NVTX range of --nvtx), after a correctness check against SDPA with the boolean mask. Tactics
-are ids or names (stof_trt.kernels.all_tactics()). --fa4 needs the flash-attn-4 package (causal and sliding).
+Each method runs 4 times (3 warm-up launches, then the profiled one: --launch-skip 3 with one method per kernel
+name), after a correctness check against SDPA with the boolean mask. Tactics are ids or names
+(stof_trt.kernels.all_tactics()). --fa4 needs the flash-attn-4 package (causal and sliding). --nvtx puts each
+method's last launch in an NVTX range "prof_<method>" (Nsight tools; ncu reads a '/' in a range filter as nesting).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ def main():
     ap.add_argument("--sdpa", action="store_true", help="also run SDPA is_causal (causal masks)")
     ap.add_argument("--fa4", action="store_true", help="also run FlashAttention-4 natively (causal, sliding)")
     ap.add_argument("--nvtx", action="store_true",
-                    help='put each method\'s last launch in an NVTX range "prof/<method>" (ncu --nvtx)')
+                    help='put each method\'s last launch in an NVTX range "prof_<method>"')
     ap.add_argument("--no-row-order", action="store_true",
                     help="run in the default row order, not the layout's longest-first one")
     ap.add_argument("--sched-chunk", type=int, default=None, metavar="N",
@@ -55,11 +60,11 @@ def main():
         ap.error(f"unknown tactic {e.args[0]!r}")
 
     def launches(name, fn, n=4):
-        """n launches; with --nvtx the last one in the range prof/<name>."""
+        """n launches; with --nvtx the last one in the range prof_<name>."""
         for i in range(n):
             if a.nvtx and i == n - 1:
                 torch.cuda.synchronize()
-                torch.cuda.nvtx.range_push(f"prof/{name}")
+                torch.cuda.nvtx.range_push(f"prof_{name}")
             out = fn()
             if a.nvtx and i == n - 1:
                 torch.cuda.synchronize()
