@@ -271,6 +271,7 @@ class Binding:
         import onnxruntime as ort
 
         self.sess = sess
+        self._slot_inputs = _token_slot_inputs(sess)  # (capacity input, padding mask input), read once
         on_gpu = "CUDAExecutionProvider" in sess.get_providers()
         self.device = device or ("cuda" if on_gpu else "cpu")
         self.device_id = device_id
@@ -291,7 +292,7 @@ class Binding:
     def update(self, feeds: dict) -> None:
         import numpy as np
 
-        cap, mask_name = _token_slot_inputs(self.sess)
+        cap, mask_name = self._slot_inputs
         if cap in self._inputs and mask_name in feeds:
             slots, tokens = self._inputs[cap].shape()[0], int(np.count_nonzero(feeds[mask_name]))
             if tokens > slots:

@@ -316,7 +316,7 @@ class RemovePadding(Fusion):
         return None
 
     # -- rewrite ------------------------------------------------------------------------------------------------
-    def _slots(self, op, i64, kpm, flat, keep_flat, keep_i64, rank, offsets):
+    def _slots(self, op, i64, flat, keep_flat, keep_i64, rank, offsets):
         """Pack into C = min(len(stof_token_capacity), B·S) token slots, a size fixed by an input's shape, so the
         run has no data-dependent shape and a CUDA graph can replay it (one graph per capacity). The real tokens
         fill the first T slots, the rest hold padded tokens no sequence reads. Only shape values stay on the host
@@ -366,8 +366,7 @@ class RemovePadding(Fusion):
         rank = op("Sub", [op("CumSum", [keep_i64, i64(0)], np.int64), i64(1)], np.int64)   # of each real token
         extra_rows = []
         if ctx.options.get("token_capacity_input"):
-            idx, offsets, source_row, extra_rows = self._slots(op, i64, kpm, flat, keep_flat, keep_i64, rank,
-                                                               offsets)
+            idx, offsets, source_row, extra_rows = self._slots(op, i64, flat, keep_flat, keep_i64, rank, offsets)
         else:
             idx = op("Squeeze", [op("NonZero", [keep_flat], np.int64), i64([0])], np.int64)   # [T]
             # Restore as a Gather: padded position p reads packed row rank(p), a padded one the zero row T
