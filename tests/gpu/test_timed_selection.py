@@ -18,7 +18,7 @@ from _gpu_helpers import TOL, reference  # noqa: E402
 
 from stof_trt import tactic_cache as tc  # noqa: E402
 from stof_trt.format import compile_mask  # noqa: E402
-from stof_trt.kernels import DeviceLayout, select_tactic, sparse_attention  # noqa: E402
+from stof_trt.kernels import FAMILY_HOPPER, DeviceLayout, select_tactic, sparse_attention, tactic_info  # noqa: E402
 from stof_trt.masks import parse_mask  # noqa: E402
 
 
@@ -113,3 +113,26 @@ def test_no_timing_during_capture_or_when_switched_off(monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     assert select_tactic(q, k, v, dl, timing=True)[1] == "timed"
+
+
+def test_padded_and_packed_batches_rank_one_warpgroup_tactics_first():
+    """With a key padding mask or packed sequences the first choice without timing is a one-warpgroup Hopper tactic
+    (the multi-warpgroup ones measure 1.1-1.8x slower there; select.cc); the same problem unpadded keeps the
+    pre-search's own first choice, a multi-warpgroup tactic at this size."""
+    B, H, S, D = 8, 12, 1024, 64
+    layout = compile_mask(parse_mask("full"), S, S)
+    dl = DeviceLayout(layout)
+    q, k, v = _qkv(B, H, S, D, seed=4)
+    plain, src = select_tactic(q, k, v, dl)
+    if tactic_info(plain).family != FAMILY_HOPPER:
+        pytest.skip("no Hopper tactics on this GPU")
+    assert src == "presearch" and tactic_info(plain).block_m > 64, plain
+    lengths = [S] + [S // 4 + 97 * i for i in range(1, B)]
+    kpm = (torch.arange(S, device="cuda")[None, :] < torch.tensor(lengths, device="cuda")[:, None]).to(torch.int32)
+    padded, src = select_tactic(q, k, v, dl, key_padding_mask=kpm)
+    assert src == "presearch" and tactic_info(padded).family == FAMILY_HOPPER and tactic_info(padded).block_m == 64
+    offsets = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device="cuda")
+    T = int(offsets[-1])
+    qp, kp, vp = (torch.randn(T, H, D, device="cuda", dtype=torch.float16) for _ in range(3))
+    packed, src = select_tactic(qp, kp, vp, dl, seq_offsets=offsets, max_seqlen=S)
+    assert src == "presearch" and tactic_info(packed).family == FAMILY_HOPPER and tactic_info(packed).block_m == 64
