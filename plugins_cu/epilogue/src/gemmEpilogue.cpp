@@ -18,6 +18,7 @@
 
 namespace stof_epi {
 cudaError_t launchGeluErfInPlace(int32_t dtype, void* y, int64_t count, cudaStream_t stream);
+cudaError_t launchHold(int64_t nanoseconds, cudaStream_t stream);
 }  // namespace stof_epi
 
 namespace {
@@ -227,8 +228,12 @@ extern "C" stof_epi_status_t stof_gemm_epilogue_run_algo(stof_gemm_context_t ctx
             return cublasLtMatmul(ctx->mHandle, plan.mOp, &alpha, w, plan.mA, x, plan.mB, &beta, y, plan.mC, y,
                                   plan.mC, &plan.mAlgo, workspace, workspaceBytes, cs);
         };
-        // STOF_GEMM_ALGO_TIMED: each candidate once to warm up (and to see that it takes this M), then three
-        // timed runs; the fastest stays the plan's algorithm. Not while the stream captures a CUDA graph.
+        // STOF_GEMM_ALGO_TIMED: each candidate once to warm up (and to see that it takes this M), then kTimedRuns
+        // runs queued behind a hold kernel, so that the events time the GPU's work: at small M a GEMM takes a few
+        // microseconds, about what the host spends launching it, and back-to-back runs would time the host. The
+        // fastest stays the plan's algorithm. Not while the stream captures a CUDA graph.
+        constexpr int kTimedRuns = 10;
+        constexpr int64_t kHoldNs = 400 * 1000;  // well above kTimedRuns host launches
         auto timeCandidates = [&](Plan& plan) -> stof_epi_status_t {
             cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
             if (plan.mTimed || cudaStreamIsCapturing(cs, &capture) != cudaSuccess ||
@@ -244,9 +249,10 @@ extern "C" stof_epi_status_t stof_gemm_epilogue_run_algo(stof_gemm_context_t ctx
             for (cublasLtMatmulAlgo_t const& cand : plan.mCandidates) {
                 plan.mAlgo = cand;
                 if (run(plan) != CUBLAS_STATUS_SUCCESS) continue;
+                STOF_EPI_CUDA(stof_epi::launchHold(kHoldNs, cs));
                 STOF_EPI_CUDA(cudaEventRecord(ctx->mStart, cs));
                 bool ok = true;
-                for (int r = 0; r < 3 && ok; ++r) ok = run(plan) == CUBLAS_STATUS_SUCCESS;
+                for (int r = 0; r < kTimedRuns && ok; ++r) ok = run(plan) == CUBLAS_STATUS_SUCCESS;
                 STOF_EPI_CUDA(cudaEventRecord(ctx->mStop, cs));
                 STOF_EPI_CUDA(cudaEventSynchronize(ctx->mStop));
                 float ms = 0.f;
