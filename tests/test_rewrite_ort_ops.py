@@ -348,7 +348,7 @@ def test_longformer_graph_has_no_full_size_index_or_transpose():
     new, _ = rewrite_model(model, **TILE)
     counts = op_counts(new)
     assert counts["Transpose"] == 0 and counts["StofSparseAttention"] == 2 and counts["StofGemmEpilogue"] == 2
-    assert not {"CumSum", "GatherElements"} & set(counts), dict(counts)
+    assert "GatherElements" not in counts and "TopK" not in counts, dict(counts)
     # every intermediate tensor as an output, its run-time size read at B=2
     types = {vi.name: vi.type.tensor_type.elem_type for vi in onnx.shape_inference.infer_shapes(new).graph.value_info}
     names = [o for n in new.graph.node for o in n.output if o in types and o != "y"]

@@ -11,7 +11,7 @@ global query row attends to every key with the global projections. The global po
 they cannot be part of a static layout; their rows of X are gathered into G = min(S, ``MAX_GLOBAL``) *slots* in
 front of the sequence instead, and both projections run on the extended input::
 
-    slots [B,G]  = TopK(global ∧ kept · 2^23 − position): the kept global tokens first, in position order
+    slots [B,G]  = the kept global tokens' positions in order (a prefix count of them scatters each into its slot)
     X_ext        = Concat(X at the slots, X)                                                  [B, G+S, N]
     local node   = StofSparseAttention(bs3hd, Reshape(X_ext·W + b)  [B, G+S, 3, H, D])       -> [B, G+S, H, D]
     global node  = StofSparseAttention(bs3hd, Reshape(X_ext·Wg + bg) [B, G+S, 3, H, D])      -> [B, G+S, H, D]
@@ -156,9 +156,6 @@ class FuseOrtLongformerAttention(Fusion):
                 self.ctx.report.notes.append(f"{node.name}: the user mask is not applied to LongformerAttention "
                                              "(its window and global tokens define the layout)")
             S, D = xs[1], N // H
-            if S >= 1 << 23:  # the slot scores (2^23 - position) are exact in float32 below that
-                self.skip(node, f"sequence length {S} is not below 2^23")
-                continue
             G = min(S, MAX_GLOBAL)
             declared = node.inputs[0].shape
             static = declared is not None and len(declared) == 3 and isinstance(declared[1], (int, np.integer))
@@ -217,15 +214,22 @@ class FuseOrtLongformerAttention(Fusion):
                 c = const(f"stof_lf_{prefix}", values[None])
                 return c if static else op("Slice", [c, i64("s0", [0]), seq_end, i64("ax1", [1])], values.dtype)
 
-            # -- slots: the kept global tokens first, in position order (scores exact in float32 for S < 2^23)
+            # -- slots: the kept global tokens first, in position order. A kept global token's slot is the number of
+            # kept global tokens before it (a prefix count), capped at G; the positions are scattered into G + 1
+            # columns, the last taking every other token (its value is never read). An unused slot holds
+            # position 0 (its row of X is gathered and masked as a key).
             keep = op("Not", [op("Less", [mask, scalar_like("zero", 0.0, mask)], np.bool_)], np.bool_)
             is_g = op("Cast", [glob], np.bool_, to=9)
             kept_g = op("And", [is_g, keep], np.bool_)
-            neg_pos = -np.arange(S, dtype=np.float32)
-            score = op("Where", [kept_g, per_position("score_hi", neg_pos + 2.0 ** 23),
-                                 per_position("score_lo", neg_pos)], np.float32)
-            _, idx = op("TopK", [score, i64("g", [G])], n_out=2, axis=1, largest=1, sorted=1)
-            idx.dtype = np.int64
+            before = op("CumSum", [op("Cast", [kept_g], np.int64, to=7), i64("axis1c", 1)], np.int64, exclusive=1)
+            slot_of = op("Where", [kept_g, op("Min", [before, i64("gmax", G)], np.int64), i64("gcol", G)], np.int64)
+            positions = op("Expand", [per_position("pos", np.arange(S, dtype=np.int64)),
+                                      op("Shape", [slot_of], np.int64)], np.int64)
+            slot_shape = op("Concat", [op("Shape", [slot_of], np.int64, start=0, end=1), i64("g1", [G + 1])],
+                            np.int64, axis=0)
+            zeros = op("Expand", [const("stof_lf_zero_slots", np.zeros((1, G + 1), np.int64)), slot_shape], np.int64)
+            scattered = op("ScatterElements", [zeros, slot_of, positions], np.int64, axis=1)
+            idx = op("Slice", [scattered, i64("s0i", [0]), i64("gi", [G]), i64("ax1i", [1])], np.int64)
             count = op("ReduceSum", [op("Cast", [kept_g], np.float32, to=1), i64("axis1", [1])], np.float32,
                        keepdims=1)                                                               # [B, 1]
             slot_used = op("Less", [const("stof_lf_slots", np.arange(G, dtype=np.float32)[None]), count],
@@ -276,9 +280,11 @@ class FuseOrtLongformerAttention(Fusion):
             where = op("Expand", [op("Unsqueeze", [row, i64("axes23", [2, 3])], np.int64), i64("ghd", [1, 1, H, D])],
                        np.int64)
             merged = op("ScatterElements", [local_out, where, slot_rows], y.dtype, axis=1)
-            heads = op("Slice", [merged, i64("sg2", [G]), i64("end", [np.iinfo(np.int64).max]), i64("ax1b", [1])],
-                       y.dtype)
-            op("Reshape", [heads, i64("out_shape", [0, 0, N])], outputs=[y])
+            # Reshape, then Slice into Y: the Slice's kernel writes the output itself (a Reshape last would make ONNX
+            # Runtime copy its result into a bound output)
+            merged = op("Reshape", [merged, i64("out_shape", [0, 0, N])], y.dtype)
+            op("Slice", [merged, i64("sg2", [G]), i64("end", [np.iinfo(np.int64).max]), i64("ax1b", [1])],
+               outputs=[y])
             info["name"] = lplan.name
             ginfo = dict(gplan.info(), anchor=node.name, global_slots=G)
             ginfo.pop("kind", None)
