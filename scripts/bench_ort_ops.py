@@ -301,7 +301,9 @@ def device_run(names, iters, warmup, tile, sizes="issue", presearch=False, profi
             except Exception as exc:  # noqa: BLE001 -- a graph ORT cannot capture is a result, not a failure
                 if not graphs:
                     raise
-                row[variant] = {"error": str(exc).splitlines()[0][:300]}
+                msg = str(exc)
+                cuda = msg.find("CUDA failure")  # ORT's first line is a template signature; the cause comes later
+                row[variant] = {"error": (msg[cuda:].split(";")[0] if cuda >= 0 else msg.splitlines()[0])[:300]}
                 log(name, variant, "not captured:", row[variant]["error"])
                 continue
             outs[variant] = b.outputs()[0]

@@ -574,7 +574,7 @@ def report_md(records: list[dict], meta: dict, cmd: str) -> str:
             att = ", ".join(f"{v} {'yes' if attention_fused(c) else 'NO (UNFUSED: not a target baseline)'}"
                             for v, c in fo.items())
             lines.append(f"| {key} | {mm.get('exported_with', '?')} | {ops} | {att} | "
-                         f"{mm.get('stof', {}).get('padding_removal', '?')} |")
+                         f"{(mm.get('stof') or {}).get('padding_removal', '?')} |")
         lines.append("")
     names = [v for v in VARIANTS if any(v in r["variants"] for r in records)]
     lines += ["Median (p90) ms per variant; ratios are ORT's time over STOF's best (`stof`, `stof-graph`); ORT "
