@@ -237,6 +237,22 @@ __device__ __forceinline__ int ws_produce_tma(const KernelParams& p, WsProducerW
                                               bool have, int hk, int b, int it, uint32_t sKV, uint32_t sBar,
                                               uint32_t sDesc, Hook&& on_step = Hook{}) {
     constexpr int kStages = WT::kStages, kSub = WT::kSub;
+    if constexpr (WT::kConsumers == 3) {
+        // The three-consumer kernels' producer is one thread at 32 registers: no step of look-ahead (a second
+        // WsStep spilled on every step, and the consumers waited for their stages).  A step's `more` and `more_w`
+        // come from the walk after it: consumer w has a further tile while its cursor column is set.
+        for (; have; ++it) {
+            int more_w = 0;
+#pragma unroll
+            for (int w = 0; w < 3; ++w) more_w |= cur.c[w] != INT_MAX ? 1 << w : 0;
+            const int s = it % kStages;
+            if (it >= kStages) mbar_wait(WT::empty_k(sBar, s), ((it / kStages) + 1) & 1);
+            ws_write_desc<WT::kSkip, WsProducerWalk<3>>(sDesc + s * kWsDescBytes, st, more_w != 0, more_w, p);
+            ws_tma_step<WT>(p, st, hk, b, sKV, sBar, s);  // the arrival releases the descriptor
+            have = more_w != 0 && ws_take_step<kSub>(cur, p, st);
+        }
+        return it;
+    }
     WsStep<kSub, WT::kConsumers> next;
     for (; have; ++it) {
         const bool more = ws_take_step<kSub>(cur, p, next);  // one step ahead: the descriptor's `more`
