@@ -190,6 +190,9 @@ def test_record_keys_and_target_lines():
     assert "BELOW FLOOR" in lines[0] and "-> met" in lines[1] and "below target, above floor" in lines[2]
     md = e2e.report_md(recs, {"models": {}}, "cmd")
     assert "9.000 (9.900)*" in md and "1.38x (ortpacking)" in md
+    # a run without the `stof` variant (--variants ortopt-graph,stof-graph) records no stof meta for the model
+    sub = e2e.report_md(recs, {"models": {"bert-base": {"stof": None, "fused_ops": {}}}}, "cmd")
+    assert "| bert-base | ? |  |  | ? |" in sub
     summ = e2e.summary(recs)
     assert summ[("bert-base", "U[0.25S,S]")]["cells"] == 2
     assert summ[("bert-base", "U[0.25S,S]")]["ortpacking"].startswith("1.24x (1.11x at B=32")
