@@ -516,6 +516,27 @@ def test_bench_ort_ops_dry_run(tmp_path):
         assert r.returncode == 2 and r.stderr.startswith("error:") and "Traceback" not in r.stderr, r.stderr
 
 
+def test_bench_ort_ops_graph_variants_in_the_table():
+    """A graph ORT could not capture is reported as such and left out of the fastest-of-each ratio."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_ort_ops.py"
+    spec = importlib.util.spec_from_file_location("bench_ort_ops", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    stat = lambda ms: {"median_ms": ms, "p90_ms": ms * 1.1}  # noqa: E731
+    row = {"case": "longformer_b8", "B": 8, "S": 4096, "layouts": [{"density": 0.1}], "ort": stat(3.4),
+           "stof": stat(1.4), "stof-graph": stat(0.9), "ort-graph": {"error": "CUDA failure 907"},
+           "max_rel_diff": 1e-3, "speedup": 3.4 / 1.4}
+    row["speedup_best"] = mod.speedup_best(row)
+    assert abs(row["speedup_best"] - 3.4 / 0.9) < 1e-12
+    md = mod.markdown([row])
+    assert "| 0.900 / 0.990 |" in md and "3.78x" in md and "2.43x" in md
+    row["ort-graph"] = stat(3.0)
+    assert abs(mod.speedup_best(row) - 3.0 / 0.9) < 1e-12
+
+
 def test_longformer_dynamic_sequence_axis():
     B, S, H, D, W = 2, 48, 2, 8, 4
     rng = np.random.default_rng(13)
