@@ -18,7 +18,7 @@
 
 namespace stof_epi {
 cudaError_t launchGeluErfInPlace(int32_t dtype, void* y, int64_t count, cudaStream_t stream);
-cudaError_t launchHold(int64_t nanoseconds, cudaStream_t stream);
+cudaError_t launchHold(int64_t nanoseconds, cudaStream_t stream);  // holdStream.cu
 }  // namespace stof_epi
 
 namespace {
