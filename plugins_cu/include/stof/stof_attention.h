@@ -306,8 +306,9 @@ typedef enum {
 #define STOF_SELECT_NO_PRESEARCH 1u    /* stof_attn_select: without a cache hit, the library default */
 /* First-use timing (the convention of ONNX Runtime's TunableOp and TensorRT's builder): without a cache hit, run
  * the shortlist -- the pre-search's first STOF_SELECT_TIME_MAX - 1 valid tactics whose predicted time is within
- * STOF_SELECT_TIME_RATIO of the first, plus the first choice and the library default -- on the caller's stream (one warm-up and
- * STOF_SELECT_TIME_REPS timed runs each, median by CUDA events) into scratch output and workspace the library
+ * STOF_SELECT_TIME_RATIO of the first, plus the first choice and the library default -- on the caller's stream
+ * (one warm-up and STOF_SELECT_TIME_REPS timed runs each, queued behind a short hold of the stream so that the
+ * events time the GPU; median by CUDA events) into scratch output and workspace the library
  * allocates and frees (the caller's inputs are only read, its output untouched), keep the fastest, remember it for
  * the process and write it to the tactic cache file when one is given (merged under "<path>.lock"; a missing file
  * is created).  Needs the layout uploaded (or device arrays) and q, k, v on the current device; skipped (the
@@ -321,7 +322,8 @@ typedef enum {
 /* The tactic for a problem: the cache's entry when valid here (tactic_cache: a path, read on first use like
  * stof_tactic_cache_load; NULL: none), else the pre-search's fastest tactic among stof_attn_list_tactics() (with a
  * key_padding_mask or seq_offsets, the Hopper tactics of more than 64 rows per work item rank as if 3x slower: the
- * pre-search's constants come from unpadded problems, where those tactics win), else the first valid one.  device: the GPU the keys and the pre-search describe (NULL: the current CUDA device).
+ * pre-search's constants come from unpadded problems, where those tactics win), else the first valid one.
+ * device: the GPU the keys and the pre-search describe (NULL: the current CUDA device).
  * Results are memoised in the layout handle per (problem, device, cache file and its read).  Host only when
  * device is given.
  * The cache key: gpu = device->name, cc = device->cc, node = "StofSparseAttention|<float16|bfloat16>|H<H>|D<D>|

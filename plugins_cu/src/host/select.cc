@@ -89,11 +89,11 @@ struct Scratch {
     }
 };
 
-// Median milliseconds of each candidate (a negative time: it did not run) on the stream, into scratch output.
-// false (nothing timed) when the stream is being captured or the scratch cannot be had.
 // stof::hold_stream keeps the stream busy for this long, so the timed launches queue up behind it
 constexpr int64_t kHoldNs = 200 * 1000;
 
+// Median milliseconds of each candidate (a negative time: it did not run) on the stream, into scratch output.
+// false (nothing timed) when the stream is being captured or the scratch cannot be had.
 bool time_candidates(const stof_attn_params_t* p, const std::vector<int32_t>& cands, cudaStream_t stream,
                      std::vector<double>* ms) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
