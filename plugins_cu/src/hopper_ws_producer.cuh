@@ -252,31 +252,33 @@ __device__ __forceinline__ int ws_produce_tma(const KernelParams& p, WsProducerW
             have = more_w != 0 && ws_take_step<kSub>(cur, p, st);
         }
         return it;
-    }
-    WsStep<kSub, WT::kConsumers> next;
-    for (; have; ++it) {
-        const bool more = ws_take_step<kSub>(cur, p, next);  // one step ahead: the descriptor's `more`
-        on_step(cur);
-        const int s = it % kStages;
-        const int parity = ((it / kStages) + 1) & 1;
-        if (it >= kStages) mbar_wait(WT::empty_k(sBar, s), parity);
-        const int more_w = WT::kSkip ? ws_more_mask(cur, next) : 0;
-        if (lane == 0) {
-            using Walk = WsProducerWalk<WT::kConsumers>;
-            ws_write_desc<WT::kSkip, Walk>(sDesc + s * kWsDescBytes, st, more, more_w, p);
-            // the (K) arrival releases the descriptor
-            ws_tma_step<WT, WT::kSplitKV ? 1 : 3>(p, st, hk, b, sKV, sBar, s);
+    } else {
+        WsStep<kSub, WT::kConsumers> next;
+        for (; have; ++it) {
+            const bool more = ws_take_step<kSub>(cur, p, next);  // one step ahead: the descriptor's `more`
+            on_step(cur);
+            const int s = it % kStages;
+            const int parity = ((it / kStages) + 1) & 1;
+            if (it >= kStages) mbar_wait(WT::empty_k(sBar, s), parity);
+            const int more_w = WT::kSkip ? ws_more_mask(cur, next) : 0;
+            if (lane == 0) {
+                using Walk = WsProducerWalk<WT::kConsumers>;
+                ws_write_desc<WT::kSkip, Walk>(sDesc + s * kWsDescBytes, st, more, more_w, p);
+                // the (K) arrival releases the descriptor
+                ws_tma_step<WT, WT::kSplitKV ? 1 : 3>(p, st, hk, b, sKV, sBar, s);
+            }
+            if constexpr (WT::kSplitKV) {  // V once the stage's previous V is released (its P V done)
+                if (it >= kStages) mbar_wait(WT::empty_v(sBar, s), parity);
+                if (lane == 0) ws_tma_step<WT, 2>(p, st, hk, b, sKV, sBar, s);
+            }
+            // the warp reconverges every step: no lane may fall kStages positions behind lane 0 in the parity
+            // waits above
+            if constexpr (kWsProducerLanes<WT::kConsumers> > 1) __syncwarp();
+            st = next;
+            have = more;
         }
-        if constexpr (WT::kSplitKV) {  // V once the stage's previous V is released (its P V done)
-            if (it >= kStages) mbar_wait(WT::empty_v(sBar, s), parity);
-            if (lane == 0) ws_tma_step<WT, 2>(p, st, hk, b, sKV, sBar, s);
-        }
-        // the warp reconverges every step: no lane may fall kStages positions behind lane 0 in the parity waits above
-        if constexpr (kWsProducerLanes<WT::kConsumers> > 1) __syncwarp();
-        st = next;
-        have = more;
+        return it;
     }
-    return it;
 }
 
 // The first step of an item (st, at ring position 0) issued by the scheduler warp itself (the CTA's first item, see
