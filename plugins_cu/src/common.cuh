@@ -201,15 +201,6 @@ __device__ __forceinline__ BlockWork block_work(const KernelParams& p) {
 // (at 16 the last chunk's long rows start late; 64 is slower again), one item per SM with 16.
 constexpr int64_t kSchedL2BytesOneItemPerSm = static_cast<int64_t>(16) << 20;
 constexpr int64_t kSchedL2BytesManyCtas = static_cast<int64_t>(32) << 20;
-inline int64_t sched_l2_budget_bytes(int64_t budget) {
-    static const int64_t forced = [] {
-        const char* e = getenv("STOF_SCHED_L2_BYTES");  // experiments only (both budgets); docs/kernels.md
-        const long long v = e ? atoll(e) : 0;
-        return v > 0 ? static_cast<int64_t>(v) : static_cast<int64_t>(0);
-    }();
-    return forced > 0 ? forced : budget;
-}
-
 // Host: fill the schedule fields of p for a kernel of kBlockM query rows per CTA and return its grid.  The row
 // order is used when a CTA covers at most one tile row, the pair order when it covers exactly two, either only when
 // the run-time rows are >= 3/4 of the layout's (the grid then spans every tile row of the layout; CTAs past seq_q
@@ -239,7 +230,7 @@ inline dim3 schedule_grid(KernelParams& p, int64_t l2_budget = kSchedL2BytesMany
     const int64_t kv_bytes = 2 * static_cast<int64_t>(p.seq_k) * kHeadDim * 2;
     const int64_t nhb = static_cast<int64_t>(p.heads) * p.batch;
     p.uniform_rows = p.sched_chunk == 1;
-    const int64_t chunk = p.sched_chunk > 0 ? p.sched_chunk : sched_l2_budget_bytes(l2_budget) / kv_bytes;
+    const int64_t chunk = p.sched_chunk > 0 ? p.sched_chunk : l2_budget / kv_bytes;
     p.sched_chunk = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nhb, chunk)));
     return dim3(nqb, p.heads, p.batch);
 }
