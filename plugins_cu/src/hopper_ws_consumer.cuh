@@ -61,9 +61,14 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
     auto full_bar = [&](int s) { return WT::full_k(sBar, s); };
     auto empty_bar = [&](int s) { return WT::empty_k(sBar, s); };
     // WT::kSplitKV: a stage's K is released once its S is done, its V awaited before and released after its P V
-    // (position: the step's ring position, for the parity); without it both go with the P V's release
-    auto k_done = [&](int s) {
-        if constexpr (WT::kSplitKV) mbar_arrive(WT::empty_k(sBar, s));
+    // (position: the step's ring position, for the parity); without it both go with the P V's release.  With a
+    // padding mask the softmax reads the stage's descriptor (its padding words, which the producer rewrites with
+    // the stage's next K), so K is released after the softmax then: k_done(s, after_softmax) at both points.
+    const bool k_after_softmax = WT::kSplitKV && p.key_padding_mask != nullptr;
+    auto k_done = [&](int s, bool after_softmax) {
+        if constexpr (WT::kSplitKV) {
+            if (after_softmax == k_after_softmax) mbar_arrive(WT::empty_k(sBar, s));
+        }
     };
     auto v_wait = [&](int s, int position) {
         if constexpr (WT::kSplitKV) mbar_wait(WT::full_v(sBar, s), (position / kStages) & 1);
@@ -104,6 +109,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
     uint64_t dQ0 = 0;
     uint32_t rQ[kKD][4];  // WT::kQRegs: this warp's 16 Q rows (A fragments, one per k16 block)
     WsDesc st;
+    int it = 0;  // the ring position of the step being consumed
 
     // descriptors = base + (byte offset >> 4) (shared addresses < 2^18: the 14-bit field never carries)
     const uint64_t dK0 = gmma_desc(sKV, 16, 1024);
@@ -149,8 +155,9 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
             // all 32 scores on every step).
             const int bm_idx = st.bm[hh];  // -2: this consumer has no tile there
             const int n0 = st.n0[hh];
-            // mask_len: kv_len, or -1 with a padding mask (every sub-block cut): one predicate fewer in the step
-            // loop, where R2P's seven-predicate writes made ptxas keep the others in registers
+            // mask_len: kv_len, or -1 with a padding mask (n0 -65 in a two-consumer descriptor when the padding cuts
+            // no key of the sub-block, see ws_write_desc; otherwise every sub-block is cut): one predicate fewer in
+            // the step loop, where R2P's seven-predicate writes made ptxas keep the others in registers
             const bool bound = n0 + 64 > mask_len;
             if (bm_idx != -1 || bound) {
                 uint2 zy = make_uint2(0u, 0u);
@@ -163,7 +170,14 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
                     uint32_t bits[2][2] = {{0u, 0u}, {0u, 0u}};
                     if (bm_idx != -2) {
                         row_bits_pair(bits, p.bitmaps, bm_row, bm_row8, bm_idx, bm_tile_bytes, st.sub[hh]);
-                        if (bound) and_key_words(bits, n0, kv_len, kpm, lane);  // (warp-uniform)
+                        if (bound) {  // (warp-uniform)
+                            // two consumers: a padding mask's words come with the descriptor (WsKeys), which the
+                            // step's ring position gives
+                            if (WT::kConsumers == 2 && kpm != nullptr)
+                                ws_and_desc_keys(bits, sDesc + (it % kStages) * kWsDescBytes, hh);
+                            else
+                                and_key_words(bits, n0, kv_len, kpm, lane);
+                        }
                     }
                     zy = pack_mask_bits(bits, tig, mask_sel);
                 }
@@ -221,7 +235,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
     constexpr bool kPvWaited = WT::kExpChain && WT::kHeadDim == 64;
     WsItem cur, open;  // open: the item whose last P V (from ring stage prev_stage) and epilogue are outstanding
     bool pending = false;
-    int it = 0, prev_stage = 0, prev_it = 0;  // prev_it: prev_stage's ring position
+    int prev_stage = 0, prev_it = 0;  // prev_it: prev_stage's ring position
     int pv_acc = 1, open_acc = 1;  // WT::kPvOverwrite: 0 until the current / open item's first P V is issued
     // WT::kSkip: a step with no tile of this consumer, before its first or after its last in the item, is released
     // unread (its descriptor's `more` only)
@@ -323,11 +337,12 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
             issue_pv(prev_stage, open_acc);
             wgmma_wait<1>();  // S_0
             fence_regs(rS);
-            k_done(stage0);
+            k_done(stage0, false);
             const float open_sum[2] = {row_sum[0], row_sum[1]};
             row_max[0] = row_max[1] = -INFINITY;
             row_sum[0] = row_sum[1] = 0.f;
             softmax(alpha);  // fresh row state: no rescale
+            k_done(stage0, true);
             if constexpr (!kPvWaited) {
                 wgmma_wait<0>();  // the open item's last P V
                 fence_regs(rO);
@@ -339,10 +354,11 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
             issue_s(stage0);
             wgmma_wait<0>();
             fence_regs(rS);
-            k_done(stage0);
+            k_done(stage0, false);
             row_max[0] = row_max[1] = -INFINITY;
             row_sum[0] = row_sum[1] = 0.f;
             softmax(alpha);
+            k_done(stage0, true);
         }
         if constexpr (WT::kPvOverwrite)
             pv_acc = 0;
@@ -365,8 +381,9 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
             pv_acc = 1;
             wgmma_wait<1>();  // S_i
             fence_regs(rS);
-            k_done(stage);
+            k_done(stage, false);
             const bool rescale = softmax(alpha);
+            k_done(stage, true);
             if constexpr (!kPvWaited) {
                 wgmma_wait<0>();  // P_{i-1} V_{i-1}: O and rP free, stage i-1 no longer read
                 fence_regs(rO);

@@ -254,16 +254,21 @@ __device__ __forceinline__ int ws_produce_tma(const KernelParams& p, WsProducerW
         return it;
     } else {
         WsStep<kSub, WT::kConsumers> next;
+        const int32_t* kpm = ws_kpm_row(p, b);
+        const int kv_len = effective_kv_len(p, b);
         for (; have; ++it) {
             const bool more = ws_take_step<kSub>(cur, p, next);  // one step ahead: the descriptor's `more`
             on_step(cur);
+            WsKeys<kSub> keys{};  // (the mask's loads before the wait for the stage)
+            if (kpm != nullptr) keys = ws_step_keys(st, kv_len, kpm, lane);
             const int s = it % kStages;
             const int parity = ((it / kStages) + 1) & 1;
             if (it >= kStages) mbar_wait(WT::empty_k(sBar, s), parity);
             const int more_w = WT::kSkip ? ws_more_mask(cur, next) : 0;
             if (lane == 0) {
                 using Walk = WsProducerWalk<WT::kConsumers>;
-                ws_write_desc<WT::kSkip, Walk>(sDesc + s * kWsDescBytes, st, more, more_w, p);
+                ws_write_desc<WT::kSkip, Walk>(sDesc + s * kWsDescBytes, st, more, more_w, p,
+                                               kpm != nullptr, keys);
                 // the (K) arrival releases the descriptor
                 ws_tma_step<WT, WT::kSplitKV ? 1 : 3>(p, st, hk, b, sKV, sBar, s);
             }
@@ -291,8 +296,11 @@ __device__ __forceinline__ bool ws_issue_first_step(const KernelParams& p, WsWal
     WsStep<WT::kSub, 2> next;
     const bool more = ws_take_step<WT::kSub>(cur, p, next);
     const int more_w = WT::kSkip ? ws_more_mask(cur, next) : 0;
+    const int32_t* kpm = ws_kpm_row(p, b);
+    WsKeys<WT::kSub> keys{};
+    if (kpm != nullptr) keys = ws_step_keys(st, effective_kv_len(p, b), kpm, lane);
     if (lane == 0) {
-        ws_write_desc<WT::kSkip, WsWalk<2>>(sDesc, st, more, more_w, p);
+        ws_write_desc<WT::kSkip, WsWalk<2>>(sDesc, st, more, more_w, p, kpm != nullptr, keys);
         ws_tma_step<WT>(p, st, hk, b, sKV, sBar, 0);  // (stage 0 is free: K and V at once)
     }
     __syncwarp();

@@ -137,11 +137,44 @@ struct WsStep {
 //   int more_w     bit w: consumer w has a tile in a further step (ws_more_mask;     bytes 36..39
 //                  WsTraits::kSkip kernels only)
 //   int bm2[2]     consumer 2's (three-consumer kernels)                              bytes 40..47
+//   uint kw[2][2]  [h]: sub-block h's "key allowed" words (key_words; two-consumer   bytes 48..63
+//                  kernels with a key padding mask: WsKeys)
+// With those words, n0[h] is -65 when they allow every key of sub-block h: the consumers test n0 + 64 against -1
+// then (the key bound of a padding mask), so only the sub-blocks that padding cuts are masked.
 constexpr int kWsDescBytes = 64;
+
+// Batch b's row of key_padding_mask (nullptr: none).
+__device__ __forceinline__ const int32_t* ws_kpm_row(const KernelParams& p, int b) {
+    return p.key_padding_mask != nullptr ? p.key_padding_mask + static_cast<int64_t>(b) * p.seq_k : nullptr;
+}
+
+// The padding of a step's keys as the producer warp reads it for the descriptor (two-consumer kernels with a
+// key_padding_mask): the consumers then mask only the sub-blocks that padding cuts, with words from shared memory;
+// a FULL sub-block without padding goes unmasked, as it does without a padding mask.  (Read by each consumer
+// thread on every sub-block instead, the mask's loads and ballots made 24 slower than the one-warpgroup tactics on
+// padded batches.)  Every lane of the warp computes it (ballots); n0 < 0 (an absent sub-block) reads as cut.
+template <int kSub>
+struct WsKeys {
+    uint32_t kw[kSub][2];
+    int cut;  // bit h: sub-block h has a key the words exclude
+};
+template <int kSub, int kC>
+__device__ __forceinline__ WsKeys<kSub> ws_step_keys(const WsStep<kSub, kC>& st, int kv_len, const int32_t* kpm,
+                                                     int lane) {
+    WsKeys<kSub> k;
+    k.cut = 0;
+#pragma unroll
+    for (int h = 0; h < kSub; ++h) {
+        key_words(k.kw[h], st.n0[h] >= 0 ? st.n0[h] : kv_len, kv_len, kpm, lane);  // (absent: no key allowed)
+        k.cut |= (k.kw[h][0] & k.kw[h][1]) != 0xffffffffu ? 1 << h : 0;
+    }
+    return k;
+}
 
 template <bool kSkip, class Cursor, int kSub, int kC>
 __device__ __forceinline__ void ws_write_desc(uint32_t d, const WsStep<kSub, kC>& st, bool more, int more_w,
-                                              const KernelParams& p) {
+                                              const KernelParams& p, bool with_keys = false,
+                                              const WsKeys<kSub>& keys = WsKeys<kSub>{}) {
     int bm[3][2];
 #pragma unroll
     for (int w = 0; w < 3; ++w)
@@ -150,8 +183,13 @@ __device__ __forceinline__ void ws_write_desc(uint32_t d, const WsStep<kSub, kC>
             bm[w][h] = w < kC && h < kSub && st.ent[w < kC ? w : 0][h < kSub ? h : 0] >= 0
                            ? Cursor::bitmap_of(p, st.ent[w < kC ? w : 0][h < kSub ? h : 0])
                            : -2;
-    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(d), "r"(st.n0[0]), "r"(kSub > 1 ? st.n0[kSub - 1] : -1),
-                 "r"(st.sub[0]), "r"(kSub > 1 ? st.sub[kSub - 1] : 0)
+    int n0[2] = {st.n0[0], kSub > 1 ? st.n0[kSub - 1] : -1};
+    if (kC == 2 && with_keys) {
+#pragma unroll
+        for (int h = 0; h < kSub; ++h) n0[h] = (keys.cut >> h) & 1 ? n0[h] : -65;
+    }
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(d), "r"(n0[0]), "r"(n0[1]), "r"(st.sub[0]),
+                 "r"(kSub > 1 ? st.sub[kSub - 1] : 0)
                  : "memory");
     asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(d + 16), "r"(bm[0][0]), "r"(bm[0][1]), "r"(bm[1][0]),
                  "r"(bm[1][1])
@@ -162,6 +200,11 @@ __device__ __forceinline__ void ws_write_desc(uint32_t d, const WsStep<kSub, kC>
         asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(d + 32), "r"(more ? 1 : 0) : "memory");
     if constexpr (kC == 3)
         asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(d + 40), "r"(bm[2][0]), "r"(bm[2][1]) : "memory");
+    if (kC == 2 && with_keys) {
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(d + 48), "r"(keys.kw[0][0]),
+                     "r"(keys.kw[0][1]), "r"(keys.kw[kSub - 1][0]), "r"(keys.kw[kSub - 1][1])
+                     : "memory");
+    }
 }
 
 struct WsDesc {
@@ -201,6 +244,17 @@ __device__ __forceinline__ WsDesc ws_read_desc(uint32_t d, int w) {
         r.bm[1] = w == 2 ? b21 : r.bm[1];
     }
     return r;
+}
+
+// ANDs sub-block h's "key allowed" words of descriptor d (WsKeys) into both rows' bitmap words.
+__device__ __forceinline__ void ws_and_desc_keys(uint32_t (&bits)[2][2], uint32_t d, int h) {
+    uint32_t k0, k1;
+    asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(k0), "=r"(k1) : "r"(d + 48 + 8 * h) : "memory");
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        bits[hh][0] &= k0;
+        bits[hh][1] &= k1;
+    }
 }
 
 }  // namespace stof

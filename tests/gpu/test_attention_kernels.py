@@ -180,6 +180,28 @@ def test_nonpositive_scale(scale, dtype, D):
 
 @pytest.mark.parametrize("D", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_padding_mask_with_few_holes(dtype, D):
+    """A key padding mask that cuts few 64-key sub-blocks (single padded keys, one wholly padded sub-block, a padded
+    tail in one sequence), so FULL tiles with and without padding meet in one item: the warp-specialised tactics
+    mask only the sub-blocks the padding cuts (the padding words in their step descriptors).  Every tactic, with
+    and without key_lengths, with and without the workspace (persistent and one-CTA-per-item kernels)."""
+    S = 1000
+    kpm = np.ones((3, S), bool)
+    kpm[0, [5, 64, 127, 777]] = False
+    kpm[1, 320:384] = False
+    kpm[2, 700:] = False
+    kpm[2, 0] = False
+    for spec in ("causal", "longformer:window=128,global=16"):
+        mask = parse_mask(spec)
+        layout = compile_mask(mask, S, S)
+        for lengths, workspace in ((None, True), (None, False), ([S, 900, 650], True)):
+            check_all_tactics(f"few padding holes {spec} lengths={lengths} workspace={workspace}", mask.dense(S, S),
+                              layout, B=3, H=2, Sq=S, Sk=S, D=D, dtype=dtype, seed=S + D, kpm=kpm, lengths=lengths,
+                              workspace=workspace)
+
+
+@pytest.mark.parametrize("D", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_growing_scores(dtype, D):
     """Scores whose row maxima jump along the row: K's rows scaled by 1 (keys < 200), 3 (a jump past the kernels'
     lazy-rescale slack of 2^8) and 40 (a jump of ~140 in the exp2 domain, where an exp against the old maximum

@@ -320,9 +320,9 @@ typedef enum {
 #define STOF_SELECT_TIME_REPS 5
 
 /* The tactic for a problem: the cache's entry when valid here (tactic_cache: a path, read on first use like
- * stof_tactic_cache_load; NULL: none), else the pre-search's fastest tactic among stof_attn_list_tactics() (with a
- * key_padding_mask or seq_offsets, the Hopper tactics of more than 64 rows per work item rank as if 3x slower: the
- * pre-search's constants come from unpadded problems, where those tactics win), else the first valid one.
+ * stof_tactic_cache_load; NULL: none), else the pre-search's fastest tactic among stof_attn_list_tactics() (with
+ * seq_offsets, the Hopper tactics of more than 64 rows per work item rank as if 3x slower: the pre-search's
+ * constants come from unpadded problems, where those tactics win), else the first valid one.
  * device: the GPU the keys and the pre-search describe (NULL: the current CUDA device).
  * Results are memoised in the layout handle per (problem, device, cache file and its read).  Host only when
  * device is given.

@@ -24,11 +24,12 @@ using stof::host::fail;
 constexpr int kMaxTactics = 128;
 constexpr int kMaxDevices = 64;
 
-// Key-padded and packed batches: the pre-search's constants, fitted on unpadded problems, rank the Hopper tactics of
-// 128 or 192 rows per work item (two or three warpgroups) first there, yet they measure 1.0-1.8x (median 1.2x)
-// slower than the best, while a one-warpgroup tactic is within 6 % of the best (H200: all 41 padded or packed
-// problems measured, BERT-base/large shapes up to S=4096).  Their predicted times are scaled by this first.
-constexpr double kPaddedMultiWarpgroupFactor = 3.0;
+// Packed batches: the pre-search's constants, fitted on unpadded problems, rank the Hopper tactics of 128 or 192
+// rows per work item (two or three warpgroups) first there, yet in their cp.async form (packed sequences) they
+// measure 1.0-1.8x (median 1.2x) slower than the best, while a one-warpgroup tactic is within 6 % of the best (H200,
+// BERT-base/large shapes up to S=4096).  Their predicted times are scaled by this first.  (A key padding mask
+// costs them no more than an unpadded batch: its words come with their steps' descriptors, WsKeys.)
+constexpr double kPackedMultiWarpgroupFactor = 3.0;
 
 std::mutex gDeviceMutex;
 stof_device_desc_t gDevices[kMaxDevices];
@@ -51,8 +52,8 @@ std::map<std::string, int32_t>& timed_choices() {
 }
 
 // The first valid tactic of the ranking with the multi-warpgroup Hopper tactics' predictions scaled by
-// kPaddedMultiWarpgroupFactor (ties keep the pre-search's order); 0 when none is valid.
-int32_t padded_first_choice(const int32_t* ranked, const double* predicted, int32_t n, const int32_t* valid,
+// kPackedMultiWarpgroupFactor (ties keep the pre-search's order); 0 when none is valid.
+int32_t packed_first_choice(const int32_t* ranked, const double* predicted, int32_t n, const int32_t* valid,
                             int32_t n_valid) {
     int32_t best = 0;
     double best_t = 0;
@@ -62,7 +63,7 @@ int32_t padded_first_choice(const int32_t* ranked, const double* predicted, int3
         const bool multi = stof_attn_tactic_info(ranked[i], &family, &block_m, nullptr, nullptr, nullptr) ==
                                STOF_SUCCESS &&
                            family == 3 && block_m > 64;
-        const double t = predicted[i] * (multi ? kPaddedMultiWarpgroupFactor : 1.0);
+        const double t = predicted[i] * (multi ? kPackedMultiWarpgroupFactor : 1.0);
         if (best == 0 || t < best_t) best = ranked[i], best_t = t;
     }
     return best;
@@ -343,8 +344,7 @@ stof_status_t stof_attn_select_on_stream(const stof_attn_params_t* p, const char
                                     ranked, predicted, kMaxTactics, &n_ranked);
         if (s != STOF_SUCCESS && s != STOF_ERROR_INSUFFICIENT_BUFFER) n_ranked = 0;
         n_ranked = std::min(n_ranked, kMaxTactics);
-        if (p->key_padding_mask != nullptr || p->seq_offsets != nullptr)
-            choice = padded_first_choice(ranked, predicted, n_ranked, valid, n_valid);
+        if (p->seq_offsets != nullptr) choice = packed_first_choice(ranked, predicted, n_ranked, valid, n_valid);
         for (int32_t i = 0; i < n_ranked && choice == 0; ++i)
             if (contains(valid, n_valid, ranked[i])) choice = ranked[i];
         if (choice != 0) from = STOF_TACTIC_FROM_PRESEARCH;
@@ -361,7 +361,7 @@ stof_status_t stof_attn_select_on_stream(const stof_attn_params_t* p, const char
             if (predicted[i] > first * STOF_SELECT_TIME_RATIO) break;
             cands.push_back(ranked[i]);
         }
-        // the first choice (a padded batch's may lie outside the ratio), then the library default
+        // the first choice (a packed batch's may lie outside the ratio), then the library default
         if (std::find(cands.begin(), cands.end(), choice) == cands.end()) cands.push_back(choice);
         if (std::find(cands.begin(), cands.end(), valid[0]) == cands.end()) cands.push_back(valid[0]);
         std::vector<double> ms;
