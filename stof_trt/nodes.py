@@ -34,11 +34,13 @@ class AttentionNode:
     scale: float
     layout: TileLayout
     packed: bool = False  # qkv_format "bs3hd": query is [B,S,3,H,D], key/value absent
+    # qkv_format "bshd_kv": query is [B,Sq,H,D], key [B,Sk,2,Hkv,D] holds K and V, value absent
     # qkv_format "t3hd": query is [T,3,H,D] (packed sequences of seq_offsets), key/value absent; key_padding_mask
     # [B,S] gives only B and S
     tokens: bool = False
     seq_offsets: str | None = None
     layout_spec: str | None = None  # closed-form spec the plugin builds longer layouts from (docs/nodes.md)
+    kv: bool = False
 
     def layout_at(self, seq_q: int, seq_k: int) -> TileLayout:
         """The layout the plugin runs at run-time sizes seq_q x seq_k: the compiled one up to its sizes, else (with a
@@ -111,7 +113,8 @@ def attention_nodes(model) -> list[AttentionNode]:
         out.append(AttentionNode(n.name or f"node{i}", names[0], names[0] if packed or tokens else names[1],
                                  names[7] or None, names[8] or None, float(a["scale"]), layout, packed, tokens,
                                  names[9] or None,
-                                 (spec.decode() if isinstance(spec, bytes) else str(spec)) if spec else None))
+                                 (spec.decode() if isinstance(spec, bytes) else str(spec)) if spec else None,
+                                 fmt == "bshd_kv"))
     return out
 
 
@@ -139,7 +142,7 @@ def attention_problem_dims(model) -> dict:
         if n.op_type != "StofSparseAttention" or n.domain != "stof":
             continue
         dims, et = static_dims(n.input[0])
-        if _qkv_format(_attrs(n)) == "t3hd":  # packed sequences [T, 3, H, D]
+        if _qkv_format(_attrs(n)) in ("t3hd", "bshd_kv"):  # packed sequences [T, 3, H, D]; query [B, Sq, H, D]
             if dims and len(dims) == 4 and dims[2] and dims[3] and et in ONNX_DTYPES:
                 out[n.name] = (ONNX_DTYPES[et], int(dims[2]), int(dims[3]))
             continue

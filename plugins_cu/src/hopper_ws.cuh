@@ -104,12 +104,9 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
             ws_item_cursor(cur, p, q0, h, kv_len);
             WsStep<kSub> st, next;
             const int ptid = tid;
-            const int32_t* kpm = ws_kpm_row(p, b);
             int it = 0;
             for (bool have = ws_take_step<kSub>(cur, p, st); have; ++it) {
                 const bool more = ws_take_step<kSub>(cur, p, next);
-                WsKeys<kSub> keys{};  // (warp 0's, for the descriptor)
-                if (kpm != nullptr && ptid < 32) keys = ws_step_keys(st, kv_len, kpm, ptid);
                 const int s = it % kStages;
                 if (it >= kStages) mbar_wait(empty_bar(s), ((it / kStages) + 1) & 1);
                 const uint32_t sK = sKV + s * 2 * WT::kSmemKV;
@@ -120,8 +117,7 @@ __global__ void __launch_bounds__(WT::kThreads, 1) hopper_ws_attn_fwd(const __gr
                 }
                 if (ptid == 0) {
                     ws_write_desc<WT::kSkip, decltype(cur)>(sDesc + s * kWsDescBytes, st, more,
-                                                            WT::kSkip ? ws_more_mask(cur, next) : 0, p,
-                                                            kpm != nullptr, keys);
+                                                            WT::kSkip ? ws_more_mask(cur, next) : 0, p);
                     mbar_arrive(full_bar(s));  // releases the descriptor
                 }
                 cp_async_mbar_arrive(full_bar(s));

@@ -171,9 +171,9 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
                     if (bm_idx != -2) {
                         row_bits_pair(bits, p.bitmaps, bm_row, bm_row8, bm_idx, bm_tile_bytes, st.sub[hh]);
                         if (bound) {  // (warp-uniform)
-                            // two consumers: a padding mask's words come with the descriptor (WsKeys), which the
-                            // step's ring position gives
-                            if (WT::kConsumers == 2 && kpm != nullptr)
+                            // two consumers, TMA producer: a padding mask's words come with the descriptor
+                            // (WsKeys), which the step's ring position gives
+                            if (WT::kConsumers == 2 && WT::kTma && kpm != nullptr)
                                 ws_and_desc_keys(bits, sDesc + (it % kStages) * kWsDescBytes, hh);
                             else
                                 and_key_words(bits, n0, kv_len, kpm, lane);

@@ -138,7 +138,7 @@ struct WsStep {
 //                  WsTraits::kSkip kernels only)
 //   int bm2[2]     consumer 2's (three-consumer kernels)                              bytes 40..47
 //   uint kw[2][2]  [h]: sub-block h's "key allowed" words (key_words; two-consumer   bytes 48..63
-//                  kernels with a key padding mask: WsKeys)
+//                  TMA kernels with a key padding mask: WsKeys)
 // With those words, n0[h] is -65 when they allow every key of sub-block h: the consumers test n0 + 64 against -1
 // then (the key bound of a padding mask), so only the sub-blocks that padding cuts are masked.
 constexpr int kWsDescBytes = 64;
@@ -148,8 +148,8 @@ __device__ __forceinline__ const int32_t* ws_kpm_row(const KernelParams& p, int 
     return p.key_padding_mask != nullptr ? p.key_padding_mask + static_cast<int64_t>(b) * p.seq_k : nullptr;
 }
 
-// The padding of a step's keys as the producer warp reads it for the descriptor (two-consumer kernels with a
-// key_padding_mask): the consumers then mask only the sub-blocks that padding cuts, with words from shared memory;
+// The padding of a step's keys as the producer warp reads it for the descriptor (two-consumer TMA kernels with a
+// key_padding_mask; the cp.async form, run with key_lengths, reads the mask in its consumers): the consumers then mask only the sub-blocks that padding cuts, with words from shared memory;
 // a FULL sub-block without padding goes unmasked, as it does without a padding mask.  (Read by each consumer
 // thread on every sub-block instead, the mask's loads and ballots made 24 slower than the one-warpgroup tactics on
 // padded batches.)  Every lane of the warp computes it (ballots); n0 < 0 (an absent sub-block) reads as cut.

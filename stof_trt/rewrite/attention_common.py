@@ -241,10 +241,15 @@ class AttentionEmitter:
     def node(self, plan: AttentionPlan, query: gs.Tensor, key: gs.Tensor | None, value: gs.Tensor | None,
              output: gs.Tensor, new_nodes: list[gs.Node]) -> gs.Node:
         """The node for ``plan``. ``key`` and ``value`` None: the packed form (``qkv_format="bs3hd"``, ``query``
-        [B, S, 3, H, D], ``output`` [B, S, H, D]; docs/nodes.md)."""
+        [B, S, 3, H, D], ``output`` [B, S, H, D]); ``value`` None only: K and V packed in ``key``
+        (``qkv_format="bshd_kv"``, ``query`` [B, Sq, H, D], ``key`` [B, Sk, 2, H, D], ``output`` [B, Sq, H, D];
+        docs/nodes.md)."""
         packed = key is None and value is None
+        kv = key is not None and value is None
         if packed:
             key, value = gs.Variable.empty(), gs.Variable.empty()
+        elif kv:
+            value = gs.Variable.empty()
         inputs = [query, key, value, *self.layout_inputs(plan.layout)]
         kpm = None
         if plan.padding_input is not None:
@@ -262,11 +267,11 @@ class AttentionEmitter:
         spec = self.ctx.options.get("_layout_specs", {}).get(id(lay))
         if spec is not None and spec[0] is lay:
             attrs["layout_spec"] = spec[1]
-        if packed:
-            attrs["qkv_format"] = "bs3hd"
+        if packed or kv:
+            attrs["qkv_format"] = "bs3hd" if packed else "bshd_kv"
         node = gs.Node("StofSparseAttention", self.ctx.unique("StofSparseAttention"), attrs, inputs, [output],
                        domain="stof")
-        overload = attention_overload(kpm is not None, plan.bias is not None, packed=packed)
+        overload = attention_overload(kpm is not None, plan.bias is not None, packed=packed, kv=kv)
         self.ctx.overloads[node.name] = overload
         self.ctx.functions.add(("StofSparseAttention", overload))
         plan.name = node.name

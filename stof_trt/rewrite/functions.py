@@ -29,15 +29,18 @@ ATTENTION_ATTRS = ["scale", "tile_m", "tile_n", "seq_q", "seq_k", "num_layouts",
 #: "bs3hd" (packed: query is [B,S,3,H,D] = Q,K,V of one projection, key/value absent, output [B,S,H,D]).
 #: "t3hd" (packed tokens: query is [T,3,H,D], the real tokens of B sequences back to back, seq_offsets [B+1] int32
 #: where each starts, key_padding_mask [B,S] only for its shape; output [T,H,D]).
-QKV_FORMATS = ("bhsd", "bs3hd", "t3hd")
+#: "bshd_kv" (query [B,Sq,H,D]; key [B,Sk,2,Hkv,D] = K,V of one projection, value absent; output [B,Sq,H,D]).
+QKV_FORMATS = ("bhsd", "bs3hd", "t3hd", "bshd_kv")
 GEMM_INPUTS = ["X", "W", "bias"]
 ADDLN_INPUTS = ["X", "residual", "gamma", "beta", "bias"]
 
 
-def attention_overload(has_padding: bool, has_bias: bool, packed: bool = False, varlen: bool = False) -> str:
+def attention_overload(has_padding: bool, has_bias: bool, packed: bool = False, varlen: bool = False,
+                       kv: bool = False) -> str:
     if varlen:  # t3hd: always the padding mask (for B, S) and seq_offsets, never a bias
         return "varlen"
-    return "_".join(p for p, on in (("packed", packed), ("padding", has_padding), ("bias", has_bias)) if on)
+    return "_".join(p for p, on in (("packed", packed), ("kv", kv), ("padding", has_padding), ("bias", has_bias))
+                    if on)
 
 
 class _Body:
@@ -197,7 +200,7 @@ def spec_overload(base: str, index: int) -> str:
 
 def sparse_attention_function(opset: int, has_padding: bool, has_bias: bool,
                               packed: bool = False, varlen: bool = False, spec: str | None = None,
-                              overload: str | None = None) -> onnx.FunctionProto:
+                              overload: str | None = None, kv: bool = False) -> onnx.FunctionProto:
     """O = softmax(scale·Q·Kᵀ + bias, masked by the tile layout ∧ key padding)·V; rows with no allowed key -> 0.
 
     The layout arrays are decoded into a dense [L, Sq, Sk] mask exactly as docs/format.md "Dense reconstruction":
@@ -214,6 +217,10 @@ def sparse_attention_function(opset: int, has_padding: bool, has_bias: bool,
     if packed:  # query [B, S, 3, H, D] -> Q, K, V [B, H, S, D]
         q_in, k_in, v_in = (b.op("Transpose", b.op("Gather", query, b.const(np.int64(i)), axis=2), perm=[0, 2, 1, 3])
                             for i in range(3))
+    elif kv:  # query [B, Sq, H, D], key [B, Sk, 2, Hkv, D] -> Q [B, H, Sq, D], K, V [B, Hkv, Sk, D]
+        q_in = b.op("Transpose", "query", perm=[0, 2, 1, 3])
+        k_in, v_in = (b.op("Transpose", b.op("Gather", "key", b.const(np.int64(i)), axis=2), perm=[0, 2, 1, 3])
+                      for i in range(2))
     else:
         q_in, k_in, v_in = "query", "key", "value"
     if spec is not None:
@@ -222,8 +229,9 @@ def sparse_attention_function(opset: int, has_padding: bool, has_bias: bool,
         allowed = _layout_mask(b, q_in, k_in)
     return _attention_body(b, allowed, q_in, k_in, v_in, has_padding, has_bias, packed, varlen, key_rows,
                            token_rows,
-                           overload or ("varlen" if varlen else attention_overload(has_padding, has_bias, packed)),
-                           opset)
+                           overload or ("varlen" if varlen else attention_overload(has_padding, has_bias, packed,
+                                                                                   kv=kv)),
+                           opset, bshd_out=packed or kv)
 
 
 def _spec_mask(b: _Body, spec: str, q_in: str, k_in: str) -> str:
@@ -303,7 +311,8 @@ def _layout_mask(b: _Body, q_in: str, k_in: str) -> str:
 
 
 def _attention_body(b: _Body, allowed: str, q_in: str, k_in: str, v_in: str, has_padding: bool, has_bias: bool,
-                    packed: bool, varlen: bool, key_rows, token_rows, overload: str, opset: int) -> onnx.FunctionProto:
+                    packed: bool, varlen: bool, key_rows, token_rows, overload: str, opset: int,
+                    bshd_out: bool = False) -> onnx.FunctionProto:
     ax0, ax1, ax2 = (b.const(np.array([a], np.int64)) for a in (0, 1, 2))
     qshape = b.op("Shape", q_in)
     if has_padding:
@@ -332,7 +341,7 @@ def _attention_body(b: _Body, allowed: str, q_in: str, k_in: str, v_in: str, has
         zero_row = b.op("CastLike", b.op("ConstantOfShape", b.op("Concat", ax1, hd, axis=0),
                                          value=numpy_helper.from_array(np.zeros(1, np.float32), name="")), o)
         b.op("Gather", b.op("Concat", o, zero_row, axis=0), token_rows, axis=0, out="output")
-    elif packed:  # [B, H, Sq, D] -> [B, Sq, H, D]
+    elif bshd_out:  # [B, H, Sq, D] -> [B, Sq, H, D]
         b.op("Transpose", b.op("MatMul", b.op("Div", ex, den), v_in), perm=[0, 2, 1, 3], out="output")
     else:
         b.op("MatMul", b.op("Div", ex, den), v_in, out="output")
@@ -407,8 +416,9 @@ def build_functions(needed: set[tuple[str, str]], opset: int,
         if op_type == "StofSparseAttention":
             spec = (specs or {}).get(overload)
             base = overload.rsplit("spec", 1)[0].rstrip("_") if spec is not None else overload
-            out.append(sparse_attention_function(opset, "padding" in base, "bias" in base, "packed" in base,
-                                                 base == "varlen", spec=spec, overload=overload))
+            parts = base.split("_")
+            out.append(sparse_attention_function(opset, "padding" in parts, "bias" in parts, "packed" in parts,
+                                                 base == "varlen", spec=spec, overload=overload, kv="kv" in parts))
         elif op_type == "StofGemmEpilogue":
             act = overload[:-len("_nobias")] if overload.endswith("_nobias") else overload
             out.append(gemm_epilogue_function(opset, act, not overload.endswith("_nobias")))

@@ -8,31 +8,32 @@ Matched::
 
 The op's semantics: a local query row i attends to keys |i - j| <= W and to every global key (local Q, K, V); a
 global query row attends to every key with the global projections. The global positions are a run-time input, so
-they cannot be part of a static layout; their rows of X are gathered into G = min(S, ``MAX_GLOBAL``) *slots* in
-front of the sequence instead, and both projections run on the extended input::
+they cannot be part of a static layout; their rows of X are gathered into G = min(S, ``MAX_GLOBAL``) *slots*, keys
+in front of the sequence, instead::
 
     slots [B,G]  = the kept global tokens' positions in order (a prefix count of them scatters each into its slot)
     X_ext        = Concat(X at the slots, X)                                                  [B, G+S, N]
-    local node   = StofSparseAttention(bs3hd, Reshape(X_ext·W + b)  [B, G+S, 3, H, D])       -> [B, G+S, H, D]
-    global node  = StofSparseAttention(bs3hd, Reshape(X_ext·Wg + bg) [B, G+S, 3, H, D])      -> [B, G+S, H, D]
-    Y            = Slice rows G.. of ScatterElements(local out, rows G + slot position <- global rows 0..G-1)
+    local node   = StofSparseAttention(bshd_kv, Q = X·Wq + bq [B, S, H, D], KV = X_ext·Wkv + bkv [B, G+S, 2, H, D])
+                   -> [B, S, H, D]
+    global node  = StofSparseAttention(bshd_kv, Q = X_slots·Wgq + bgq [B, G, H, D], KV = X·Wgkv + bgkv [B, S, 2, H, D])
+                   -> [B, G, H, D]
+    Y            = ScatterElements(local out [B, S, N], rows slot position <- global rows)
 
-Both layouts are square over the G + S rows (so a shorter run-time length is their top-left corner):
+Both layouts keep a shorter run-time length as their top-left corner (the slots are the first keys):
 
-* local: slot query rows 0..G-1 empty; row G+i attends the G slot columns and the band G+j, |i - j| <= W;
-  key_padding_mask = [slot holds a kept global token ; kept and not global] (a global key in the band counts once);
-* global: slot query rows 0..G-1 attend every real position G..G+S-1 (kept keys: key_padding_mask [· ; kept]);
-  every other row is empty. Empty rows output 0 and cost no tile work (the merge reads none of them).
+* local [S, G+S]: row i attends the G slot columns and the band G+j, |i - j| <= W; key_padding_mask = [slot holds a
+  kept global token ; kept and not global] (a global key in the band counts once);
+* global [G, S]: every slot row attends every real position (kept keys: key_padding_mask = kept).
 
 The projections are ``StofGemmEpilogue`` nodes (bias in the GEMM's epilogue; MatMul + Add with
-``epilogues=False``); the nodes are packed whatever ``packed_qkv`` says, the op's weights being one [N, 3N]
-projection already. Only [B, G, ·] tensors are gathered or indexed: the merge scatters the G slot rows of the
-global output into the local output (an unused slot writes its own empty row 0..G-1, which the Slice drops).
+``epilogues=False``): Q and K/V apart, so the global Q is projected for the G slot rows only. The merge scatters the
+G global rows into the local output, which becomes Y (an unused slot writes the row and value of slot 0, or of the
+local output's row 0 when no slot is used: duplicate indices with equal values).
 
 A padded global token (mask < 0) takes no slot: it is masked as a key, and its query row is not defined by the op.
 More kept global tokens than G in a sequence cannot be represented: the slot rows of X become NaN, so every local
-row of that sequence is NaN (it attends every slot's NaN key and value), and so do the global rows (the slot rows
-of the global output, set to NaN before the merge) — never silently wrong. With a dynamic sequence axis G is also at most 2W (the op needs S to be a multiple of 2W, so the slots
+row of that sequence is NaN (it attends every slot's NaN key and value), and so do the global rows (set to NaN
+before the merge) — never silently wrong. With a dynamic sequence axis G is also at most 2W (the op needs S to be a multiple of 2W, so the slots
 always fit a run-time length). Rows whose own mask is < 0 (padding) are not defined by the op and may differ.
 """
 from __future__ import annotations
@@ -44,7 +45,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..format import TileLayout, compile_mask
-from ..masks import TILE_EMPTY, TILE_FULL, TILE_UNKNOWN, MaskSpec, longformer
+from ..masks import TILE_EMPTY, TILE_FULL, TILE_UNKNOWN, Full, MaskSpec, _Band, _band_classify
 
 from .attention_common import AttentionEmitter, AttentionPlan
 from .base import Fusion, Match
@@ -102,19 +103,39 @@ class _Rect(MaskSpec):
         return f"rows[{self.rows[0]},{self.rows[1]})&cols[{self.cols[0]},{self.cols[1]})"
 
 
+@dataclass(frozen=True)
+class _Diagonals(_Band, MaskSpec):
+    """Allowed iff ``lo <= key - query <= hi`` (either side may be positive): the local band seen from queries
+    that sit ``slots`` columns left of their own key."""
+
+    lo: int
+    hi: int
+
+    def _band(self):
+        return self.lo, self.hi
+
+    def evaluate(self, q, k, *, seq_q, seq_k, head=0):
+        d = np.asarray(k, np.int64) - np.asarray(q, np.int64)
+        return (d >= self.lo) & (d <= self.hi)
+
+    def classify_tiles(self, r0, r1, c0, c1, *, seq_q, seq_k, head=0):
+        return _band_classify(self.lo, self.hi, r0, r1, c0, c1)
+
+    def __str__(self):
+        return f"diagonals[{self.lo},{self.hi}]"
+
+
 def local_layout(seq: int, slots: int, window: int, tile_m: int, tile_n: int) -> TileLayout:
-    """[G+S, G+S]: slot rows empty; row G+i sees the G slot columns and the band G+j, |i - j| <= W (the band in
-    extended coordinates: |(G+i) - (G+j)| = |i - j|)."""
+    """[S, G+S]: row i sees the G slot columns and the band G+j, |i - j| <= W (key G+j is position j)."""
     n = slots + seq
-    spec = longformer(window, slots) & _Rect((slots, n), (0, n))
-    return replace(compile_mask(spec, n, n, tile_m=tile_m, tile_n=tile_n),
+    spec = _Rect((0, seq), (0, slots)) | (_Diagonals(slots - window, slots + window) & _Rect((0, seq), (slots, n)))
+    return replace(compile_mask(spec, seq, n, tile_m=tile_m, tile_n=tile_n),
                    mask_spec=f"longformer_local:window={window},slots={slots}")
 
 
 def global_layout(seq: int, slots: int, tile_m: int, tile_n: int) -> TileLayout:
-    """[G+S, G+S]: slot rows see every real position G..G+S-1; every other row is empty."""
-    n = slots + seq
-    return replace(compile_mask(_Rect((0, slots), (slots, n)), n, n, tile_m=tile_m, tile_n=tile_n),
+    """[G, S]: every slot row sees every real position."""
+    return replace(compile_mask(Full(), slots, seq, tile_m=tile_m, tile_n=tile_n),
                    mask_spec=f"longformer_global:slots={slots}")
 
 
@@ -134,6 +155,10 @@ class FuseOrtLongformerAttention(Fusion):
         if w is None or wg is None or w.ndim != 2 or w.shape != wg.shape or w.shape[1] != 3 * w.shape[0] \
                 or w.shape[0] % H:
             self.skip(node, "weights are not constant [N, 3N] matrices with N a multiple of num_heads")
+            return None
+        bv, bgv = const_value(node.inputs[2]), const_value(node.inputs[5])
+        if bv is None or bgv is None or bv.size != w.shape[1] or bgv.size != w.shape[1]:
+            self.skip(node, "biases are not constant [3N] vectors")
             return None
         if window < 0:
             self.skip(node, f"window {window} is negative")
@@ -166,10 +191,10 @@ class FuseOrtLongformerAttention(Fusion):
                                              "(at most 2·window)")
             scale = 1.0 / math.sqrt(D)
             local, glob = local_layout(S, G, W, tm, tn), global_layout(S, G, tm, tn)
-            lplan = AttentionPlan(name=node.name, heads=H, head_dim=D, seq_q=G + S, seq_k=G + S, scale=scale,
+            lplan = AttentionPlan(name=node.name, heads=H, head_dim=D, seq_q=S, seq_k=G + S, scale=scale,
                                   layout=local, mask_source=f"LongformerAttention window {W} + {G} global token "
                                                             "slots & key padding from mask/global")
-            gplan = AttentionPlan(name=node.name, heads=H, head_dim=D, seq_q=G + S, seq_k=G + S, scale=scale,
+            gplan = AttentionPlan(name=node.name, heads=H, head_dim=D, seq_q=G, seq_k=S, scale=scale,
                                   layout=glob, mask_source=f"LongformerAttention global rows ({G} slots) & key "
                                                            "padding from mask")
             info = dict(lplan.info(), anchor=node.name, window=W, global_slots=G, key_padding=True)
@@ -242,49 +267,57 @@ class FuseOrtLongformerAttention(Fusion):
             slot_x = op("Where", [over, nan, slot_x], x.dtype)
             x_ext = op("Concat", [slot_x, x], x.dtype, axis=1)
 
-            def project(weight, bias):
-                """[B, G+S, 3, H, D]: X_ext·W + b, the bias in the GEMM's epilogue."""
-                wv, bv = const_value(weight), const_value(bias)
-                if epilogues and bv is not None and bv.size == 3 * N:
-                    qkv = self.new_var("stof_lf_qkv", dtype=x.dtype)
-                    w_in = weight if isinstance(weight, gs.Constant) else const("stof_lf_weight", wv)
-                    b_in = bias if isinstance(bias, gs.Constant) and bv.ndim == 1 \
-                        else const("stof_lf_bias", np.ascontiguousarray(bv.reshape(3 * N)))
+            wv, bv, wgv, bgv = (const_value(t) for t in (w, b, wg, bg))
+
+            def project(x_in, wmat, bvec, cols, shape, prefix):
+                """x_in · wmat[:, cols] + bvec[cols] reshaped to ``shape``, the bias in the GEMM's epilogue."""
+                wpart = np.ascontiguousarray(wmat[:, cols])
+                bpart = np.ascontiguousarray(bvec.reshape(3 * N)[cols])
+                if epilogues:
+                    out = self.new_var(f"stof_lf_{prefix}", dtype=x.dtype)
                     gemm = gs.Node("StofGemmEpilogue", u("StofGemmEpilogue"), {"activation": "none"},
-                                   [x_ext, w_in, b_in], [qkv], domain="stof")
+                                   [x_in, const(f"stof_lf_{prefix}_w", wpart), const(f"stof_lf_{prefix}_b", bpart)],
+                                   [out], domain="stof")
                     self.ctx.overloads[gemm.name] = "none"
                     self.ctx.functions.add(("StofGemmEpilogue", "none"))
                     new.append(gemm)
                 else:
-                    qkv = op("Add", [op("MatMul", [x_ext, weight], x.dtype), bias], x.dtype)
-                return op("Reshape", [qkv, i64("qkv_shape", [0, 0, 3, H, D])], x.dtype)
+                    out = op("Add", [op("MatMul", [x_in, const(f"stof_lf_{prefix}_w", wpart)], x.dtype),
+                                     const(f"stof_lf_{prefix}_b", bpart)], x.dtype)
+                return op("Reshape", [out, i64(f"{prefix}_shape", shape)], x.dtype)
 
+            q_cols, kv_cols = slice(0, N), slice(N, 3 * N)
             emitter = AttentionEmitter(self)
             # band keys: kept and not global (a kept global key is in a slot, and counts once)
             band_keep = op("Xor", [keep, kept_g], np.bool_)
             lplan.padding_tensor = op("Concat", [slot_used, band_keep], np.bool_, axis=1)
             local_out = self.new_var("stof_lf_local", dtype=y.dtype)
-            emitter.node(lplan, project(w, b), None, None, local_out, new)
-            # the slot columns are outside the global layout: any value serves there
-            gplan.padding_tensor = op("Concat", [slot_used, keep], np.bool_, axis=1)
+            emitter.node(lplan, project(x, wv, bv, q_cols, [0, 0, H, D], "q"),
+                         project(x_ext, wv, bv, kv_cols, [0, 0, 2, H, D], "kv"), None, local_out, new)
+            gplan.padding_tensor = keep
             global_out = self.new_var("stof_lf_global", dtype=y.dtype)
-            emitter.node(gplan, project(wg, bg), None, None, global_out, new)
-            # -- merge: global rows 0..G-1 into the local output at rows G + position (an unused slot: its own
-            # row j < G, which the Slice drops). ScatterElements over [B, G, H, D] indices: one thread per element
-            # (ScatterND's CUDA kernel gives each [H, D] slice to one thread, ~0.4 ms at B=8).
-            slot_rows = op("Slice", [global_out, i64("s0", [0]), i64("sg", [G]), i64("ax1", [1])], y.dtype)
+            emitter.node(gplan, project(slot_x, wgv, bgv, q_cols, [0, 0, H, D], "gq"),
+                         project(x, wgv, bgv, kv_cols, [0, 0, 2, H, D], "gkv"), None, global_out, new)
+            # -- merge: the global rows [B, G, N] into the local output at their positions. An unused slot writes
+            # slot 0's row and value (duplicate indices with equal values), or, when no slot is used, the local
+            # output's row 0 unchanged. ScatterElements over [B, G, N] indices: one thread per element (ScatterND's
+            # CUDA kernel gives each row to one thread, ~0.4 ms at B=8).
+            local_flat = op("Reshape", [local_out, i64("out_shape", [0, 0, N])], y.dtype)
+            slot_rows = op("Reshape", [global_out, i64("out_shape2", [0, 0, N])], y.dtype)
             # NaN queries may read as an empty row to a kernel (no finite score): the NaN set here, not derived
-            slot_rows = op("Where", [op("Unsqueeze", [over, i64("axis3", [3])], np.bool_), nan, slot_rows], y.dtype)
-            row = op("Where", [slot_used, op("Add", [idx, i64("gofs", G)], np.int64), i64("own", np.arange(G)[None])],
-                     np.int64)
-            where = op("Expand", [op("Unsqueeze", [row, i64("axes23", [2, 3])], np.int64), i64("ghd", [1, 1, H, D])],
+            slot_rows = op("Where", [over, nan, slot_rows], y.dtype)
+            first_row = op("Slice", [slot_rows, i64("s0f", [0]), i64("s1f", [1]), i64("ax1f", [1])], y.dtype)
+            local_row0 = op("Slice", [local_flat, i64("s0l", [0]), i64("s1l", [1]), i64("ax1l", [1])], y.dtype)
+            any_used = op("Greater", [op("Unsqueeze", [count, i64("axis2c", [2])], np.float32),
+                                      const("stof_lf_zero_f", np.array(0, np.float32))], np.bool_)   # [B, 1, 1]
+            fill = op("Where", [any_used, first_row, local_row0], y.dtype)                               # [B, 1, N]
+            used3 = op("Unsqueeze", [slot_used, i64("axis2u", [2])], np.bool_)                           # [B, G, 1]
+            updates = op("Where", [used3, slot_rows, fill], y.dtype)
+            first_idx = op("Slice", [idx, i64("s0i2", [0]), i64("s1i2", [1]), i64("ax1i2", [1])], np.int64)
+            row = op("Where", [slot_used, idx, first_idx], np.int64)                                     # [B, G]
+            where = op("Expand", [op("Unsqueeze", [row, i64("axis2r", [2])], np.int64), i64("gn", [1, 1, N])],
                        np.int64)
-            merged = op("ScatterElements", [local_out, where, slot_rows], y.dtype, axis=1)
-            # Reshape, then Slice into Y: the Slice's kernel writes the output itself (a Reshape last would make ONNX
-            # Runtime copy its result into a bound output)
-            merged = op("Reshape", [merged, i64("out_shape", [0, 0, N])], y.dtype)
-            op("Slice", [merged, i64("sg2", [G]), i64("end", [np.iinfo(np.int64).max]), i64("ax1b", [1])],
-               outputs=[y])
+            op("ScatterElements", [local_flat, where, updates], axis=1, outputs=[y])
             info["name"] = lplan.name
             ginfo = dict(gplan.info(), anchor=node.name, global_slots=G)
             ginfo.pop("kind", None)

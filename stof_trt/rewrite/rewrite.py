@@ -166,9 +166,9 @@ def _rewrite_model(model, *, mask, epilogues, tile_m, tile_n, max_seq_len, packe
         _note_dense_on_stof(report, packed_qkv, epilogues)
     if mask is not None and not report.attention:
         report.notes.append("a mask was given but no attention was rewritten")
-    # (LongformerAttention's nodes hold global_slots rows in front of the sequence)
-    if max_seq_len is not None and report.attention and \
-            all(a["seq_q"] - a.get("global_slots", 0) != max_seq_len for a in report.attention):
+    # (LongformerAttention's nodes have global_slots keys in front of the sequence: the local node's query rows are
+    # the sequence)
+    if max_seq_len is not None and report.attention and all(a["seq_q"] != max_seq_len for a in report.attention):
         report.notes.append(f"max_seq_len={max_seq_len} not used: the model's attention sizes are fixed")
     if not ctx.functions:
         out = copy.deepcopy(original)

@@ -90,8 +90,8 @@ SparseAttentionKernel::SparseAttentionKernel(OrtKernelInfo const* info, ONNXTens
         qkvFormat = ki.GetAttribute<std::string>("qkv_format");
     } catch (Ort::Exception const&) {  // absent: the default
     }
-    STOF_VALIDATE(qkvFormat == "bhsd" || qkvFormat == "bs3hd" || qkvFormat == "t3hd", "qkv_format '", qkvFormat,
-                  "' (must be 'bhsd', 'bs3hd' or 't3hd')");
+    STOF_VALIDATE(qkvFormat == "bhsd" || qkvFormat == "bs3hd" || qkvFormat == "t3hd" || qkvFormat == "bshd_kv",
+                  "qkv_format '", qkvFormat, "' (must be 'bhsd', 'bs3hd', 't3hd' or 'bshd_kv')");
     try {
         mLayoutSpec = ki.GetAttribute<std::string>("layout_spec");
     } catch (Ort::Exception const&) {  // absent: the layout inputs are all there is
@@ -101,6 +101,7 @@ SparseAttentionKernel::SparseAttentionKernel(OrtKernelInfo const* info, ONNXTens
                            strCat("layout_spec '", mLayoutSpec, "': ", stof_last_error_message()));
     mTokens = qkvFormat == "t3hd";
     mPacked = qkvFormat == "bs3hd" || mTokens;  // K and V come from the query tensor
+    mKvPacked = qkvFormat == "bshd_kv";         // K and V come from the key tensor
     // version 1 (one bitmap per PARTIAL tile) is version 2 without shared bitmaps: read both
     STOF_VALIDATE(mFormatVersion >= 1 && mFormatVersion <= STOF_FORMAT_VERSION, "format_version ", mFormatVersion,
                   " (this plugin reads 1 to ", STOF_FORMAT_VERSION, ")");
@@ -245,6 +246,11 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
                                                  "tile_bitmap_index", "bitmaps", "key_padding_mask", "attn_bias",
                                                  "seq_offsets"};
     for (size_t i = 0; i <= kBITMAPS; ++i) {
+        if (mKvPacked && i == kVALUE) {
+            STOF_VALIDATE(!in[i].present, "qkv_format 'bshd_kv' reads V from the packed key: input 'value' must be "
+                          "absent");
+            continue;
+        }
         if (mPacked && (i == kKEY || i == kVALUE)) {
             STOF_VALIDATE(!in[i].present, "qkv_format '", mTokens ? "t3hd" : "bs3hd",
                           "' reads K and V from the packed query: input '", kNames[i], "' must be absent");
@@ -253,9 +259,9 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
         STOF_VALIDATE(in[i].present, "missing input '", kNames[i], "'");
     }
     for (size_t i : {kQUERY, kKEY, kVALUE}) {
-        if (mPacked && i != kQUERY) continue;
+        if ((mPacked && i != kQUERY) || (mKvPacked && i == kVALUE)) continue;
         expectType(in[i], mType, kNames[i]);
-        expectRank(in[i], mPacked && !mTokens ? 5 : 4, kNames[i]);
+        expectRank(in[i], (mPacked && !mTokens) || (mKvPacked && i == kKEY) ? 5 : 4, kNames[i]);
     }
     for (size_t i = kROW_PTR; i <= kKEY_PADDING_MASK; ++i)
         if (in[i].present) expectType(in[i], ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32, kNames[i]);
@@ -305,6 +311,18 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
         vOff = 2 * H * D;
         oSt[0] = Sq * H * D, oSt[1] = D, oSt[2] = H * D;
         outShape = {B, Sq, H, D};
+    } else if (mKvPacked) {
+        // query [B,Sq,H,D]; key [B,Sk,2,Hkv,D]: K and V of one projection; output [B,Sq,H,D]
+        auto const& ks = in[kKEY].shape;
+        B = qs[0], Sq = qs[1], H = qs[2], D = qs[3];
+        STOF_VALIDATE(ks[0] == B && ks[2] == 2 && ks[3] >= 1 && H % ks[3] == 0 && ks[4] == D, "packed key shape ",
+                      shapeStr(ks), " is not [B,Sk,2,Hkv,D] for query ", shapeStr(qs),
+                      " ([B,Sq,H,D], H a multiple of Hkv)");
+        Sk = ks[1], Hkv = ks[3];
+        qSt[0] = oSt[0] = Sq * H * D, qSt[1] = oSt[1] = D, qSt[2] = oSt[2] = H * D;
+        kSt[0] = vSt[0] = Sk * 2 * Hkv * D, kSt[1] = vSt[1] = D, kSt[2] = vSt[2] = 2 * Hkv * D;
+        vOff = Hkv * D;
+        outShape = qs;
     } else {
         auto const& ks = in[kKEY].shape;
         B = qs[0], H = qs[1], Sq = qs[2], D = qs[3], Sk = ks[2], Hkv = ks[1];
@@ -368,7 +386,10 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
     std::shared_ptr<Layout const> const lay = grow ? grownLayout(Sq, Sk, stream) : layout(&in[kROW_PTR], stream);
     char const* const qBase = static_cast<char const*>(in[kQUERY].data);
     void const* const kData = mPacked ? static_cast<void const*>(qBase + kOff * elemBytes) : in[kKEY].data;
-    void const* const vData = mPacked ? static_cast<void const*>(qBase + vOff * elemBytes) : in[kVALUE].data;
+    void const* const vData = mPacked     ? static_cast<void const*>(qBase + vOff * elemBytes)
+                              : mKvPacked ? static_cast<void const*>(static_cast<char const*>(in[kKEY].data) +
+                                                                     vOff * elemBytes)
+                                          : in[kVALUE].data;
 
     if (mType != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && (D == 64 || D == 128) && !bias.present) {
         stof_attn_params_t p;
@@ -464,7 +485,8 @@ ONNXTensorElementDataType SparseAttentionOp::GetInputType(size_t index) const {
 }
 
 OrtCustomOpInputOutputCharacteristic SparseAttentionOp::GetInputCharacteristic(size_t index) const {
-    // key and value are absent in the packed forms (qkv_format "bs3hd", "t3hd"); seq_offsets is t3hd's
+    // key and value are absent in the packed forms (qkv_format "bs3hd", "t3hd"), value in "bshd_kv"; seq_offsets is
+    // t3hd's
     return index >= kKEY_PADDING_MASK || index == kKEY || index == kVALUE
                ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL
                : OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_REQUIRED;

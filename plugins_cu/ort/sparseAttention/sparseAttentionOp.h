@@ -59,6 +59,7 @@ private:
     int64_t mTileM, mTileN, mSeqQ, mSeqK, mNumLayouts, mFormatVersion;
     bool mPacked{false};  // qkv_format "bs3hd": query [B,S,3,H,D], key/value absent, output [B,S,H,D]
     bool mTokens{false};  // qkv_format "t3hd": query [T,3,H,D] of packed sequences (seq_offsets), output [T,H,D]
+    bool mKvPacked{false};  // qkv_format "bshd_kv": query [B,Sq,H,D], key [B,Sk,2,Hkv,D] (K, V), value absent
     bool mLayoutConstant{false};
     std::string mLayoutSpec;  // closed-form spec of the layout: any run-time length builds its layout from it
     std::vector<std::pair<std::pair<int64_t, int64_t>, std::shared_ptr<Layout const>>> mGrown;  // most recent last
