@@ -47,7 +47,8 @@ def add_presearch_entries(cache: TacticCache, model, shapes, gpu: str, cc: str) 
             stats = presearch.tile_stats(lay)
             sq, sk = min(int(seq), lay.seq_q), min(int(seq), lay.seq_k)
             key = CacheKey(gpu, cc, node_signature(dtype, heads, head_dim, lay.tile_m, lay.tile_n, lay.num_layouts,
-                                                   lay.seq_q, lay.seq_k, nd.key_padding_mask is not None),
+                                                   lay.seq_q, lay.seq_k,
+                                                   nd.key_padding_mask is not None and not nd.tokens, nd.tokens),
                            shape_bucket(batch, sq, sk), lay.signature())
             if cache.get(key) is not None:
                 continue

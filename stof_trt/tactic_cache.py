@@ -69,10 +69,12 @@ def shape_bucket(batch: int, seq_q: int, seq_k: int) -> str:
 
 
 def node_signature(dtype: str, heads: int, head_dim: int, tile_m: int, tile_n: int, num_layouts: int, seq_q: int,
-                   seq_k: int, key_padding: bool) -> str:
-    """What identifies an attention problem apart from batch/sizes and mask: dtype in ONNX names (float16, ...)."""
+                   seq_k: int, key_padding: bool, packed: bool = False) -> str:
+    """What identifies an attention problem apart from batch/sizes and mask: dtype in ONNX names (float16, ...);
+    packed: packed sequences (seq_offsets; the plugin passes no key padding mask then), which run other kernel
+    forms than an unpadded batch of the same sizes."""
     return (f"StofSparseAttention|{dtype}|H{heads}|D{head_dim}|tile{tile_m}x{tile_n}|L{num_layouts}"
-            f"|seq{seq_q}x{seq_k}|kpm{1 if key_padding else 0}")
+            f"|seq{seq_q}x{seq_k}|kpm{1 if key_padding else 0}" + ("|packed" if packed else ""))
 
 
 @dataclass(frozen=True)

@@ -37,11 +37,20 @@ class Problem:
     seq_k: int
     head_dim: int
     key_padding_mask: np.ndarray | None
+    # packed sequences (qkv_format t3hd): the plugin runs them with seq_offsets (sequence b: the mask's row b's
+    # real tokens) and no padding mask
+    packed: bool = False
+
+    def seq_offsets(self) -> np.ndarray:
+        """int32 [B+1]: where each packed sequence starts (its length: the real tokens of its mask row)."""
+        lengths = np.count_nonzero(self.key_padding_mask, axis=1)
+        return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
 
     def key(self, gpu: str, cc: str) -> CacheKey:
         lay = self.node.layout
         sig = node_signature(self.dtype, self.heads, self.head_dim, lay.tile_m, lay.tile_n, lay.num_layouts,
-                             lay.seq_q, lay.seq_k, self.key_padding_mask is not None)
+                             lay.seq_q, lay.seq_k, self.key_padding_mask is not None and not self.packed,
+                             packed=self.packed)
         return CacheKey(gpu, cc, sig, shape_bucket(self.batch, self.seq_q, self.seq_k), lay.signature())
 
 
@@ -144,8 +153,8 @@ def _node_problems(nd, vals) -> list[Problem]:
     dtype = t[t.index("(") + 1:-1] if "(" in t else t
     dtype = {"float32": "float"}.get(dtype, dtype)
     kpm = vals[nd.key_padding_mask].numpy() if nd.key_padding_mask else None
-    if nd.tokens and kpm is not None:  # [T, 3, H, D]: timed as the padded problem of the mask [B, S]
-        return [Problem(nd, dtype, kpm.shape[0], qs[2], kpm.shape[1], kpm.shape[1], qs[3], kpm)]
+    if nd.tokens and kpm is not None:  # [T, 3, H, D]: the packed sequences of the mask [B, S]'s real tokens
+        return [Problem(nd, dtype, kpm.shape[0], qs[2], kpm.shape[1], kpm.shape[1], qs[3], kpm, packed=True)]
     if nd.packed:  # [B, S, 3, H, D]
         return [Problem(nd, dtype, qs[0], qs[3], qs[1], qs[1], qs[4], kpm)]
     if nd.kv:  # query [B, Sq, H, D], key [B, Sk, 2, Hkv, D]
@@ -194,18 +203,25 @@ def time_tactics(problem: Problem, tactics: list[int], *, reps: int = 7, launche
                         "(one tactic), nothing to tune")
     g = torch.Generator(device="cuda").manual_seed(seed)
     B, H, Sq, Sk, D = problem.batch, problem.heads, problem.seq_q, problem.seq_k, problem.head_dim
-    q = torch.randn(B, H, Sq, D, device="cuda", dtype=tdt, generator=g)
-    k = torch.randn(B, H, Sk, D, device="cuda", dtype=tdt, generator=g)
-    v = torch.randn(B, H, Sk, D, device="cuda", dtype=tdt, generator=g)
+    kpm = offsets = None
+    if problem.packed:  # [T, H, D] with seq_offsets, as the plugin runs t3hd
+        offsets_np = problem.seq_offsets()
+        offsets = torch.as_tensor(offsets_np, device="cuda")
+        shape_q = shape_k = (max(int(offsets_np[-1]), 1), H, D)
+    else:
+        shape_q, shape_k = (B, H, Sq, D), (B, H, Sk, D)
+        if problem.key_padding_mask is not None:
+            kpm = torch.as_tensor(np.ascontiguousarray(problem.key_padding_mask, np.int32), device="cuda")
+    q = torch.randn(shape_q, device="cuda", dtype=tdt, generator=g)
+    k = torch.randn(shape_k, device="cuda", dtype=tdt, generator=g)
+    v = torch.randn(shape_k, device="cuda", dtype=tdt, generator=g)
     out = torch.empty_like(q)
     dl = kernels.DeviceLayout(problem.node.layout, device="cuda")
-    kpm = None
-    if problem.key_padding_mask is not None:
-        kpm = torch.as_tensor(np.ascontiguousarray(problem.key_padding_mask, np.int32), device="cuda")
     res = {}
     for t in tactics:
         def launch():
-            kernels.sparse_attention(q, k, v, dl, scale=problem.node.scale, tactic=t, key_padding_mask=kpm, out=out)
+            kernels.sparse_attention(q, k, v, dl, scale=problem.node.scale, tactic=t, key_padding_mask=kpm, out=out,
+                                     seq_offsets=offsets, max_seqlen=Sq if offsets is not None else None)
 
         launch()
         torch.cuda.synchronize()
@@ -297,9 +313,16 @@ def tune_model(model, feeds_list: list[dict], cache: TacticCache, *, k: int = 3,
         import torch
 
         tdt = torch.float16 if p.dtype == "float16" else torch.bfloat16
-        qt = torch.empty(p.batch, p.heads, p.seq_q, p.head_dim, device="cuda", dtype=tdt)
-        kt = torch.empty(p.batch, p.heads, p.seq_k, p.head_dim, device="cuda", dtype=tdt)
-        lib_valid = [int(t) for t in kernels.list_tactics(qt, kt, kt, kernels.DeviceLayout(p.node.layout))]
+        if p.packed:
+            offsets = p.seq_offsets()
+            qt = kt = torch.empty(max(int(offsets[-1]), 1), p.heads, p.head_dim, device="cuda", dtype=tdt)
+            lib_valid = [int(t) for t in kernels.list_tactics(
+                qt, kt, kt, kernels.DeviceLayout(p.node.layout), seq_offsets=torch.as_tensor(offsets, device="cuda"),
+                max_seqlen=p.seq_q)]
+        else:
+            qt = torch.empty(p.batch, p.heads, p.seq_q, p.head_dim, device="cuda", dtype=tdt)
+            kt = torch.empty(p.batch, p.heads, p.seq_k, p.head_dim, device="cuda", dtype=tdt)
+            lib_valid = [int(t) for t in kernels.list_tactics(qt, kt, kt, kernels.DeviceLayout(p.node.layout))]
         del qt, kt
         default = lib_valid[0] if lib_valid else None
         ranked = [(int(t), tp) for t, tp in presearch.rank(p.node.layout, batch=p.batch, heads=p.heads,
@@ -315,6 +338,10 @@ def tune_model(model, feeds_list: list[dict], cache: TacticCache, *, k: int = 3,
             cands = [t for t, tp in ranked[:k] if tp <= best_pred * 1.5]
         if first not in cands:
             cands.insert(0, first)
+        if p.packed:  # the library's first choice there: the best-ranked tactic of one warpgroup (select.cc)
+            one_wg = next((t for t, _ in ranked if kernels.tactic_info(t).block_m <= 64), None)
+            if one_wg is not None and one_wg not in cands:
+                cands.append(one_wg)
         if presearch_only:
             times = {}
             best = first

@@ -21,6 +21,9 @@ def test_node_signature_matches_the_plugin_format():
     # plugins_cu/ort/sparseAttention/sparseAttentionOp.cpp builds the same string
     assert (node_signature("float16", 12, 64, 64, 64, 1, 4096, 4096, True)
             == "StofSparseAttention|float16|H12|D64|tile64x64|L1|seq4096x4096|kpm1")
+    # packed sequences (seq_offsets, no padding mask passed): a key of their own
+    assert (node_signature("float16", 12, 64, 64, 64, 1, 512, 512, False, packed=True)
+            == "StofSparseAttention|float16|H12|D64|tile64x64|L1|seq512x512|kpm0|packed")
 
 
 def _key(**kw):
@@ -193,8 +196,9 @@ def test_presearch_only_tune_for_a_named_gpu_without_one(kernels, tmp_path):
     shape_args = [a for B, S in shapes for a in ("--shapes", f"input_ids={B}x{S},attention_mask={B}x{S}")]
 
     def problem(B, S):
-        q = torch.zeros(B, 2, S, 64, dtype=torch.float16)      # host memory: select launches nothing
-        return q, torch.ones(B, S, dtype=torch.int32)
+        # the rewritten BERT packs its real tokens (t3hd): the plugin selects for packed sequences, full rows here
+        q = torch.zeros(B * S, 2, 64, dtype=torch.float16)     # host memory: select launches nothing
+        return q, dict(seq_offsets=torch.arange(0, B * S + 1, S, dtype=torch.int32), max_seqlen=S)
 
     def tune(cache, *gpu_args):
         p = cli("tune", model, *shape_args, "--presearch-only", *gpu_args, "-o", str(cache), "--json")
@@ -214,26 +218,26 @@ def test_presearch_only_tune_for_a_named_gpu_without_one(kernels, tmp_path):
     assert all(e["tactic"] in hopper and e["source"] == "presearch" for e in entries.values())
     doc = json.loads(cache.read_text())
     for B, S in shapes:
-        q, kpm = problem(B, S)
-        valid = kernels.list_tactics(q, q, q, dl)
-        pre = kernels.select_tactic(q, q, q, dl, key_padding_mask=kpm, device=h200)[0]
+        q, packed = problem(B, S)
+        valid = kernels.list_tactics(q, q, q, dl, **packed)
+        pre = kernels.select_tactic(q, q, q, dl, **packed, device=h200)[0]
         pick = next(t for t in reversed(valid) if t != pre)
         for e in doc["entries"]:
             if e["bucket"] == shape_bucket(B, S, S):
                 e["tactic"] = pick
         (tmp_path / "h200_here.json").write_text(json.dumps(doc))
         kernels.load_tactic_cache(tmp_path / "h200_here.json")
-        assert kernels.select_tactic(q, q, q, dl, key_padding_mask=kpm, device=h200,
+        assert kernels.select_tactic(q, q, q, dl, **packed, device=h200,
                                      tactic_cache=tmp_path / "h200_here.json") == (pick, "cache")
     # an Ampere GPU: its pre-search chooses among tactics this host's library runs too, so the entries hit as written
     a100 = kernels.device_desc(name="NVIDIA A100-SXM4-80GB", cc="8.0")
     entries = tune(tmp_path / "a100.json", "--gpu", "NVIDIA A100-SXM4-80GB", "--cc", "8.0", "--sm-count", "108")
     for B, S in shapes:
-        q, kpm = problem(B, S)
+        q, packed = problem(B, S)
         want = entries[shape_bucket(B, S, S)]["tactic"]
-        assert kernels.select_tactic(q, q, q, dl, key_padding_mask=kpm, device=a100,
+        assert kernels.select_tactic(q, q, q, dl, **packed, device=a100,
                                      tactic_cache=tmp_path / "a100.json") == (want, "cache")
-        assert kernels.select_tactic(q, q, q, dl, key_padding_mask=kpm, device=h200,
+        assert kernels.select_tactic(q, q, q, dl, **packed, device=h200,
                                      tactic_cache=tmp_path / "a100.json")[1] != "cache"   # keyed by the named GPU
     # timing needs the GPU itself: --gpu without --presearch-only is a one-line error, nothing written
     before = cache.read_text()

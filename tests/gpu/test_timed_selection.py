@@ -137,3 +137,37 @@ def test_packed_batches_rank_one_warpgroup_tactics_first():
     qp, kp, vp = (torch.randn(T, H, D, device="cuda", dtype=torch.float16) for _ in range(3))
     packed, src = select_tactic(qp, kp, vp, dl, seq_offsets=offsets, max_seqlen=S)
     assert src == "presearch" and tactic_info(packed).family == FAMILY_HOPPER and tactic_info(packed).block_m == 64
+
+
+def test_tune_times_packed_problems_under_their_own_key(tmp_path):
+    """`stof tune`'s problem of a packed (t3hd) node: timed as packed sequences (seq_offsets, no padding mask, as the
+    plugin runs it) and keyed as the library looks it up (``kpm0|packed``), so select_tactic with seq_offsets hits
+    the entry, while the unpadded batch of the same sizes does not."""
+    from stof_trt.kernels import list_tactics
+    from stof_trt.nodes import AttentionNode
+    from stof_trt.tune import Problem, time_tactics
+
+    B, H, S, D = 4, 12, 256, 64
+    layout = compile_mask(parse_mask("full"), S, S)
+    node = AttentionNode("attn", "qkv", "qkv", "mask", None, D ** -0.5, layout, tokens=True)
+    lengths = np.array([S, 200, 64, 130])
+    kpm = (np.arange(S)[None, :] < lengths[:, None]).astype(np.int32)
+    problem = Problem(node, "float16", B, H, S, S, D, kpm, packed=True)
+    gpu, cc = tc.gpu_identity()
+    key = problem.key(gpu, cc)
+    assert key.node.endswith("|kpm0|packed"), key.node
+    offsets = torch.tensor(problem.seq_offsets(), device="cuda")
+    assert offsets.tolist() == [0, *np.cumsum(lengths).tolist()]
+    q = torch.randn(int(offsets[-1]), H, D, device="cuda", dtype=torch.float16)
+    dl = DeviceLayout(layout)
+    valid = list_tactics(q, q, q, dl, seq_offsets=offsets, max_seqlen=S)
+    times = time_tactics(problem, valid[:3], reps=2)
+    assert set(times) == set(valid[:3]) and all(t > 0 for t in times.values()), times
+    first, _ = select_tactic(q, q, q, dl, seq_offsets=offsets, max_seqlen=S)
+    pick = next(t for t in reversed(valid) if t != first)
+    cache = tc.TacticCache()
+    cache.put(key, pick, source="measured")
+    path = cache.save(tmp_path / "cache.json")
+    assert select_tactic(q, q, q, dl, seq_offsets=offsets, max_seqlen=S, tactic_cache=path) == (pick, "cache")
+    qb, kb, vb = _qkv(B, H, S, D)
+    assert select_tactic(qb, kb, vb, DeviceLayout(layout), tactic_cache=path)[1] != "cache"

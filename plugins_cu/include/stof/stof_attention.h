@@ -327,7 +327,8 @@ typedef enum {
  * Results are memoised in the layout handle per (problem, device, cache file and its read).  Host only when
  * device is given.
  * The cache key: gpu = device->name, cc = device->cc, node = "StofSparseAttention|<float16|bfloat16>|H<H>|D<D>|
- * tile<tm>x<tn>|L<L>|seq<Sq>x<Sk>|kpm<0|1>" (the layout's sizes; kpm: key_padding_mask given), bucket =
+ * tile<tm>x<tn>|L<L>|seq<Sq>x<Sk>|kpm<0|1>[|packed]" (the layout's sizes; kpm: key_padding_mask given; packed:
+ * seq_offsets given), bucket =
  * stof_shape_bucket(), mask = the layout's signature. */
 STOF_API stof_status_t stof_attn_select(const stof_attn_params_t* p, const char* tactic_cache,
                                         const stof_device_desc_t* device, uint32_t flags, int32_t* tactic,

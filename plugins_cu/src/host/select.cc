@@ -288,9 +288,10 @@ stof_status_t stof_attn_select_on_stream(const stof_attn_params_t* p, const char
     const std::string cache = tactic_cache != nullptr ? tactic_cache : "";
     const bool kpm = p->key_padding_mask != nullptr;
     char node[256];
-    std::snprintf(node, sizeof(node), "StofSparseAttention|%s|H%d|D%d|tile%dx%d|L%d|seq%dx%d|kpm%d",
+    // packed sequences run other kernel forms than an unpadded batch of the same sizes: their own key
+    std::snprintf(node, sizeof(node), "StofSparseAttention|%s|H%d|D%d|tile%dx%d|L%d|seq%dx%d|kpm%d%s",
                   dtype_name(p->dtype), p->num_heads, p->head_dim, L.tile_m, L.tile_n, L.num_layouts, L.seq_q,
-                  L.seq_k, kpm ? 1 : 0);
+                  L.seq_k, kpm ? 1 : 0, p->seq_offsets != nullptr ? "|packed" : "");
     const std::string bucket = stof::host::shape_bucket(p->batch, p->seq_q, p->seq_k);
     // with timing a missing cache file is one to create, not an error
     const bool cache_readable = !cache.empty() && (!timing || stof::host::cache_file_exists(cache));
