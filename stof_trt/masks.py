@@ -50,7 +50,7 @@ import numpy as np
 from .errors import MaskSpecError
 
 __all__ = [
-    "MaskSpec", "Full", "Causal", "Sliding", "Dilated", "Global", "BlockLayout", "BigBird", "DenseMask",
+    "MaskSpec", "Full", "Causal", "Sliding", "Diagonals", "Dilated", "Global", "BlockLayout", "BigBird", "DenseMask",
     "Union", "Intersection", "parse_mask", "longformer", "closed_form", "TILE_EMPTY", "TILE_FULL", "TILE_UNKNOWN",
 ]
 
@@ -271,6 +271,29 @@ class Sliding(_Band, MaskSpec):
         if self.left == self.right:
             return f"sliding:window={self.left}"
         return f"sliding:left={self.left},right={self.right}"
+
+
+@dataclass(frozen=True)
+class Diagonals(_Band, MaskSpec):
+    """``lo <= key - query <= hi``, either side of any sign: a band whose queries sit off their keys' diagonal (the
+    LongformerAttention rewrite's queries against keys behind global-token slots).  Built in code, not a spec
+    name."""
+
+    lo: int
+    hi: int
+
+    def _band(self):
+        return self.lo, self.hi
+
+    def evaluate(self, q, k, *, seq_q, seq_k, head=0):
+        d = np.asarray(k, np.int64) - np.asarray(q, np.int64)
+        return (d >= self.lo) & (d <= self.hi)
+
+    def classify_tiles(self, r0, r1, c0, c1, *, seq_q, seq_k, head=0):
+        return _band_classify(self.lo, self.hi, r0, r1, c0, c1)
+
+    def __str__(self):
+        return f"diagonals[{self.lo},{self.hi}]"
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,10 @@ in front of the sequence, instead::
 
     slots [B,G]  = the kept global tokens' positions in order (a prefix count of them scatters each into its slot)
     X_ext        = Concat(X at the slots, X)                                                  [B, G+S, N]
-    local node   = StofSparseAttention(bshd_kv, Q = X·Wq + bq [B, S, H, D], KV = X_ext·Wkv + bkv [B, G+S, 2, H, D])
-                   -> [B, S, H, D]
-    global node  = StofSparseAttention(bshd_kv, Q = X_slots·Wgq + bgq [B, G, H, D], KV = X·Wgkv + bgkv [B, S, 2, H, D])
-                   -> [B, G, H, D]
+    local node   = StofSparseAttention(bshd_kv, Q = X·Wq + bq [B, S, H, D],
+                                       KV = X_ext·Wkv + bkv [B, G+S, 2, H, D])                  -> [B, S, H, D]
+    global node  = StofSparseAttention(bshd_kv, Q = X_slots·Wgq + bgq [B, G, H, D],
+                                       KV = X·Wgkv + bgkv [B, S, 2, H, D])                      -> [B, G, H, D]
     Y            = ScatterElements(local out [B, S, N], rows slot position <- global rows)
 
 Both layouts keep a shorter run-time length as their top-left corner (the slots are the first keys):
@@ -33,8 +33,9 @@ local output's row 0 when no slot is used: duplicate indices with equal values).
 A padded global token (mask < 0) takes no slot: it is masked as a key, and its query row is not defined by the op.
 More kept global tokens than G in a sequence cannot be represented: the slot rows of X become NaN, so every local
 row of that sequence is NaN (it attends every slot's NaN key and value), and so do the global rows (set to NaN
-before the merge) — never silently wrong. With a dynamic sequence axis G is also at most 2W (the op needs S to be a multiple of 2W, so the slots
-always fit a run-time length). Rows whose own mask is < 0 (padding) are not defined by the op and may differ.
+before the merge) — never silently wrong. With a dynamic sequence axis G is also at most 2W (the op needs S to be a
+multiple of 2W, so the slots always fit a run-time length). Rows whose own mask is < 0 (padding) are not defined by
+the op and may differ.
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..format import TileLayout, compile_mask
-from ..masks import TILE_EMPTY, TILE_FULL, TILE_UNKNOWN, Full, MaskSpec, _Band, _band_classify
+from ..masks import TILE_EMPTY, TILE_FULL, TILE_UNKNOWN, Diagonals, Full, MaskSpec
 
 from .attention_common import AttentionEmitter, AttentionPlan
 from .base import Fusion, Match
@@ -103,32 +104,10 @@ class _Rect(MaskSpec):
         return f"rows[{self.rows[0]},{self.rows[1]})&cols[{self.cols[0]},{self.cols[1]})"
 
 
-@dataclass(frozen=True)
-class _Diagonals(_Band, MaskSpec):
-    """Allowed iff ``lo <= key - query <= hi`` (either side may be positive): the local band seen from queries
-    that sit ``slots`` columns left of their own key."""
-
-    lo: int
-    hi: int
-
-    def _band(self):
-        return self.lo, self.hi
-
-    def evaluate(self, q, k, *, seq_q, seq_k, head=0):
-        d = np.asarray(k, np.int64) - np.asarray(q, np.int64)
-        return (d >= self.lo) & (d <= self.hi)
-
-    def classify_tiles(self, r0, r1, c0, c1, *, seq_q, seq_k, head=0):
-        return _band_classify(self.lo, self.hi, r0, r1, c0, c1)
-
-    def __str__(self):
-        return f"diagonals[{self.lo},{self.hi}]"
-
-
 def local_layout(seq: int, slots: int, window: int, tile_m: int, tile_n: int) -> TileLayout:
     """[S, G+S]: row i sees the G slot columns and the band G+j, |i - j| <= W (key G+j is position j)."""
     n = slots + seq
-    spec = _Rect((0, seq), (0, slots)) | (_Diagonals(slots - window, slots + window) & _Rect((0, seq), (slots, n)))
+    spec = _Rect((0, seq), (0, slots)) | (Diagonals(slots - window, slots + window) & _Rect((0, seq), (slots, n)))
     return replace(compile_mask(spec, seq, n, tile_m=tile_m, tile_n=tile_n),
                    mask_spec=f"longformer_local:window={window},slots={slots}")
 
