@@ -185,3 +185,45 @@ def test_sparse_attention_function_cross_lengths():
     out = sess.run(None, {"q": q, "k": k, "v": v, "kpm": kpm})[0]
     allowed = dense[:20, :45][None, None] & (kpm[:, None, None, :] != 0)
     np.testing.assert_allclose(out, reference_attention(q, k, v, allowed, np.float32(0.37)), atol=2e-5)
+
+
+@pytest.mark.parametrize("padding", [False, True])
+def test_sparse_attention_function_query_with_packed_kv(padding):
+    """qkv_format "bshd_kv": query [B, Sq, H, D] apart from one [B, Sk, 2, Hkv, D] tensor of K and V (Sq != Sk,
+    grouped K/V heads), output [B, Sq, H, D]."""
+    rng = np.random.default_rng(6)
+    B, H, Hkv, Sq, Sk, D = 2, 4, 2, 20, 45, 8
+    dense = rng.random((30, 50)) < 0.4
+    layout = TileLayout.from_dense(dense, 16, 32)
+    inits = [numpy_helper.from_array(a, n) for n, a in layout.arrays().items()]
+    ins = ["q", "kv", "", *layout.arrays()] + (["kpm"] if padding else [])
+    node = helper.make_node("StofSparseAttention", ins, ["o"], domain="stof", scale=0.37, tile_m=layout.tile_m,
+                            tile_n=layout.tile_n, seq_q=layout.seq_q, seq_k=layout.seq_k,
+                            num_layouts=layout.num_layouts, format_version=STOF_FORMAT_VERSION,
+                            mask_spec=layout.mask_spec, qkv_format="bshd_kv")
+    node.overload = attention_overload(padding, False, kv=True)
+    assert node.overload == ("kv_padding" if padding else "kv")
+    gin = [helper.make_tensor_value_info("q", TensorProto.FLOAT, ["b", "sq", H, D]),
+           helper.make_tensor_value_info("kv", TensorProto.FLOAT, ["b", "sk", 2, Hkv, D])]
+    if padding:
+        gin.append(helper.make_tensor_value_info("kpm", TensorProto.INT32, ["b", "sk"]))
+    graph = helper.make_graph([node], "g", gin, [helper.make_tensor_value_info("o", TensorProto.FLOAT,
+                                                                               ["b", "sq", H, D])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("stof", 1)],
+                              functions=[sparse_attention_function(17, padding, False, kv=True)])
+    model.ir_version = 10
+    onnx.checker.check_model(model, full_check=True)
+    q = rng.standard_normal((B, Sq, H, D)).astype(np.float32)
+    kv = rng.standard_normal((B, Sk, 2, Hkv, D)).astype(np.float32)
+    feeds = {"q": q, "kv": kv}
+    keep = np.ones((B, Sk), bool)
+    if padding:
+        keep[1, 30:] = False
+        feeds["kpm"] = keep.astype(np.int32)
+    out = session(model).run(None, feeds)[0]
+    assert out.shape == (B, Sq, H, D)
+    # K/V head h // (H / Hkv) for query head h
+    k, v = (np.repeat(kv[:, :, i].transpose(0, 2, 1, 3), H // Hkv, axis=1) for i in range(2))
+    allowed = dense[:Sq, :Sk][None, None] & keep[:, None, None, :]
+    want = reference_attention(q.transpose(0, 2, 1, 3), k, v, allowed, np.float32(0.37)).transpose(0, 2, 1, 3)
+    np.testing.assert_allclose(out, want, atol=2e-5)
