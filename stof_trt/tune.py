@@ -313,12 +313,14 @@ def tune_model(model, feeds_list: list[dict], cache: TacticCache, *, k: int = 3,
         import torch
 
         tdt = torch.float16 if p.dtype == "float16" else torch.bfloat16
+        lib_first = None  # packed sequences: the library's own first choice (select.cc ranks them apart)
         if p.packed:
             offsets = p.seq_offsets()
             qt = kt = torch.empty(max(int(offsets[-1]), 1), p.heads, p.head_dim, device="cuda", dtype=tdt)
-            lib_valid = [int(t) for t in kernels.list_tactics(
-                qt, kt, kt, kernels.DeviceLayout(p.node.layout), seq_offsets=torch.as_tensor(offsets, device="cuda"),
-                max_seqlen=p.seq_q)]
+            packed = dict(seq_offsets=torch.as_tensor(offsets, device="cuda"), max_seqlen=p.seq_q)
+            dl = kernels.DeviceLayout(p.node.layout)
+            lib_valid = [int(t) for t in kernels.list_tactics(qt, kt, kt, dl, **packed)]
+            lib_first = kernels.select_tactic(qt, kt, kt, dl, **packed)[0]
         else:
             qt = torch.empty(p.batch, p.heads, p.seq_q, p.head_dim, device="cuda", dtype=tdt)
             kt = torch.empty(p.batch, p.heads, p.seq_k, p.head_dim, device="cuda", dtype=tdt)
@@ -338,10 +340,8 @@ def tune_model(model, feeds_list: list[dict], cache: TacticCache, *, k: int = 3,
             cands = [t for t, tp in ranked[:k] if tp <= best_pred * 1.5]
         if first not in cands:
             cands.insert(0, first)
-        if p.packed:  # the library's first choice there: the best-ranked tactic of one warpgroup (select.cc)
-            one_wg = next((t for t, _ in ranked if kernels.tactic_info(t).block_m <= 64), None)
-            if one_wg is not None and one_wg not in cands:
-                cands.append(one_wg)
+        if lib_first is not None and lib_first not in cands:
+            cands.append(lib_first)
         if presearch_only:
             times = {}
             best = first

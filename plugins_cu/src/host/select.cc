@@ -304,7 +304,7 @@ stof_status_t stof_attn_select_on_stream(const stof_attn_params_t* p, const char
                                  std::to_string(p->seq_q) + '\n' + std::to_string(p->seq_k) + '\n' + device->name +
                                  '\n' + device->cc + '\n' + std::to_string(flags) + '\n' + cache + '\n' +
                                  std::to_string(generation) + '\n' + profile + '\n' +
-                                 std::to_string(profile_coef.size()) + (p->seq_offsets != nullptr ? "\npacked" : "");
+                                 std::to_string(profile_coef.size());
     {
         std::lock_guard<std::mutex> lock(L.memo_mutex);
         auto it = L.memo.find(memo_key);
