@@ -34,13 +34,15 @@ class AttentionNode:
     scale: float
     layout: TileLayout
     packed: bool = False  # qkv_format "bs3hd": query is [B,S,3,H,D], key/value absent
-    # qkv_format "bshd_kv": query is [B,Sq,H,D], key [B,Sk,2,Hkv,D] holds K and V, value absent
+    # qkv_format "bshd_kv": query is [B,Sq,H,D] (or [B,Sq,H·D] with num_heads), key [B,Sk,2,Hkv,D] holds K and
+    # V, value absent
     # qkv_format "t3hd": query is [T,3,H,D] (packed sequences of seq_offsets), key/value absent; key_padding_mask
     # [B,S] gives only B and S
     tokens: bool = False
     seq_offsets: str | None = None
     layout_spec: str | None = None  # closed-form spec the plugin builds longer layouts from (docs/nodes.md)
     kv: bool = False
+    num_heads: int = 0  # a bshd_kv query of rows [B, Sq, H·D]: H
 
     def layout_at(self, seq_q: int, seq_k: int) -> TileLayout:
         """The layout the plugin runs at run-time sizes seq_q x seq_k: the compiled one up to its sizes, else (with a
@@ -114,7 +116,7 @@ def attention_nodes(model) -> list[AttentionNode]:
                                  names[7] or None, names[8] or None, float(a["scale"]), layout, packed, tokens,
                                  names[9] or None,
                                  (spec.decode() if isinstance(spec, bytes) else str(spec)) if spec else None,
-                                 fmt == "bshd_kv"))
+                                 fmt == "bshd_kv", int(a.get("num_heads", 0))))
     return out
 
 
@@ -142,9 +144,13 @@ def attention_problem_dims(model) -> dict:
         if n.op_type != "StofSparseAttention" or n.domain != "stof":
             continue
         dims, et = static_dims(n.input[0])
-        if _qkv_format(_attrs(n)) in ("t3hd", "bshd_kv"):  # packed sequences [T, 3, H, D]; query [B, Sq, H, D]
+        attrs = _attrs(n)
+        if _qkv_format(attrs) in ("t3hd", "bshd_kv"):  # packed sequences [T, 3, H, D]; query [B, Sq, H, D]
             if dims and len(dims) == 4 and dims[2] and dims[3] and et in ONNX_DTYPES:
                 out[n.name] = (ONNX_DTYPES[et], int(dims[2]), int(dims[3]))
+            heads = int(attrs.get("num_heads", 0))  # query [B, Sq, H·D]
+            if dims and len(dims) == 3 and dims[2] and heads > 0 and dims[2] % heads == 0 and et in ONNX_DTYPES:
+                out[n.name] = (ONNX_DTYPES[et], heads, int(dims[2]) // heads)
             continue
         if dims and len(dims) == 5 and dims[3] and dims[4] and et in ONNX_DTYPES:  # packed [B, S, 3, H, D]
             out[n.name] = (ONNX_DTYPES[et], int(dims[3]), int(dims[4]))

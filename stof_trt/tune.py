@@ -157,6 +157,8 @@ def _node_problems(nd, vals) -> list[Problem]:
         return [Problem(nd, dtype, kpm.shape[0], qs[2], kpm.shape[1], kpm.shape[1], qs[3], kpm, packed=True)]
     if nd.packed:  # [B, S, 3, H, D]
         return [Problem(nd, dtype, qs[0], qs[3], qs[1], qs[1], qs[4], kpm)]
+    if nd.kv and len(qs) == 3 and nd.num_heads > 0:  # query [B, Sq, H·D], key [B, Sk, 2, Hkv, D]
+        return [Problem(nd, dtype, qs[0], nd.num_heads, qs[1], ks[1], qs[2] // nd.num_heads, kpm)]
     if nd.kv:  # query [B, Sq, H, D], key [B, Sk, 2, Hkv, D]
         return [Problem(nd, dtype, qs[0], qs[2], qs[1], ks[1], qs[3], kpm)]
     return [Problem(nd, dtype, qs[0], qs[1], qs[2], ks[2], qs[3], kpm)]

@@ -1,5 +1,5 @@
-// libstof_ort.so entry point: RegisterCustomOps adds domain `stof` with StofSparseAttention, StofGemmEpilogue
-// and StofAddLayerNorm for float, float16 and bfloat16, on the CUDA EP.  Each node keeps its model-local
+// libstof_ort.so entry point: RegisterCustomOps adds domain `stof` with StofSparseAttention, StofGemmEpilogue,
+// StofAddLayerNorm and StofGlobalSlots for float, float16 and bfloat16, on the CUDA EP.  Each node keeps its model-local
 // ONNX function, which ORT inlines wherever these kernels do not claim the node (e.g. on the CPU EP).
 //
 // Options (session config entry, else environment variable):
@@ -18,6 +18,7 @@
 #include "addLayerNorm/addLayerNormOp.h"
 #include "common/ortCommon.h"
 #include "gemmEpilogue/gemmEpilogueOp.h"
+#include "globalSlots/globalSlotsOp.h"
 #include "sparseAttention/sparseAttentionOp.h"
 
 namespace stof_ort {
@@ -33,6 +34,7 @@ struct Registry {
     std::vector<std::unique_ptr<SparseAttentionOp>> attention;
     std::vector<std::unique_ptr<GemmEpilogueOp>> gemm;
     std::vector<std::unique_ptr<AddLayerNormOp>> layerNorm;
+    std::vector<std::unique_ptr<GlobalSlotsOp>> globalSlots;
     std::vector<Ort::CustomOpDomain> domains;
 };
 
@@ -94,6 +96,8 @@ RegisterCustomOps(OrtSessionOptions* options, OrtApiBase const* apiBase) {
             }
             reg.layerNorm.push_back(std::make_unique<AddLayerNormOp>(t));
             domain.Add(reg.layerNorm.back().get());
+            reg.globalSlots.push_back(std::make_unique<GlobalSlotsOp>(t));
+            domain.Add(reg.globalSlots.back().get());
         }
         Ort::ThrowOnError(api->AddCustomOpDomain(options, domain));
         reg.domains.push_back(std::move(domain));

@@ -224,8 +224,11 @@ class AttentionEmitter:
         return self.layouts[sig]
 
     def key_padding(self, source: gs.Tensor, new_nodes: list[gs.Node]) -> gs.Tensor:
-        """int32 [B, Sk] key_padding_mask (non-zero = kept) from any-typed ``source``: Cast to bool, then int32."""
+        """int32 [B, Sk] key_padding_mask (non-zero = kept) from any-typed ``source``: Cast to bool, then int32 (an
+        int32 source is the op's own form already)."""
         key = source.name
+        if key not in self.paddings and np.dtype(source.dtype or np.float32) == np.int32:
+            self.paddings[key] = source
         if key not in self.paddings:
             as_bool = source  # a bool tensor needs no first Cast
             if not _is_bool(source):
@@ -239,11 +242,13 @@ class AttentionEmitter:
         return self.paddings[key]
 
     def node(self, plan: AttentionPlan, query: gs.Tensor, key: gs.Tensor | None, value: gs.Tensor | None,
-             output: gs.Tensor, new_nodes: list[gs.Node]) -> gs.Node:
+             output: gs.Tensor, new_nodes: list[gs.Node], *, flat: bool = False,
+             rows: tuple[gs.Tensor, gs.Tensor] | None = None) -> gs.Node:
         """The node for ``plan``. ``key`` and ``value`` None: the packed form (``qkv_format="bs3hd"``, ``query``
         [B, S, 3, H, D], ``output`` [B, S, H, D]); ``value`` None only: K and V packed in ``key``
         (``qkv_format="bshd_kv"``, ``query`` [B, Sq, H, D], ``key`` [B, Sk, 2, H, D], ``output`` [B, Sq, H, D];
-        docs/nodes.md)."""
+        with ``flat`` query and output [B, Sq, H·D]; docs/nodes.md). ``rows``: (row_values [B, R, H, D], row_index
+        [B, R] int32), rows written over the output."""
         packed = key is None and value is None
         kv = key is not None and value is None
         if packed:
@@ -260,6 +265,8 @@ class AttentionEmitter:
             inputs.append(kpm if kpm is not None else gs.Variable.empty())
         if plan.bias is not None:
             inputs.append(plan.bias)
+        if rows is not None:
+            inputs += [gs.Variable.empty() for _ in range(10 - len(inputs))] + list(rows)
         lay = plan.layout
         attrs = {"scale": float(plan.scale), "tile_m": lay.tile_m, "tile_n": lay.tile_n, "seq_q": lay.seq_q,
                  "seq_k": lay.seq_k, "num_layouts": lay.num_layouts, "format_version": FORMAT_VERSION,
@@ -269,9 +276,12 @@ class AttentionEmitter:
             attrs["layout_spec"] = spec[1]
         if packed or kv:
             attrs["qkv_format"] = "bs3hd" if packed else "bshd_kv"
+        if kv and flat:
+            attrs["num_heads"] = int(plan.heads)
         node = gs.Node("StofSparseAttention", self.ctx.unique("StofSparseAttention"), attrs, inputs, [output],
                        domain="stof")
-        overload = attention_overload(kpm is not None, plan.bias is not None, packed=packed, kv=kv)
+        overload = attention_overload(kpm is not None, plan.bias is not None, packed=packed, kv=kv,
+                                      flat=kv and flat, rows=rows is not None)
         self.ctx.overloads[node.name] = overload
         self.ctx.functions.add(("StofSparseAttention", overload))
         plan.name = node.name

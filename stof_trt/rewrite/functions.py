@@ -21,26 +21,29 @@ DOMAIN_VERSION = 1
 MIN_OPSET = 15
 
 ATTENTION_INPUTS = ["query", "key", "value", "row_ptr", "col_idx", "tile_bitmap_index", "bitmaps",
-                    "key_padding_mask", "attn_bias", "seq_offsets"]
+                    "key_padding_mask", "attn_bias", "seq_offsets", "row_values", "row_index"]
 ATTENTION_ATTRS = ["scale", "tile_m", "tile_n", "seq_q", "seq_k", "num_layouts", "format_version", "mask_spec",
                    "layout_spec",
-                   "qkv_format"]
+                   "qkv_format", "num_heads"]
 #: StofSparseAttention ``qkv_format`` values: "bhsd" (default: query/key/value [B,H,S,D], output [B,H,Sq,D]) and
 #: "bs3hd" (packed: query is [B,S,3,H,D] = Q,K,V of one projection, key/value absent, output [B,S,H,D]).
 #: "t3hd" (packed tokens: query is [T,3,H,D], the real tokens of B sequences back to back, seq_offsets [B+1] int32
 #: where each starts, key_padding_mask [B,S] only for its shape; output [T,H,D]).
-#: "bshd_kv" (query [B,Sq,H,D]; key [B,Sk,2,Hkv,D] = K,V of one projection, value absent; output [B,Sq,H,D]).
+#: "bshd_kv" (query [B,Sq,H,D]; key [B,Sk,2,Hkv,D] = K,V of one projection, value absent; output [B,Sq,H,D]; or
+#: query and output [B,Sq,H·D] with the attribute num_heads = H).
 QKV_FORMATS = ("bhsd", "bs3hd", "t3hd", "bshd_kv")
 GEMM_INPUTS = ["X", "W", "bias"]
 ADDLN_INPUTS = ["X", "residual", "gamma", "beta", "bias"]
 
 
 def attention_overload(has_padding: bool, has_bias: bool, packed: bool = False, varlen: bool = False,
-                       kv: bool = False) -> str:
+                       kv: bool = False, flat: bool = False, rows: bool = False) -> str:
+    """flat: a bshd_kv query and output of rows [B, Sq, H·D]; rows: row_values / row_index written over the
+    output."""
     if varlen:  # t3hd: always the padding mask (for B, S) and seq_offsets, never a bias
         return "varlen"
-    return "_".join(p for p, on in (("packed", packed), ("kv", kv), ("padding", has_padding), ("bias", has_bias))
-                    if on)
+    return "_".join(p for p, on in (("packed", packed), ("kv", kv), ("flat", flat), ("padding", has_padding),
+                                    ("bias", has_bias), ("rows", rows)) if on)
 
 
 class _Body:
@@ -200,7 +203,8 @@ def spec_overload(base: str, index: int) -> str:
 
 def sparse_attention_function(opset: int, has_padding: bool, has_bias: bool,
                               packed: bool = False, varlen: bool = False, spec: str | None = None,
-                              overload: str | None = None, kv: bool = False) -> onnx.FunctionProto:
+                              overload: str | None = None, kv: bool = False, flat: bool = False,
+                              rows: bool = False) -> onnx.FunctionProto:
     """O = softmax(scale·Q·Kᵀ + bias, masked by the tile layout ∧ key padding)·V; rows with no allowed key -> 0.
 
     The layout arrays are decoded into a dense [L, Sq, Sk] mask exactly as docs/format.md "Dense reconstruction":
@@ -218,7 +222,11 @@ def sparse_attention_function(opset: int, has_padding: bool, has_bias: bool,
         q_in, k_in, v_in = (b.op("Transpose", b.op("Gather", query, b.const(np.int64(i)), axis=2), perm=[0, 2, 1, 3])
                             for i in range(3))
     elif kv:  # query [B, Sq, H, D], key [B, Sk, 2, Hkv, D] -> Q [B, H, Sq, D], K, V [B, Hkv, Sk, D]
-        q_in = b.op("Transpose", "query", perm=[0, 2, 1, 3])
+        if flat:  # query [B, Sq, H·D]
+            heads = b.op("Unsqueeze", b.ref_int("num_heads"), b.const(np.array([0], np.int64)))
+            query = b.op("Reshape", query, b.op("Concat", b.const(np.array([0, 0], np.int64)), heads,
+                                                b.const(np.array([-1], np.int64)), axis=0))
+        q_in = b.op("Transpose", query, perm=[0, 2, 1, 3])
         k_in, v_in = (b.op("Transpose", b.op("Gather", "key", b.const(np.int64(i)), axis=2), perm=[0, 2, 1, 3])
                       for i in range(2))
     else:
@@ -230,8 +238,8 @@ def sparse_attention_function(opset: int, has_padding: bool, has_bias: bool,
     return _attention_body(b, allowed, q_in, k_in, v_in, has_padding, has_bias, packed, varlen, key_rows,
                            token_rows,
                            overload or ("varlen" if varlen else attention_overload(has_padding, has_bias, packed,
-                                                                                   kv=kv)),
-                           opset, bshd_out=packed or kv)
+                                                                                   kv=kv, flat=flat, rows=rows)),
+                           opset, bshd_out=packed or kv, flat=kv and flat, rows=rows and not varlen)
 
 
 def _spec_mask(b: _Body, spec: str, q_in: str, k_in: str) -> str:
@@ -310,9 +318,31 @@ def _layout_mask(b: _Body, q_in: str, k_in: str) -> str:
     return b.op("Unsqueeze", allowed, ax0)                                    # [1, H, Sq, Sk]
 
 
+def _write_rows(b: _Body, o: str, axis: int) -> str:
+    """``o`` with row row_index[b, r] (along ``axis``, the query axis) replaced by row_values[b, r] ([B, R, H, D]);
+    an index outside [0, Sq) (-1: none) writes nothing: it goes to a scratch row past the end, dropped after."""
+    i64 = TensorProto.INT64
+    ax = b.const(np.array([axis], np.int64))
+    shape = b.op("Shape", o)
+    sq = b.op("Slice", shape, ax, b.const(np.array([axis + 1], np.int64)))              # [1]
+    idx = b.op("Cast", "row_index", to=i64)                                               # [B, R]
+    outside = b.op("Or", b.op("Less", idx, b.const(np.int64(0))), b.op("GreaterOrEqual", idx, sq))
+    idx = b.op("Where", outside, sq, idx)
+    values = "row_values" if axis == 1 else b.op("Transpose", "row_values", perm=[0, 2, 1, 3])
+    one_row = b.op("ScatterElements", shape, ax, b.const(np.array([1], np.int64)))      # o's shape, 1 on axis
+    scratch = b.op("CastLike", b.op("ConstantOfShape", one_row,
+                                    value=numpy_helper.from_array(np.zeros(1, np.float32), name="")), o)
+    grown = b.op("Concat", o, scratch, axis=axis)
+    idx = b.op("Unsqueeze", idx, b.const(np.array([2, 3], np.int64)))                     # [B, R, 1, 1]
+    if axis == 2:
+        idx = b.op("Transpose", idx, perm=[0, 2, 1, 3])                                   # [B, 1, R, 1]
+    written = b.op("ScatterElements", grown, b.op("Expand", idx, b.op("Shape", values)), values, axis=axis)
+    return b.op("Slice", written, b.const(np.array([0], np.int64)), sq, ax)
+
+
 def _attention_body(b: _Body, allowed: str, q_in: str, k_in: str, v_in: str, has_padding: bool, has_bias: bool,
                     packed: bool, varlen: bool, key_rows, token_rows, overload: str, opset: int,
-                    bshd_out: bool = False) -> onnx.FunctionProto:
+                    bshd_out: bool = False, flat: bool = False, rows: bool = False) -> onnx.FunctionProto:
     ax0, ax1, ax2 = (b.const(np.array([a], np.int64)) for a in (0, 1, 2))
     qshape = b.op("Shape", q_in)
     if has_padding:
@@ -341,10 +371,16 @@ def _attention_body(b: _Body, allowed: str, q_in: str, k_in: str, v_in: str, has
         zero_row = b.op("CastLike", b.op("ConstantOfShape", b.op("Concat", ax1, hd, axis=0),
                                          value=numpy_helper.from_array(np.zeros(1, np.float32), name="")), o)
         b.op("Gather", b.op("Concat", o, zero_row, axis=0), token_rows, axis=0, out="output")
-    elif bshd_out:  # [B, H, Sq, D] -> [B, Sq, H, D]
-        b.op("Transpose", b.op("MatMul", b.op("Div", ex, den), v_in), perm=[0, 2, 1, 3], out="output")
+    elif bshd_out:  # [B, H, Sq, D] -> [B, Sq, H, D] (flat: [B, Sq, H·D])
+        o = b.op("Transpose", b.op("MatMul", b.op("Div", ex, den), v_in), perm=[0, 2, 1, 3])
+        if rows:
+            o = _write_rows(b, o, 1)
+        if flat:
+            o = b.op("Reshape", o, b.const(np.array([0, 0, -1], np.int64)))
+        b.op("Identity", o, out="output")
     else:
-        b.op("MatMul", b.op("Div", ex, den), v_in, out="output")
+        o = b.op("MatMul", b.op("Div", ex, den), v_in)
+        b.op("Identity", _write_rows(b, o, 2) if rows else o, out="output")
     return _function("StofSparseAttention", ATTENTION_INPUTS, ["output"], b, ATTENTION_ATTRS, overload, opset,
                      "Masked sparse attention (docs/nodes.md). Portable fallback of the STOF kernels.")
 
@@ -353,20 +389,24 @@ def _attention_body(b: _Body, allowed: str, q_in: str, k_in: str, v_in: str, has
 GEMM_ACTIVATIONS = ("none", "gelu_erf", "gelu_tanh")
 
 
-def gemm_overload(activation: str, has_bias: bool = True) -> str:
-    """The function overload of a StofGemmEpilogue node: its activation, "_nobias" appended without a bias."""
+def gemm_overload(activation: str, has_bias: bool = True, prefix: bool = False) -> str:
+    """The function overload of a StofGemmEpilogue node: its activation, "_nobias" appended without a bias,
+    "_prefix" with the prefix rows input."""
     if activation not in GEMM_ACTIVATIONS:
         raise ValueError(activation)
-    return activation if has_bias else f"{activation}_nobias"
+    return activation + ("" if has_bias else "_nobias") + ("_prefix" if prefix else "")
 
 
-def gemm_epilogue_function(opset: int, activation: str, has_bias: bool = True) -> onnx.FunctionProto:
+def gemm_epilogue_function(opset: int, activation: str, has_bias: bool = True,
+                           prefix: bool = False) -> onnx.FunctionProto:
     """Y = act(X·W + bias); gelu_erf: 0.5·y·(1 + erf(y/√2)); gelu_tanh: 0.5·y·(1 + tanh(√(2/π)·(y + 0.044715·y³))).
+    With ``prefix`` (P [B, G, K], X [B, S, K]) the GEMM's rows are Concat(P, X) along axis 1: Y is [B, G+S, N].
 
     The attribute ``algo`` (the cuBLASLt algorithm the kernel runs) does not change the result: the body ignores it."""
     b = _Body(opset)
     out = "Y" if activation == "none" else None
-    y = b.op("Add", b.op("MatMul", "X", "W"), "bias", out=out) if has_bias else b.op("MatMul", "X", "W", out=out)
+    x = b.op("Concat", "prefix", "X", axis=1) if prefix else "X"
+    y = b.op("Add", b.op("MatMul", x, "W"), "bias", out=out) if has_bias else b.op("MatMul", x, "W", out=out)
     if activation == "gelu_erf":
         t = b.op("Add", b.op("Erf", b.op("Div", y, b.like(math.sqrt(2.0), y))), b.like(1.0, y))
         b.op("Mul", b.op("Mul", y, t), b.like(0.5, y), out="Y")
@@ -376,9 +416,60 @@ def gemm_epilogue_function(opset: int, activation: str, has_bias: bool = True) -
         b.op("Mul", b.op("Mul", y, b.like(0.5, y)), b.op("Add", t, b.like(1.0, y)), out="Y")
     elif activation != "none":
         raise ValueError(activation)
-    return _function("StofGemmEpilogue", GEMM_INPUTS if has_bias else GEMM_INPUTS[:2], ["Y"], b,
-                     ["activation", "algo"], gemm_overload(activation, has_bias), opset,
-                     "MatMul + bias + activation (docs/nodes.md).")
+    # the prefix is input 3, after the optional bias (a call without a bias passes "" for it)
+    inputs = GEMM_INPUTS + ["prefix"] if prefix else GEMM_INPUTS if has_bias else GEMM_INPUTS[:2]
+    return _function("StofGemmEpilogue", inputs, ["Y"], b, ["activation", "algo"],
+                     gemm_overload(activation, has_bias, prefix), opset, "MatMul + bias + activation (docs/nodes.md).")
+
+
+# -- StofGlobalSlots -----------------------------------------------------------------------------------------------
+GLOBAL_SLOTS_INPUTS = ["X", "mask", "global"]
+GLOBAL_SLOTS_OUTPUTS = ["slot_x", "local_key_padding_mask", "global_key_padding_mask", "row_index"]
+
+
+def global_slots_overload(slots: int) -> str:
+    """The function overload of a StofGlobalSlots node: its slot count (a constant of the body)."""
+    return f"g{int(slots)}"
+
+
+def global_slots_function(opset: int, slots: int) -> onnx.FunctionProto:
+    """X [B, S, N], mask [B, S] (< 0 = masked), global [B, S] int32 (non-zero = global) -> slot j = the j-th kept
+    global token in position order (docs/nodes.md): slot_x [B, G, N] (X's rows, zeros when unused, NaN throughout
+    when the sequence has more than G), local_key_padding_mask [B, G+S] int32 (slot used; then kept and not a kept
+    global token), global_key_padding_mask [B, S] int32 (kept), row_index [B, G] int32 (the slot's position, -1
+    when unused or overflowing).  A prefix count places each kept global token in its slot (ScatterElements into
+    G + 1 columns, the last taking every other token)."""
+    G = int(slots)
+    b = _Body(opset)
+    i64, i32 = TensorProto.INT64, TensorProto.INT32
+    ax0, ax1, ax2 = (b.const(np.array([a], np.int64)) for a in (0, 1, 2))
+    keep = b.op("Not", b.op("Less", "mask", b.like(0.0, "mask")))                           # [B, S]
+    kept_g = b.op("And", b.op("Cast", "global", to=TensorProto.BOOL), keep)
+    kept_i = b.op("Cast", kept_g, to=i64)
+    before = b.op("CumSum", kept_i, b.const(np.int64(1)), exclusive=1)
+    count = b.reduce("ReduceSum", kept_i, [1])                                               # [B, 1]
+    g = b.const(np.int64(G))
+    slot_of = b.op("Where", kept_g, b.op("Min", before, g), g)                               # [B, S]
+    shape = b.op("Shape", "mask")
+    seq = b.op("Squeeze", b.op("Slice", shape, ax1, ax2), ax0)
+    positions = b.op("Expand", b.op("Unsqueeze", b.op("Range", b.const(np.int64(0)), seq, b.const(np.int64(1))),
+                                    ax0), shape)
+    zeros = b.op("ConstantOfShape", b.op("Concat", b.op("Slice", shape, ax0, ax1),
+                                         b.const(np.array([G + 1], np.int64)), axis=0),
+                 value=numpy_helper.from_array(np.zeros(1, np.int64), name=""))
+    idx = b.op("Slice", b.op("ScatterElements", zeros, slot_of, positions, axis=1), b.const(np.array([0], np.int64)),
+               b.const(np.array([G], np.int64)), ax1)                                         # [B, G]
+    used = b.op("Less", b.const(np.arange(G, dtype=np.int64)[None]), count)                  # [B, G]
+    over = b.op("Greater", count, g)                                                         # [B, 1]
+    rows = b.op("GatherND", "X", b.op("Unsqueeze", idx, ax2), batch_dims=1)                  # [B, G, N]
+    rows = b.op("Where", b.op("Unsqueeze", used, ax2), rows, b.like(0.0, "X"))
+    b.op("Where", b.op("Unsqueeze", over, ax2), b.like(math.nan, "X"), rows, out="slot_x")
+    b.op("Cast", b.op("Concat", used, b.op("Xor", keep, kept_g), axis=1), to=i32, out="local_key_padding_mask")
+    b.op("Cast", keep, to=i32, out="global_key_padding_mask")
+    b.op("Cast", b.op("Where", b.op("And", used, b.op("Not", over)), idx, b.const(np.int64(-1))), to=i32,
+         out="row_index")
+    return _function("StofGlobalSlots", GLOBAL_SLOTS_INPUTS, GLOBAL_SLOTS_OUTPUTS, b, ["slots"],
+                     global_slots_overload(G), opset, "Global tokens gathered into slots (docs/nodes.md).")
 
 
 # -- StofAddLayerNorm -----------------------------------------------------------------------------------------------
@@ -418,12 +509,17 @@ def build_functions(needed: set[tuple[str, str]], opset: int,
             base = overload.rsplit("spec", 1)[0].rstrip("_") if spec is not None else overload
             parts = base.split("_")
             out.append(sparse_attention_function(opset, "padding" in parts, "bias" in parts, "packed" in parts,
-                                                 base == "varlen", spec=spec, overload=overload, kv="kv" in parts))
+                                                 base == "varlen", spec=spec, overload=overload, kv="kv" in parts,
+                                                 flat="flat" in parts, rows="rows" in parts))
         elif op_type == "StofGemmEpilogue":
-            act = overload[:-len("_nobias")] if overload.endswith("_nobias") else overload
-            out.append(gemm_epilogue_function(opset, act, not overload.endswith("_nobias")))
+            prefix = overload.endswith("_prefix")
+            base = overload[:-len("_prefix")] if prefix else overload
+            act = base[:-len("_nobias")] if base.endswith("_nobias") else base
+            out.append(gemm_epilogue_function(opset, act, not base.endswith("_nobias"), prefix))
         elif op_type == "StofAddLayerNorm":
             out.append(add_layernorm_function(opset, "bias" in overload, "sum" in overload))
+        elif op_type == "StofGlobalSlots":
+            out.append(global_slots_function(opset, int(overload[1:])))
         else:
             raise ValueError(op_type)
     return out

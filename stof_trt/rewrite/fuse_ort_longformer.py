@@ -11,13 +11,13 @@ global query row attends to every key with the global projections. The global po
 they cannot be part of a static layout; their rows of X are gathered into G = min(S, ``MAX_GLOBAL``) *slots*, keys
 in front of the sequence, instead::
 
-    slots [B,G]  = the kept global tokens' positions in order (a prefix count of them scatters each into its slot)
-    X_ext        = Concat(X at the slots, X)                                                  [B, G+S, N]
-    local node   = StofSparseAttention(bshd_kv, Q = X·Wq + bq [B, S, H, D],
-                                       KV = X_ext·Wkv + bkv [B, G+S, 2, H, D])                  -> [B, S, H, D]
+    StofGlobalSlots(X, mask, global) -> X_slots [B, G, N] (X at the kept global tokens, in position order),
+                                        the two nodes' key padding masks, row_index [B, G] (each slot's position)
     global node  = StofSparseAttention(bshd_kv, Q = X_slots·Wgq + bgq [B, G, H, D],
                                        KV = X·Wgkv + bgkv [B, S, 2, H, D])                      -> [B, G, H, D]
-    Y            = ScatterElements(local out [B, S, N], rows slot position <- global rows)
+    Y = local node = StofSparseAttention(bshd_kv, Q = X·Wq + bq [B, S, H·D],
+                                         KV = Concat(X_slots, X)·Wkv + bkv [B, G+S, 2, H, D],
+                                         row_values = the global node's rows, row_index)       -> [B, S, H·D]
 
 Both layouts keep a shorter run-time length as their top-left corner (the slots are the first keys):
 
@@ -26,14 +26,15 @@ Both layouts keep a shorter run-time length as their top-left corner (the slots 
 * global [G, S]: every slot row attends every real position (kept keys: key_padding_mask = kept).
 
 The projections are ``StofGemmEpilogue`` nodes (bias in the GEMM's epilogue; MatMul + Add with
-``epilogues=False``): Q and K/V apart, so the global Q is projected for the G slot rows only. The merge scatters the
-G global rows into the local output, which becomes Y (an unused slot writes the row and value of slot 0, or of the
-local output's row 0 when no slot is used: duplicate indices with equal values).
+``epilogues=False``): Q and K/V apart, so the global Q is projected for the G slot rows only. The local K/V GEMM
+takes the slot rows as its ``prefix`` input, so the concatenation of X is never copied (two GEMMs write their rows
+of the K/V tensor), and the local node writes Y itself, with the global rows written over it at their positions
+(row_values / row_index): no copy of the output either.
 
 A padded global token (mask < 0) takes no slot: it is masked as a key, and its query row is not defined by the op.
 More kept global tokens than G in a sequence cannot be represented: the slot rows of X become NaN, so every local
-row of that sequence is NaN (it attends every slot's NaN key and value), and so do the global rows (set to NaN
-before the merge) — never silently wrong. With a dynamic sequence axis G is also at most 2W (the op needs S to be a
+row of that sequence is NaN (it attends every slot's NaN key and value), and the global rows keep those NaN rows
+(row_index -1) — never silently wrong. With a dynamic sequence axis G is also at most 2W (the op needs S to be a
 multiple of 2W, so the slots always fit a run-time length). Rows whose own mask is < 0 (padding) are not defined by
 the op and may differ.
 """
@@ -50,6 +51,7 @@ from ..masks import TILE_EMPTY, TILE_FULL, TILE_UNKNOWN, Diagonals, Full, MaskSp
 
 from .attention_common import AttentionEmitter, AttentionPlan
 from .base import Fusion, Match
+from .functions import gemm_overload, global_slots_overload
 from .matcher import const_value
 from .ort_contrib import ORT_DOMAIN, present, tensor_shapes
 
@@ -177,13 +179,12 @@ class FuseOrtLongformerAttention(Fusion):
                                   layout=glob, mask_source=f"LongformerAttention global rows ({G} slots) & key "
                                                            "padding from mask")
             info = dict(lplan.info(), anchor=node.name, window=W, global_slots=G, key_padding=True)
-            m.build = self._builder(node, lplan, gplan, S, G, N, static, info)
+            m.build = self._builder(node, lplan, gplan, G, N, info)
             m.info = info
             kept.append(m)
         return kept
 
-    def _builder(self, node, lplan: AttentionPlan, gplan: AttentionPlan, S: int, G: int, N: int, static: bool,
-                 info: dict):
+    def _builder(self, node, lplan: AttentionPlan, gplan: AttentionPlan, G: int, N: int, info: dict):
         x, w, b, mask, wg, bg, glob = node.inputs[:7]
         y = node.outputs[0]
         H, D = lplan.heads, lplan.head_dim
@@ -194,109 +195,58 @@ class FuseOrtLongformerAttention(Fusion):
             u = self.ctx.unique
             const = self.new_const
 
-            def op(kind, inputs, dtype=None, n_out=1, outputs=None, **attrs):
-                outs = outputs or [self.new_var(f"stof_lf_{kind.lower()}", dtype=dtype) for _ in range(n_out)]
-                new.append(gs.Node(kind, u(f"stof_lf_{kind.lower()}"), attrs, inputs, outs))
-                return outs[0] if len(outs) == 1 else outs
+            def op(kind, inputs, dtype, **attrs):
+                out = self.new_var(f"stof_lf_{kind.lower()}", dtype=dtype)
+                new.append(gs.Node(kind, u(f"stof_lf_{kind.lower()}"), attrs, inputs, [out]))
+                return out
 
             def i64(prefix, value):
                 return const(f"stof_lf_{prefix}", np.array(value, np.int64))
 
-            def scalar_like(prefix, value, t):
-                """``value`` in t's element type: a constant when the graph declares it, else a CastLike."""
-                try:
-                    if t.dtype is not None:
-                        return const(f"stof_lf_{prefix}", np.array(value, np.dtype(t.dtype)))
-                except TypeError:  # an element type numpy does not have (bfloat16)
-                    pass
-                return op("CastLike", [const(f"stof_lf_{prefix}", np.array(value, np.float32)), t], None)
-
-            seq_end = None if static else op("Shape", [glob], np.int64, start=1, end=2)
-
-            def per_position(prefix, values):
-                """A [1, S] constant; with a dynamic sequence axis its first run-time S columns."""
-                c = const(f"stof_lf_{prefix}", values[None])
-                return c if static else op("Slice", [c, i64("s0", [0]), seq_end, i64("ax1", [1])], values.dtype)
-
-            # -- slots: the kept global tokens first, in position order. A kept global token's slot is the number of
-            # kept global tokens before it (a prefix count), capped at G; the positions are scattered into G + 1
-            # columns, the last taking every other token (its value is never read). An unused slot holds
-            # position 0 (its row of X is gathered and masked as a key).
-            keep = op("Not", [op("Less", [mask, scalar_like("zero", 0.0, mask)], np.bool_)], np.bool_)
-            is_g = op("Cast", [glob], np.bool_, to=9)
-            kept_g = op("And", [is_g, keep], np.bool_)
-            before = op("CumSum", [op("Cast", [kept_g], np.int64, to=7), i64("axis1c", 1)], np.int64, exclusive=1)
-            slot_of = op("Where", [kept_g, op("Min", [before, i64("gmax", G)], np.int64), i64("gcol", G)], np.int64)
-            positions = op("Expand", [per_position("pos", np.arange(S, dtype=np.int64)),
-                                      op("Shape", [slot_of], np.int64)], np.int64)
-            slot_shape = op("Concat", [op("Shape", [slot_of], np.int64, start=0, end=1), i64("g1", [G + 1])],
-                            np.int64, axis=0)
-            zeros = op("Expand", [const("stof_lf_zero_slots", np.zeros((1, G + 1), np.int64)), slot_shape], np.int64)
-            scattered = op("ScatterElements", [zeros, slot_of, positions], np.int64, axis=1)
-            idx = op("Slice", [scattered, i64("s0i", [0]), i64("gi", [G]), i64("ax1i", [1])], np.int64)
-            count = op("ReduceSum", [op("Cast", [kept_g], np.float32, to=1), i64("axis1", [1])], np.float32,
-                       keepdims=1)                                                               # [B, 1]
-            slot_used = op("Less", [const("stof_lf_slots", np.arange(G, dtype=np.float32)[None]), count],
-                           np.bool_)                                                             # [B, G]
-            # -- X_ext = [X at the slots ; X]; NaN slots for a sequence with more kept global tokens than slots
-            slot_x = op("GatherND", [x, op("Unsqueeze", [idx, i64("axis2", [2])], np.int64)], x.dtype, batch_dims=1)
-            over = op("Greater", [op("Unsqueeze", [count, i64("axis2b", [2])], np.float32),
-                                  const("stof_lf_gcap", np.array(G, np.float32))], np.bool_)     # [B, 1, 1]
-            nan = scalar_like("nan", np.nan, x)
-            slot_x = op("Where", [over, nan, slot_x], x.dtype)
-            x_ext = op("Concat", [slot_x, x], x.dtype, axis=1)
+            # -- slots: X's rows of the kept global tokens, the two nodes' key padding, the global rows' positions
+            slot_x = self.new_var("stof_lf_slot_x", dtype=x.dtype)
+            local_kpm, global_kpm, row_index = (self.new_var(f"stof_lf_{n}", dtype=np.int32)
+                                                for n in ("local_kpm", "global_kpm", "row_index"))
+            slots = gs.Node("StofGlobalSlots", u("StofGlobalSlots"), {"slots": G}, [x, mask, glob],
+                            [slot_x, local_kpm, global_kpm, row_index], domain="stof")
+            self.ctx.overloads[slots.name] = global_slots_overload(G)
+            self.ctx.functions.add(("StofGlobalSlots", global_slots_overload(G)))
+            new.append(slots)
 
             wv, bv, wgv, bgv = (const_value(t) for t in (w, b, wg, bg))
 
-            def project(x_in, wmat, bvec, cols, shape, prefix):
-                """x_in · wmat[:, cols] + bvec[cols] reshaped to ``shape``, the bias in the GEMM's epilogue."""
+            def project(x_in, wmat, bvec, cols, shape, name, rows_before=None):
+                """[rows_before ; x_in] · wmat[:, cols] + bvec[cols], reshaped to ``shape`` unless None, the bias in
+                the GEMM's epilogue (rows_before: the GEMM node's prefix input, else a Concat)."""
                 wpart = np.ascontiguousarray(wmat[:, cols])
                 bpart = np.ascontiguousarray(bvec.reshape(3 * N)[cols])
                 if epilogues:
-                    out = self.new_var(f"stof_lf_{prefix}", dtype=x.dtype)
+                    out = self.new_var(f"stof_lf_{name}", dtype=x.dtype)
+                    inputs = [x_in, const(f"stof_lf_{name}_w", wpart), const(f"stof_lf_{name}_b", bpart)]
+                    overload = gemm_overload("none", prefix=rows_before is not None)
                     gemm = gs.Node("StofGemmEpilogue", u("StofGemmEpilogue"), {"activation": "none"},
-                                   [x_in, const(f"stof_lf_{prefix}_w", wpart), const(f"stof_lf_{prefix}_b", bpart)],
-                                   [out], domain="stof")
-                    self.ctx.overloads[gemm.name] = "none"
-                    self.ctx.functions.add(("StofGemmEpilogue", "none"))
+                                   inputs + ([rows_before] if rows_before is not None else []), [out], domain="stof")
+                    self.ctx.overloads[gemm.name] = overload
+                    self.ctx.functions.add(("StofGemmEpilogue", overload))
                     new.append(gemm)
                 else:
-                    out = op("Add", [op("MatMul", [x_in, const(f"stof_lf_{prefix}_w", wpart)], x.dtype),
-                                     const(f"stof_lf_{prefix}_b", bpart)], x.dtype)
-                return op("Reshape", [out, i64(f"{prefix}_shape", shape)], x.dtype)
+                    if rows_before is not None:
+                        x_in = op("Concat", [rows_before, x_in], x.dtype, axis=1)
+                    out = op("Add", [op("MatMul", [x_in, const(f"stof_lf_{name}_w", wpart)], x.dtype),
+                                     const(f"stof_lf_{name}_b", bpart)], x.dtype)
+                return out if shape is None else op("Reshape", [out, i64(f"{name}_shape", shape)], x.dtype)
 
             q_cols, kv_cols = slice(0, N), slice(N, 3 * N)
             emitter = AttentionEmitter(self)
-            # band keys: kept and not global (a kept global key is in a slot, and counts once)
-            band_keep = op("Xor", [keep, kept_g], np.bool_)
-            lplan.padding_tensor = op("Concat", [slot_used, band_keep], np.bool_, axis=1)
-            local_out = self.new_var("stof_lf_local", dtype=y.dtype)
-            emitter.node(lplan, project(x, wv, bv, q_cols, [0, 0, H, D], "q"),
-                         project(x_ext, wv, bv, kv_cols, [0, 0, 2, H, D], "kv"), None, local_out, new)
-            gplan.padding_tensor = keep
+            gplan.padding_tensor = global_kpm
             global_out = self.new_var("stof_lf_global", dtype=y.dtype)
             emitter.node(gplan, project(slot_x, wgv, bgv, q_cols, [0, 0, H, D], "gq"),
                          project(x, wgv, bgv, kv_cols, [0, 0, 2, H, D], "gkv"), None, global_out, new)
-            # -- merge: the global rows [B, G, N] into the local output at their positions. An unused slot writes
-            # slot 0's row and value (duplicate indices with equal values), or, when no slot is used, the local
-            # output's row 0 unchanged. ScatterElements over [B, G, N] indices: one thread per element (ScatterND's
-            # CUDA kernel gives each row to one thread, ~0.4 ms at B=8).
-            local_flat = op("Reshape", [local_out, i64("out_shape", [0, 0, N])], y.dtype)
-            slot_rows = op("Reshape", [global_out, i64("out_shape2", [0, 0, N])], y.dtype)
-            # NaN queries may read as an empty row to a kernel (no finite score): the NaN set here, not derived
-            slot_rows = op("Where", [over, nan, slot_rows], y.dtype)
-            first_row = op("Slice", [slot_rows, i64("s0f", [0]), i64("s1f", [1]), i64("ax1f", [1])], y.dtype)
-            local_row0 = op("Slice", [local_flat, i64("s0l", [0]), i64("s1l", [1]), i64("ax1l", [1])], y.dtype)
-            any_used = op("Greater", [op("Unsqueeze", [count, i64("axis2c", [2])], np.float32),
-                                      const("stof_lf_zero_f", np.array(0, np.float32))], np.bool_)   # [B, 1, 1]
-            fill = op("Where", [any_used, first_row, local_row0], y.dtype)                               # [B, 1, N]
-            used3 = op("Unsqueeze", [slot_used, i64("axis2u", [2])], np.bool_)                           # [B, G, 1]
-            updates = op("Where", [used3, slot_rows, fill], y.dtype)
-            first_idx = op("Slice", [idx, i64("s0i2", [0]), i64("s1i2", [1]), i64("ax1i2", [1])], np.int64)
-            row = op("Where", [slot_used, idx, first_idx], np.int64)                                     # [B, G]
-            where = op("Expand", [op("Unsqueeze", [row, i64("axis2r", [2])], np.int64), i64("gn", [1, 1, N])],
-                       np.int64)
-            op("ScatterElements", [local_flat, where, updates], axis=1, outputs=[y])
+            # the local node writes Y ([B, S, N] rows): its own rows, then the global rows at their positions
+            lplan.padding_tensor = local_kpm
+            emitter.node(lplan, project(x, wv, bv, q_cols, None, "q"),
+                         project(x, wv, bv, kv_cols, [0, 0, 2, H, D], "kv", rows_before=slot_x), None, y, new,
+                         flat=True, rows=(global_out, row_index))
             info["name"] = lplan.name
             ginfo = dict(gplan.info(), anchor=node.name, global_slots=G)
             ginfo.pop("kind", None)

@@ -33,7 +33,9 @@ constexpr int kMaxHeuristics = 16;               // heuristic results asked for;
                        static_cast<int>(s_));                                                                \
     } while (0)
 
-using PlanKey = std::tuple<int32_t, int64_t, int64_t, int64_t, int32_t, bool, uint32_t, size_t, int32_t>;
+// dtype, M (bucketed when batch == 1), N, K, activation, bias, alignment, workspace, algo, batch, Y's batch stride
+using PlanKey =
+    std::tuple<int32_t, int64_t, int64_t, int64_t, int32_t, bool, uint32_t, size_t, int32_t, int64_t, int64_t>;
 
 // Plans are per row-count bucket, not per M: with padding removal M is the batch's real token count, new on almost
 // every call, and a heuristic query per call costs more than the GEMM.  A plan's algorithm comes from the bucket's
@@ -61,8 +63,7 @@ struct Plan {
     }
 };
 
-uint32_t alignmentOf(void const* p) {
-    auto v = reinterpret_cast<uintptr_t>(p);
+uint32_t alignmentOf(uintptr_t v) {
     uint32_t a = 256;
     while (a > 1 && (v % a) != 0) a >>= 1;
     return a;
@@ -80,7 +81,7 @@ struct stof_gemm_context {
 namespace {
 
 stof_epi_status_t buildPlan(stof_gemm_context* ctx, PlanKey const& key, Plan& plan) {
-    auto [dtype, m, n, k, act, hasBias, align, wsBytes, algo] = key;
+    auto [dtype, m, n, k, act, hasBias, align, wsBytes, algo, batch, yStride] = key;
     cudaDataType_t dt = dtype == STOF_EPI_FP32 ? CUDA_R_32F : dtype == STOF_EPI_FP16 ? CUDA_R_16F : CUDA_R_16BF;
     STOF_EPI_CUBLAS(cublasLtMatmulDescCreate(&plan.mOp, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     cublasOperation_t opN = CUBLAS_OP_N;
@@ -100,6 +101,17 @@ stof_epi_status_t buildPlan(stof_gemm_context* ctx, PlanKey const& key, Plan& pl
     STOF_EPI_CUBLAS(cublasLtMatrixLayoutCreate(&plan.mA, dt, n, k, n));
     STOF_EPI_CUBLAS(cublasLtMatrixLayoutCreate(&plan.mB, dt, k, m, k));
     STOF_EPI_CUBLAS(cublasLtMatrixLayoutCreate(&plan.mC, dt, n, m, n));
+    if (batch > 1) {  // W broadcast (stride 0), X contiguous, Y at its batch stride; the bias is broadcast too
+        const int32_t count = static_cast<int32_t>(batch);
+        const int64_t strides[3] = {0, m * k, yStride};
+        cublasLtMatrixLayout_t layouts[3] = {plan.mA, plan.mB, plan.mC};
+        for (int i = 0; i < 3; ++i) {
+            STOF_EPI_CUBLAS(cublasLtMatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count,
+                                                             sizeof(count)));
+            STOF_EPI_CUBLAS(cublasLtMatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                                                             &strides[i], sizeof(strides[i])));
+        }
+    }
 
     cublasLtMatmulPreference_t pref = nullptr;
     STOF_EPI_CUBLAS(cublasLtMatmulPreferenceCreate(&pref));
@@ -170,11 +182,12 @@ extern "C" stof_epi_status_t stof_gemm_epilogue_run(stof_gemm_context_t ctx, int
                                        stream);
 }
 
-extern "C" stof_epi_status_t stof_gemm_epilogue_run_algo(stof_gemm_context_t ctx, int32_t dtype, int64_t m,
-                                                         int64_t n, int64_t k, const void* x, const void* w,
-                                                         const void* bias, int32_t activation, int32_t algo, void* y,
-                                                         void* workspace, size_t workspaceBytes,
-                                                         stof_epi_stream_t stream) {
+namespace {
+
+// Y rows of batch i at y + i * yStride elements; batch == 1 is the plain row-major GEMM.
+stof_epi_status_t runGemm(stof_gemm_context_t ctx, int32_t dtype, int64_t batch, int64_t m, int64_t n, int64_t k,
+                          const void* x, const void* w, const void* bias, int32_t activation, int32_t algo, void* y,
+                          int64_t yStride, void* workspace, size_t workspaceBytes, stof_epi_stream_t stream) {
     try {
         STOF_EPI_CHECK(ctx != nullptr && x != nullptr && w != nullptr && y != nullptr,
                        STOF_EPI_ERROR_INVALID_ARGUMENT, "null context or tensor pointer");
@@ -187,11 +200,21 @@ extern "C" stof_epi_status_t stof_gemm_epilogue_run_algo(stof_gemm_context_t ctx
                        "algo must be >= -1 or STOF_GEMM_ALGO_TIMED, got %d", algo);
         STOF_EPI_CHECK(workspace != nullptr || workspaceBytes == 0, STOF_EPI_ERROR_INVALID_ARGUMENT,
                        "workspace NULL with %zu bytes", workspaceBytes);
-        uint32_t align = alignmentOf(x);
+        STOF_EPI_CHECK(batch >= 1 && yStride >= m * n, STOF_EPI_ERROR_INVALID_ARGUMENT,
+                       "batch %lld, Y batch stride %lld: expected batch >= 1 and a stride >= M*N",
+                       static_cast<long long>(batch), static_cast<long long>(yStride));
+        const uintptr_t elem = dtype == STOF_EPI_FP32 ? 4 : 2;
+        uint32_t align = alignmentOf(reinterpret_cast<uintptr_t>(x));
         for (void const* p : {static_cast<void const*>(w), static_cast<void const*>(y), bias}) {
-            if (p != nullptr) align = std::min(align, alignmentOf(p));
+            if (p != nullptr) align = std::min(align, alignmentOf(reinterpret_cast<uintptr_t>(p)));
         }
-        PlanKey key{dtype, rowBucket(m), n, k, activation, bias != nullptr, align, workspaceBytes, algo == -1 ? 0 : algo};
+        if (batch > 1) {  // every batch's X and Y start at these strides from the first
+            align = std::min(align, alignmentOf(static_cast<uintptr_t>(m * k) * elem));
+            align = std::min(align, alignmentOf(static_cast<uintptr_t>(yStride) * elem));
+        }
+        // a batched plan's strides follow M, so it keeps its exact M; yStride is in the key for batch > 1 only
+        PlanKey key{dtype, batch > 1 ? m : rowBucket(m), n, k, activation, bias != nullptr, align, workspaceBytes,
+                    algo == -1 ? 0 : algo, batch, batch > 1 ? yStride : 0};
         std::lock_guard<std::mutex> lock(ctx->mMutex);
         // the context's plan of a key, built on first use
         auto planOf = [&](PlanKey const& pk, Plan*& out) -> stof_epi_status_t {
@@ -277,7 +300,14 @@ extern "C" stof_epi_status_t stof_gemm_epilogue_run_algo(stof_gemm_context_t ctx
         STOF_EPI_CHECK(st == CUBLAS_STATUS_SUCCESS, STOF_EPI_ERROR_CUBLAS, "cublasLtMatmul: cuBLAS status %d",
                        static_cast<int>(st));
         if (activation == STOF_ACT_GELU_ERF) {
-            STOF_EPI_CUDA(stof_epi::launchGeluErfInPlace(dtype, y, m * n, cs));
+            if (batch == 1 || yStride == m * n) {
+                STOF_EPI_CUDA(stof_epi::launchGeluErfInPlace(dtype, y, batch * m * n, cs));
+            } else {
+                for (int64_t i = 0; i < batch; ++i) {
+                    STOF_EPI_CUDA(stof_epi::launchGeluErfInPlace(
+                        dtype, static_cast<char*>(y) + static_cast<uintptr_t>(i * yStride) * elem, m * n, cs));
+                }
+            }
         }
         return STOF_EPI_SUCCESS;
     } catch (std::exception const& e) {
@@ -286,4 +316,24 @@ extern "C" stof_epi_status_t stof_gemm_epilogue_run_algo(stof_gemm_context_t ctx
         stof_epi::setLastError("unknown exception");
     }
     return STOF_EPI_ERROR_CUBLAS;
+}
+
+}  // namespace
+
+extern "C" stof_epi_status_t stof_gemm_epilogue_run_algo(stof_gemm_context_t ctx, int32_t dtype, int64_t m,
+                                                         int64_t n, int64_t k, const void* x, const void* w,
+                                                         const void* bias, int32_t activation, int32_t algo, void* y,
+                                                         void* workspace, size_t workspaceBytes,
+                                                         stof_epi_stream_t stream) {
+    return runGemm(ctx, dtype, 1, m, n, k, x, w, bias, activation, algo, y, m * n, workspace, workspaceBytes, stream);
+}
+
+extern "C" stof_epi_status_t stof_gemm_epilogue_run_strided(stof_gemm_context_t ctx, int32_t dtype, int64_t batch,
+                                                            int64_t m, int64_t n, int64_t k, const void* x,
+                                                            const void* w, const void* bias, int32_t activation,
+                                                            int32_t algo, void* y, int64_t y_batch_stride,
+                                                            void* workspace, size_t workspaceBytes,
+                                                            stof_epi_stream_t stream) {
+    return runGemm(ctx, dtype, batch, m, n, k, x, w, bias, activation, algo, y, y_batch_stride, workspace,
+                   workspaceBytes, stream);
 }

@@ -21,3 +21,9 @@ extern "C" stof_epi_status_t stof_gemm_epilogue_run_algo(stof_gemm_context_t, in
     stof_epi::setLastError("libstof_epilogue was built without cuBLASLt");
     return STOF_EPI_ERROR_UNSUPPORTED;
 }
+extern "C" stof_epi_status_t stof_gemm_epilogue_run_strided(stof_gemm_context_t, int32_t, int64_t, int64_t, int64_t,
+                                                            int64_t, const void*, const void*, const void*, int32_t,
+                                                            int32_t, void*, int64_t, void*, size_t, stof_epi_stream_t) {
+    stof_epi::setLastError("libstof_epilogue was built without cuBLASLt");
+    return STOF_EPI_ERROR_UNSUPPORTED;
+}

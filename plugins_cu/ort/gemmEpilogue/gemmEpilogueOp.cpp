@@ -70,8 +70,19 @@ void GemmEpilogueKernel::compute(Ort::KernelContext& ctx) {
         STOF_VALIDATE(bias.shape.size() == 1 && bias.shape[0] == N, "bias shape ", shapeStr(bias.shape),
                       ", expected [", N, "]");
     }
+    TensorArg prefix = getInput(ctx, 3);
+    int64_t batch = 1, seq = 0, slots = 0;  // with a prefix: X [batch, seq, K], P [batch, slots, K]
     std::vector<int64_t> yShape = x.shape;
     yShape.back() = N;
+    if (prefix.present) {
+        expectType(prefix, mType, "prefix");
+        STOF_VALIDATE(x.shape.size() == 3 && prefix.shape.size() == 3 && prefix.shape[0] == x.shape[0] &&
+                          prefix.shape[2] == K,
+                      "prefix shape ", shapeStr(prefix.shape), " and X shape ", shapeStr(x.shape),
+                      ": expected [B, G, K] and [B, S, K] with K = ", K);
+        batch = x.shape[0], seq = x.shape[1], slots = prefix.shape[1];
+        yShape[1] = slots + seq;
+    }
     Ort::UnownedValue y = ctx.GetOutput(0, yShape);
     int64_t const M = numel(x.shape) / (K == 0 ? 1 : K);
     if (numel(yShape) == 0) return;
@@ -97,17 +108,42 @@ void GemmEpilogueKernel::compute(Ort::KernelContext& ctx) {
     // a node without a measured `algo` (stof tune) times cuBLASLt's first candidates at the first call of each
     // row-count bucket, like the attention nodes' first-use timing (off: the heuristic's first)
     int32_t const algo = mAlgo >= 0 ? static_cast<int32_t>(mAlgo) : mFirstUseTiming ? STOF_GEMM_ALGO_TIMED : -1;
-    stof_epi_status_t s = stof_gemm_epilogue_run_algo(gemm, epiDType(mType), M, N, K, x.data, w.data,
-                                                      bias.present ? bias.data : nullptr, mActivation,
-                                                      algo, yData, ws.data(), ws.bytes(),
-                                                      reinterpret_cast<stof_epi_stream_t>(stream));
-    STOF_REQUIRE(s == STOF_EPI_SUCCESS, s == STOF_EPI_ERROR_INVALID_ARGUMENT ? ORT_INVALID_ARGUMENT : ORT_FAIL,
-                 "stof_gemm_epilogue_run: ", stof_epi_status_string(s), ": ", stof_epi_last_error_message());
+    auto check = [](stof_epi_status_t s) {
+        STOF_REQUIRE(s == STOF_EPI_SUCCESS, s == STOF_EPI_ERROR_INVALID_ARGUMENT ? ORT_INVALID_ARGUMENT : ORT_FAIL,
+                     "stof_gemm_epilogue_run: ", stof_epi_status_string(s), ": ", stof_epi_last_error_message());
+    };
+    auto const cs = reinterpret_cast<stof_epi_stream_t>(stream);
+    void const* b = bias.present ? bias.data : nullptr;
+    if (!prefix.present) {
+        check(stof_gemm_epilogue_run_algo(gemm, epiDType(mType), M, N, K, x.data, w.data, b, mActivation, algo,
+                                          yData, ws.data(), ws.bytes(), cs));
+        return;
+    }
+    // rows [0, G) of each sequence from the prefix, rows [G, G+S) from X: each GEMM writes its slice of Y
+    size_t const elem = mType == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? 4 : 2;
+    int64_t const stride = (slots + seq) * N;
+    if (slots > 0)
+        check(stof_gemm_epilogue_run_strided(gemm, epiDType(mType), batch, slots, N, K, prefix.data, w.data, b,
+                                             mActivation, algo, yData, stride, ws.data(), ws.bytes(), cs));
+    if (seq > 0)
+        check(stof_gemm_epilogue_run_strided(gemm, epiDType(mType), batch, seq, N, K, x.data, w.data, b,
+                                             mActivation, algo, static_cast<char*>(yData) + slots * N * elem, stride,
+                                             ws.data(), ws.bytes(), cs));
 }
 
 GemmEpilogueOp::GemmEpilogueOp(ONNXTensorElementDataType type, bool firstUseTiming)
     : mType(type), mFirstUseTiming(firstUseTiming) {
     OrtCustomOp::InferOutputShapeFn = [](OrtCustomOp const* op, OrtShapeInferContext* ctx) -> OrtStatusPtr {
+        // with a prefix the sequence axis is G + S: left to the kernel rather than inferred wrong
+        size_t count = 0;
+        OrtStatusPtr s = Ort::GetApi().ShapeInferContext_GetInputCount(ctx, &count);
+        if (s != nullptr) return s;
+        if (count >= 4) {
+            OrtTensorTypeAndShapeInfo* prefix = nullptr;
+            OrtStatusPtr p = Ort::GetApi().ShapeInferContext_GetInputTypeShape(ctx, 3, &prefix);
+            if (p != nullptr) Ort::GetApi().ReleaseStatus(p);
+            else if (prefix != nullptr) return nullptr;
+        }
         return inferShapeFromInput(ctx, 0, static_cast<GemmEpilogueOp const*>(op)->mType, 1, 1);
     };
 }

@@ -1,5 +1,7 @@
 // StofGemmEpilogue on ONNX Runtime's CUDA EP: Y[...,N] = act(X[...,K] . W[K,N] + bias[N]) through
-// stof_gemm_epilogue_run (cuBLASLt with the bias / GELU in the GEMM epilogue).
+// stof_gemm_epilogue_run (cuBLASLt with the bias / GELU in the GEMM epilogue).  With the optional input `prefix`
+// P [B, G, K] and X [B, S, K]: Y [B, G+S, N] = act(Concat(P, X, axis=1) . W + bias), two strided-batched GEMMs
+// that write their rows of Y in place (no concatenated copy of the inputs).
 #ifndef STOF_ORT_GEMM_EPILOGUE_OP_H
 #define STOF_ORT_GEMM_EPILOGUE_OP_H
 
@@ -35,10 +37,10 @@ public:
     OrtStatusPtr CreateKernelV2(OrtApi const& api, OrtKernelInfo const* info, void** kernel) const;
     char const* GetName() const { return kGEMM_EPILOGUE_NAME; }
     char const* GetExecutionProviderType() const { return kCUDA_EP; }
-    size_t GetInputTypeCount() const { return 3; }
+    size_t GetInputTypeCount() const { return 4; }  // X, W, bias (optional), prefix (optional)
     ONNXTensorElementDataType GetInputType(size_t) const { return mType; }
     OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
-        return index == 2 ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL
+        return index >= 2 ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL
                           : OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_REQUIRED;
     }
     size_t GetOutputTypeCount() const { return 1; }

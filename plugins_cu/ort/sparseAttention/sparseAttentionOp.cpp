@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "genericAttention.h"
+#include "stof/stof_epilogue.h"
 
 namespace stof_ort {
 namespace {
@@ -102,6 +103,11 @@ SparseAttentionKernel::SparseAttentionKernel(OrtKernelInfo const* info, ONNXTens
     mTokens = qkvFormat == "t3hd";
     mPacked = qkvFormat == "bs3hd" || mTokens;  // K and V come from the query tensor
     mKvPacked = qkvFormat == "bshd_kv";         // K and V come from the key tensor
+    try {
+        mNumHeads = ki.GetAttribute<int64_t>("num_heads");
+    } catch (Ort::Exception const&) {  // absent: the query's shape has the heads
+    }
+    STOF_VALIDATE(mNumHeads >= 0, "num_heads ", mNumHeads, " is negative");
     // version 1 (one bitmap per PARTIAL tile) is version 2 without shared bitmaps: read both
     STOF_VALIDATE(mFormatVersion >= 1 && mFormatVersion <= STOF_FORMAT_VERSION, "format_version ", mFormatVersion,
                   " (this plugin reads 1 to ", STOF_FORMAT_VERSION, ")");
@@ -244,7 +250,7 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
     for (size_t i = 0; i < kSA_NUM_INPUTS; ++i) in[i] = getInput(ctx, i);
     static char const* kNames[kSA_NUM_INPUTS] = {"query", "key", "value", "row_ptr", "col_idx",
                                                  "tile_bitmap_index", "bitmaps", "key_padding_mask", "attn_bias",
-                                                 "seq_offsets"};
+                                                 "seq_offsets", "row_values", "row_index"};
     for (size_t i = 0; i <= kBITMAPS; ++i) {
         if (mKvPacked && i == kVALUE) {
             STOF_VALIDATE(!in[i].present, "qkv_format 'bshd_kv' reads V from the packed key: input 'value' must be "
@@ -261,9 +267,13 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
     for (size_t i : {kQUERY, kKEY, kVALUE}) {
         if ((mPacked && i != kQUERY) || (mKvPacked && i == kVALUE)) continue;
         expectType(in[i], mType, kNames[i]);
+        if (mKvPacked && i == kQUERY && mNumHeads > 0) {  // rows of H*D
+            expectRank(in[i], 3, kNames[i]);
+            continue;
+        }
         expectRank(in[i], (mPacked && !mTokens) || (mKvPacked && i == kKEY) ? 5 : 4, kNames[i]);
     }
-    for (size_t i = kROW_PTR; i <= kKEY_PADDING_MASK; ++i)
+    for (size_t i : {kROW_PTR, kCOL_IDX, kTILE_BITMAP_INDEX, kBITMAPS, kKEY_PADDING_MASK, kROW_INDEX})
         if (in[i].present) expectType(in[i], ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32, kNames[i]);
     TensorArg const& offsets = in[kSEQ_OFFSETS];
     if (mTokens) {
@@ -312,9 +322,17 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
         oSt[0] = Sq * H * D, oSt[1] = D, oSt[2] = H * D;
         outShape = {B, Sq, H, D};
     } else if (mKvPacked) {
-        // query [B,Sq,H,D]; key [B,Sk,2,Hkv,D]: K and V of one projection; output [B,Sq,H,D]
+        // query [B,Sq,H,D] (or [B,Sq,H*D] with num_heads); key [B,Sk,2,Hkv,D]: K and V of one projection; output
+        // the query's shape
         auto const& ks = in[kKEY].shape;
-        B = qs[0], Sq = qs[1], H = qs[2], D = qs[3];
+        B = qs[0], Sq = qs[1];
+        if (qs.size() == 3) {
+            STOF_VALIDATE(qs[2] % mNumHeads == 0, "query shape ", shapeStr(qs), ": the last dim is not num_heads = ",
+                          mNumHeads, " times the head dim");
+            H = mNumHeads, D = qs[2] / mNumHeads;
+        } else {
+            H = qs[2], D = qs[3];
+        }
         STOF_VALIDATE(ks[0] == B && ks[2] == 2 && ks[3] >= 1 && H % ks[3] == 0 && ks[4] == D, "packed key shape ",
                       shapeStr(ks), " is not [B,Sk,2,Hkv,D] for query ", shapeStr(qs),
                       " ([B,Sq,H,D], H a multiple of Hkv)");
@@ -372,12 +390,37 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
         }
     }
 
+    // rows another node computed (LongformerAttention's global rows), written over the output after the attention
+    TensorArg const& rowValues = in[kROW_VALUES];
+    TensorArg const& rowIndex = in[kROW_INDEX];
+    STOF_VALIDATE(rowValues.present == rowIndex.present, "row_values and row_index go together");
+    if (rowValues.present) {
+        STOF_VALIDATE(!mTokens, "qkv_format 't3hd' takes no row_values");
+        expectType(rowValues, mType, "row_values");
+        STOF_VALIDATE(rowValues.shape.size() == 4 && rowValues.shape[0] == B && rowValues.shape[2] == H &&
+                          rowValues.shape[3] == D && rowIndex.shape == std::vector<int64_t>({B, rowValues.shape[1]}),
+                      "row_values shape ", shapeStr(rowValues.shape), " and row_index shape ",
+                      shapeStr(rowIndex.shape), ": expected [B, R, H, D] = [", B, ", R, ", H, ", ", D, "] and [B, R]");
+    }
+
     Ort::UnownedValue out = ctx.GetOutput(0, outShape);
     void* o = out.GetTensorMutableRawData();
     if (B == 0 || H == 0 || Sq == 0 || D == 0 || (mTokens && qs[0] == 0)) return;
     size_t const elemBytes = mType == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? 4 : 2;
+    auto writeRows = [&] {
+        if (!rowValues.present) return;
+        int32_t const dt = mType == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16    ? STOF_EPI_FP16
+                           : mType == ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16 ? STOF_EPI_BF16
+                                                                             : STOF_EPI_FP32;
+        stof_epi_status_t s = stof_rows_scatter_run(dt, B, rowValues.shape[1], H, D, rowValues.data,
+                                                    static_cast<int32_t const*>(rowIndex.data), Sq, o, oSt[0], oSt[1],
+                                                    oSt[2], reinterpret_cast<stof_epi_stream_t>(stream));
+        STOF_REQUIRE(s == STOF_EPI_SUCCESS, s == STOF_EPI_ERROR_INVALID_ARGUMENT ? ORT_INVALID_ARGUMENT : ORT_FAIL,
+                     "stof_rows_scatter_run: ", stof_epi_status_string(s), ": ", stof_epi_last_error_message());
+    };
     if (Sk == 0) {  // no key at all: every row outputs 0
         STOF_CUDA_THROW(cudaMemsetAsync(o, 0, static_cast<size_t>(B * H * Sq * D) * elemBytes, stream));
+        writeRows();
         return;
     }
     STOF_VALIDATE(D <= kGENERIC_MAX_HEAD_DIM, "head dim ", D, " above ", kGENERIC_MAX_HEAD_DIM);
@@ -428,7 +471,10 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
             p.workspace_bytes = static_cast<int64_t>(ws.bytes());
             s = stof_attn_run(&p, tactic, reinterpret_cast<stof_stream_t>(stream));
         }
-        if (s == STOF_SUCCESS) return;
+        if (s == STOF_SUCCESS) {
+            writeRows();
+            return;
+        }
         // UNSUPPORTED by the tensor-core kernels: the general kernel below
         STOF_REQUIRE(s == STOF_ERROR_UNSUPPORTED, s == STOF_ERROR_INVALID_ARGUMENT ? ORT_INVALID_ARGUMENT : ORT_FAIL,
                      "stof kernels: ", stof_status_string(s), ": ", stof_last_error_message());
@@ -456,6 +502,7 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
     g.bias = bias.present ? bias.data : nullptr;
     for (int d = 0; d < 4; ++d) g.biasStride[d] = biasStride[d];
     STOF_CUDA_THROW(launchGenericSparseAttention(g, stream));
+    writeRows();
 }
 
 SparseAttentionOp::SparseAttentionOp(ONNXTensorElementDataType type, std::string cachePath, bool firstUseTiming)
@@ -479,14 +526,15 @@ ONNXTensorElementDataType SparseAttentionOp::GetInputType(size_t index) const {
     case kQUERY:
     case kKEY:
     case kVALUE:
-    case kATTN_BIAS: return mType;
+    case kATTN_BIAS:
+    case kROW_VALUES: return mType;
     default: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
     }
 }
 
 OrtCustomOpInputOutputCharacteristic SparseAttentionOp::GetInputCharacteristic(size_t index) const {
     // key and value are absent in the packed forms (qkv_format "bs3hd", "t3hd"), value in "bshd_kv"; seq_offsets is
-    // t3hd's
+    // t3hd's; row_values / row_index are a Longformer rewrite's global rows
     return index >= kKEY_PADDING_MASK || index == kKEY || index == kVALUE
                ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL
                : OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_REQUIRED;

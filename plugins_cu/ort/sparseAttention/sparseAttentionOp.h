@@ -17,11 +17,11 @@
 namespace stof_ort {
 
 constexpr char const* kSPARSE_ATTENTION_NAME = "StofSparseAttention";
-constexpr size_t kSA_NUM_INPUTS = 10;
+constexpr size_t kSA_NUM_INPUTS = 12;
 constexpr size_t kGROWN_CACHE_SIZE = 8;  // layouts built from layout_spec kept per node
 enum SparseAttentionInput : size_t {
     kQUERY = 0, kKEY, kVALUE, kROW_PTR, kCOL_IDX, kTILE_BITMAP_INDEX, kBITMAPS, kKEY_PADDING_MASK, kATTN_BIAS,
-    kSEQ_OFFSETS
+    kSEQ_OFFSETS, kROW_VALUES, kROW_INDEX
 };
 
 class SparseAttentionKernel {
@@ -60,6 +60,7 @@ private:
     bool mPacked{false};  // qkv_format "bs3hd": query [B,S,3,H,D], key/value absent, output [B,S,H,D]
     bool mTokens{false};  // qkv_format "t3hd": query [T,3,H,D] of packed sequences (seq_offsets), output [T,H,D]
     bool mKvPacked{false};  // qkv_format "bshd_kv": query [B,Sq,H,D], key [B,Sk,2,Hkv,D] (K, V), value absent
+    int64_t mNumHeads{0};   // attribute num_heads: a bshd_kv query (and output) of rows [B,Sq,H*D]
     bool mLayoutConstant{false};
     std::string mLayoutSpec;  // closed-form spec of the layout: any run-time length builds its layout from it
     std::vector<std::pair<std::pair<int64_t, int64_t>, std::shared_ptr<Layout const>>> mGrown;  // most recent last

@@ -2,7 +2,11 @@
  * STOF fused epilogues: the C ABI of libstof_epilogue (static, linked into libstof_ort.so).
  *
  *   stof_gemm_epilogue_run:   Y[M,N] = act(X[M,K] . W[K,N] + bias[N])          (row-major, cuBLASLt)
+ *   stof_gemm_epilogue_run_strided: the same per batch, each batch's Y rows at a stride (a slice of a longer Y)
  *   stof_add_layernorm_run:   S = X + bias + residual;  Y[r,:] = LayerNorm(S[r,:]) * gamma + beta  (S optional)
+ *   stof_global_slots_run:    a sequence's global tokens gathered into G slots, with the key padding words of the
+ *                             two attention nodes that read them (StofGlobalSlots, docs/nodes.md)
+ *   stof_rows_scatter_run:    rows written over an attention output in place (StofSparseAttention's row_values)
  *
  * Plain C types; no C++ exception crosses this boundary; every entry point returns a status code and leaves a
  * detail message for stof_epi_last_error_message().  Arithmetic: fp32 accumulation for every dtype; fp32
@@ -18,7 +22,7 @@
 extern "C" {
 #endif
 
-#define STOF_EPILOGUE_ABI_VERSION 2
+#define STOF_EPILOGUE_ABI_VERSION 3
 
 typedef struct CUstream_st* stof_epi_stream_t;
 
@@ -69,6 +73,15 @@ stof_epi_status_t stof_gemm_epilogue_run_algo(stof_gemm_context_t ctx, int32_t d
                                               int32_t algo, void* y, void* workspace, size_t workspace_bytes,
                                               stof_epi_stream_t stream);
 
+/* As stof_gemm_epilogue_run_algo for X: [batch, M, K] contiguous, Y's batch i at y + i * y_batch_stride elements
+ * (y_batch_stride >= M*N; each batch's M rows contiguous): one strided-batched cuBLASLt call writes a [batch, M, N]
+ * slice of a longer Y, e.g. rows G.. of each [batch, G + M, N] sequence, with no copy.  Plans of batch > 1 are kept
+ * per exact M. */
+stof_epi_status_t stof_gemm_epilogue_run_strided(stof_gemm_context_t ctx, int32_t dtype, int64_t batch, int64_t m,
+                                                 int64_t n, int64_t k, const void* x, const void* w, const void* bias,
+                                                 int32_t activation, int32_t algo, void* y, int64_t y_batch_stride,
+                                                 void* workspace, size_t workspace_bytes, stof_epi_stream_t stream);
+
 /* X, residual, Y: [rows, n]; gamma, beta: [n]; bias: [n] or NULL; sum: [rows, n] or NULL (receives
  * S = X + bias + residual, the pre-norm value).  Statistics in fp32 (two-pass). */
 stof_epi_status_t stof_add_layernorm_run(int32_t dtype, int64_t rows, int64_t n, const void* x,
@@ -78,6 +91,29 @@ stof_epi_status_t stof_add_layernorm_run(int32_t dtype, int64_t rows, int64_t n,
 
 /* Maximum row length stof_add_layernorm_run accepts. */
 int64_t stof_add_layernorm_max_n(void);
+
+/* StofGlobalSlots.  x: [B, S, N]; mask: [B, S] (x's dtype, < 0 = masked token); global: [B, S] int32 (non-zero =
+ * global token).  A global token is *kept* when its mask is not < 0; slot j of sequence b holds the j-th kept global
+ * token in position order.  Writes
+ *   slot_x     [B, G, N]: x's row of each used slot, zeros in an unused one; every slot NaN when the sequence has
+ *              more than G kept global tokens (not representable);
+ *   local_kpm  [B, G+S] int32: slot j used (1/0), then position p kept and not a kept global token;
+ *   global_kpm [B, S] int32: position p kept;
+ *   row_index  [B, G] int32: the position of slot j's token, -1 when unused or when the sequence overflows.
+ * 1 <= G <= stof_global_slots_max(); B <= 65535. */
+stof_epi_status_t stof_global_slots_run(int32_t dtype, int64_t batch, int64_t seq, int64_t hidden, int32_t slots,
+                                        const void* x, const void* mask, const int32_t* global, void* slot_x,
+                                        int32_t* local_kpm, int32_t* global_kpm, int32_t* row_index,
+                                        stof_epi_stream_t stream);
+int32_t stof_global_slots_max(void);
+
+/* out row index[b, r] (its H heads of D elements, at element strides stride_b / stride_h / stride_s, D contiguous)
+ * = values[b, r] ([B, R, H, D] contiguous), for every index in [0, seq_q); other indices (-1: none) are skipped.
+ * Indices repeated within a sequence leave one of their rows (unspecified which). */
+stof_epi_status_t stof_rows_scatter_run(int32_t dtype, int64_t batch, int64_t rows, int64_t heads, int64_t head_dim,
+                                        const void* values, const int32_t* index, int64_t seq_q, void* out,
+                                        int64_t stride_b, int64_t stride_h, int64_t stride_s,
+                                        stof_epi_stream_t stream);
 
 const char* stof_epi_status_string(stof_epi_status_t s);
 const char* stof_epi_last_error_message(void);

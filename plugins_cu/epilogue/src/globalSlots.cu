@@ -1,0 +1,185 @@
+// StofGlobalSlots: a sequence's run-time global tokens gathered into a fixed number of slots, and the key padding
+// words of the two attention nodes that read them (LongformerAttention's rewrite, docs/nodes.md): two small
+// kernels instead of some twenty small ONNX ops.
+//
+// StofRowsScatter (stof_rows_scatter_run): rows computed elsewhere written over an attention output in place.
+#include <cub/block/block_scan.cuh>
+
+#include <cmath>
+#include <cstdint>
+
+#include "epilogueCommon.h"
+#include "typeConvert.cuh"
+
+namespace stof_epi {
+namespace {
+
+constexpr int kSlotThreads = 512;
+constexpr int kSlotItems = 8;  // consecutive positions per thread: one block scan covers 4096 positions
+constexpr int kMaxSlots = 1024;
+
+// One CTA per sequence: slot j = the j-th kept global token (position order), the key padding words, row_index.
+template <typename T>
+__global__ void __launch_bounds__(kSlotThreads)
+    globalSlotsScanKernel(T const* __restrict__ mask, int32_t const* __restrict__ global, int64_t seq,
+                          int32_t slots, int32_t* __restrict__ localKpm, int32_t* __restrict__ globalKpm,
+                          int32_t* __restrict__ rowIndex) {
+    using Scan = cub::BlockScan<int32_t, kSlotThreads>;
+    __shared__ typename Scan::TempStorage sScan;
+    __shared__ int32_t sPos[kMaxSlots];
+    int64_t const b = blockIdx.x;
+    T const* m = mask + b * seq;
+    int32_t const* g = global + b * seq;
+    int32_t* lk = localKpm + b * (slots + seq);
+    int64_t before = 0;  // kept global tokens in earlier passes (the same in every thread)
+    for (int64_t base = 0; base < seq; base += kSlotThreads * kSlotItems) {
+        int64_t const first = base + static_cast<int64_t>(threadIdx.x) * kSlotItems;
+        int32_t isGlobal[kSlotItems], rank[kSlotItems];
+        bool keep[kSlotItems];
+#pragma unroll
+        for (int i = 0; i < kSlotItems; ++i) {
+            int64_t const pos = first + i;
+            keep[i] = pos < seq && !(toFloat(m[pos < seq ? pos : 0]) < 0.f);  // NaN keeps, as Not(Less(mask, 0))
+            isGlobal[i] = keep[i] && g[pos < seq ? pos : 0] != 0;
+        }
+        int32_t total = 0;
+        Scan(sScan).ExclusiveSum(isGlobal, rank, total);
+#pragma unroll
+        for (int i = 0; i < kSlotItems; ++i) {
+            int64_t const pos = first + i;
+            if (pos >= seq) continue;
+            globalKpm[b * seq + pos] = keep[i];
+            lk[slots + pos] = keep[i] && !isGlobal[i];  // a kept global key is in its slot, counted once
+            if (isGlobal[i] && before + rank[i] < slots) sPos[before + rank[i]] = static_cast<int32_t>(pos);
+        }
+        before += total;
+        __syncthreads();  // sScan is reused by the next pass; sPos is read below
+    }
+    bool const over = before > slots;  // not representable: NaN slots make every row of the sequence NaN
+    for (int j = threadIdx.x; j < slots; j += kSlotThreads) {
+        bool const used = j < before;
+        lk[j] = used;
+        rowIndex[b * slots + j] = used && !over ? sPos[j] : -1;
+    }
+}
+
+// One CTA per (slot, sequence): X's row of a used slot, zeros for an unused one, NaN when the sequence overflows
+// (a used slot without a row index).
+template <typename T>
+__global__ void globalSlotsGatherKernel(T const* __restrict__ x, int32_t const* __restrict__ localKpm,
+                                        int32_t const* __restrict__ rowIndex, int64_t seq, int64_t hidden,
+                                        int32_t slots, T* __restrict__ slotX) {
+    int64_t const b = blockIdx.y, j = blockIdx.x;
+    int32_t const row = rowIndex[b * slots + j];
+    bool const over = row < 0 && localKpm[b * (slots + seq) + j] != 0;
+    T* dst = slotX + (b * slots + j) * hidden;
+    T const* src = x + (b * seq + (row < 0 ? 0 : row)) * hidden;
+    T const fill = fromFloat<T>(over ? NAN : 0.f);
+    for (int64_t c = threadIdx.x; c < hidden; c += blockDim.x) dst[c] = row >= 0 ? src[c] : fill;
+}
+
+template <typename V>
+__global__ void rowsScatterKernel(V const* __restrict__ values, int32_t const* __restrict__ index, int32_t rows,
+                                  int32_t heads, int32_t vecPerHead, int64_t seqQ, int64_t strideB, int64_t strideH,
+                                  int64_t strideS, V* __restrict__ out) {
+    int64_t const b = blockIdx.y, r = blockIdx.x;
+    int32_t const row = index[b * rows + r];
+    if (row < 0 || row >= seqQ) return;
+    V const* src = values + (b * rows + r) * heads * vecPerHead;
+    V* dst = out + b * strideB + row * strideS;
+    for (int e = threadIdx.x; e < heads * vecPerHead; e += blockDim.x) {
+        int const h = e / vecPerHead, d = e % vecPerHead;
+        dst[h * strideH + d] = src[e];
+    }
+}
+
+template <typename T>
+cudaError_t launchSlots(void const* x, void const* mask, int32_t const* global, int64_t batch, int64_t seq,
+                        int64_t hidden, int32_t slots, void* slotX, int32_t* localKpm, int32_t* globalKpm,
+                        int32_t* rowIndex, cudaStream_t stream) {
+    globalSlotsScanKernel<T><<<static_cast<unsigned>(batch), kSlotThreads, 0, stream>>>(
+        static_cast<T const*>(mask), global, seq, slots, localKpm, globalKpm, rowIndex);
+    if (hidden > 0)
+        globalSlotsGatherKernel<T><<<dim3(static_cast<unsigned>(slots), static_cast<unsigned>(batch)), 128, 0,
+                                     stream>>>(static_cast<T const*>(x), localKpm, rowIndex, seq, hidden, slots,
+                                               static_cast<T*>(slotX));
+    return cudaGetLastError();
+}
+
+bool aligned(void const* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+
+}  // namespace
+}  // namespace stof_epi
+
+extern "C" int32_t stof_global_slots_max(void) { return stof_epi::kMaxSlots; }
+
+extern "C" stof_epi_status_t stof_global_slots_run(int32_t dtype, int64_t batch, int64_t seq, int64_t hidden,
+                                                   int32_t slots, const void* x, const void* mask,
+                                                   const int32_t* global, void* slot_x, int32_t* local_kpm,
+                                                   int32_t* global_kpm, int32_t* row_index,
+                                                   stof_epi_stream_t stream) {
+    using namespace stof_epi;
+    STOF_EPI_CHECK(dtype == STOF_EPI_FP32 || dtype == STOF_EPI_FP16 || dtype == STOF_EPI_BF16,
+                   STOF_EPI_ERROR_INVALID_ARGUMENT, "unknown dtype %d", dtype);
+    STOF_EPI_CHECK(batch >= 0 && seq >= 0 && hidden >= 0 && batch <= 65535 && seq <= INT32_MAX,
+                   STOF_EPI_ERROR_INVALID_ARGUMENT, "sizes B=%lld S=%lld N=%lld out of range",
+                   static_cast<long long>(batch), static_cast<long long>(seq), static_cast<long long>(hidden));
+    STOF_EPI_CHECK(slots >= 1 && slots <= kMaxSlots, STOF_EPI_ERROR_UNSUPPORTED, "slots %d outside [1, %d]", slots,
+                   kMaxSlots);
+    if (batch == 0) return STOF_EPI_SUCCESS;
+    STOF_EPI_CHECK(x != nullptr && mask != nullptr && global != nullptr && slot_x != nullptr &&
+                       local_kpm != nullptr && global_kpm != nullptr && row_index != nullptr,
+                   STOF_EPI_ERROR_INVALID_ARGUMENT, "null tensor pointer");
+    auto cs = reinterpret_cast<cudaStream_t>(stream);
+    cudaError_t e = dtype == STOF_EPI_FP32   ? launchSlots<float>(x, mask, global, batch, seq, hidden, slots, slot_x,
+                                                                  local_kpm, global_kpm, row_index, cs)
+                    : dtype == STOF_EPI_FP16 ? launchSlots<__half>(x, mask, global, batch, seq, hidden, slots, slot_x,
+                                                                   local_kpm, global_kpm, row_index, cs)
+                                             : launchSlots<__nv_bfloat16>(x, mask, global, batch, seq, hidden, slots,
+                                                                          slot_x, local_kpm, global_kpm, row_index,
+                                                                          cs);
+    STOF_EPI_CHECK(e == cudaSuccess, STOF_EPI_ERROR_CUDA, "global slots kernel: %s", cudaGetErrorString(e));
+    return STOF_EPI_SUCCESS;
+}
+
+extern "C" stof_epi_status_t stof_rows_scatter_run(int32_t dtype, int64_t batch, int64_t rows, int64_t heads,
+                                                   int64_t head_dim, const void* values, const int32_t* index,
+                                                   int64_t seq_q, void* out, int64_t stride_b, int64_t stride_h,
+                                                   int64_t stride_s, stof_epi_stream_t stream) {
+    using namespace stof_epi;
+    STOF_EPI_CHECK(dtype == STOF_EPI_FP32 || dtype == STOF_EPI_FP16 || dtype == STOF_EPI_BF16,
+                   STOF_EPI_ERROR_INVALID_ARGUMENT, "unknown dtype %d", dtype);
+    STOF_EPI_CHECK(batch >= 0 && rows >= 0 && heads >= 0 && head_dim >= 0 && batch <= 65535 && rows <= INT32_MAX &&
+                       heads * head_dim <= INT32_MAX,
+                   STOF_EPI_ERROR_INVALID_ARGUMENT, "sizes B=%lld R=%lld H=%lld D=%lld out of range",
+                   static_cast<long long>(batch), static_cast<long long>(rows), static_cast<long long>(heads),
+                   static_cast<long long>(head_dim));
+    if (batch == 0 || rows == 0 || heads == 0 || head_dim == 0) return STOF_EPI_SUCCESS;
+    STOF_EPI_CHECK(values != nullptr && index != nullptr && out != nullptr, STOF_EPI_ERROR_INVALID_ARGUMENT,
+                   "null tensor pointer");
+    int64_t const elem = dtype == STOF_EPI_FP32 ? 4 : 2;
+    auto cs = reinterpret_cast<cudaStream_t>(stream);
+    dim3 const grid(static_cast<unsigned>(rows), static_cast<unsigned>(batch));
+    int64_t const rowBytes = head_dim * elem;
+    // 16-byte vectors when every head row and stride allows them, else element by element
+    bool const vec = rowBytes % 16 == 0 && aligned(values, 16) && aligned(out, 16) &&
+                     (stride_b * elem) % 16 == 0 && (stride_h * elem) % 16 == 0 && (stride_s * elem) % 16 == 0;
+    if (vec) {
+        int64_t const w = 16 / elem;
+        rowsScatterKernel<uint4><<<grid, 128, 0, cs>>>(
+            static_cast<uint4 const*>(values), index, static_cast<int32_t>(rows), static_cast<int32_t>(heads),
+            static_cast<int32_t>(rowBytes / 16), seq_q, stride_b / w, stride_h / w, stride_s / w,
+            static_cast<uint4*>(out));
+    } else if (elem == 4) {
+        rowsScatterKernel<float><<<grid, 128, 0, cs>>>(
+            static_cast<float const*>(values), index, static_cast<int32_t>(rows), static_cast<int32_t>(heads),
+            static_cast<int32_t>(head_dim), seq_q, stride_b, stride_h, stride_s, static_cast<float*>(out));
+    } else {
+        rowsScatterKernel<uint16_t><<<grid, 128, 0, cs>>>(
+            static_cast<uint16_t const*>(values), index, static_cast<int32_t>(rows), static_cast<int32_t>(heads),
+            static_cast<int32_t>(head_dim), seq_q, stride_b, stride_h, stride_s, static_cast<uint16_t*>(out));
+    }
+    cudaError_t e = cudaGetLastError();
+    STOF_EPI_CHECK(e == cudaSuccess, STOF_EPI_ERROR_CUDA, "rows scatter kernel: %s", cudaGetErrorString(e));
+    return STOF_EPI_SUCCESS;
+}

@@ -1,0 +1,67 @@
+// StofGlobalSlots kernel: validation, the outputs' allocation and the launch of stof_global_slots_run.
+#include "globalSlotsOp.h"
+
+#include <cuda_runtime.h>
+
+#include "stof/stof_epilogue.h"
+
+namespace stof_ort {
+
+GlobalSlotsKernel::GlobalSlotsKernel(OrtKernelInfo const* info, ONNXTensorElementDataType type) : mType(type) {
+    Ort::ConstKernelInfo ki(info);
+    mName = ki.GetNodeName();
+    try {
+        mSlots = ki.GetAttribute<int64_t>("slots");
+    } catch (Ort::Exception const&) {
+        throw StofOrtError(ORT_INVALID_ARGUMENT, strCat("node '", mName, "': missing attribute 'slots'"));
+    }
+    STOF_VALIDATE(mSlots >= 1 && mSlots <= stof_global_slots_max(), "node '", mName, "': slots ", mSlots,
+                  " outside [1, ", stof_global_slots_max(), "]");
+}
+
+OrtStatusPtr GlobalSlotsKernel::ComputeV2(OrtKernelContext* context) {
+    return guarded(kGLOBAL_SLOTS_NAME, [&] {
+        Ort::KernelContext ctx(context);
+        try {
+            compute(ctx);
+        } catch (StofOrtError const& e) {
+            throw StofOrtError(e.code(), strCat("node '", mName, "': ", e.what()));
+        }
+    });
+}
+
+void GlobalSlotsKernel::compute(Ort::KernelContext& ctx) {
+    auto stream = static_cast<cudaStream_t>(ctx.GetGPUComputeStream());
+    TensorArg x = getInput(ctx, kGS_X), mask = getInput(ctx, kGS_MASK), global = getInput(ctx, kGS_GLOBAL);
+    STOF_VALIDATE(x.present && mask.present && global.present, "missing input X, mask or global");
+    expectType(x, mType, "X");
+    expectType(mask, mType, "mask");
+    expectType(global, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32, "global");
+    expectRank(x, 3, "X");
+    int64_t const B = x.shape[0], S = x.shape[1], N = x.shape[2], G = mSlots;
+    STOF_VALIDATE(mask.shape == std::vector<int64_t>({B, S}) && global.shape == mask.shape, "mask shape ",
+                  shapeStr(mask.shape), " and global shape ", shapeStr(global.shape), ": expected [B, S] = [", B, ",",
+                  S, "] (X ", shapeStr(x.shape), ")");
+    STOF_VALIDATE(B <= 65535, "batch ", B, " above 65535");
+    Ort::UnownedValue slotX = ctx.GetOutput(kGS_SLOT_X, {B, G, N});
+    Ort::UnownedValue localKpm = ctx.GetOutput(kGS_LOCAL_KPM, {B, G + S});
+    Ort::UnownedValue globalKpm = ctx.GetOutput(kGS_GLOBAL_KPM, {B, S});
+    Ort::UnownedValue rowIndex = ctx.GetOutput(kGS_ROW_INDEX, {B, G});
+    if (B == 0) return;
+    int32_t const dtype = mType == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16    ? STOF_EPI_FP16
+                          : mType == ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16 ? STOF_EPI_BF16
+                                                                            : STOF_EPI_FP32;
+    stof_epi_status_t s = stof_global_slots_run(
+        dtype, B, S, N, static_cast<int32_t>(G), x.data, mask.data, static_cast<int32_t const*>(global.data),
+        slotX.GetTensorMutableRawData(), localKpm.GetTensorMutableData<int32_t>(),
+        globalKpm.GetTensorMutableData<int32_t>(), rowIndex.GetTensorMutableData<int32_t>(),
+        reinterpret_cast<stof_epi_stream_t>(stream));
+    STOF_REQUIRE(s == STOF_EPI_SUCCESS, s == STOF_EPI_ERROR_INVALID_ARGUMENT ? ORT_INVALID_ARGUMENT : ORT_FAIL,
+                 "stof_global_slots_run: ", stof_epi_status_string(s), ": ", stof_epi_last_error_message());
+}
+
+OrtStatusPtr GlobalSlotsOp::CreateKernelV2(OrtApi const&, OrtKernelInfo const* info, void** kernel) const {
+    return guarded(kGLOBAL_SLOTS_NAME, [&] { *kernel = new GlobalSlotsKernel(info, mType); });
+}
+
+}  // namespace stof_ort
