@@ -40,6 +40,7 @@ class Problem:
     # packed sequences (qkv_format t3hd): the plugin runs them with seq_offsets (sequence b: the mask's row b's
     # real tokens) and no padding mask
     packed: bool = False
+    kv_heads: int = 0  # K/V heads (grouped-query attention when below heads); 0: heads
 
     def seq_offsets(self) -> np.ndarray:
         """int32 [B+1]: where each packed sequence starts (its length: the real tokens of its mask row)."""
@@ -158,10 +159,10 @@ def _node_problems(nd, vals) -> list[Problem]:
     if nd.packed:  # [B, S, 3, H, D]
         return [Problem(nd, dtype, qs[0], qs[3], qs[1], qs[1], qs[4], kpm)]
     if nd.kv and len(qs) == 3 and nd.num_heads > 0:  # query [B, Sq, H·D], key [B, Sk, 2, Hkv, D]
-        return [Problem(nd, dtype, qs[0], nd.num_heads, qs[1], ks[1], qs[2] // nd.num_heads, kpm)]
+        return [Problem(nd, dtype, qs[0], nd.num_heads, qs[1], ks[1], qs[2] // nd.num_heads, kpm, kv_heads=ks[3])]
     if nd.kv:  # query [B, Sq, H, D], key [B, Sk, 2, Hkv, D]
-        return [Problem(nd, dtype, qs[0], qs[2], qs[1], ks[1], qs[3], kpm)]
-    return [Problem(nd, dtype, qs[0], qs[1], qs[2], ks[2], qs[3], kpm)]
+        return [Problem(nd, dtype, qs[0], qs[2], qs[1], ks[1], qs[3], kpm, kv_heads=ks[3])]
+    return [Problem(nd, dtype, qs[0], qs[1], qs[2], ks[2], qs[3], kpm, kv_heads=ks[1])]
 
 
 def _value_types(model) -> dict:
@@ -205,13 +206,14 @@ def time_tactics(problem: Problem, tactics: list[int], *, reps: int = 7, launche
                         "(one tactic), nothing to tune")
     g = torch.Generator(device="cuda").manual_seed(seed)
     B, H, Sq, Sk, D = problem.batch, problem.heads, problem.seq_q, problem.seq_k, problem.head_dim
+    Hkv = problem.kv_heads or H
     kpm = offsets = None
     if problem.packed:  # [T, H, D] with seq_offsets, as the plugin runs t3hd
         offsets_np = problem.seq_offsets()
         offsets = torch.as_tensor(offsets_np, device="cuda")
         shape_q = shape_k = (max(int(offsets_np[-1]), 1), H, D)
     else:
-        shape_q, shape_k = (B, H, Sq, D), (B, H, Sk, D)
+        shape_q, shape_k = (B, H, Sq, D), (B, Hkv, Sk, D)
         if problem.key_padding_mask is not None:
             kpm = torch.as_tensor(np.ascontiguousarray(problem.key_padding_mask, np.int32), device="cuda")
     q = torch.randn(shape_q, device="cuda", dtype=tdt, generator=g)
@@ -325,7 +327,7 @@ def tune_model(model, feeds_list: list[dict], cache: TacticCache, *, k: int = 3,
             lib_first = kernels.select_tactic(qt, kt, kt, dl, **packed)[0]
         else:
             qt = torch.empty(p.batch, p.heads, p.seq_q, p.head_dim, device="cuda", dtype=tdt)
-            kt = torch.empty(p.batch, p.heads, p.seq_k, p.head_dim, device="cuda", dtype=tdt)
+            kt = torch.empty(p.batch, p.kv_heads or p.heads, p.seq_k, p.head_dim, device="cuda", dtype=tdt)
             lib_valid = [int(t) for t in kernels.list_tactics(qt, kt, kt, kernels.DeviceLayout(p.node.layout))]
         del qt, kt
         default = lib_valid[0] if lib_valid else None

@@ -583,6 +583,17 @@ def test_longformer_nodes_read_as_problems_with_their_heads():
     probs = {p.node.name: p for p in probe_problems(new, feeds, cpu=True)}
     G = min(S, fuse_ort_longformer.MAX_GLOBAL)
     lp = probs[local.name]
-    assert (lp.batch, lp.heads, lp.seq_q, lp.seq_k, lp.head_dim) == (B, H, S, G + S, D)
+    assert (lp.batch, lp.heads, lp.seq_q, lp.seq_k, lp.head_dim, lp.kv_heads) == (B, H, S, G + S, D, H)
     gp = next(p for n, p in probs.items() if n != local.name)
     assert (gp.batch, gp.heads, gp.seq_q, gp.seq_k, gp.head_dim) == (B, H, G, S, D)
+
+
+def test_gqa_problem_keeps_its_kv_heads():
+    """`stof tune` times a grouped-query node with its K/V head count, as the plugin runs it (probed on the CPU)."""
+    from stof_trt.tune import probe_problems
+
+    B, S, H, KV, D = 2, 64, 8, 2, 16
+    new, _ = rewrite_model(gqa_model(B, S, H, KV, D, 5), **TILE)
+    feeds = gqa_feeds(np.random.default_rng(18), B, S, H, KV, D, [S, S - 9])
+    (p,) = probe_problems(new, feeds, cpu=True)
+    assert (p.batch, p.heads, p.kv_heads, p.seq_q, p.seq_k, p.head_dim) == (B, H, KV, S, S, D)
