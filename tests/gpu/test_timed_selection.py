@@ -171,3 +171,29 @@ def test_tune_times_packed_problems_under_their_own_key(tmp_path):
     assert select_tactic(q, q, q, dl, seq_offsets=offsets, max_seqlen=S, tactic_cache=path) == (pick, "cache")
     qb, kb, vb = _qkv(B, H, S, D)
     assert select_tactic(qb, kb, vb, DeviceLayout(layout), tactic_cache=path)[1] != "cache"
+
+
+def test_tune_times_grouped_query_problems_with_their_kv_heads(monkeypatch):
+    """`stof tune` times a grouped-query problem with K/V of its own head count (as the plugin runs the node): the
+    K/V tensors the timing launches have kv_heads heads."""
+    from stof_trt import kernels
+    from stof_trt.nodes import AttentionNode
+    from stof_trt.tune import Problem, time_tactics
+
+    B, H, KV, S, D = 2, 8, 2, 256, 64
+    layout = compile_mask(parse_mask("causal"), S, S)
+    node = AttentionNode("attn", "q", "k", None, None, D ** -0.5, layout)
+    problem = Problem(node, "float16", B, H, S, S, D, None, kv_heads=KV)
+    seen = []
+    run = kernels.sparse_attention
+
+    def spy(q, k, v, *args, **kw):
+        seen.append((tuple(q.shape), tuple(k.shape), tuple(v.shape)))
+        return run(q, k, v, *args, **kw)
+
+    monkeypatch.setattr(kernels, "sparse_attention", spy)
+    q, k, v = (torch.empty(B, h, S, D, device="cuda", dtype=torch.float16) for h in (H, KV, KV))
+    valid = kernels.list_tactics(q, k, v, DeviceLayout(layout))
+    times = time_tactics(problem, valid[:2], reps=2, launches=2)
+    assert set(times) == set(valid[:2]) and all(t > 0 for t in times.values()), times
+    assert seen and set(seen) == {((B, H, S, D), (B, KV, S, D), (B, KV, S, D))}, set(seen)

@@ -21,14 +21,7 @@ AddLayerNormKernel::AddLayerNormKernel(OrtKernelInfo const* info, ONNXTensorElem
 }
 
 OrtStatusPtr AddLayerNormKernel::ComputeV2(OrtKernelContext* context) {
-    return guarded(kADD_LAYER_NORM_NAME, [&] {
-        Ort::KernelContext ctx(context);
-        try {
-            compute(ctx);
-        } catch (StofOrtError const& e) {
-            throw StofOrtError(e.code(), strCat("node '", mName, "': ", e.what()));
-        }
-    });
+    return computeNode(kADD_LAYER_NORM_NAME, mName, context, [&](Ort::KernelContext& ctx) { compute(ctx); });
 }
 
 void AddLayerNormKernel::compute(Ort::KernelContext& ctx) {

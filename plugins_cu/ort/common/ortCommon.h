@@ -73,6 +73,19 @@ OrtStatusPtr guarded(char const* where, Fn&& fn) noexcept {
     }
 }
 
+// A kernel's ComputeV2: `compute(ctx)` guarded, its errors prefixed with the node's name.
+template <typename Fn>
+OrtStatusPtr computeNode(char const* op, std::string const& node, OrtKernelContext* context, Fn&& compute) noexcept {
+    return guarded(op, [&] {
+        Ort::KernelContext ctx(context);
+        try {
+            compute(ctx);
+        } catch (StofOrtError const& e) {
+            throw StofOrtError(e.code(), strCat("node '", node, "': ", e.what()));
+        }
+    });
+}
+
 inline char const* typeName(ONNXTensorElementDataType t) {
     switch (t) {
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT: return "float";

@@ -44,14 +44,7 @@ GemmEpilogueKernel::GemmEpilogueKernel(OrtKernelInfo const* info, ONNXTensorElem
 GemmEpilogueKernel::~GemmEpilogueKernel() { stof_gemm_context_destroy(mGemm); }
 
 OrtStatusPtr GemmEpilogueKernel::ComputeV2(OrtKernelContext* context) {
-    return guarded(kGEMM_EPILOGUE_NAME, [&] {
-        Ort::KernelContext ctx(context);
-        try {
-            compute(ctx);
-        } catch (StofOrtError const& e) {
-            throw StofOrtError(e.code(), strCat("node '", mName, "': ", e.what()));
-        }
-    });
+    return computeNode(kGEMM_EPILOGUE_NAME, mName, context, [&](Ort::KernelContext& ctx) { compute(ctx); });
 }
 
 void GemmEpilogueKernel::compute(Ort::KernelContext& ctx) {

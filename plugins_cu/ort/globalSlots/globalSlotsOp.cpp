@@ -20,14 +20,7 @@ GlobalSlotsKernel::GlobalSlotsKernel(OrtKernelInfo const* info, ONNXTensorElemen
 }
 
 OrtStatusPtr GlobalSlotsKernel::ComputeV2(OrtKernelContext* context) {
-    return guarded(kGLOBAL_SLOTS_NAME, [&] {
-        Ort::KernelContext ctx(context);
-        try {
-            compute(ctx);
-        } catch (StofOrtError const& e) {
-            throw StofOrtError(e.code(), strCat("node '", mName, "': ", e.what()));
-        }
-    });
+    return computeNode(kGLOBAL_SLOTS_NAME, mName, context, [&](Ort::KernelContext& ctx) { compute(ctx); });
 }
 
 void GlobalSlotsKernel::compute(Ort::KernelContext& ctx) {

@@ -125,14 +125,7 @@ SparseAttentionKernel::SparseAttentionKernel(OrtKernelInfo const* info, ONNXTens
 }
 
 OrtStatusPtr SparseAttentionKernel::ComputeV2(OrtKernelContext* context) {
-    return guarded(kSPARSE_ATTENTION_NAME, [&] {
-        Ort::KernelContext ctx(context);
-        try {
-            compute(ctx);
-        } catch (StofOrtError const& e) {
-            throw StofOrtError(e.code(), strCat("node '", mName, "': ", e.what()));
-        }
-    });
+    return computeNode(kSPARSE_ATTENTION_NAME, mName, context, [&](Ort::KernelContext& ctx) { compute(ctx); });
 }
 
 SparseAttentionKernel::Layout::~Layout() {
