@@ -108,8 +108,8 @@ def test_packed_model_matches_original(kind):
 
 @pytest.mark.parametrize("kind", ["bert", "gpt2"])
 def test_token_slots_match_original(kind):
-    """token_capacity_input: the packed tokens fill C slots (the input's length, at most B·S) and the outputs equal
-    the original's at any C >= T; every restored output is NaN when C < T."""
+    """token_capacity_input: one StofPackTokens node packs the tokens into C slots (the input's length, at most
+    B·S) and the outputs equal the original's at any C >= T; every restored output is NaN when C < T."""
     from stof_trt import ort as sort
 
     model = exported(kind)
@@ -117,7 +117,7 @@ def test_token_slots_match_original(kind):
     rp = report.to_dict()["remove_padding"]
     assert rp["applied"] and rp["token_capacity_input"] == "stof_token_capacity"
     counts = op_counts(new)
-    assert counts["NonZero"] == 0 and counts["ScatterElements"] == 1
+    assert counts["NonZero"] == 0 and counts["StofPackTokens"] == 1 and counts["CumSum"] == 0
     assert [i.name for i in new.graph.input][-1] == "stof_token_capacity"
     meta = {p.key: p.value for p in new.metadata_props}
     assert meta["stof.token_capacity_input"] == "stof_token_capacity"

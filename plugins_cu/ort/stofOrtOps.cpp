@@ -1,5 +1,5 @@
 // libstof_ort.so entry point: RegisterCustomOps adds domain `stof` with StofSparseAttention, StofGemmEpilogue,
-// StofAddLayerNorm and StofGlobalSlots for float, float16 and bfloat16, on the CUDA EP.  Each node keeps its model-local
+// StofAddLayerNorm and StofGlobalSlots for float, float16 and bfloat16, and StofPackTokens (int32), on the CUDA EP.  Each node keeps its model-local
 // ONNX function, which ORT inlines wherever these kernels do not claim the node (e.g. on the CPU EP).
 //
 // Options (session config entry, else environment variable):
@@ -19,6 +19,7 @@
 #include "common/ortCommon.h"
 #include "gemmEpilogue/gemmEpilogueOp.h"
 #include "globalSlots/globalSlotsOp.h"
+#include "packTokens/packTokensOp.h"
 #include "sparseAttention/sparseAttentionOp.h"
 
 namespace stof_ort {
@@ -35,6 +36,7 @@ struct Registry {
     std::vector<std::unique_ptr<GemmEpilogueOp>> gemm;
     std::vector<std::unique_ptr<AddLayerNormOp>> layerNorm;
     std::vector<std::unique_ptr<GlobalSlotsOp>> globalSlots;
+    std::vector<std::unique_ptr<PackTokensOp>> packTokens;
     std::vector<Ort::CustomOpDomain> domains;
 };
 
@@ -99,6 +101,8 @@ RegisterCustomOps(OrtSessionOptions* options, OrtApiBase const* apiBase) {
             reg.globalSlots.push_back(std::make_unique<GlobalSlotsOp>(t));
             domain.Add(reg.globalSlots.back().get());
         }
+        reg.packTokens.push_back(std::make_unique<PackTokensOp>());  // int32 only: one per registration
+        domain.Add(reg.packTokens.back().get());
         Ort::ThrowOnError(api->AddCustomOpDomain(options, domain));
         reg.domains.push_back(std::move(domain));
     });

@@ -472,6 +472,46 @@ def global_slots_function(opset: int, slots: int) -> onnx.FunctionProto:
                      global_slots_overload(G), opset, "Global tokens gathered into slots (docs/nodes.md).")
 
 
+# -- StofPackTokens ------------------------------------------------------------------------------------------------
+PACK_TOKENS_INPUTS = ["mask", "capacity"]
+PACK_TOKENS_OUTPUTS = ["idx", "seq_offsets", "source_row"]
+
+
+def pack_tokens_function(opset: int) -> onnx.FunctionProto:
+    """mask [B, S] int32 (non-zero = real token), capacity [C] (its length only) -> the index arrays of padding
+    removal into C' = min(C, B·S) token slots (docs/nodes.md): the real tokens in slots 0 .. T-1 in position order,
+    then the padded positions; idx [C'] (each slot's flat position), seq_offsets [B+1] (clamped to C'),
+    source_row [B·S] (a real token's slot, C' for a padded position, C' + 1 everywhere when T > C'); int32."""
+    b = _Body(opset)
+    i64, i32 = TensorProto.INT64, TensorProto.INT32
+    ax0 = b.const(np.array([0], np.int64))
+    keep = b.op("Cast", "mask", to=TensorProto.BOOL)                                        # [B, S]
+    lengths = b.reduce("ReduceSum", b.op("Cast", keep, to=i32), [1], keepdims=0)            # [B]
+    offsets = b.op("Concat", b.const(np.zeros(1, np.int32)), b.op("CumSum", lengths, b.const(np.int64(0))),
+                   axis=0)                                                                  # [B+1]
+    flat = b.reduce("ReduceProd", b.op("Shape", "mask"), [0])                               # [1] B·S
+    keep_flat = b.op("Reshape", keep, b.const(np.array([-1], np.int64)))
+    keep_i64 = b.op("Cast", keep_flat, to=i64)
+    one = b.const(np.int64(1))
+    rank = b.op("Sub", b.op("CumSum", keep_i64, b.const(np.int64(0))), one)                 # of each real token
+    cap = b.op("Min", b.op("Shape", "capacity"), flat)                                       # [1]
+    cap_s = b.op("Squeeze", cap, ax0)
+    tokens = b.reduce("ReduceSum", keep_i64, [0], keepdims=0)                                # T
+    arange = b.op("Range", b.const(np.int64(0)), b.op("Squeeze", flat, ax0), one)          # [B·S]
+    # padded position p goes after the real tokens: T + p - (real tokens up to p)
+    pad_order = b.op("Sub", b.op("Add", tokens, arange), b.op("Add", rank, one))
+    order = b.op("Where", keep_flat, rank, pad_order)                                        # a permutation
+    perm = b.op("ScatterElements", arange, order, arange, axis=0)
+    b.op("Cast", b.op("Slice", perm, ax0, cap, ax0), to=i32, out="idx")
+    cap32 = b.op("Cast", cap_s, to=i32)
+    b.op("Where", b.op("Greater", offsets, cap32), cap32, offsets, out="seq_offsets")
+    row = b.op("Where", keep_flat, rank, cap_s)
+    row = b.op("Where", b.op("Greater", tokens, cap_s), b.op("Add", cap_s, one), row)
+    b.op("Cast", row, to=i32, out="source_row")
+    return _function("StofPackTokens", PACK_TOKENS_INPUTS, PACK_TOKENS_OUTPUTS, b, [], "", opset,
+                     "Padding removal's index arrays for a fixed token capacity (docs/nodes.md).")
+
+
 # -- StofAddLayerNorm -----------------------------------------------------------------------------------------------
 def add_layernorm_overload(has_bias: bool, has_sum: bool) -> str:
     return "_".join(p for p, on in (("bias", has_bias), ("sum", has_sum)) if on)
@@ -520,6 +560,8 @@ def build_functions(needed: set[tuple[str, str]], opset: int,
             out.append(add_layernorm_function(opset, "bias" in overload, "sum" in overload))
         elif op_type == "StofGlobalSlots":
             out.append(global_slots_function(opset, int(overload[1:])))
+        elif op_type == "StofPackTokens":
+            out.append(pack_tokens_function(opset))
         else:
             raise ValueError(op_type)
     return out

@@ -316,33 +316,27 @@ class RemovePadding(Fusion):
         return None
 
     # -- rewrite ------------------------------------------------------------------------------------------------
-    def _slots(self, op, i64, flat, keep_flat, keep_i64, rank, offsets):
+    def _slots(self, op, kpm):
         """Pack into C = min(len(stof_token_capacity), B·S) token slots, a size fixed by an input's shape, so the
         run has no data-dependent shape and a CUDA graph can replay it (one graph per capacity). The real tokens
-        fill the first T slots, the rest hold padded tokens no sequence reads. Only shape values stay on the host
-        (ORT keeps such subgraphs on the CPU without copies); the capacity the device ops need is counted on the
-        device. With T > C every restored output is NaN: a too-small capacity never passes silently."""
+        fill the first T slots, the rest hold padded tokens no sequence reads: one StofPackTokens node gives the
+        slots' positions, the sequences' offsets and the restore rows (docs/nodes.md). With T > C every restored
+        output is NaN: a too-small capacity never passes silently."""
         g = self.graph
         slots_in = gs.Variable(TOKEN_CAPACITY_INPUT, dtype=np.int32, shape=["token_capacity"])
         g.inputs.append(slots_in)
-        one = gs.Constant("", np.ones(1, np.int64))  # ConstantOfShape's value
-        cap = op("Min", [op("Shape", [slots_in], np.int64), flat], np.int64)           # [1], on the host
-        cap_dev = op("ReduceSum", [op("ConstantOfShape", [cap], np.int64, value=one), i64([0])], np.int64,
-                     keepdims=0)
-        tokens = op("ReduceSum", [keep_i64, i64([0])], np.int64, keepdims=0)           # T
-        arange = op("Range", [i64(0), op("Squeeze", [flat, i64([0])], np.int64), i64(1)], np.int64)   # [B·S]
-        # padded position p goes after the real tokens: T + p - (real tokens up to p) = T + p - (rank(p) + 1)
-        pad_order = op("Sub", [op("Add", [tokens, arange], np.int64), op("Add", [rank, i64(1)], np.int64)],
-                       np.int64)
-        order = op("Where", [keep_flat, rank, pad_order], np.int64)                    # a permutation of [0, B·S)
-        perm = op("ScatterElements", [arange, order, arange], np.int64, axis=0)  # real tokens first, in order
-        idx = op("Slice", [perm, i64([0]), cap, i64([0])], np.int64)                   # [C]
-        cap32 = op("Cast", [cap_dev], np.int32, to=6)   # (Where and Greater: int32 CUDA kernels in every ORT)
-        offsets = op("Where", [op("Greater", [offsets, cap32], np.bool_), cap32, offsets], np.int32)
-        overflow = op("Greater", [tokens, cap_dev], np.bool_)
-        source_row = op("Where", [keep_flat, rank, cap_dev], np.int64)                 # row C: zeros
-        source_row = op("Where", [overflow, op("Add", [cap_dev, i64(1)], np.int64), source_row], np.int64)
-        return idx, offsets, source_row, [float("nan")]                                # row C + 1: NaN
+        mask = kpm
+        if kpm.dtype is None or np.dtype(kpm.dtype) != np.int32:  # non-zero = real token, as a Cast to bool reads it
+            keep = kpm if kpm.dtype is not None and np.dtype(kpm.dtype) == np.bool_ else op("Cast", [kpm], np.bool_,
+                                                                                             to=9)
+            mask = op("Cast", [keep], np.int32, to=6)
+        idx, offsets, source_row = (self.new_var(f"stof_unpad_{n}", dtype=np.int32)
+                                    for n in ("idx", "seq_offsets", "source_row"))
+        node = gs.Node("StofPackTokens", self.ctx.unique("StofPackTokens"), {}, [mask, slots_in],
+                       [idx, offsets, source_row], domain="stof")
+        self.ctx.overloads[node.name] = ""
+        self.ctx.functions.add(("StofPackTokens", ""))
+        return node, idx, offsets, source_row, [float("nan")]                         # row C + 1: NaN
 
     def _rewrite(self, entry, kpm, info, region) -> None:
         g, ctx = self.graph, self.ctx
@@ -355,19 +349,20 @@ class RemovePadding(Fusion):
             return out
 
         # Token index and sequence offsets from the one padding mask.
-        keep = op("Cast", [kpm], np.bool_, to=9)                                    # [B, S]
-        lengths = op("ReduceSum", [op("Cast", [keep], np.int32, to=6), i64([1])], np.int32, keepdims=0)
-        offsets = op("Concat", [self.new_const("stof_unpad_zero", np.zeros(1, np.int32)),
-                                op("CumSum", [lengths, i64(0)], np.int32)], np.int32, axis=0)   # [B+1]
         bs = op("Shape", [kpm], np.int64)                                             # [B, S]
         flat = op("ReduceProd", [bs], np.int64, keepdims=1)                         # [B·S]
-        keep_flat = op("Reshape", [keep, i64([-1])], np.bool_)                       # [B·S]
-        keep_i64 = op("Cast", [keep_flat], np.int64, to=7)
-        rank = op("Sub", [op("CumSum", [keep_i64, i64(0)], np.int64), i64(1)], np.int64)   # of each real token
         extra_rows = []
         if ctx.options.get("token_capacity_input"):
-            idx, offsets, source_row, extra_rows = self._slots(op, i64, flat, keep_flat, keep_i64, rank, offsets)
+            node, idx, offsets, source_row, extra_rows = self._slots(op, kpm)
+            new.append(node)
         else:
+            keep = op("Cast", [kpm], np.bool_, to=9)                                    # [B, S]
+            lengths = op("ReduceSum", [op("Cast", [keep], np.int32, to=6), i64([1])], np.int32, keepdims=0)
+            offsets = op("Concat", [self.new_const("stof_unpad_zero", np.zeros(1, np.int32)),
+                                    op("CumSum", [lengths, i64(0)], np.int32)], np.int32, axis=0)   # [B+1]
+            keep_flat = op("Reshape", [keep, i64([-1])], np.bool_)                       # [B·S]
+            keep_i64 = op("Cast", [keep_flat], np.int64, to=7)
+            rank = op("Sub", [op("CumSum", [keep_i64, i64(0)], np.int64), i64(1)], np.int64)   # of each real token
             idx = op("Squeeze", [op("NonZero", [keep_flat], np.int64), i64([0])], np.int64)   # [T]
             # Restore as a Gather: padded position p reads packed row rank(p), a padded one the zero row T
             # appended after the packed rows. (ScatterND's CUDA kernel copies each [F] row in one thread: ~0.4 ms

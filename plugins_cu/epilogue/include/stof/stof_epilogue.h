@@ -7,6 +7,7 @@
  *   stof_global_slots_run:    a sequence's global tokens gathered into G slots, with the key padding words of the
  *                             two attention nodes that read them (StofGlobalSlots, docs/nodes.md)
  *   stof_rows_scatter_run:    rows written over an attention output in place (StofSparseAttention's row_values)
+ *   stof_pack_tokens_run:     the index arrays of padding removal into a fixed token capacity (StofPackTokens)
  *
  * Plain C types; no C++ exception crosses this boundary; every entry point returns a status code and leaves a
  * detail message for stof_epi_last_error_message().  Arithmetic: fp32 accumulation for every dtype; fp32
@@ -114,6 +115,18 @@ stof_epi_status_t stof_rows_scatter_run(int32_t dtype, int64_t batch, int64_t ro
                                         const void* values, const int32_t* index, int64_t seq_q, void* out,
                                         int64_t stride_b, int64_t stride_h, int64_t stride_s,
                                         stof_epi_stream_t stream);
+
+/* StofPackTokens.  mask: [B, S] int32 (non-zero = a real token), C = capacity <= B*S token slots.  The real tokens
+ * fill slots 0 .. T-1 in position order, the padded positions the slots after them in position order.  Writes
+ *   idx         [C] int32: the flat position (b*S + s) of slot j;
+ *   seq_offsets [B+1] int32: where sequence b starts among the slots (0, the running sum of the rows' real tokens),
+ *               clamped to C;
+ *   source_row  [B*S] int32: the slot of a real token, C for a padded position (a zero row after the slots), C + 1
+ *               everywhere when T > C (a NaN row: a too-small capacity never passes silently).
+ * scratch: [B] int32 device memory.  B <= 65535. */
+stof_epi_status_t stof_pack_tokens_run(int64_t batch, int64_t seq, int64_t capacity, const int32_t* mask,
+                                       int32_t* idx, int32_t* seq_offsets, int32_t* source_row, int32_t* scratch,
+                                       stof_epi_stream_t stream);
 
 const char* stof_epi_status_string(stof_epi_status_t s);
 const char* stof_epi_last_error_message(void);

@@ -1,6 +1,7 @@
-"""The nodes of the LongformerAttention rewrite, each in a one-node graph against a NumPy reference: StofGlobalSlots,
-StofGemmEpilogue with its prefix rows, StofSparseAttention with a [B, Sq, H·D] query (num_heads) and rows written
-over its output (row_values / row_index).  On ORT CPU they run as their model-local functions (no GPU needed); on
+"""The index nodes and node forms of the rewrites, each in a one-node graph against a NumPy reference: StofPackTokens
+(padding removal into a token capacity) and, of the LongformerAttention rewrite, StofGlobalSlots, StofGemmEpilogue
+with its prefix rows, StofSparseAttention with a [B, Sq, H·D] query (num_heads) and rows written over its output
+(row_values / row_index).  On ORT CPU they run as their model-local functions (no GPU needed); on
 the CUDA EP with libstof_ort as the plugin kernels, outputs poisoned first (a fresh session per run)."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from stof_trt import ort as sort  # noqa: E402
 from stof_trt.format import STOF_FORMAT_VERSION, TileLayout  # noqa: E402
 from stof_trt.rewrite.functions import (DOMAIN, attention_overload, gemm_epilogue_function,  # noqa: E402
                                         gemm_overload, global_slots_function, global_slots_overload,
-                                        sparse_attention_function)
+                                        pack_tokens_function, sparse_attention_function)
 
 OPSET = 17
 ET = {np.float32: TensorProto.FLOAT, np.float16: TensorProto.FLOAT16}
@@ -46,6 +47,41 @@ def _run(model, feeds, provider):
         v.update_inplace(np.full(v.shape(), np.nan if v.numpy().dtype.kind == "f" else -7, dtype=v.numpy().dtype))
     b.run()
     return b.outputs()
+
+
+# -- StofPackTokens ----------------------------------------------------------------------------------------------
+def pack_reference(mask, C):
+    keep = mask.reshape(-1) != 0
+    T = int(keep.sum())
+    order = np.concatenate([np.flatnonzero(keep), np.flatnonzero(~keep)])  # real tokens first, in position order
+    rank = np.cumsum(keep) - 1
+    rows = np.where(keep, rank, C) if T <= C else np.full(keep.size, C + 1)
+    offsets = np.minimum(np.concatenate([[0], np.cumsum((mask != 0).sum(1))]), C)
+    return order[:C].astype(np.int32), offsets.astype(np.int32), rows.astype(np.int32)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("B,S,caps", [(5, 300, ("T", "T+7", "BS", "T-1")), (3, 5000, ("T", "BS")), (1, 1, ("BS",))])
+def test_pack_tokens_equal_their_definition(provider, B, S, caps):
+    """Real tokens first in position order, then the padded positions; offsets clamped to the capacity; restore rows
+    (the zero row C for padding, the NaN row C + 1 everywhere when T > C); holes, empty rows and full rows, and a
+    length above one pass of the kernel's scan."""
+    rng = np.random.default_rng(7)
+    mask = (rng.random((B, S)) < 0.6).astype(np.int32) * rng.integers(1, 5, (B, S)).astype(np.int32)
+    mask[0] = 1
+    if B > 2:
+        mask[2] = 0
+    T = int((mask != 0).sum())
+    node = helper.make_node("StofPackTokens", ["mask", "cap"], ["idx", "off", "rows"], domain=DOMAIN)
+    model = _model(node, [helper.make_tensor_value_info("mask", TensorProto.INT32, ["B", "S"]),
+                          helper.make_tensor_value_info("cap", TensorProto.INT32, ["C"])],
+                   [helper.make_tensor_value_info(n, TensorProto.INT32, None) for n in ("idx", "off", "rows")], [],
+                   pack_tokens_function(OPSET))
+    for cap in caps:
+        C = {"T": T, "T+7": T + 7, "BS": B * S, "T-1": T - 1}[cap]
+        got = _run(model, {"mask": mask, "cap": np.zeros(C + (3 if cap == "BS" else 0), np.int32)}, provider)
+        for name, g, w in zip(("idx", "seq_offsets", "source_row"), got, pack_reference(mask, min(C, B * S))):
+            np.testing.assert_array_equal(g, w, err_msg=f"{name} C={cap}")
 
 
 # -- StofGlobalSlots --------------------------------------------------------------------------------------------
