@@ -316,7 +316,7 @@ class RemovePadding(Fusion):
         return None
 
     # -- rewrite ------------------------------------------------------------------------------------------------
-    def _slots(self, op, kpm):
+    def _slots(self, kpm):
         """Pack into C = min(len(stof_token_capacity), B·S) token slots, a size fixed by an input's shape, so the
         run has no data-dependent shape and a CUDA graph can replay it (one graph per capacity). The real tokens
         fill the first T slots, the rest hold padded tokens no sequence reads: one StofPackTokens node gives the
@@ -325,14 +325,10 @@ class RemovePadding(Fusion):
         g = self.graph
         slots_in = gs.Variable(TOKEN_CAPACITY_INPUT, dtype=np.int32, shape=["token_capacity"])
         g.inputs.append(slots_in)
-        mask = kpm
-        if kpm.dtype is None or np.dtype(kpm.dtype) != np.int32:  # non-zero = real token, as a Cast to bool reads it
-            keep = kpm if kpm.dtype is not None and np.dtype(kpm.dtype) == np.bool_ else op("Cast", [kpm], np.bool_,
-                                                                                             to=9)
-            mask = op("Cast", [keep], np.int32, to=6)
         idx, offsets, source_row = (self.new_var(f"stof_unpad_{n}", dtype=np.int32)
                                     for n in ("idx", "seq_offsets", "source_row"))
-        node = gs.Node("StofPackTokens", self.ctx.unique("StofPackTokens"), {}, [mask, slots_in],
+        # kpm: the attention nodes' key_padding_mask, int32 by the node's contract, as StofPackTokens reads it
+        node = gs.Node("StofPackTokens", self.ctx.unique("StofPackTokens"), {}, [kpm, slots_in],
                        [idx, offsets, source_row], domain="stof")
         self.ctx.overloads[node.name] = ""
         self.ctx.functions.add(("StofPackTokens", ""))
@@ -353,7 +349,7 @@ class RemovePadding(Fusion):
         flat = op("ReduceProd", [bs], np.int64, keepdims=1)                         # [B·S]
         extra_rows = []
         if ctx.options.get("token_capacity_input"):
-            node, idx, offsets, source_row, extra_rows = self._slots(op, kpm)
+            node, idx, offsets, source_row, extra_rows = self._slots(kpm)
             new.append(node)
         else:
             keep = op("Cast", [kpm], np.bool_, to=9)                                    # [B, S]

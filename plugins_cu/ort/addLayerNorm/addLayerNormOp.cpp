@@ -53,16 +53,12 @@ void AddLayerNormKernel::compute(Ort::KernelContext& ctx) {
     if (total == 0) return;
     STOF_REQUIRE(N <= stof_add_layernorm_max_n(), ORT_NOT_IMPLEMENTED, "hidden size ", N, " above ",
                  stof_add_layernorm_max_n());
-    int32_t const dt = mType == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16    ? STOF_EPI_FP16
-                       : mType == ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16 ? STOF_EPI_BF16
-                                                                         : STOF_EPI_FP32;
-    stof_epi_status_t s = stof_add_layernorm_run(dt, total / N, N, in[kLN_X].data, in[kLN_RESIDUAL].data,
+    stof_epi_status_t s = stof_add_layernorm_run(epiDType(mType), total / N, N, in[kLN_X].data, in[kLN_RESIDUAL].data,
                                                  in[kLN_BIAS].present ? in[kLN_BIAS].data : nullptr,
                                                  in[kLN_GAMMA].data, in[kLN_BETA].data, mEpsilon,
                                                  y.GetTensorMutableRawData(), sum,
                                                  reinterpret_cast<stof_epi_stream_t>(stream));
-    STOF_REQUIRE(s == STOF_EPI_SUCCESS, s == STOF_EPI_ERROR_INVALID_ARGUMENT ? ORT_INVALID_ARGUMENT : ORT_FAIL,
-                 "stof_add_layernorm_run: ", stof_epi_status_string(s), ": ", stof_epi_last_error_message());
+    epiCheck(s, "stof_add_layernorm_run");
 }
 
 AddLayerNormOp::AddLayerNormOp(ONNXTensorElementDataType type) : mType(type) {

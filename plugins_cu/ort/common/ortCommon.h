@@ -9,6 +9,8 @@
 
 #include <cuda_runtime.h>
 
+#include "stof/stof_epilogue.h"
+
 #include <cstdint>
 #include <cstdio>
 #include <sstream>
@@ -71,6 +73,30 @@ OrtStatusPtr guarded(char const* where, Fn&& fn) noexcept {
     } catch (...) {
         return Ort::GetApi().CreateStatus(ORT_FAIL, strCat(where, ": unknown exception").c_str());
     }
+}
+
+// A required INT attribute of a node (its absence: INVALID_ARGUMENT).
+inline int64_t intAttr(Ort::ConstKernelInfo const& ki, char const* name) {
+    try {
+        return ki.GetAttribute<int64_t>(name);
+    } catch (Ort::Exception const&) {
+        throw StofOrtError(ORT_INVALID_ARGUMENT, strCat("missing INT attribute '", name, "'"));
+    }
+}
+
+// libstof_epilogue's dtype of an ORT element type (float, float16, bfloat16).
+inline int32_t epiDType(ONNXTensorElementDataType t) {
+    switch (t) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: return STOF_EPI_FP16;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: return STOF_EPI_BF16;
+    default: return STOF_EPI_FP32;
+    }
+}
+
+// A libstof_epilogue call's status as an exception naming the call: bad arguments INVALID_ARGUMENT, the rest FAIL.
+inline void epiCheck(stof_epi_status_t s, char const* call) {
+    STOF_REQUIRE(s == STOF_EPI_SUCCESS, s == STOF_EPI_ERROR_INVALID_ARGUMENT ? ORT_INVALID_ARGUMENT : ORT_FAIL, call,
+                 ": ", stof_epi_status_string(s), ": ", stof_epi_last_error_message());
 }
 
 // A kernel's ComputeV2: `compute(ctx)` guarded, its errors prefixed with the node's name.

@@ -4,17 +4,6 @@
 #include <cuda_runtime.h>
 
 namespace stof_ort {
-namespace {
-
-int32_t epiDType(ONNXTensorElementDataType t) {
-    switch (t) {
-    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: return STOF_EPI_FP16;
-    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: return STOF_EPI_BF16;
-    default: return STOF_EPI_FP32;
-    }
-}
-
-}  // namespace
 
 GemmEpilogueKernel::GemmEpilogueKernel(OrtKernelInfo const* info, ONNXTensorElementDataType type,
                                        bool firstUseTiming)
@@ -101,10 +90,7 @@ void GemmEpilogueKernel::compute(Ort::KernelContext& ctx) {
     // a node without a measured `algo` (stof tune) times cuBLASLt's first candidates at the first call of each
     // row-count bucket, like the attention nodes' first-use timing (off: the heuristic's first)
     int32_t const algo = mAlgo >= 0 ? static_cast<int32_t>(mAlgo) : mFirstUseTiming ? STOF_GEMM_ALGO_TIMED : -1;
-    auto check = [](stof_epi_status_t s) {
-        STOF_REQUIRE(s == STOF_EPI_SUCCESS, s == STOF_EPI_ERROR_INVALID_ARGUMENT ? ORT_INVALID_ARGUMENT : ORT_FAIL,
-                     "stof_gemm_epilogue_run: ", stof_epi_status_string(s), ": ", stof_epi_last_error_message());
-    };
+    auto check = [](stof_epi_status_t s) { epiCheck(s, "stof_gemm_epilogue_run"); };
     auto const cs = reinterpret_cast<stof_epi_stream_t>(stream);
     void const* b = bias.present ? bias.data : nullptr;
     if (!prefix.present) {

@@ -10,11 +10,7 @@ namespace stof_ort {
 GlobalSlotsKernel::GlobalSlotsKernel(OrtKernelInfo const* info, ONNXTensorElementDataType type) : mType(type) {
     Ort::ConstKernelInfo ki(info);
     mName = ki.GetNodeName();
-    try {
-        mSlots = ki.GetAttribute<int64_t>("slots");
-    } catch (Ort::Exception const&) {
-        throw StofOrtError(ORT_INVALID_ARGUMENT, strCat("node '", mName, "': missing attribute 'slots'"));
-    }
+    mSlots = intAttr(ki, "slots");
     STOF_VALIDATE(mSlots >= 1 && mSlots <= stof_global_slots_max(), "node '", mName, "': slots ", mSlots,
                   " outside [1, ", stof_global_slots_max(), "]");
 }
@@ -41,16 +37,12 @@ void GlobalSlotsKernel::compute(Ort::KernelContext& ctx) {
     Ort::UnownedValue globalKpm = ctx.GetOutput(kGS_GLOBAL_KPM, {B, S});
     Ort::UnownedValue rowIndex = ctx.GetOutput(kGS_ROW_INDEX, {B, G});
     if (B == 0) return;
-    int32_t const dtype = mType == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16    ? STOF_EPI_FP16
-                          : mType == ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16 ? STOF_EPI_BF16
-                                                                            : STOF_EPI_FP32;
     stof_epi_status_t s = stof_global_slots_run(
-        dtype, B, S, N, static_cast<int32_t>(G), x.data, mask.data, static_cast<int32_t const*>(global.data),
+        epiDType(mType), B, S, N, static_cast<int32_t>(G), x.data, mask.data, static_cast<int32_t const*>(global.data),
         slotX.GetTensorMutableRawData(), localKpm.GetTensorMutableData<int32_t>(),
         globalKpm.GetTensorMutableData<int32_t>(), rowIndex.GetTensorMutableData<int32_t>(),
         reinterpret_cast<stof_epi_stream_t>(stream));
-    STOF_REQUIRE(s == STOF_EPI_SUCCESS, s == STOF_EPI_ERROR_INVALID_ARGUMENT ? ORT_INVALID_ARGUMENT : ORT_FAIL,
-                 "stof_global_slots_run: ", stof_epi_status_string(s), ": ", stof_epi_last_error_message());
+    epiCheck(s, "stof_global_slots_run");
 }
 
 OrtStatusPtr GlobalSlotsOp::CreateKernelV2(OrtApi const&, OrtKernelInfo const* info, void** kernel) const {

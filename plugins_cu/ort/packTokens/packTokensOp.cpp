@@ -35,8 +35,7 @@ void PackTokensKernel::compute(Ort::KernelContext& ctx) {
         B, S, C, static_cast<int32_t const*>(mask.data), idx.GetTensorMutableData<int32_t>(),
         offsets.GetTensorMutableData<int32_t>(), rows.GetTensorMutableData<int32_t>(),
         static_cast<int32_t*>(scratch.data()), reinterpret_cast<stof_epi_stream_t>(stream));
-    STOF_REQUIRE(s == STOF_EPI_SUCCESS, s == STOF_EPI_ERROR_INVALID_ARGUMENT ? ORT_INVALID_ARGUMENT : ORT_FAIL,
-                 "stof_pack_tokens_run: ", stof_epi_status_string(s), ": ", stof_epi_last_error_message());
+    epiCheck(s, "stof_pack_tokens_run");
 }
 
 OrtStatusPtr PackTokensOp::CreateKernelV2(OrtApi const&, OrtKernelInfo const* info, void** kernel) const {

@@ -15,7 +15,6 @@
 #include <vector>
 
 #include "genericAttention.h"
-#include "stof/stof_epilogue.h"
 
 namespace stof_ort {
 namespace {
@@ -36,14 +35,6 @@ constexpr int64_t kMAX_GRID_YZ = 65535;
         STOF_REQUIRE(s_ == STOF_SUCCESS, s_ == STOF_ERROR_INVALID_ARGUMENT ? ORT_INVALID_ARGUMENT : ORT_FAIL,   \
                      stof_status_string(s_), ": ", stof_last_error_message());                               \
     } while (0)
-
-int64_t intAttr(Ort::ConstKernelInfo const& ki, char const* name) {
-    try {
-        return ki.GetAttribute<int64_t>(name);
-    } catch (Ort::Exception const&) {
-        throw StofOrtError(ORT_INVALID_ARGUMENT, strCat("missing INT attribute '", name, "'"));
-    }
-}
 
 // The node's qkv_format during shape inference ("" when absent or unreadable: the default, "bhsd").
 std::string qkvFormatAttr(OrtShapeInferContext* ctx) {
@@ -402,14 +393,10 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
     size_t const elemBytes = mType == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? 4 : 2;
     auto writeRows = [&] {
         if (!rowValues.present) return;
-        int32_t const dt = mType == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16    ? STOF_EPI_FP16
-                           : mType == ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16 ? STOF_EPI_BF16
-                                                                             : STOF_EPI_FP32;
-        stof_epi_status_t s = stof_rows_scatter_run(dt, B, rowValues.shape[1], H, D, rowValues.data,
-                                                    static_cast<int32_t const*>(rowIndex.data), Sq, o, oSt[0], oSt[1],
-                                                    oSt[2], reinterpret_cast<stof_epi_stream_t>(stream));
-        STOF_REQUIRE(s == STOF_EPI_SUCCESS, s == STOF_EPI_ERROR_INVALID_ARGUMENT ? ORT_INVALID_ARGUMENT : ORT_FAIL,
-                     "stof_rows_scatter_run: ", stof_epi_status_string(s), ": ", stof_epi_last_error_message());
+        epiCheck(stof_rows_scatter_run(epiDType(mType), B, rowValues.shape[1], H, D, rowValues.data,
+                                       static_cast<int32_t const*>(rowIndex.data), Sq, o, oSt[0], oSt[1], oSt[2],
+                                       reinterpret_cast<stof_epi_stream_t>(stream)),
+                 "stof_rows_scatter_run");
     };
     if (Sk == 0) {  // no key at all: every row outputs 0
         STOF_CUDA_THROW(cudaMemsetAsync(o, 0, static_cast<size_t>(B * H * Sq * D) * elemBytes, stream));
