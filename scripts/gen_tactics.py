@@ -26,7 +26,7 @@ FAMILY_IDS = {"block": 1, "row": 2, "hopper": 3}
 HOPPER_VARIANTS = ("plain", "pipelined", "defer_pv", "warp_specialized", "tma")
 HEAD_DIMS = (64, 128)
 FIELDS = {
-    "block": {"block_m", "block_n", "warps", "stages", "min_ctas", "q_frags"},
+    "block": {"block_m", "block_n", "warps", "stages", "min_ctas", "q_frags", "kv_split"},
     "row": {"warps"},
     "hopper": {"warpgroups", "stages", "variant", "key_step", "sm90a"},
 }
@@ -48,7 +48,7 @@ def _tactic(row: dict) -> dict:
     if fam not in FAMILY_IDS:
         raise CatalogueError(f"{where}: family {fam!r} is not one of {sorted(FAMILY_IDS)}")
     extra = set(row) - COMMON - FIELDS[fam]
-    missing = (FIELDS[fam] - {"sm90a"}) - set(row)
+    missing = (FIELDS[fam] - {"sm90a", "kv_split"}) - set(row)
     if extra or missing:
         raise CatalogueError(f"{where}: unknown fields {sorted(extra)}, missing {sorted(missing)}")
     hd = row.get("head_dims", [])
@@ -70,8 +70,10 @@ def _tactic(row: dict) -> dict:
         t.update(q_in_smem=row["q_frags"] == "smem", key_step=row["block_n"], variant="plain")
         if row["q_frags"] not in ("reg", "smem"):
             raise CatalogueError(f"{where}: q_frags must be reg or smem")
+        if not isinstance(row.get("kv_split", False), bool):
+            raise CatalogueError(f"{where}: kv_split must be true or false")
         t["name"] = (f"block_m{row['block_m']}_n{row['block_n']}_w{row['warps']}_s{row['stages']}"
-                     f"_occ{row['min_ctas']}_q{row['q_frags']}")
+                     f"_occ{row['min_ctas']}_q{row['q_frags']}" + ("_split" if row.get("kv_split") else ""))
     elif fam == "row":
         t.update(block_m=1, block_n=32, stages=1, min_ctas=1, q_in_smem=False, key_step=64, variant="plain",
                  name=f"row_w{row['warps']}")
@@ -100,6 +102,7 @@ def _tactic(row: dict) -> dict:
     t["warp_specialized"] = t["variant"] == "warp_specialized"
     t["tma"] = t["variant"] == "tma"
     t["persistent"] = t["warp_specialized"]
+    t["kv_split"] = bool(row.get("kv_split", False))
     return t
 
 
@@ -157,10 +160,12 @@ def render_tactics_h(cat: dict) -> str:
     by = {f: [t for t in cat["tactics"] if t["family"] == f] for f in FAMILY_IDS}
     out = [f"// {BANNER}", "// The tactic catalogue: one X-macro row per tactic, ids >= 1 (TensorRT reserves 0).",
            "#pragma once", "", '#include "common.cuh"', ""]
-    out.append("// X(id, block_m, block_n, warps, stages, min_ctas_per_sm, q_frags)  -- block-wise family (mma.sync)")
+    out.append("// X(id, block_m, block_n, warps, stages, min_ctas_per_sm, q_frags, kv_split)  -- block-wise family "
+               "(mma.sync)")
     out += _docs(by["block"])
     out += _macro("STOF_BLOCK_TACTICS", [f"X({t['id']}, {t['block_m']}, {t['block_n']}, {t['warps']}, {t['stages']}, "
-                                         f"{t['min_ctas']}, {t['q_frags']})" for t in by["block"]])
+                                         f"{t['min_ctas']}, {t['q_frags']}, {'true' if t['kv_split'] else 'false'})"
+                                         for t in by["block"]])
     out += ["", "// X(id, warps)  -- row-wise family (one warp per query row, CUDA cores)"]
     out += _docs(by["row"])
     out += _macro("STOF_ROW_TACTICS", [f"X({t['id']}, {t['warps']})" for t in by["row"]])
@@ -172,13 +177,14 @@ def render_tactics_h(cat: dict) -> str:
                                           for t in by["hopper"]])
     out += ["",
             "// X(id, family (1 block, 2 row, 3 wgmma), index (in the family's macro and launcher tables), block_m,",
-            "//   block_n, warps, stages, name, persistent), in the order the library lists (and tactic 0 tries) them;",
-            "//   persistent: runs persistent when given a workspace."]
+            "//   block_n, warps, stages, name, persistent, kv_split), in the order the library lists (and tactic 0",
+            "//   tries) them; persistent: runs persistent when given a workspace; kv_split: splits rows' key walks."]
     rows = []
     for f in cat["order"]:
         for i, t in enumerate(by[f]):
             rows.append(f"X({t['id']}, {t['family_id']}, {i}, {t['block_m']}, {t['block_n']}, {t['warps']}, "
-                        f"{t['stages']}, \"{t['name']}\", {'true' if t['persistent'] else 'false'})")
+                        f"{t['stages']}, \"{t['name']}\", {'true' if t['persistent'] else 'false'}, "
+                        f"{'true' if t['kv_split'] else 'false'})")
     out += _macro("STOF_TACTIC_TABLE", rows)
     out += ["", "namespace stof {", "",
             f"constexpr int kNumBlockTactics = {len(by['block'])};",
@@ -207,7 +213,7 @@ def render_presearch_inc(cat: dict) -> str:
            "// STOF_PRESEARCH_ROW(id, family, block_m, block_n, warps, stages, min_ctas, q_in_smem, pipelined,",
            "//                    defer_pv, warp_specialized, key_step, head_dims (bit 0: 64, bit 1: 128),",
            "//                    tile_m_multiple, tile_n_multiple, sm90a, regs_d64, regs_d128 (-1: none),",
-           "//                    coef_d64 (has, a, b, c, d), coef_d128 (has, a, b, c, d))",
+           "//                    coef_d64 (has, a, b, c, d), coef_d128 (has, a, b, c, d), kv_split)",
            f"#define STOF_PRESEARCH_UNIFORM_ITEM_SCALE {float(ps['uniform_item_scale'])!r}",
            f"#define STOF_PRESEARCH_SCHED_L2_BYTES_ONE_ITEM_PER_SM {int(ps['sched_l2_bytes_one_item_per_sm'])}LL",
            f"#define STOF_PRESEARCH_SCHED_L2_BYTES_MANY_CTAS {int(ps['sched_l2_bytes_many_ctas'])}LL"]
@@ -220,6 +226,7 @@ def render_presearch_inc(cat: dict) -> str:
         for d in HEAD_DIMS:
             c = t["coef"].get(d)
             vals += [1, *(repr(x) for x in c)] if c else [0, "0.0", "0.0", "0.0", "0.0"]
+        vals.append(int(t["kv_split"]))
         out.append(f"STOF_PRESEARCH_ROW({', '.join(str(v) for v in vals)})")
     return "\n".join(out) + "\n"
 
@@ -232,7 +239,7 @@ def render_python(cat: dict) -> str:
            "# one dict per tactic, by id: family, tile and pipeline traits, requirements, name",
            "TACTICS = ("]
     keys = ["id", "family_id", "name", "block_m", "block_n", "warps", "stages", "min_ctas", "q_in_smem", "pipelined",
-            "defer_pv", "warp_specialized", "key_step", "tma", "persistent", "head_dims", "tile_m_multiple",
+            "defer_pv", "warp_specialized", "key_step", "tma", "persistent", "kv_split", "head_dims", "tile_m_multiple",
             "tile_n_multiple", "sm90a"]
     for t in cat["tactics"]:
         d = {("family" if k == "family_id" else k): (tuple(t[k]) if k == "head_dims" else t[k]) for k in keys}

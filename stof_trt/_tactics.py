@@ -11,123 +11,127 @@ FAMILY_BLOCK, FAMILY_ROW, FAMILY_HOPPER = 1, 2, 3
 TACTICS = (
     {'id': 1, 'family': 1, 'name': 'block_m64_n64_w4_s2_occ1_qreg', 'block_m': 64, 'block_n': 64, 'warps': 4,
      'stages': 2, 'min_ctas': 1, 'q_in_smem': False, 'pipelined': False, 'defer_pv': False, 'warp_specialized':
-     False, 'key_step': 64, 'tma': False, 'persistent': False, 'head_dims': (64, 128), 'tile_m_multiple': 64,
-     'tile_n_multiple': 64, 'sm90a': False},
+     False, 'key_step': 64, 'tma': False, 'persistent': False, 'kv_split': False, 'head_dims': (64, 128),
+     'tile_m_multiple': 64, 'tile_n_multiple': 64, 'sm90a': False},
     {'id': 2, 'family': 1, 'name': 'block_m64_n64_w4_s3_occ1_qreg', 'block_m': 64, 'block_n': 64, 'warps': 4,
      'stages': 3, 'min_ctas': 1, 'q_in_smem': False, 'pipelined': False, 'defer_pv': False, 'warp_specialized':
-     False, 'key_step': 64, 'tma': False, 'persistent': False, 'head_dims': (64, 128), 'tile_m_multiple': 64,
-     'tile_n_multiple': 64, 'sm90a': False},
+     False, 'key_step': 64, 'tma': False, 'persistent': False, 'kv_split': False, 'head_dims': (64, 128),
+     'tile_m_multiple': 64, 'tile_n_multiple': 64, 'sm90a': False},
     {'id': 3, 'family': 1, 'name': 'block_m32_n64_w2_s2_occ1_qreg', 'block_m': 32, 'block_n': 64, 'warps': 2,
      'stages': 2, 'min_ctas': 1, 'q_in_smem': False, 'pipelined': False, 'defer_pv': False, 'warp_specialized':
-     False, 'key_step': 64, 'tma': False, 'persistent': False, 'head_dims': (64, 128), 'tile_m_multiple': 32,
-     'tile_n_multiple': 64, 'sm90a': False},
+     False, 'key_step': 64, 'tma': False, 'persistent': False, 'kv_split': False, 'head_dims': (64, 128),
+     'tile_m_multiple': 32, 'tile_n_multiple': 64, 'sm90a': False},
     {'id': 4, 'family': 1, 'name': 'block_m64_n64_w2_s2_occ1_qreg', 'block_m': 64, 'block_n': 64, 'warps': 2,
      'stages': 2, 'min_ctas': 1, 'q_in_smem': False, 'pipelined': False, 'defer_pv': False, 'warp_specialized':
-     False, 'key_step': 64, 'tma': False, 'persistent': False, 'head_dims': (64,), 'tile_m_multiple': 64,
-     'tile_n_multiple': 64, 'sm90a': False},
+     False, 'key_step': 64, 'tma': False, 'persistent': False, 'kv_split': False, 'head_dims': (64,),
+     'tile_m_multiple': 64, 'tile_n_multiple': 64, 'sm90a': False},
     {'id': 5, 'family': 1, 'name': 'block_m128_n64_w8_s2_occ1_qreg', 'block_m': 128, 'block_n': 64, 'warps': 8,
      'stages': 2, 'min_ctas': 1, 'q_in_smem': False, 'pipelined': False, 'defer_pv': False, 'warp_specialized':
-     False, 'key_step': 64, 'tma': False, 'persistent': False, 'head_dims': (64, 128), 'tile_m_multiple': 128,
-     'tile_n_multiple': 64, 'sm90a': False},
+     False, 'key_step': 64, 'tma': False, 'persistent': False, 'kv_split': False, 'head_dims': (64, 128),
+     'tile_m_multiple': 128, 'tile_n_multiple': 64, 'sm90a': False},
     {'id': 6, 'family': 1, 'name': 'block_m128_n64_w4_s2_occ1_qreg', 'block_m': 128, 'block_n': 64, 'warps': 4,
      'stages': 2, 'min_ctas': 1, 'q_in_smem': False, 'pipelined': False, 'defer_pv': False, 'warp_specialized':
-     False, 'key_step': 64, 'tma': False, 'persistent': False, 'head_dims': (64,), 'tile_m_multiple': 128,
-     'tile_n_multiple': 64, 'sm90a': False},
+     False, 'key_step': 64, 'tma': False, 'persistent': False, 'kv_split': False, 'head_dims': (64,),
+     'tile_m_multiple': 128, 'tile_n_multiple': 64, 'sm90a': False},
     {'id': 7, 'family': 1, 'name': 'block_m64_n64_w4_s2_occ4_qsmem', 'block_m': 64, 'block_n': 64, 'warps': 4,
      'stages': 2, 'min_ctas': 4, 'q_in_smem': True, 'pipelined': False, 'defer_pv': False, 'warp_specialized':
-     False, 'key_step': 64, 'tma': False, 'persistent': False, 'head_dims': (64, 128), 'tile_m_multiple': 64,
-     'tile_n_multiple': 64, 'sm90a': False},
+     False, 'key_step': 64, 'tma': False, 'persistent': False, 'kv_split': False, 'head_dims': (64, 128),
+     'tile_m_multiple': 64, 'tile_n_multiple': 64, 'sm90a': False},
     {'id': 8, 'family': 1, 'name': 'block_m64_n64_w4_s3_occ4_qsmem', 'block_m': 64, 'block_n': 64, 'warps': 4,
      'stages': 3, 'min_ctas': 4, 'q_in_smem': True, 'pipelined': False, 'defer_pv': False, 'warp_specialized':
-     False, 'key_step': 64, 'tma': False, 'persistent': False, 'head_dims': (64, 128), 'tile_m_multiple': 64,
-     'tile_n_multiple': 64, 'sm90a': False},
+     False, 'key_step': 64, 'tma': False, 'persistent': False, 'kv_split': False, 'head_dims': (64, 128),
+     'tile_m_multiple': 64, 'tile_n_multiple': 64, 'sm90a': False},
     {'id': 9, 'family': 1, 'name': 'block_m128_n64_w8_s2_occ2_qsmem', 'block_m': 128, 'block_n': 64, 'warps': 8,
      'stages': 2, 'min_ctas': 2, 'q_in_smem': True, 'pipelined': False, 'defer_pv': False, 'warp_specialized':
-     False, 'key_step': 64, 'tma': False, 'persistent': False, 'head_dims': (64, 128), 'tile_m_multiple': 128,
-     'tile_n_multiple': 64, 'sm90a': False},
+     False, 'key_step': 64, 'tma': False, 'persistent': False, 'kv_split': False, 'head_dims': (64, 128),
+     'tile_m_multiple': 128, 'tile_n_multiple': 64, 'sm90a': False},
     {'id': 10, 'family': 1, 'name': 'block_m32_n64_w2_s2_occ8_qsmem', 'block_m': 32, 'block_n': 64, 'warps': 2,
      'stages': 2, 'min_ctas': 8, 'q_in_smem': True, 'pipelined': False, 'defer_pv': False, 'warp_specialized':
-     False, 'key_step': 64, 'tma': False, 'persistent': False, 'head_dims': (64, 128), 'tile_m_multiple': 32,
-     'tile_n_multiple': 64, 'sm90a': False},
+     False, 'key_step': 64, 'tma': False, 'persistent': False, 'kv_split': False, 'head_dims': (64, 128),
+     'tile_m_multiple': 32, 'tile_n_multiple': 64, 'sm90a': False},
     {'id': 11, 'family': 2, 'name': 'row_w4', 'block_m': 1, 'block_n': 32, 'warps': 4, 'stages': 1, 'min_ctas': 1,
      'q_in_smem': False, 'pipelined': False, 'defer_pv': False, 'warp_specialized': False, 'key_step': 64, 'tma':
-     False, 'persistent': False, 'head_dims': (64, 128), 'tile_m_multiple': 1, 'tile_n_multiple': 1, 'sm90a':
-     False},
+     False, 'persistent': False, 'kv_split': False, 'head_dims': (64, 128), 'tile_m_multiple': 1, 'tile_n_multiple':
+     1, 'sm90a': False},
     {'id': 12, 'family': 2, 'name': 'row_w8', 'block_m': 1, 'block_n': 32, 'warps': 8, 'stages': 1, 'min_ctas': 1,
      'q_in_smem': False, 'pipelined': False, 'defer_pv': False, 'warp_specialized': False, 'key_step': 64, 'tma':
-     False, 'persistent': False, 'head_dims': (64, 128), 'tile_m_multiple': 1, 'tile_n_multiple': 1, 'sm90a':
-     False},
+     False, 'persistent': False, 'kv_split': False, 'head_dims': (64, 128), 'tile_m_multiple': 1, 'tile_n_multiple':
+     1, 'sm90a': False},
     {'id': 13, 'family': 3, 'name': 'wgmma_m1x64_n64_s2', 'block_m': 64, 'block_n': 64, 'warps': 4, 'stages': 2,
      'min_ctas': 1, 'q_in_smem': False, 'pipelined': False, 'defer_pv': False, 'warp_specialized': False,
-     'key_step': 64, 'tma': False, 'persistent': False, 'head_dims': (64, 128), 'tile_m_multiple': 64,
-     'tile_n_multiple': 64, 'sm90a': True},
+     'key_step': 64, 'tma': False, 'persistent': False, 'kv_split': False, 'head_dims': (64, 128),
+     'tile_m_multiple': 64, 'tile_n_multiple': 64, 'sm90a': True},
     {'id': 14, 'family': 3, 'name': 'wgmma_m1x64_n64_s3', 'block_m': 64, 'block_n': 64, 'warps': 4, 'stages': 3,
      'min_ctas': 1, 'q_in_smem': False, 'pipelined': False, 'defer_pv': False, 'warp_specialized': False,
-     'key_step': 64, 'tma': False, 'persistent': False, 'head_dims': (64, 128), 'tile_m_multiple': 64,
-     'tile_n_multiple': 64, 'sm90a': True},
+     'key_step': 64, 'tma': False, 'persistent': False, 'kv_split': False, 'head_dims': (64, 128),
+     'tile_m_multiple': 64, 'tile_n_multiple': 64, 'sm90a': True},
     {'id': 15, 'family': 3, 'name': 'wgmma_m2x64_n64_s2', 'block_m': 128, 'block_n': 64, 'warps': 8, 'stages': 2,
      'min_ctas': 1, 'q_in_smem': False, 'pipelined': False, 'defer_pv': False, 'warp_specialized': False,
-     'key_step': 64, 'tma': False, 'persistent': False, 'head_dims': (64, 128), 'tile_m_multiple': 64,
-     'tile_n_multiple': 64, 'sm90a': True},
+     'key_step': 64, 'tma': False, 'persistent': False, 'kv_split': False, 'head_dims': (64, 128),
+     'tile_m_multiple': 64, 'tile_n_multiple': 64, 'sm90a': True},
     {'id': 16, 'family': 3, 'name': 'wgmma_m2x64_n64_s3', 'block_m': 128, 'block_n': 64, 'warps': 8, 'stages': 3,
      'min_ctas': 1, 'q_in_smem': False, 'pipelined': False, 'defer_pv': False, 'warp_specialized': False,
-     'key_step': 64, 'tma': False, 'persistent': False, 'head_dims': (64, 128), 'tile_m_multiple': 64,
-     'tile_n_multiple': 64, 'sm90a': True},
+     'key_step': 64, 'tma': False, 'persistent': False, 'kv_split': False, 'head_dims': (64, 128),
+     'tile_m_multiple': 64, 'tile_n_multiple': 64, 'sm90a': True},
     {'id': 17, 'family': 3, 'name': 'wgmma_m1x64_n64_s3_pipe', 'block_m': 64, 'block_n': 64, 'warps': 4, 'stages':
      3, 'min_ctas': 1, 'q_in_smem': False, 'pipelined': True, 'defer_pv': False, 'warp_specialized': False,
-     'key_step': 64, 'tma': False, 'persistent': False, 'head_dims': (64, 128), 'tile_m_multiple': 64,
-     'tile_n_multiple': 64, 'sm90a': True},
+     'key_step': 64, 'tma': False, 'persistent': False, 'kv_split': False, 'head_dims': (64, 128),
+     'tile_m_multiple': 64, 'tile_n_multiple': 64, 'sm90a': True},
     {'id': 18, 'family': 3, 'name': 'wgmma_m1x64_n64_s4_pipe', 'block_m': 64, 'block_n': 64, 'warps': 4, 'stages':
      4, 'min_ctas': 1, 'q_in_smem': False, 'pipelined': True, 'defer_pv': False, 'warp_specialized': False,
-     'key_step': 64, 'tma': False, 'persistent': False, 'head_dims': (64,), 'tile_m_multiple': 64,
-     'tile_n_multiple': 64, 'sm90a': True},
+     'key_step': 64, 'tma': False, 'persistent': False, 'kv_split': False, 'head_dims': (64,), 'tile_m_multiple':
+     64, 'tile_n_multiple': 64, 'sm90a': True},
     {'id': 19, 'family': 3, 'name': 'wgmma_m1x64_n64_s2_defer', 'block_m': 64, 'block_n': 64, 'warps': 4, 'stages':
      2, 'min_ctas': 1, 'q_in_smem': False, 'pipelined': False, 'defer_pv': True, 'warp_specialized': False,
-     'key_step': 64, 'tma': False, 'persistent': False, 'head_dims': (64, 128), 'tile_m_multiple': 64,
-     'tile_n_multiple': 64, 'sm90a': True},
+     'key_step': 64, 'tma': False, 'persistent': False, 'kv_split': False, 'head_dims': (64, 128),
+     'tile_m_multiple': 64, 'tile_n_multiple': 64, 'sm90a': True},
     {'id': 20, 'family': 3, 'name': 'wgmma_m1x64_n64_s3_defer', 'block_m': 64, 'block_n': 64, 'warps': 4, 'stages':
      3, 'min_ctas': 1, 'q_in_smem': False, 'pipelined': False, 'defer_pv': True, 'warp_specialized': False,
-     'key_step': 64, 'tma': False, 'persistent': False, 'head_dims': (64, 128), 'tile_m_multiple': 64,
-     'tile_n_multiple': 64, 'sm90a': True},
+     'key_step': 64, 'tma': False, 'persistent': False, 'kv_split': False, 'head_dims': (64, 128),
+     'tile_m_multiple': 64, 'tile_n_multiple': 64, 'sm90a': True},
     {'id': 21, 'family': 3, 'name': 'wgmma_ws_m2x64_n64_s2', 'block_m': 128, 'block_n': 64, 'warps': 12, 'stages':
      2, 'min_ctas': 1, 'q_in_smem': False, 'pipelined': False, 'defer_pv': False, 'warp_specialized': True,
-     'key_step': 64, 'tma': False, 'persistent': True, 'head_dims': (64, 128), 'tile_m_multiple': 64,
-     'tile_n_multiple': 64, 'sm90a': True},
+     'key_step': 64, 'tma': False, 'persistent': True, 'kv_split': False, 'head_dims': (64, 128), 'tile_m_multiple':
+     64, 'tile_n_multiple': 64, 'sm90a': True},
     {'id': 22, 'family': 3, 'name': 'wgmma_ws_m2x64_n64_s4', 'block_m': 128, 'block_n': 64, 'warps': 12, 'stages':
      4, 'min_ctas': 1, 'q_in_smem': False, 'pipelined': False, 'defer_pv': False, 'warp_specialized': True,
-     'key_step': 64, 'tma': False, 'persistent': True, 'head_dims': (64, 128), 'tile_m_multiple': 64,
-     'tile_n_multiple': 64, 'sm90a': True},
+     'key_step': 64, 'tma': False, 'persistent': True, 'kv_split': False, 'head_dims': (64, 128), 'tile_m_multiple':
+     64, 'tile_n_multiple': 64, 'sm90a': True},
     {'id': 23, 'family': 3, 'name': 'wgmma_ws_m2x64_n128_s2', 'block_m': 128, 'block_n': 64, 'warps': 12, 'stages':
      2, 'min_ctas': 1, 'q_in_smem': False, 'pipelined': False, 'defer_pv': False, 'warp_specialized': True,
-     'key_step': 128, 'tma': False, 'persistent': True, 'head_dims': (64, 128), 'tile_m_multiple': 64,
-     'tile_n_multiple': 64, 'sm90a': True},
+     'key_step': 128, 'tma': False, 'persistent': True, 'kv_split': False, 'head_dims': (64, 128),
+     'tile_m_multiple': 64, 'tile_n_multiple': 64, 'sm90a': True},
     {'id': 24, 'family': 3, 'name': 'wgmma_ws_m2x64_n128_s4', 'block_m': 128, 'block_n': 64, 'warps': 12, 'stages':
      4, 'min_ctas': 1, 'q_in_smem': False, 'pipelined': False, 'defer_pv': False, 'warp_specialized': True,
-     'key_step': 128, 'tma': False, 'persistent': True, 'head_dims': (64,), 'tile_m_multiple': 64,
-     'tile_n_multiple': 64, 'sm90a': True},
+     'key_step': 128, 'tma': False, 'persistent': True, 'kv_split': False, 'head_dims': (64,), 'tile_m_multiple':
+     64, 'tile_n_multiple': 64, 'sm90a': True},
     {'id': 25, 'family': 3, 'name': 'wgmma_m1x64_n64_s2_tma', 'block_m': 64, 'block_n': 64, 'warps': 4, 'stages': 2,
      'min_ctas': 1, 'q_in_smem': False, 'pipelined': False, 'defer_pv': False, 'warp_specialized': False,
-     'key_step': 64, 'tma': True, 'persistent': False, 'head_dims': (64, 128), 'tile_m_multiple': 64,
-     'tile_n_multiple': 64, 'sm90a': True},
+     'key_step': 64, 'tma': True, 'persistent': False, 'kv_split': False, 'head_dims': (64, 128), 'tile_m_multiple':
+     64, 'tile_n_multiple': 64, 'sm90a': True},
     {'id': 26, 'family': 3, 'name': 'wgmma_m1x64_n64_s3_tma', 'block_m': 64, 'block_n': 64, 'warps': 4, 'stages': 3,
      'min_ctas': 1, 'q_in_smem': False, 'pipelined': False, 'defer_pv': False, 'warp_specialized': False,
-     'key_step': 64, 'tma': True, 'persistent': False, 'head_dims': (64, 128), 'tile_m_multiple': 64,
-     'tile_n_multiple': 64, 'sm90a': True},
+     'key_step': 64, 'tma': True, 'persistent': False, 'kv_split': False, 'head_dims': (64, 128), 'tile_m_multiple':
+     64, 'tile_n_multiple': 64, 'sm90a': True},
     {'id': 27, 'family': 3, 'name': 'wgmma_m1x64_n128_s2_tma', 'block_m': 64, 'block_n': 64, 'warps': 4, 'stages':
      2, 'min_ctas': 1, 'q_in_smem': False, 'pipelined': False, 'defer_pv': False, 'warp_specialized': False,
-     'key_step': 128, 'tma': True, 'persistent': False, 'head_dims': (64,), 'tile_m_multiple': 64,
-     'tile_n_multiple': 64, 'sm90a': True},
+     'key_step': 128, 'tma': True, 'persistent': False, 'kv_split': False, 'head_dims': (64,), 'tile_m_multiple':
+     64, 'tile_n_multiple': 64, 'sm90a': True},
     {'id': 28, 'family': 3, 'name': 'wgmma_ws_m3x64_n128_s2', 'block_m': 192, 'block_n': 64, 'warps': 16, 'stages':
      2, 'min_ctas': 1, 'q_in_smem': False, 'pipelined': False, 'defer_pv': False, 'warp_specialized': True,
-     'key_step': 128, 'tma': False, 'persistent': True, 'head_dims': (64,), 'tile_m_multiple': 64,
-     'tile_n_multiple': 64, 'sm90a': True},
+     'key_step': 128, 'tma': False, 'persistent': True, 'kv_split': False, 'head_dims': (64,), 'tile_m_multiple':
+     64, 'tile_n_multiple': 64, 'sm90a': True},
     {'id': 29, 'family': 3, 'name': 'wgmma_ws_m3x64_n128_s4', 'block_m': 192, 'block_n': 64, 'warps': 16, 'stages':
      4, 'min_ctas': 1, 'q_in_smem': False, 'pipelined': False, 'defer_pv': False, 'warp_specialized': True,
-     'key_step': 128, 'tma': False, 'persistent': True, 'head_dims': (64,), 'tile_m_multiple': 64,
-     'tile_n_multiple': 64, 'sm90a': True},
+     'key_step': 128, 'tma': False, 'persistent': True, 'kv_split': False, 'head_dims': (64,), 'tile_m_multiple':
+     64, 'tile_n_multiple': 64, 'sm90a': True},
+    {'id': 30, 'family': 1, 'name': 'block_m64_n64_w4_s2_occ1_qreg_split', 'block_m': 64, 'block_n': 64, 'warps': 4,
+     'stages': 2, 'min_ctas': 1, 'q_in_smem': False, 'pipelined': False, 'defer_pv': False, 'warp_specialized':
+     False, 'key_step': 64, 'tma': False, 'persistent': False, 'kv_split': True, 'head_dims': (64, 128),
+     'tile_m_multiple': 64, 'tile_n_multiple': 64, 'sm90a': False},
 )
 # the order the library lists the tactics in (tactic 0 tries them in this order)
-LIBRARY_ORDER = (13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
+LIBRARY_ORDER = (13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 30, 11, 12)
 # ptxas registers per thread, {(id, head dim): registers}
 PTXAS_REGS = {(1, 64): 187, (1, 128): 255, (2, 64): 185, (2, 128): 255, (3, 64): 195, (3, 128): 255, (4, 64): 255,
     (5, 64): 183, (5, 128): 243, (6, 64): 255, (7, 64): 128, (7, 128): 238, (8, 64): 128, (8, 128): 239, (9, 64):
@@ -136,7 +140,7 @@ PTXAS_REGS = {(1, 64): 187, (1, 128): 255, (2, 64): 185, (2, 128): 255, (3, 64):
     128): 214, (17, 64): 168, (17, 128): 248, (18, 64): 168, (19, 64): 127, (19, 128): 246, (20, 64): 127, (20,
     128): 246, (21, 64): 168, (21, 128): 168, (22, 64): 168, (22, 128): 168, (23, 64): 168, (23, 128): 168, (24,
     64): 168, (24, 128): 168, (25, 64): 120, (25, 128): 149, (26, 64): 121, (26, 128): 149, (27, 64): 157, (28, 64):
-    128, (29, 64): 128}
+    128, (29, 64): 128, (30, 64): 187, (30, 128): 255}
 # the pre-search's per-CTA constants (a, b, c, d) in µs, {(id, head dim): constants}
 COEF = {
     (1, 64): (1.31057, 1.69501, 2.0697, 12.98499),
@@ -181,6 +185,8 @@ COEF = {
     (27, 64): (1.18289, 1.68602, 4.44372, 12.93199),
     (28, 64): (0.91656, 0.73196, 8.85742, 0.85323),
     (29, 64): (0.84553, 0.69191, 6.36996, 4.63677),
+    (30, 64): (1.31057, 1.69501, 2.0697, 15.98499),
+    (30, 128): (2.10254, 2.37502, 5.29991, 7.96612),
 }
 # where the COEF entries come from: (keys, runs in tests/data, calibrate call, reproduced today)
 COEF_FITS = (
@@ -210,6 +216,10 @@ COEF_FITS = (
      ('h200_d128_2353f1d.json',),
      'calibrate(runs, keys)',
      True),
+    (((30, 64), (30, 128)),
+     (),
+     "tactic 1's constants, d plus 3 us for the merge kernel's launch",
+     False),
 )
 COEF_GPU = 'H100 80GB HBM3 (SXM)'
 UNIFORM_ITEM_SCALE = 0.7

@@ -37,7 +37,7 @@ from pathlib import Path
 
 __all__ = [
     "StofKernelError", "load_library", "library_available", "DeviceLayout", "Tactic", "all_tactics",
-    "tactic_info", "list_tactics", "sparse_attention", "Runner", "STATUS", "ABI_VERSION", "select_tactic",
+    "tactic_info", "list_tactics", "workspace_size", "sparse_attention", "Runner", "STATUS", "ABI_VERSION", "select_tactic",
     "DeviceDesc", "device_desc", "shape_bucket", "load_tactic_cache", "store_tactic",
     "profile_path", "profile_coef", "check_device", "cuda_architectures",
 ]
@@ -477,6 +477,18 @@ def list_tactics(q, k, v, dl: DeviceLayout, *, bhsd: bool = True, row_order: boo
     n = ctypes.c_int32()
     _check(lib.stof_attn_list_tactics(ctypes.byref(p), ids, 128, ctypes.byref(n)))
     return [ids[i] for i in range(n.value)]
+
+
+def workspace_size(q, k, v, dl: DeviceLayout, tactic: int = 0, *, bhsd: bool = True, seq_offsets=None,
+                   max_seqlen: int | None = None) -> int:
+    """Workspace bytes ``tactic`` uses on this problem on the current GPU (0: none): the persistent tactics' work
+    counter, the split tactics' slices (0 where they split nothing); tactic 0: the most any tactic uses."""
+    lib = load_library()
+    p = _make_params(q, k, v, q, dl, None, None, None, bhsd, True, None, seq_offsets=seq_offsets,
+                     max_seqlen=max_seqlen)
+    n = ctypes.c_size_t()
+    _check(lib.stof_attn_workspace_size(ctypes.byref(p), int(tactic), ctypes.byref(n)))
+    return int(n.value)
 
 
 def device_desc(device: int | None = None, *, name: str | None = None, cc: str | None = None) -> DeviceDesc:

@@ -46,6 +46,7 @@ class TacticSpec:
     key_step: int
     tma: bool
     persistent: bool
+    kv_split: bool  # splits each work item's key walk over several CTAs where few items have long rows
     head_dims: tuple
     tile_m_multiple: int
     tile_n_multiple: int

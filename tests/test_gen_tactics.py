@@ -69,11 +69,13 @@ def test_tables_agree():
 
     cat = gen.load()
     h = (ROOT / "plugins_cu" / "src" / "tactics.h").read_text()
-    table = re.findall(r'X\((\d+), (\d), (\d+), (\d+), (\d+), (\d+), (\d+), "(\w+)", (true|false)\)', h)
+    table = re.findall(r'X\((\d+), (\d), (\d+), (\d+), (\d+), (\d+), (\d+), "(\w+)", (true|false), (true|false)\)',
+                       h)
     assert [int(r[0]) for r in table] == list(_tactics.LIBRARY_ORDER)
-    want = {t["id"]: (t["family"], t["block_m"], t["block_n"], t["warps"], t["stages"], t["name"])
-            for t in _tactics.TACTICS}
-    assert {int(r[0]): (int(r[1]), int(r[3]), int(r[4]), int(r[5]), int(r[6]), r[7]) for r in table} == want
+    want = {t["id"]: (t["family"], t["block_m"], t["block_n"], t["warps"], t["stages"], t["name"], t["persistent"],
+                      t["kv_split"]) for t in _tactics.TACTICS}
+    assert {int(r[0]): (int(r[1]), int(r[3]), int(r[4]), int(r[5]), int(r[6]), r[7], r[8] == "true", r[9] == "true")
+            for r in table} == want
     for fam, macro in (("block", "STOF_BLOCK_TACTICS"), ("row", "STOF_ROW_TACTICS"), ("hopper", "STOF_HOPPER_TACTICS")):
         body = h[h.index(f"#define {macro}(X)"):].split("\n\n")[0]
         ids = [int(i) for i in re.findall(r"X\((\d+),", body)]

@@ -68,6 +68,28 @@ def test_valid_tactics_follow_the_catalogue():
     assert ps.valid_tactics(32, 64, 64, hopper=True) == [3, 10, 11, 12]  # 32-row tiles: no wgmma, no 64-row CTAs
 
 
+def test_split_tactic_ranked_for_few_long_rows():
+    """A Longformer layer's global rows (32 queries against 4096 keys, B=1, 12 heads: 12 work items of 64 key tiles)
+    leave most SMs idle: the split tactic ranks first; with many work items (B=8, 8 long rows per head) or short
+    rows it splits nothing and ranks below its base tactic 1 (the same kernel without the merge)."""
+    split = [t.id for t in ps.TACTICS if t.kv_split]
+    assert split == [30]
+    glob = compile_mask("full", 64, 4096)
+    for D in (64, 128):
+        ranked = [t for t, _ in ps.rank(glob, batch=1, heads=12, head_dim=D, seq_q=32, gpu=ps.H100_SXM)]
+        assert ranked[0] == 30, ranked[:4]
+        many = [t for t, _ in ps.rank(compile_mask("full", 512, 4096), batch=8, heads=12, head_dim=D,
+                                      gpu=ps.H100_SXM)]
+        assert many.index(30) > many.index(1)
+        short = [t for t, _ in ps.rank(compile_mask("full", 64, 192), batch=1, heads=12, head_dim=D,
+                                       gpu=ps.H100_SXM)]
+        assert short.index(30) > short.index(1)  # 3 key tiles: fewer than two slices of 4 sub-blocks
+    x30 = ps.terms(glob, 30, batch=1, heads=12, head_dim=64, seq_q=32, gpu=ps.H100_SXM)
+    x1 = ps.terms(glob, 1, batch=1, heads=12, head_dim=64, seq_q=32, gpu=ps.H100_SXM)
+    np.testing.assert_allclose(x30[:2], x1[:2])  # the same sub-blocks ...
+    assert x30[2] == pytest.approx(x1[2] * 16)   # ... in 16 slices per item (64 tiles / 4; 264 CTAs / 12 items)
+
+
 def test_terms_count_sub_blocks_and_ctas():
     """Causal S=256 on 64x64 tiles: tile row i holds i + 1 tiles, the diagonal one PARTIAL.  Tactic 13 (one 64-row
     CTA per tile row) has 6 FULL and 4 PARTIAL sub-blocks in 4 CTAs; tactic 15 (128 rows: the union of two tile

@@ -3,7 +3,7 @@
 
 namespace stof {
 
-#define STOF_X(id, bm, bn, w, s, mb, q) block_launcher<64, bm, bn, w, s, mb, kQFrags_##q, __nv_bfloat16>(),
+#define STOF_X(id, bm, bn, w, s, mb, q, ks) block_launcher<64, bm, bn, w, s, mb, kQFrags_##q, ks, __nv_bfloat16>(),
 extern const LaunchFn kBlockLaunchersBF16D64[kNumBlockTactics] = {STOF_BLOCK_TACTICS(STOF_X)};
 #undef STOF_X
 

@@ -73,7 +73,9 @@ __device__ __forceinline__ void load_rows_async(uint32_t s_tile, const typename 
     }
 }
 
-template <class KT>
+// kSplit (the split tactics): gridDim.x holds kv_splits slices per query block; the CTA walks its slice of the row's
+// sub-blocks and writes its normalised fp32 output and log-sum-exp to p.split_ws for block_split_merge.
+template <class KT, bool kSplit = false>
 __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocks) block_attn_fwd(const KernelParams p) {
     using Elem = typename KT::Elem;
     constexpr int kMI = KT::kMI, kNI = KT::kNI, kKD = KT::kKD, kKN = KT::kKN, kDI = KT::kDI;
@@ -85,7 +87,17 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocks) block_attn_fwd(c
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, tig = lane & 3;  // mma fragment coordinates
-    const BlockWork work = block_work<kBlockM>(p);  // longest rows first (common.cuh)
+    BlockWork work;
+    int split = 0;
+    if constexpr (kSplit) {
+        const int nqb = static_cast<int>(gridDim.x) / p.kv_splits;
+        split = static_cast<int>(blockIdx.x) % p.kv_splits;
+        work = block_work_at<kBlockM>(
+            p, blockIdx.x / p.kv_splits + static_cast<int64_t>(nqb) * (blockIdx.y + static_cast<int64_t>(gridDim.y) * blockIdx.z),
+            nqb);
+    } else {
+        work = block_work<kBlockM>(p);  // longest rows first (common.cuh)
+    }
     const int qb = work.qb, h = work.h, b = work.b;
     const int q0 = qb * kBlockM;
     if (q0 >= p.seq_q) return;  // a tile row past the run-time Sq (ordered schedule)
@@ -94,7 +106,11 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocks) block_attn_fwd(c
     const RowWalk walk = row_walk(p, h, q0, kv_len);  // stored tiles of the row, past the key bound dropped
     const int a0 = walk.a0, e_begin = walk.e_begin, e_end = walk.e_end;  // a0: first bitmap row of this CTA
     const int nsub = p.tile_n / kBlockN;
-    const int n_iter = (e_end - e_begin) * nsub;
+    // sub-blocks [it_base, it_base + n_iter) of the row: all of them, or this CTA's slice
+    const int n_all = (e_end - e_begin) * nsub;
+    const int it_base = kSplit ? static_cast<int>(static_cast<int64_t>(n_all) * split / p.kv_splits) : 0;
+    const int n_iter =
+        kSplit ? static_cast<int>(static_cast<int64_t>(n_all) * (split + 1) / p.kv_splits) - it_base : n_all;
 
     const Elem* gQ = static_cast<const Elem*>(p.q) + b * p.q_sb + h * p.q_sh;
     const int hk = kv_head(p, h);  // the K/V head: once per work item, never per step
@@ -113,8 +129,8 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocks) block_attn_fwd(c
     load_rows_async<KT, kBlockM>(sQ, gQ, p.q_ss, q0, q_len, tid);
     cp_async_commit();
     auto key_start = [&](int it) {
-        const int e = e_begin + it / nsub;
-        return __ldg(p.col_idx + e) * p.tile_n + (it % nsub) * kBlockN;
+        const int e = e_begin + (it + it_base) / nsub;
+        return __ldg(p.col_idx + e) * p.tile_n + ((it + it_base) % nsub) * kBlockN;
     };
     auto load_kv = [&](int it) {
         const int n0 = key_start(it);
@@ -159,8 +175,8 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocks) block_attn_fwd(c
         if (it + kStages - 1 < n_iter) load_kv(it + kStages - 1);
         cp_async_commit();
 
-        const int e = e_begin + it / nsub;
-        const int sub = it % nsub;
+        const int e = e_begin + (it + it_base) / nsub;
+        const int sub = (it + it_base) % nsub;
         const int n0 = __ldg(p.col_idx + e) * p.tile_n + sub * kBlockN;
         const int bm_idx = __ldg(p.tile_bitmap_index + e);
         const bool need_mask = bm_idx >= 0 || n0 + kBlockN > kv_len || kpm != nullptr;
@@ -298,8 +314,35 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocks) block_attn_fwd(c
         }
     }
 
-    // Epilogue: normalise, stage through sQ (swizzled), 16-byte coalesced stores of the in-range rows.
     cp_async_wait<0>();
+    if constexpr (kSplit) {
+        // The slice's rows in fp32 at its slot of split_ws (slots in (batch, head, query block, slice) order), then
+        // each row's log-sum-exp (log2 domain; -inf when the slice allows no key of the row) after all slots' rows.
+        const int nqb = static_cast<int>(gridDim.x) / p.kv_splits;
+        const int64_t n_slots = static_cast<int64_t>(gridDim.x) * gridDim.y * gridDim.z;
+        const int64_t slot = ((static_cast<int64_t>(b) * p.heads + h) * nqb + qb) * p.kv_splits + split;
+        float* ws_o = p.split_ws + slot * kBlockM * KT::kHeadDim;
+        float* ws_lse = p.split_ws + n_slots * kBlockM * KT::kHeadDim + slot * kBlockM;
+#pragma unroll
+        for (int mi = 0; mi < kMI; ++mi)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                float l = row_sum[mi][hh];
+                l += __shfl_xor_sync(0xffffffffu, l, 1);
+                l += __shfl_xor_sync(0xffffffffu, l, 2);
+                const float inv = l > 0.f ? 1.f / l : 0.f;
+                const int row = warp_row0 + mi * 16 + hh * 8 + g;
+                if (q0 + row >= q_len) continue;
+#pragma unroll
+                for (int di = 0; di < kDI; ++di)
+                    *reinterpret_cast<float2*>(ws_o + row * KT::kHeadDim + di * 8 + tig * 2) =
+                        make_float2(rO[mi][di][hh * 2] * inv, rO[mi][di][hh * 2 + 1] * inv);
+                if (tig == 0) ws_lse[row] = l > 0.f ? row_max[mi][hh] + __log2f(l) : -INFINITY;
+            }
+        return;
+    }
+
+    // Epilogue: normalise, stage through sQ (swizzled), 16-byte coalesced stores of the in-range rows.
     __syncthreads();
 #pragma unroll
     for (int mi = 0; mi < kMI; ++mi)
@@ -337,6 +380,92 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocks) block_attn_fwd(c
 template <class KT>
 cudaError_t launch_block(const KernelParams& params, cudaStream_t stream) {
     return launch_scheduled<KT::kBlockM, KT::kHeadDim>(block_attn_fwd<KT>, params, KT::kThreads, KT::kSmemSize, stream);
+}
+
+// The split tactics' merge: one warp per query row of every work item.  Lane s reads slice s's log-sum-exp; the row
+// is the slices' outputs weighted by 2^(lse_s - max) over their sum (zeros when no slice allows a key).  The lanes
+// read the slices' rows as float4 chunks, 32 / (D / 4) slices per instruction, all loads of a lane independent.
+constexpr int kMergeWarps = 4;
+template <class KT>
+__global__ void __launch_bounds__(kMergeWarps * 32) block_split_merge(const KernelParams p, int nqb) {
+    using Elem = typename KT::Elem;
+    constexpr int D = KT::kHeadDim, kBlockM = KT::kBlockM;
+    constexpr int kChunks = D / 4;               // float4 chunks per row: 16 or 32
+    constexpr int kSliceStep = 32 / kChunks;     // slices read per instruction: 2 or 1
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int64_t n_items = static_cast<int64_t>(nqb) * p.heads * p.batch;
+    const int64_t row_id = static_cast<int64_t>(blockIdx.x) * kMergeWarps + warp;
+    if (row_id >= n_items * kBlockM) return;
+    const int64_t item = row_id / kBlockM;
+    const int row = static_cast<int>(row_id - item * kBlockM);
+    const int qb = static_cast<int>(item % nqb);
+    const int64_t hb = item / nqb;
+    const int h = static_cast<int>(hb % p.heads), b = static_cast<int>(hb / p.heads);
+    const int q0 = qb * kBlockM;
+    int q_len, kv_len;
+    // the rows the attention kernel wrote (it skips the same ones)
+    if (q0 >= p.seq_q || !item_rows(p, b, q0, q_len, kv_len) || q0 + row >= q_len) return;
+    const int n_split = p.kv_splits;
+    const int64_t slot0 = item * n_split;
+    const float* lse_all = p.split_ws + n_items * n_split * kBlockM * D;
+    const float lse = lane < n_split ? lse_all[(slot0 + lane) * kBlockM + row] : -INFINITY;
+    float m = lse;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    const float w = m == -INFINITY ? 0.f : exp2f(lse - m);
+    float w_sum = w;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) w_sum += __shfl_xor_sync(0xffffffffu, w_sum, o);
+    const int chunk = lane % kChunks, s_first = lane / kChunks;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    const float4* src = reinterpret_cast<const float4*>(p.split_ws) + (slot0 * kBlockM + row) * kChunks + chunk;
+#pragma unroll 4
+    for (int s0 = 0; s0 < n_split; s0 += kSliceStep) {  // the same trip count in every lane (the shuffle)
+        const int s = s0 + s_first;
+        const float ws = __shfl_sync(0xffffffffu, w, s & 31);  // 0 past n_split (lane s holds no slice)
+        if (ws != 0.f) {
+            const float4 v = src[static_cast<int64_t>(s) * kBlockM * kChunks];
+            acc.x += ws * v.x, acc.y += ws * v.y, acc.z += ws * v.z, acc.w += ws * v.w;
+        }
+    }
+#pragma unroll
+    for (int o = kChunks; o < 32; o <<= 1) {  // the lanes of one chunk hold different slices: sum them
+        acc.x += __shfl_xor_sync(0xffffffffu, acc.x, o);
+        acc.y += __shfl_xor_sync(0xffffffffu, acc.y, o);
+        acc.z += __shfl_xor_sync(0xffffffffu, acc.z, o);
+        acc.w += __shfl_xor_sync(0xffffffffu, acc.w, o);
+    }
+    if (lane >= kChunks) return;
+    const float inv = w_sum > 0.f ? 1.f / w_sum : 0.f;
+    Elem* gO = static_cast<Elem*>(p.o) + b * p.o_sb + h * p.o_sh;
+    if (p.seq_offsets != nullptr) gO += packed_row0(p, b) * p.o_ss;
+    *reinterpret_cast<uint2*>(gO + static_cast<int64_t>(q0 + row) * p.o_ss + chunk * 4) =
+        make_uint2(ElemTraits<Elem>::pack(acc.x * inv, acc.y * inv), ElemTraits<Elem>::pack(acc.z * inv, acc.w * inv));
+}
+
+// The split tactics' launch: the slices (no row or pair order: every item's slices start together and the grid is
+// at most two CTAs per SM), then the merge.  Without a split (kv_splits 1 or no workspace) the plain kernel.
+template <class KT>
+cudaError_t launch_block_split(const KernelParams& params, cudaStream_t stream) {
+    if (params.kv_splits < 2 || params.split_ws == nullptr) return launch_block<KT>(params, stream);
+    KernelParams p = params;
+    p.row_order = nullptr;
+    p.pair_order = nullptr;
+    if (KT::kSmemSize > 48 * 1024) {
+        const cudaError_t err = cudaFuncSetAttribute(block_attn_fwd<KT, true>,
+                                                     cudaFuncAttributeMaxDynamicSharedMemorySize, KT::kSmemSize);
+        if (err != cudaSuccess) return err;
+    }
+    dim3 grid = schedule_grid<KT::kBlockM, KT::kHeadDim>(p);
+    const int nqb = static_cast<int>(grid.x);
+    grid.x *= p.kv_splits;
+    block_attn_fwd<KT, true><<<grid, KT::kThreads, KT::kSmemSize, stream>>>(p);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+    const int64_t rows = static_cast<int64_t>(nqb) * p.heads * p.batch * KT::kBlockM;
+    block_split_merge<KT><<<static_cast<unsigned>((rows + kMergeWarps - 1) / kMergeWarps), kMergeWarps * 32, 0,
+                            stream>>>(p, nqb);
+    return cudaGetLastError();
 }
 
 }  // namespace stof

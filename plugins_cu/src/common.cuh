@@ -55,6 +55,10 @@ struct KernelParams {
     // Packed variable-length sequences ([B+1] or null): batch b's rows start at row seq_offsets[b] (the batch
     // strides are 0 then: kernel_params) and it has n_b = seq_offsets[b+1] - seq_offsets[b] queries and keys
     const int32_t* seq_offsets;
+    // The split tactics (kv_split): each work item's key walk in kv_splits slices, one CTA each, whose fp32 outputs
+    // and log-sum-exps go to split_ws (the workspace) for the merge kernel (blockwise.cuh); 1 and null otherwise
+    int kv_splits;
+    float* split_ws;
 };
 
 // h / p.kv_group in three instructions per work item, not a division: kv_mul = floor(2^32 / kv_group) + 1 and

@@ -29,12 +29,13 @@ struct TacticRow {
     int regs[2];  // head dim 64, 128 (-1: no ptxas entry)
     int hasCoef[2];
     double coef[2][4];
+    int kvSplit;  // the key walk split over kv_split_count() CTAs (schedule_order.h)
 };
 
 #define STOF_PRESEARCH_ROW(id, fam, bm, bn, w, st, mc, qs, pipe, dpv, ws, ks, hd, tmm, tnm, sm90a, r64, r128, h64, \
-                           a64, b64, c64, d64, h128, a128, b128, c128, d128)                                     \
+                           a64, b64, c64, d64, h128, a128, b128, c128, d128, kvs)                                \
     {id, fam, bm, bn, w, st, mc, qs, pipe, dpv, ws, ks, hd, tmm, tnm, sm90a, {r64, r128}, {h64, h128},          \
-     {{a64, b64, c64, d64}, {a128, b128, c128, d128}}},
+     {{a64, b64, c64, d64}, {a128, b128, c128, d128}}, kvs},
 const TacticRow kRows[] = {
 #include "presearch_table.inc"
 };
@@ -56,6 +57,7 @@ struct Stats {
     double words{0}, allowed{0};
     int32_t schedChunk{0};                       // schedule_order.h: 1 for near-equal rows
     std::vector<int32_t> rowOrder, pairOrder;    // schedule_order.h: the kernels' start orders
+    int64_t longestRow{0};                       // stored tiles of the longest tile row
 };
 
 int popcount32(uint32_t v) {
@@ -111,6 +113,7 @@ Stats tileStats(stof_host_layout_t const& lay) {
         }
     int64_t const wordsFull = nFull * lay.tile_m * (lay.tile_n / 32);
     s.schedChunk = stof::sched_chunk(lay.row_ptr, s.L, s.Tq);
+    s.longestRow = stof::longest_row(lay.row_ptr, s.L, s.Tq);
     s.rowOrder.resize(R);
     s.pairOrder.resize(static_cast<size_t>(s.L) * ((s.Tq + 1) / 2));
     stof::row_order(lay.row_ptr, s.L, s.Tq, s.rowOrder.data());
@@ -277,6 +280,13 @@ bool valid(TacticRow const& t, int tileM, int tileN, int D, bool hopper) {
     return tileM % t.tileMMultiple == 0 && tileN % t.tileNMultiple == 0;
 }
 
+// the slices per work item a split tactic runs with (the library's rule, stof_attention.cu split_count); 1 otherwise
+int splitCount(Stats const& s, TacticRow const& t, int batch, int heads, int seqQ, stof_gpu_props_t const& g) {
+    if (!t.kvSplit) return 1;
+    int64_t const items = static_cast<int64_t>((seqQ + t.blockM - 1) / t.blockM) * heads * batch;
+    return stof::kv_split_count(items, s.longestRow * (s.tileN / t.blockN), g.sm_count);
+}
+
 double predict(Stats const& s, TacticRow const& t, int batch, int heads, int D, int seqQ, int seqK,
                stof_gpu_props_t const& g) {
     int const L = s.L;
@@ -290,6 +300,16 @@ double predict(Stats const& s, TacticRow const& t, int batch, int heads, int D, 
         std::vector<std::vector<double>> full, part;
         ctaWork(s, t, seqQ, full, part);
         std::vector<std::vector<double>> dur(L);
+        int const splits = splitCount(s, t, batch, heads, seqQ, g);
+        if (splits > 1) {  // every item's slices, each a 1/splits share of its sub-blocks, in no row order
+            std::vector<double> ctas;
+            for (int b = 0; b < batch; ++b)
+                for (int h = 0; h < heads; ++h)
+                    for (size_t i = 0; i < full[h % L].size(); ++i)
+                        for (int sp = 0; sp < splits; ++sp)
+                            ctas.push_back((c[0] * full[h % L][i] + c[1] * part[h % L][i]) / splits + cItem);
+            return (makespan(ctas, static_cast<int64_t>(g.sm_count) * occ) + c[3]) * 1e-6;
+        }
         for (int l = 0; l < L; ++l) {
             dur[l].resize(full[l].size());
             for (size_t i = 0; i < full[l].size(); ++i) dur[l][i] = c[0] * full[l][i] + c[1] * part[l][i] + cItem;
@@ -465,7 +485,7 @@ STOF_API stof_status_t stof_presearch_terms(const stof_gpu_props_t* gpu, const s
         double const slots = static_cast<double>(gpu->sm_count) * occ;
         terms[0] = sumFull * reps / slots;
         terms[1] = sumPart * reps / slots;
-        terms[2] = ctas * reps / slots;
+        terms[2] = ctas * splitCount(s, *t, batch, heads, sq, *gpu) * reps / slots;
         terms[3] = 1.0;
         return STOF_SUCCESS;
     } catch (...) {

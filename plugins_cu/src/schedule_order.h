@@ -1,5 +1,5 @@
 // The kernels' start orders from a layout's host row_ptr (pure host C++): the row order and pair order the
-// persistent and grid schedules follow, and the sched_chunk rule.  The layout handle (host/layout.cc) and the
+// persistent and grid schedules follow, the sched_chunk rule and the split tactics' slice count.  The layout handle (host/layout.cc) and the
 // pre-search (presearch.cc) share them, so the model ranks tactics on the
 // schedule the library runs.
 #pragma once
@@ -53,6 +53,29 @@ inline int32_t sched_chunk(const int32_t* row_ptr, int32_t num_layouts, int32_t 
         if (4 * static_cast<int64_t>(tiles_q) * longest > 5 * static_cast<int64_t>(rp[tiles_q] - rp[0])) return 0;
     }
     return 1;
+}
+
+// The split tactics (kv_split in the catalogue): how many CTAs share each work item's key walk.  Few items with long
+// walks (a Longformer layer's global rows: 12 items of 64 key tiles at B=1) leave most SMs idle; split into P slices,
+// each CTA walks 1/P of its row's sub-blocks and a merge kernel combines the slices by their log-sum-exp.  P aims at
+// two CTAs per SM, keeps >= kKvSplitMinSubBlocks sub-blocks per slice of the longest row and is <= kKvSplitMax (one
+// merge lane per slice); 1 (no split) when the items alone reach half the target.
+constexpr int kKvSplitMax = 32;
+constexpr int kKvSplitMinSubBlocks = 4;
+inline int kv_split_count(int64_t items, int64_t longest_row_sub_blocks, int sm_count) {
+    const int64_t target = 2 * static_cast<int64_t>(std::max(sm_count, 1));
+    if (items < 1 || 2 * items > target) return 1;
+    const int64_t p = std::min<int64_t>({(target + items - 1) / items, longest_row_sub_blocks / kKvSplitMinSubBlocks,
+                                         static_cast<int64_t>(kKvSplitMax)});
+    return p >= 2 ? static_cast<int>(p) : 1;
+}
+
+// The largest tile-row length (stored tiles) over the layouts.
+inline int64_t longest_row(const int32_t* row_ptr, int32_t num_layouts, int32_t tiles_q) {
+    int64_t longest = 0;
+    for (int64_t r = 0; r < static_cast<int64_t>(num_layouts) * tiles_q; ++r)
+        longest = std::max<int64_t>(longest, row_ptr[r + 1] - row_ptr[r]);
+    return longest;
 }
 
 }  // namespace stof

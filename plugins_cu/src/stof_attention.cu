@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "host/host.h"
+#include "schedule_order.h"
 #include "stof/stof_attention.h"
 #include "tactics.h"
 
@@ -22,6 +23,7 @@ struct TacticDesc {
     int id, family, block_m, block_n, warps, stages;
     const char* name;
     bool persistent;  // runs persistent when given a workspace (its work counter)
+    bool kv_split;    // splits each work item's key walk over several CTAs (their slices in the workspace)
     int index;        // position in its family's launcher tables
 };
 
@@ -29,8 +31,8 @@ constexpr int64_t kWorkspaceBytes = 16;
 
 // Listed (and tried by tactic 0) in the catalogue's order: Hopper first where it can run, then mma.sync, then
 // row-wise (tactics.h, generated from plugins_cu/tactics.toml).
-#define STOF_TACTIC_DESC(id, family, index, bm, bn, w, s, name, persistent) \
-    {id, family, bm, bn, w, s, name, persistent, index},
+#define STOF_TACTIC_DESC(id, family, index, bm, bn, w, s, name, persistent, kv_split) \
+    {id, family, bm, bn, w, s, name, persistent, kv_split, index},
 const TacticDesc kTactics[] = {STOF_TACTIC_TABLE(STOF_TACTIC_DESC)};
 #undef STOF_TACTIC_DESC
 constexpr int kNumTactics = sizeof(kTactics) / sizeof(kTactics[0]);
@@ -124,6 +126,22 @@ uint64_t layout_bitmap_bytes(const stof_layout_st& L) {
     return static_cast<uint64_t>(L.num_bitmaps) * static_cast<uint64_t>(L.tile_m) * static_cast<uint64_t>(L.tile_n) / 8;
 }
 
+// A split tactic's slices per work item on the current device (schedule_order.h kv_split_count; 1: no split) and
+// the workspace they need: each slice's fp32 rows and their log-sum-exps.
+int split_count(const TacticDesc& t, const stof_attn_params_t& p) {
+    if (!t.kv_split) return 1;
+    const stof::host::DeviceCaps* caps = stof::host::current_device_caps();
+    const stof_layout_st& L = *p.layout;
+    const int64_t items = static_cast<int64_t>((p.seq_q + t.block_m - 1) / t.block_m) * p.num_heads * p.batch;
+    return stof::kv_split_count(items, L.longest_row * (L.tile_n / t.block_n), caps ? caps->sm_count : 0);
+}
+int64_t split_bytes(const TacticDesc& t, const stof_attn_params_t& p) {
+    const int splits = split_count(t, p);
+    if (splits < 2) return 0;
+    const int64_t slots = static_cast<int64_t>((p.seq_q + t.block_m - 1) / t.block_m) * p.num_heads * p.batch * splits;
+    return (slots * t.block_m * (p.head_dim + 1) * 4 + 15) / 16 * 16;
+}
+
 bool tactic_valid(const TacticDesc& t, const stof_attn_params_t& p) {
     const stof_layout_st& L = *p.layout;
     if ((stof::host::kernel_family_mask(nullptr) & (1u << t.family)) == 0) return false;
@@ -177,6 +195,8 @@ KernelParams kernel_params(const stof_attn_params_t& p) {
     k.lane_bitmaps = lane_ok ? L.d_lane_bitmaps : nullptr;
     k.work_counter = p.workspace != nullptr && p.workspace_bytes >= kWorkspaceBytes ? static_cast<int*>(p.workspace)
                                                                                      : nullptr;
+    k.kv_splits = 1;  // stof_attn_run sets the split tactics' slices
+    k.split_ws = nullptr;
     return k;
 }
 
@@ -251,7 +271,14 @@ stof_status_t stof_attn_workspace_size(const stof_attn_params_t* p, int32_t tact
     if (s != STOF_SUCCESS) return s;
     const TacticDesc* t = tactic > 0 ? find_tactic(tactic) : nullptr;
     if (tactic > 0 && t == nullptr) return fail(STOF_ERROR_INVALID_TACTIC, "unknown tactic %d", tactic);
-    *bytes = t == nullptr || t->persistent ? kWorkspaceBytes : 0;
+    if (t == nullptr) {  // the most any valid tactic uses
+        int64_t most = kWorkspaceBytes;
+        for (const auto& c : kTactics)
+            if (c.kv_split && tactic_valid(c, *p)) most = std::max(most, split_bytes(c, *p));
+        *bytes = static_cast<size_t>(most);
+    } else {
+        *bytes = t->persistent ? kWorkspaceBytes : static_cast<size_t>(split_bytes(*t, *p));
+    }
     return STOF_SUCCESS;
 }
 
@@ -285,7 +312,15 @@ stof_status_t stof_attn_run(const stof_attn_params_t* p, int32_t tactic, stof_st
     s = stof::host::check_device_code();  // after the argument checks: those are the caller's to fix first
     if (s != STOF_SUCCESS) return s;
     const LaunchFn fn = launcher_for(*t, *p);
-    const cudaError_t err = fn(kernel_params(*p), reinterpret_cast<cudaStream_t>(stream));
+    KernelParams k = kernel_params(*p);
+    if (t->kv_split) {  // without the workspace the split tactic runs unsplit (same result)
+        const int64_t need = split_bytes(*t, *p);
+        if (need > 0 && p->workspace != nullptr && p->workspace_bytes >= need) {
+            k.kv_splits = split_count(*t, *p);
+            k.split_ws = static_cast<float*>(p->workspace);
+        }
+    }
+    const cudaError_t err = fn(k, reinterpret_cast<cudaStream_t>(stream));
     if (err != cudaSuccess)
         return fail(STOF_ERROR_CUDA, "tactic %s: %s", t->name, cudaGetErrorString(err));
     stof::host::clear_error();

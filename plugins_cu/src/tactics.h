@@ -4,7 +4,7 @@
 
 #include "common.cuh"
 
-// X(id, block_m, block_n, warps, stages, min_ctas_per_sm, q_frags)  -- block-wise family (mma.sync)
+// X(id, block_m, block_n, warps, stages, min_ctas_per_sm, q_frags, kv_split)  -- block-wise family (mma.sync)
 //  1: the baseline: one 64-row tile row per CTA, 16 rows per warp, double-buffered K/V
 //  2: as 1 with a 3-deep K/V ring: hides more load latency when the tiles of a row are scattered
 //  3: 32 rows per CTA (2 CTAs per 64-row tile row): twice the CTAs for short sequences or few rows
@@ -16,17 +16,20 @@
 //  8: as 2 with <= 128 registers (4 CTAs = 16 warps per SM)
 //  9: as 5 with 2 CTAs per SM guaranteed
 // 10: as 3 with 8 CTAs per SM
-#define STOF_BLOCK_TACTICS(X)    \
-    X(1, 64, 64, 4, 2, 1, reg)   \
-    X(2, 64, 64, 4, 3, 1, reg)   \
-    X(3, 32, 64, 2, 2, 1, reg)   \
-    X(4, 64, 64, 2, 2, 1, reg)   \
-    X(5, 128, 64, 8, 2, 1, reg)  \
-    X(6, 128, 64, 4, 2, 1, reg)  \
-    X(7, 64, 64, 4, 2, 4, smem)  \
-    X(8, 64, 64, 4, 3, 4, smem)  \
-    X(9, 128, 64, 8, 2, 2, smem) \
-    X(10, 32, 64, 2, 2, 8, smem)
+// 30: as 1 with each row's key walk split over several CTAs, merged by log-sum-exp: few long rows (global tokens)
+//     fill the GPU
+#define STOF_BLOCK_TACTICS(X)           \
+    X(1, 64, 64, 4, 2, 1, reg, false)   \
+    X(2, 64, 64, 4, 3, 1, reg, false)   \
+    X(3, 32, 64, 2, 2, 1, reg, false)   \
+    X(4, 64, 64, 2, 2, 1, reg, false)   \
+    X(5, 128, 64, 8, 2, 1, reg, false)  \
+    X(6, 128, 64, 4, 2, 1, reg, false)  \
+    X(7, 64, 64, 4, 2, 4, smem, false)  \
+    X(8, 64, 64, 4, 3, 4, smem, false)  \
+    X(9, 128, 64, 8, 2, 2, smem, false) \
+    X(10, 32, 64, 2, 2, 8, smem, false) \
+    X(30, 64, 64, 4, 2, 1, reg, true)
 
 // X(id, warps)  -- row-wise family (one warp per query row, CUDA cores)
 // 11: one warp per query row, 4 warps per CTA
@@ -82,42 +85,43 @@
     X(29, 3, 4, 4)
 
 // X(id, family (1 block, 2 row, 3 wgmma), index (in the family's macro and launcher tables), block_m,
-//   block_n, warps, stages, name, persistent), in the order the library lists (and tactic 0 tries) them;
-//   persistent: runs persistent when given a workspace.
-#define STOF_TACTIC_TABLE(X)                                            \
-    X(13, 3, 0, 64, 64, 4, 2, "wgmma_m1x64_n64_s2", false)              \
-    X(14, 3, 1, 64, 64, 4, 3, "wgmma_m1x64_n64_s3", false)              \
-    X(15, 3, 2, 128, 64, 8, 2, "wgmma_m2x64_n64_s2", false)             \
-    X(16, 3, 3, 128, 64, 8, 3, "wgmma_m2x64_n64_s3", false)             \
-    X(17, 3, 4, 64, 64, 4, 3, "wgmma_m1x64_n64_s3_pipe", false)         \
-    X(18, 3, 5, 64, 64, 4, 4, "wgmma_m1x64_n64_s4_pipe", false)         \
-    X(19, 3, 6, 64, 64, 4, 2, "wgmma_m1x64_n64_s2_defer", false)        \
-    X(20, 3, 7, 64, 64, 4, 3, "wgmma_m1x64_n64_s3_defer", false)        \
-    X(21, 3, 8, 128, 64, 12, 2, "wgmma_ws_m2x64_n64_s2", true)          \
-    X(22, 3, 9, 128, 64, 12, 4, "wgmma_ws_m2x64_n64_s4", true)          \
-    X(23, 3, 10, 128, 64, 12, 2, "wgmma_ws_m2x64_n128_s2", true)        \
-    X(24, 3, 11, 128, 64, 12, 4, "wgmma_ws_m2x64_n128_s4", true)        \
-    X(25, 3, 12, 64, 64, 4, 2, "wgmma_m1x64_n64_s2_tma", false)         \
-    X(26, 3, 13, 64, 64, 4, 3, "wgmma_m1x64_n64_s3_tma", false)         \
-    X(27, 3, 14, 64, 64, 4, 2, "wgmma_m1x64_n128_s2_tma", false)        \
-    X(28, 3, 15, 192, 64, 16, 2, "wgmma_ws_m3x64_n128_s2", true)        \
-    X(29, 3, 16, 192, 64, 16, 4, "wgmma_ws_m3x64_n128_s4", true)        \
-    X(1, 1, 0, 64, 64, 4, 2, "block_m64_n64_w4_s2_occ1_qreg", false)    \
-    X(2, 1, 1, 64, 64, 4, 3, "block_m64_n64_w4_s3_occ1_qreg", false)    \
-    X(3, 1, 2, 32, 64, 2, 2, "block_m32_n64_w2_s2_occ1_qreg", false)    \
-    X(4, 1, 3, 64, 64, 2, 2, "block_m64_n64_w2_s2_occ1_qreg", false)    \
-    X(5, 1, 4, 128, 64, 8, 2, "block_m128_n64_w8_s2_occ1_qreg", false)  \
-    X(6, 1, 5, 128, 64, 4, 2, "block_m128_n64_w4_s2_occ1_qreg", false)  \
-    X(7, 1, 6, 64, 64, 4, 2, "block_m64_n64_w4_s2_occ4_qsmem", false)   \
-    X(8, 1, 7, 64, 64, 4, 3, "block_m64_n64_w4_s3_occ4_qsmem", false)   \
-    X(9, 1, 8, 128, 64, 8, 2, "block_m128_n64_w8_s2_occ2_qsmem", false) \
-    X(10, 1, 9, 32, 64, 2, 2, "block_m32_n64_w2_s2_occ8_qsmem", false)  \
-    X(11, 2, 0, 1, 32, 4, 1, "row_w4", false)                           \
-    X(12, 2, 1, 1, 32, 8, 1, "row_w8", false)
+//   block_n, warps, stages, name, persistent, kv_split), in the order the library lists (and tactic 0
+//   tries) them; persistent: runs persistent when given a workspace; kv_split: splits rows' key walks.
+#define STOF_TACTIC_TABLE(X)                                                       \
+    X(13, 3, 0, 64, 64, 4, 2, "wgmma_m1x64_n64_s2", false, false)                  \
+    X(14, 3, 1, 64, 64, 4, 3, "wgmma_m1x64_n64_s3", false, false)                  \
+    X(15, 3, 2, 128, 64, 8, 2, "wgmma_m2x64_n64_s2", false, false)                 \
+    X(16, 3, 3, 128, 64, 8, 3, "wgmma_m2x64_n64_s3", false, false)                 \
+    X(17, 3, 4, 64, 64, 4, 3, "wgmma_m1x64_n64_s3_pipe", false, false)             \
+    X(18, 3, 5, 64, 64, 4, 4, "wgmma_m1x64_n64_s4_pipe", false, false)             \
+    X(19, 3, 6, 64, 64, 4, 2, "wgmma_m1x64_n64_s2_defer", false, false)            \
+    X(20, 3, 7, 64, 64, 4, 3, "wgmma_m1x64_n64_s3_defer", false, false)            \
+    X(21, 3, 8, 128, 64, 12, 2, "wgmma_ws_m2x64_n64_s2", true, false)              \
+    X(22, 3, 9, 128, 64, 12, 4, "wgmma_ws_m2x64_n64_s4", true, false)              \
+    X(23, 3, 10, 128, 64, 12, 2, "wgmma_ws_m2x64_n128_s2", true, false)            \
+    X(24, 3, 11, 128, 64, 12, 4, "wgmma_ws_m2x64_n128_s4", true, false)            \
+    X(25, 3, 12, 64, 64, 4, 2, "wgmma_m1x64_n64_s2_tma", false, false)             \
+    X(26, 3, 13, 64, 64, 4, 3, "wgmma_m1x64_n64_s3_tma", false, false)             \
+    X(27, 3, 14, 64, 64, 4, 2, "wgmma_m1x64_n128_s2_tma", false, false)            \
+    X(28, 3, 15, 192, 64, 16, 2, "wgmma_ws_m3x64_n128_s2", true, false)            \
+    X(29, 3, 16, 192, 64, 16, 4, "wgmma_ws_m3x64_n128_s4", true, false)            \
+    X(1, 1, 0, 64, 64, 4, 2, "block_m64_n64_w4_s2_occ1_qreg", false, false)        \
+    X(2, 1, 1, 64, 64, 4, 3, "block_m64_n64_w4_s3_occ1_qreg", false, false)        \
+    X(3, 1, 2, 32, 64, 2, 2, "block_m32_n64_w2_s2_occ1_qreg", false, false)        \
+    X(4, 1, 3, 64, 64, 2, 2, "block_m64_n64_w2_s2_occ1_qreg", false, false)        \
+    X(5, 1, 4, 128, 64, 8, 2, "block_m128_n64_w8_s2_occ1_qreg", false, false)      \
+    X(6, 1, 5, 128, 64, 4, 2, "block_m128_n64_w4_s2_occ1_qreg", false, false)      \
+    X(7, 1, 6, 64, 64, 4, 2, "block_m64_n64_w4_s2_occ4_qsmem", false, false)       \
+    X(8, 1, 7, 64, 64, 4, 3, "block_m64_n64_w4_s3_occ4_qsmem", false, false)       \
+    X(9, 1, 8, 128, 64, 8, 2, "block_m128_n64_w8_s2_occ2_qsmem", false, false)     \
+    X(10, 1, 9, 32, 64, 2, 2, "block_m32_n64_w2_s2_occ8_qsmem", false, false)      \
+    X(30, 1, 10, 64, 64, 4, 2, "block_m64_n64_w4_s2_occ1_qreg_split", false, true) \
+    X(11, 2, 0, 1, 32, 4, 1, "row_w4", false, false)                               \
+    X(12, 2, 1, 1, 32, 8, 1, "row_w8", false, false)
 
 namespace stof {
 
-constexpr int kNumBlockTactics = 10;
+constexpr int kNumBlockTactics = 11;
 constexpr bool kQFrags_reg = false, kQFrags_smem = true;
 constexpr int kNumRowTactics = 2;
 constexpr int kNumHopperTactics = 17;

@@ -22,6 +22,7 @@ from _gpu_helpers import TOL, rand_qkv, random_block_mask, reference, rel_err  #
 from stof_trt.format import TileLayout, compile_mask  # noqa: E402
 from stof_trt.kernels import (  # noqa: E402
     FAMILY_HOPPER, DeviceLayout, StofKernelError, all_tactics, list_tactics, sparse_attention, tactic_info,
+    workspace_size,
 )
 from stof_trt.masks import parse_mask  # noqa: E402
 
@@ -538,6 +539,100 @@ def test_grouped_query_attention_errors():
     assert ei.value.status == 1
     with pytest.raises(ValueError, match="same number of heads"):
         sparse_attention(q, k[:, :3], k[:, :2], dl)
+
+
+SPLIT_TACTIC = 30  # block_m64_n64_w4_s2_occ1_qreg_split
+
+
+@pytest.mark.parametrize("D", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", ["full", "longformer", "random", "lengths", "kpm", "bshd", "gqa"])
+def test_split_tactic_few_long_rows(case, dtype, D):
+    """Few work items with long rows (the global rows of a Longformer layer): the split tactic walks each row in
+    slices and merges them by log-sum-exp.  Against float64 with the slices (workspace > 0, so it does split) and
+    without the workspace (the plain kernel); tails off the tile grid, slices with no allowed key (rows whose
+    allowed keys all lie in one slice; rows with none: exact zeros), key lengths incl. 0, padding masks,
+    [B, S, H, D] tensors and grouped K/V heads."""
+    rng = np.random.default_rng(11 + len(case) + D)
+    B, H, Sq, Sk = 2, 3, 90, 3000
+    lengths = kpm = None
+    if case == "longformer":
+        mask = parse_mask("longformer:window=128,global=16")
+        dense = mask.dense(Sq, Sk)
+        layout = compile_mask(mask, Sq, Sk)
+    elif case == "random":
+        dense = random_block_mask(rng, H, Sq, Sk)
+        dense[:, 10] = True            # a long row: the layout splits
+        dense[:, 5] = False            # a row with no allowed key
+        dense[:, 7] = False
+        dense[:, 7, 2500:2510] = True  # a row whose keys all lie in the last slice
+        layout = TileLayout.from_dense(dense, 64, 64)
+    else:
+        dense = np.ones((Sq, Sk), bool)
+        layout = compile_mask(parse_mask("full"), Sq, Sk)
+    if case == "lengths":
+        lengths = [2999, 0]
+    if case == "kpm":
+        kpm = rng.random((B, Sk)) < 0.3
+        kpm[1] = False
+        kpm[1, 1234] = True  # one allowed key
+    check = dict(B=B, H=H, Sq=Sq, Sk=Sk, D=D, dtype=dtype, seed=D, bhsd=case != "bshd", lengths=lengths, kpm=kpm,
+                 only=[1, SPLIT_TACTIC])
+    q = torch.empty((B, H, Sq, D) if case != "bshd" else (B, Sq, H, D), dtype=dtype, device="cuda")
+    kv = torch.empty((B, H, Sk, D) if case != "bshd" else (B, Sk, H, D), dtype=dtype, device="cuda")
+    dl = DeviceLayout(layout)
+    assert workspace_size(q, kv, kv, dl, SPLIT_TACTIC, bhsd=case != "bshd") > 0  # it splits here
+    if case == "gqa":
+        check_gqa_split(dense, layout, dtype, D)
+        return
+    for ws in (True, False):
+        assert SPLIT_TACTIC in check_all_tactics(f"split {case}", dense, layout, workspace=ws, **check)
+
+
+def check_gqa_split(dense, layout, dtype, D):
+    B, H, group = 1, 8, 4
+    Sq, Sk = dense.shape[-2:]
+    gen = torch.Generator(device="cuda").manual_seed(D)
+    q = torch.randn(B, H, Sq, D, generator=gen, device="cuda").to(dtype)
+    k, v = (torch.randn(B, H // group, Sk, D, generator=gen, device="cuda").to(dtype) for _ in range(2))
+    dl = DeviceLayout(layout)
+    assert workspace_size(q, k, v, dl, SPLIT_TACTIC) > 0
+    ref, _ = reference(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                       torch.from_numpy(np.ascontiguousarray(dense[None])).cuda(), D**-0.5)
+    out = torch.full_like(q, float("nan"))
+    sparse_attention(q, k, v, dl, tactic=SPLIT_TACTIC, out=out)
+    torch.cuda.synchronize()
+    assert rel_err(out, ref) <= TOL[dtype]
+
+
+def test_split_tactic_workspace_and_packed():
+    """The split tactic's workspace: 0 where it splits nothing (many work items, or short rows), tactic 0 reports
+    at least it; packed sequences split too (against the per-sequence float64 reference)."""
+    q = torch.empty(8, 12, 4096, 64, dtype=torch.float16, device="cuda")
+    many = DeviceLayout(compile_mask(parse_mask("causal"), 4096, 4096))
+    assert workspace_size(q, q, q, many, SPLIT_TACTIC) == 0
+    glob = DeviceLayout(compile_mask(parse_mask("full"), 64, 4096))
+    q1, kv1 = q[:1, :, :32], q[:1]
+    split = workspace_size(q1, kv1, kv1, glob, SPLIT_TACTIC)
+    assert split >= 12 * 2 * 64 * 65 * 4 and workspace_size(q1, kv1, kv1, glob, 0) >= split
+    lengths = [2000, 1, 777]
+    S, H, D = 2048, 1, 64
+    offsets = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device="cuda")
+    T = int(offsets[-1])
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    qp, kp, vp = (torch.randn(T, H, D, generator=gen, device="cuda").half() for _ in range(3))
+    mask = parse_mask("sliding:window=900")
+    dl = DeviceLayout(compile_mask(mask, S, S))
+    assert workspace_size(qp, kp, vp, dl, SPLIT_TACTIC, seq_offsets=offsets) > 0
+    out = torch.full_like(qp, float("nan"))
+    sparse_attention(qp, kp, vp, dl, tactic=SPLIT_TACTIC, out=out, seq_offsets=offsets)
+    torch.cuda.synchronize()
+    for b, n in enumerate(lengths):
+        r0 = int(offsets[b])
+        sl = lambda t: t[r0:r0 + n].transpose(0, 1)[None]  # noqa: E731
+        dense = torch.from_numpy(np.ascontiguousarray(mask.dense(n, n)[None])).cuda()
+        ref, _ = reference(sl(qp), sl(kp), sl(vp), dense, D**-0.5)
+        assert rel_err(sl(out), ref) <= TOL[torch.float16], (b, n)
 
 
 def _problem(D=64, Sq=128, Sk=128, dtype=torch.float16):

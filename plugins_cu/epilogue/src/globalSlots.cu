@@ -15,7 +15,7 @@ namespace stof_epi {
 namespace {
 
 constexpr int kSlotThreads = 512;
-constexpr int kSlotItems = 8;  // consecutive positions per thread: one block scan covers 4096 positions
+constexpr int kSlotItems = 8;  // positions per thread and pass: one block scan covers 4096 positions
 constexpr int kMaxSlots = 1024;
 
 // One CTA per sequence: slot j = the j-th kept global token (position order), the key padding words, row_index.
@@ -27,33 +27,42 @@ __global__ void __launch_bounds__(kSlotThreads)
     using Scan = cub::BlockScan<int32_t, kSlotThreads>;
     __shared__ typename Scan::TempStorage sScan;
     __shared__ int32_t sPos[kMaxSlots];
+    __shared__ __align__(8) uint8_t sGlobal[kSlotThreads * kSlotItems];
     int64_t const b = blockIdx.x;
     T const* m = mask + b * seq;
     int32_t const* g = global + b * seq;
     int32_t* lk = localKpm + b * (slots + seq);
     int64_t before = 0;  // kept global tokens in earlier passes (the same in every thread)
     for (int64_t base = 0; base < seq; base += kSlotThreads * kSlotItems) {
-        int64_t const first = base + static_cast<int64_t>(threadIdx.x) * kSlotItems;
-        int32_t isGlobal[kSlotItems], rank[kSlotItems];
-        bool keep[kSlotItems];
+        // striped (coalesced): the loads and both key padding words, which need no rank
 #pragma unroll
         for (int i = 0; i < kSlotItems; ++i) {
-            int64_t const pos = first + i;
-            keep[i] = pos < seq && !(toFloat(m[pos < seq ? pos : 0]) < 0.f);  // NaN keeps, as Not(Less(mask, 0))
-            isGlobal[i] = keep[i] && g[pos < seq ? pos : 0] != 0;
+            int64_t const pos = base + i * kSlotThreads + threadIdx.x;
+            int64_t const at = pos < seq ? pos : 0;
+            float const mv = toFloat(m[at]);
+            int32_t const gv = g[at];  // loaded whatever mv holds: the two loads overlap
+            bool const keep = pos < seq && !(mv < 0.f);  // NaN keeps, as Not(Less(mask, 0))
+            bool const isGlobal = keep && gv != 0;
+            if (pos < seq) {
+                globalKpm[b * seq + pos] = keep;
+                lk[slots + pos] = keep && !isGlobal;  // a kept global key is in its slot, counted once
+            }
+            sGlobal[i * kSlotThreads + threadIdx.x] = isGlobal;
         }
+        __syncthreads();
+        // blocked (consecutive positions per thread): the scan ranks the global tokens in position order
+        uint2 const packed = reinterpret_cast<uint2 const*>(sGlobal)[threadIdx.x];
+        int32_t isGlobal[kSlotItems], rank[kSlotItems];
+#pragma unroll
+        for (int i = 0; i < kSlotItems; ++i) isGlobal[i] = ((i < 4 ? packed.x : packed.y) >> (8 * (i % 4))) & 0xff;
         int32_t total = 0;
         Scan(sScan).ExclusiveSum(isGlobal, rank, total);
+        int64_t const first = base + static_cast<int64_t>(threadIdx.x) * kSlotItems;
 #pragma unroll
-        for (int i = 0; i < kSlotItems; ++i) {
-            int64_t const pos = first + i;
-            if (pos >= seq) continue;
-            globalKpm[b * seq + pos] = keep[i];
-            lk[slots + pos] = keep[i] && !isGlobal[i];  // a kept global key is in its slot, counted once
-            if (isGlobal[i] && before + rank[i] < slots) sPos[before + rank[i]] = static_cast<int32_t>(pos);
-        }
+        for (int i = 0; i < kSlotItems; ++i)
+            if (isGlobal[i] && before + rank[i] < slots) sPos[before + rank[i]] = static_cast<int32_t>(first + i);
         before += total;
-        __syncthreads();  // sScan is reused by the next pass; sPos is read below
+        __syncthreads();  // sScan and sGlobal are reused by the next pass; sPos is read below
     }
     bool const over = before > slots;  // not representable: NaN slots make every row of the sequence NaN
     for (int j = threadIdx.x; j < slots; j += kSlotThreads) {

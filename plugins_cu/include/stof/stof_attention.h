@@ -151,8 +151,8 @@ typedef struct {
     /* Device memory of at least stof_attn_workspace_size() bytes, 16-byte aligned, for this call only (the next
      * call may reuse it once this one's stream work is ordered before it), or NULL.  The persistent tactics use it
      * for a work counter (one CTA per SM taking work items in the schedule's order) unless key_lengths or
-     * seq_offsets is given; with NULL they run one CTA per work item.  Same result either way; no initialisation
-     * needed. */
+     * seq_offsets is given; with NULL they run one CTA per work item.  The split tactic keeps its slices' rows
+     * there; with less it runs unsplit.  Same result either way; no initialisation needed. */
     void* workspace;
     int64_t workspace_bytes;
 
@@ -199,8 +199,9 @@ STOF_API stof_status_t stof_attn_tactic_info(int32_t tactic, int32_t* family, in
 /* "block_m64_n64_w4_s2" etc.; "invalid" for an unknown id.  Static storage. */
 STOF_API const char* stof_attn_tactic_name(int32_t tactic);
 
-/* Workspace bytes the tactic can use (16 for the persistent tactics, else 0; tactic 0: the most any tactic uses),
- * see stof_attn_params_t.workspace. */
+/* Workspace bytes the tactic can use on this problem and the current device (16 for the persistent tactics, the
+ * slices of a split tactic where it splits (docs/kernels.md), else 0; tactic 0: the most any tactic uses), see
+ * stof_attn_params_t.workspace. */
 STOF_API stof_status_t stof_attn_workspace_size(const stof_attn_params_t* p, int32_t tactic, size_t* bytes);
 
 /* Run the forward pass on the stream.  tactic 0 (or < 0) = the library's first valid tactic.  On a GPU this build

@@ -41,15 +41,17 @@ Caps* caps_of_current(int* device) {
     if (c.known.load(std::memory_order_acquire)) return &c;
     std::lock_guard<std::mutex> lock(gCapsMutex);
     if (!c.known.load(std::memory_order_relaxed)) {
-        int major = 0, minor = 0, smem = 0;
+        int major = 0, minor = 0, smem = 0, sms = 0;
         if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
             cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess ||
-            cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
+            cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess ||
+            cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
             cudaGetLastError();
             return nullptr;
         }
         c.caps.sm = major * 10 + minor;
         c.caps.smem_optin = smem;
+        c.caps.sm_count = sms;
         c.known.store(true, std::memory_order_release);
     }
     return &c;

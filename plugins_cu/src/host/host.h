@@ -22,11 +22,12 @@ stof_status_t fail(stof_status_t s, const char* fmt, ...)
     ;
 void clear_error();
 
-// What the current device can run (device.cc): compute capability (major * 10 + minor) and the opt-in shared memory
-// of one block; nullptr without a current device (host-only use).  Cached per device.
+// What the current device can run (device.cc): compute capability (major * 10 + minor), the opt-in shared memory
+// of one block and the SM count; nullptr without a current device (host-only use).  Cached per device.
 struct DeviceCaps {
     int sm = -1;
     int smem_optin = 0;
+    int sm_count = 0;
 };
 const DeviceCaps* current_device_caps();
 
@@ -105,6 +106,7 @@ struct stof_layout_st {
     std::vector<int32_t> row_ptr, col_idx, tile_bitmap_index, bitmaps;  // host copies
     std::vector<int32_t> row_order, pair_order, lane_bitmaps;           // derived, host
     int32_t sched_chunk = 0;
+    int64_t longest_row = 0;  // stored tiles of the longest tile row (the split tactics' slice count)
     bool row_order_default = false, pair_order_default = false;
     std::string signature;
 

@@ -132,6 +132,7 @@ stof_status_t build(const stof_layout_desc_t& d, stof_layout_st& L) {
     L.row_order_default = last_first(L.row_order, L.num_layouts, tq);
     L.pair_order_default = last_first(L.pair_order, L.num_layouts, (tq + 1) / 2);
     L.sched_chunk = stof::sched_chunk(L.row_ptr.data(), L.num_layouts, tq);
+    L.longest_row = stof::longest_row(L.row_ptr.data(), L.num_layouts, tq);
     if (L.tile_m % 16 == 0 && L.tile_n % 64 == 0)
         lane_bitmaps(L.bitmaps, L.num_bitmaps, L.tile_m, L.tile_n, L.lane_bitmaps);
     // TileLayout.signature(): the current format version whatever the input's (version 1 reads as version 2)
