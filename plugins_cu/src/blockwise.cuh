@@ -92,9 +92,8 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocks) block_attn_fwd(c
     if constexpr (kSplit) {
         const int nqb = static_cast<int>(gridDim.x) / p.kv_splits;
         split = static_cast<int>(blockIdx.x) % p.kv_splits;
-        work = block_work_at<kBlockM>(
-            p, blockIdx.x / p.kv_splits + static_cast<int64_t>(nqb) * (blockIdx.y + static_cast<int64_t>(gridDim.y) * blockIdx.z),
-            nqb);
+        const int64_t pair = blockIdx.y + static_cast<int64_t>(gridDim.y) * blockIdx.z;
+        work = block_work_at<kBlockM>(p, blockIdx.x / p.kv_splits + nqb * pair, nqb);
     } else {
         work = block_work<kBlockM>(p);  // longest rows first (common.cuh)
     }
@@ -315,6 +314,18 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocks) block_attn_fwd(c
     }
 
     cp_async_wait<0>();
+    // each of the thread's rows: its full sum (the quad's four partial sums) and 1 / sum (0: no allowed key)
+    float row_l[kMI][2], row_inv[kMI][2];
+#pragma unroll
+    for (int mi = 0; mi < kMI; ++mi)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            float l = row_sum[mi][hh];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            row_l[mi][hh] = l;
+            row_inv[mi][hh] = l > 0.f ? 1.f / l : 0.f;
+        }
     if constexpr (kSplit) {
         // The slice's rows in fp32 at its slot of split_ws (slots in (batch, head, query block, slice) order), then
         // each row's log-sum-exp (log2 domain; -inf when the slice allows no key of the row) after all slots' rows.
@@ -327,16 +338,14 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocks) block_attn_fwd(c
         for (int mi = 0; mi < kMI; ++mi)
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
-                float l = row_sum[mi][hh];
-                l += __shfl_xor_sync(0xffffffffu, l, 1);
-                l += __shfl_xor_sync(0xffffffffu, l, 2);
-                const float inv = l > 0.f ? 1.f / l : 0.f;
                 const int row = warp_row0 + mi * 16 + hh * 8 + g;
                 if (q0 + row >= q_len) continue;
+                const float inv = row_inv[mi][hh];
 #pragma unroll
                 for (int di = 0; di < kDI; ++di)
                     *reinterpret_cast<float2*>(ws_o + row * KT::kHeadDim + di * 8 + tig * 2) =
                         make_float2(rO[mi][di][hh * 2] * inv, rO[mi][di][hh * 2 + 1] * inv);
+                const float l = row_l[mi][hh];
                 if (tig == 0) ws_lse[row] = l > 0.f ? row_max[mi][hh] + __log2f(l) : -INFINITY;
             }
         return;
@@ -348,10 +357,7 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocks) block_attn_fwd(c
     for (int mi = 0; mi < kMI; ++mi)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-            float l = row_sum[mi][hh];
-            l += __shfl_xor_sync(0xffffffffu, l, 1);
-            l += __shfl_xor_sync(0xffffffffu, l, 2);
-            const float inv = l > 0.f ? 1.f / l : 0.f;
+            const float inv = row_inv[mi][hh];
             const int row = warp_row0 + mi * 16 + hh * 8 + g;
 #pragma unroll
             for (int di = 0; di < kDI; ++di) {

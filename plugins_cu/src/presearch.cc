@@ -299,7 +299,6 @@ double predict(Stats const& s, TacticRow const& t, int batch, int heads, int D, 
         double const cItem = schedulerWarp && s.schedChunk == 1 ? c[2] * kUniformItemScale : c[2];
         std::vector<std::vector<double>> full, part;
         ctaWork(s, t, seqQ, full, part);
-        std::vector<std::vector<double>> dur(L);
         int const splits = splitCount(s, t, batch, heads, seqQ, g);
         if (splits > 1) {  // every item's slices, each a 1/splits share of its sub-blocks, in no row order
             std::vector<double> ctas;
@@ -310,6 +309,7 @@ double predict(Stats const& s, TacticRow const& t, int batch, int heads, int D, 
                             ctas.push_back((c[0] * full[h % L][i] + c[1] * part[h % L][i]) / splits + cItem);
             return (makespan(ctas, static_cast<int64_t>(g.sm_count) * occ) + c[3]) * 1e-6;
         }
+        std::vector<std::vector<double>> dur(L);
         for (int l = 0; l < L; ++l) {
             dur[l].resize(full[l].size());
             for (size_t i = 0; i < full[l].size(); ++i) dur[l][i] = c[0] * full[l][i] + c[1] * part[l][i] + cItem;

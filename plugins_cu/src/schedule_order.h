@@ -1,7 +1,7 @@
 // The kernels' start orders from a layout's host row_ptr (pure host C++): the row order and pair order the
-// persistent and grid schedules follow, the sched_chunk rule and the split tactics' slice count.  The layout handle (host/layout.cc) and the
-// pre-search (presearch.cc) share them, so the model ranks tactics on the
-// schedule the library runs.
+// persistent and grid schedules follow, the sched_chunk rule and the split tactics' slice count.  The layout handle
+// (host/layout.cc), the library (stof_attention.cu) and the pre-search (presearch.cc) share them, so the model
+// ranks tactics on the schedule the library runs.
 #pragma once
 
 #include <algorithm>
@@ -57,15 +57,16 @@ inline int32_t sched_chunk(const int32_t* row_ptr, int32_t num_layouts, int32_t 
 
 // The split tactics (kv_split in the catalogue): how many CTAs share each work item's key walk.  Few items with long
 // walks (a Longformer layer's global rows: 12 items of 64 key tiles at B=1) leave most SMs idle; split into P slices,
-// each CTA walks 1/P of its row's sub-blocks and a merge kernel combines the slices by their log-sum-exp.  P aims at
-// two CTAs per SM, keeps >= kKvSplitMinSubBlocks sub-blocks per slice of the longest row and is <= kKvSplitMax (one
-// merge lane per slice); 1 (no split) when the items alone reach half the target.
+// each CTA walks 1/P of its row's sub-blocks and a merge kernel combines the slices by their log-sum-exp.  P fills
+// at most two CTAs per SM (one wave of tactic 30's CTAs), keeps >= kKvSplitMinSubBlocks sub-blocks per slice of the
+// longest row and is <= kKvSplitMax (one merge lane per slice); 1 (no split) when the items alone fill one CTA per
+// SM.
 constexpr int kKvSplitMax = 32;
 constexpr int kKvSplitMinSubBlocks = 4;
 inline int kv_split_count(int64_t items, int64_t longest_row_sub_blocks, int sm_count) {
     const int64_t target = 2 * static_cast<int64_t>(std::max(sm_count, 1));
     if (items < 1 || 2 * items > target) return 1;
-    const int64_t p = std::min<int64_t>({(target + items - 1) / items, longest_row_sub_blocks / kKvSplitMinSubBlocks,
+    const int64_t p = std::min<int64_t>({target / items, longest_row_sub_blocks / kKvSplitMinSubBlocks,
                                          static_cast<int64_t>(kKvSplitMax)});
     return p >= 2 ? static_cast<int>(p) : 1;
 }

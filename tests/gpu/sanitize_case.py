@@ -11,7 +11,8 @@ dtypes and head dims, every valid tactic of a 128x64 layout (all block shapes) a
 the warp-specialised tactics without key_lengths (TMA producer), persistent and one CTA per item, the two-row
 tactics on 64x64 layouts of an even and an odd number of tile rows with the layout's pair order and without it, and
 the persistent tactics over a grid of four waves with sched_chunk 1 (all but the last wave of items handed out
-statically), and packed sequences (seq_offsets) over exactly-sized [T, H, D] tensors with every tactic.
+statically), packed sequences (seq_offsets) over exactly-sized [T, H, D] tensors with every tactic, and the split
+tactic's slices in an exactly-sized workspace (split_cases).
 """
 
 import numpy as np
@@ -19,7 +20,7 @@ import torch
 from _gpu_helpers import TOL, rand_qkv, reference, rel_err
 
 from stof_trt.format import TileLayout
-from stof_trt.kernels import DeviceLayout, list_tactics, sparse_attention, tactic_info
+from stof_trt.kernels import DeviceLayout, list_tactics, sparse_attention, tactic_info, workspace_size
 from stof_trt.masks import parse_mask
 
 
@@ -135,7 +136,59 @@ def main():
                         assert err <= TOL[torch.float16], (tactic_info(t).name, "packed", D, b, err)
                         worst = max(worst, err / TOL[torch.float16])
                     n += 1
-    print(f"sanitize_case: {n} runs ok, worst err/tol {worst:.3f}")
+    n_split, worst_split = split_cases()
+    print(f"sanitize_case: {n + n_split} runs ok, worst err/tol {max(worst, worst_split):.3f}")
+
+
+def split_cases():
+    """The split tactic (30) where it splits: few work items with long rows (Sq=70 against Sk=1500, B=2, H=2: 8
+    items of 24 key tiles, 6 slices each), its workspace an exact-size allocation, with key_lengths and a padding
+    mask, and packed sequences; both head dims."""
+    mask = parse_mask("longformer:window=100,global=3|dilated:window=700,dilation=5")
+    Sq, Sk, B, H = 70, 1500, 2, 2
+    dense = mask.dense(Sq, Sk)[None]
+    dl = DeviceLayout(TileLayout.from_dense(dense, 64, 64))
+    n, worst = 0, 0.0
+    for D in (64, 128):
+        gen = torch.Generator(device="cuda").manual_seed(D + 3)
+        q, k, v = rand_qkv(B, H, Sq, Sk, D, torch.float16, gen)
+        ws_bytes = workspace_size(q, k, v, dl, 30)
+        assert ws_bytes > 0
+        lengths = torch.tensor([Sk, 901], dtype=torch.int32, device="cuda")
+        kpm = (torch.rand(B, Sk, device="cuda") < 0.8).to(torch.int32)
+        keep = (torch.arange(Sk, device="cuda")[None] < lengths[:, None]) & (kpm != 0)
+        ref, _ = reference(q, k, v, torch.from_numpy(dense).cuda(), D**-0.5, keep)
+        out = torch.full_like(q, float("nan"))
+        ws = torch.empty(ws_bytes, dtype=torch.uint8, device="cuda")
+        sparse_attention(q, k, v, dl, tactic=30, key_lengths=lengths, key_padding_mask=kpm, out=out, workspace=ws)
+        torch.cuda.synchronize()
+        err = rel_err(out, ref)
+        assert err <= TOL[torch.float16], ("split", D, err)
+        worst = max(worst, err / TOL[torch.float16])
+        n += 1
+        # packed: sequences of 1500, 1 and 640 rows over exactly T rows (the layout's first n_b rows and columns)
+        S = 1500
+        lens = [S, 1, 640]
+        dsq = mask.dense(S, S)[None]
+        offs = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device="cuda")
+        T = sum(lens)
+        dlp = DeviceLayout(TileLayout.from_dense(dsq, 64, 64))
+        qp, kp, vp = (torch.randn((T, 1, D), generator=gen, device="cuda").to(torch.float16) for _ in range(3))
+        ws_bytes = workspace_size(qp, kp, vp, dlp, 30, seq_offsets=offs, max_seqlen=S)
+        assert ws_bytes > 0
+        ws = torch.empty(ws_bytes, dtype=torch.uint8, device="cuda")
+        out = torch.full_like(qp, float("nan"))
+        sparse_attention(qp, kp, vp, dlp, tactic=30, out=out, workspace=ws, seq_offsets=offs, max_seqlen=S)
+        torch.cuda.synchronize()
+        for b, m in enumerate(lens):
+            r = slice(int(offs[b]), int(offs[b + 1]))
+            ref = reference(*(t[r].permute(1, 0, 2)[None] for t in (qp, kp, vp)),
+                            torch.from_numpy(dsq[:, :m, :m]).cuda(), D**-0.5)[0]
+            err = rel_err(out[r].permute(1, 0, 2)[None], ref)
+            assert err <= TOL[torch.float16], ("split packed", D, b, err)
+            worst = max(worst, err / TOL[torch.float16])
+        n += 1
+    return n, worst
 
 
 if __name__ == "__main__":
