@@ -135,8 +135,7 @@ int split_count(const TacticDesc& t, const stof_attn_params_t& p) {
     const int64_t items = static_cast<int64_t>((p.seq_q + t.block_m - 1) / t.block_m) * p.num_heads * p.batch;
     return stof::kv_split_count(items, L.longest_row * (L.tile_n / t.block_n), caps ? caps->sm_count : 0);
 }
-int64_t split_bytes(const TacticDesc& t, const stof_attn_params_t& p) {
-    const int splits = split_count(t, p);
+int64_t split_bytes(const TacticDesc& t, const stof_attn_params_t& p, int splits) {
     if (splits < 2) return 0;
     const int64_t slots = static_cast<int64_t>((p.seq_q + t.block_m - 1) / t.block_m) * p.num_heads * p.batch * splits;
     return (slots * t.block_m * (p.head_dim + 1) * 4 + 15) / 16 * 16;
@@ -274,10 +273,10 @@ stof_status_t stof_attn_workspace_size(const stof_attn_params_t* p, int32_t tact
     if (t == nullptr) {  // the most any valid tactic uses
         int64_t most = kWorkspaceBytes;
         for (const auto& c : kTactics)
-            if (c.kv_split && tactic_valid(c, *p)) most = std::max(most, split_bytes(c, *p));
+            if (c.kv_split && tactic_valid(c, *p)) most = std::max(most, split_bytes(c, *p, split_count(c, *p)));
         *bytes = static_cast<size_t>(most);
     } else {
-        *bytes = t->persistent ? kWorkspaceBytes : static_cast<size_t>(split_bytes(*t, *p));
+        *bytes = t->persistent ? kWorkspaceBytes : static_cast<size_t>(split_bytes(*t, *p, split_count(*t, *p)));
     }
     return STOF_SUCCESS;
 }
@@ -314,9 +313,10 @@ stof_status_t stof_attn_run(const stof_attn_params_t* p, int32_t tactic, stof_st
     const LaunchFn fn = launcher_for(*t, *p);
     KernelParams k = kernel_params(*p);
     if (t->kv_split) {  // without the workspace the split tactic runs unsplit (same result)
-        const int64_t need = split_bytes(*t, *p);
+        const int splits = split_count(*t, *p);
+        const int64_t need = split_bytes(*t, *p, splits);
         if (need > 0 && p->workspace != nullptr && p->workspace_bytes >= need) {
-            k.kv_splits = split_count(*t, *p);
+            k.kv_splits = splits;
             k.split_ws = static_cast<float*>(p->workspace);
         }
     }
