@@ -333,7 +333,7 @@ __device__ __forceinline__ bool online_softmax(float (&rS)[kNI * 4], float (&row
     if constexpr (kInterleaved && ExpChain::kLag > 0) {
         // From group kLag on, every kEvery-th group's exp arguments (and the groups' up to the next such one) take
         // mul through an integer add of the sign bit of group ni - kLag's packed P, which is 0 (every P >= 0, and a
-        // NaN is canonical): the same mul, but not before that pack (measured: hopper_ws.cuh, WsTraits::kExpChain).
+        // NaN is canonical): the same mul, but not before that pack (measured: hopper_ws_consumer.cuh, WsExpChain).
         // A float FMA by 0 would do the same, but a NaN P would then reach the thread's other row:
         // test_nan_inputs_stay_in_their_rows fails on that form.
         constexpr int kLag = ExpChain::kLag, kEvery = ExpChain::kEvery;

@@ -29,9 +29,9 @@ struct WsItem {
     int tag;
 };
 
-// The exp chain of the two-consumer kernels' softmax (online_softmax's ExpChain; WsTraits::kExpChain): group ni's
-// four exps are packed into P as they come (P's layout as pack_p's), and every second group's exp arguments from
-// group 2 on wait for the packed P two groups back.
+// The exp chain of the consumers' softmax (online_softmax's ExpChain): group ni's four exps are packed into P as
+// they come (P's layout as pack_p's), and every second group's exp arguments from group 2 on wait for the packed P
+// two groups back, so ptxas interleaves FFMAs, MUFU ops and packs.
 template <class Elem, int kKN>
 struct WsExpChain {
     static constexpr int kLag = 2, kEvery = 2;
@@ -77,14 +77,10 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
     const int warp = ctid >> 5, lane = ctid & 31;
     const int g = lane >> 2, tig = lane & 3;
     const float sl2 = p.scale_log2;
-    // kFoldAll (two consumers): the scale is folded into the exp2 FFMA whatever its sign (folded_exp2_scale; each
-    // item's Q rows negated first for scale < 0, ws_negate_rows), so the step loop has one path, and less code.
-    // The three-consumer kernels keep the pre-scaled path: a conditional negation costs them spills and uniform
-    // registers.
-    constexpr bool kFoldAll = WT::kConsumers == 2;
-    const bool fold = kFoldAll || sl2 > 0.f;  // otherwise scores are pre-scaled, then masked
-    const bool negate_q = kFoldAll && sl2 < 0.f;
-    const float mul = kFoldAll ? folded_exp2_scale(sl2) : fold ? sl2 : 1.f;
+    // The scale is folded into the exp2 FFMA whatever its sign (folded_exp2_scale; each item's Q rows negated first
+    // for scale < 0, ws_negate_rows), so the step loop has one path.
+    const bool negate_q = sl2 < 0.f;
+    const float mul = folded_exp2_scale(sl2);
 
     constexpr int kON = WT::kON;
     float rO[kON / 2];  // O (kDI groups of 8 columns), then with kSumMma the row sums (rO[kDI * 4 + {0, 2}])
@@ -144,10 +140,6 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
     // no wgmma sits under a data-dependent branch, which would make ptxas serialise them), online softmax;
     // leaves P in rS; true when O must be rescaled by alpha (see online_softmax).
     auto softmax = [&](float (&alpha)[2]) -> bool {  // for the step described by st
-        if (!fold) {
-#pragma unroll
-            for (int i = 0; i < kNI * 4; ++i) rS[i] *= sl2;
-        }
 #pragma unroll
         for (int hh = 0; hh < kSub; ++hh) {
             // A sub-block this consumer lacks is masked through all-zero words: every path masks rS in place
@@ -184,20 +176,16 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
                 mask_scores_packed(rS, zy, hh * 32);
             }
         }
-        if constexpr (WT::kExpChain) {
-            // the turn handed over as below (kTurns); P packed by the exp chain, so the outstanding P V (which reads
-            // rP) is awaited first (where ptxas put that wait anyway)
-            return online_softmax<kNI, true, !WT::kSumMma>(
-                rS, row_max, row_sum, alpha, mul,
-                [&]() {
-                    if constexpr (WT::kTurns) named_barrier_arrive(3 + (1 - w), 256);
-                    wgmma_wait<0>();
-                    fence_regs(rO);
-                },
-                WsExpChain<Elem, kKN>{rP});
-        } else {
-            return online_softmax<kNI, true, !WT::kSumMma>(rS, row_max, row_sum, alpha, mul);
-        }
+        // the turn handed over as below (kTurns); P packed by the exp chain (WsExpChain), so the outstanding P V
+        // (which reads rP) is awaited first (where ptxas put that wait anyway)
+        return online_softmax<kNI, true, !WT::kSumMma>(
+            rS, row_max, row_sum, alpha, mul,
+            [&]() {
+                if constexpr (WT::kTurns) named_barrier_arrive(3 + (1 - w), 256);
+                wgmma_wait<0>();
+                fence_regs(rO);
+            },
+            WsExpChain<Elem, kKN>{rP});
     };
     // before each step's MMA issue (not the P V-only issue of finish_open, which both consumers skip alike: the
     // two issue the same steps, as the walk is the union, so the turns stay paired)
@@ -232,7 +220,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
 
     // With the exp chain the softmax's hook has waited for the step's P V (it packs into rP): no second, empty
     // WARPGROUP.DEPBAR after it.  Head dim 64 only: at 128 ptxas then reorders tactic 22's exps, for the worse.
-    constexpr bool kPvWaited = WT::kExpChain && WT::kHeadDim == 64;
+    constexpr bool kPvWaited = WT::kHeadDim == 64;
     WsItem cur, open;  // open: the item whose last P V (from ring stage prev_stage) and epilogue are outstanding
     bool pending = false;
     int prev_stage = 0, prev_it = 0;  // prev_it: prev_stage's ring position
@@ -260,9 +248,7 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
     for (;;) {
         const bool got = next_item(cur);
         if (!got) break;
-        if constexpr (kFoldAll) {
-            if (negate_q) ws_negate_rows<WT>(cur.sQ, w, ctid);
-        }
+        if (negate_q) ws_negate_rows<WT>(cur.sQ, w, ctid);
         int stage0 = 0;  // the first step's ring stage
         if constexpr (WT::kSkip) {
             stage0 = it % kStages;
@@ -364,7 +350,6 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
             pv_acc = 0;
         else
             zero_o();
-        if constexpr (!WT::kExpChain) pack_p<Elem, kKN>(rP, rS);
         prev_stage = stage0;
         prev_it = it;
         ++it;
@@ -390,7 +375,6 @@ __device__ __forceinline__ void ws_consume_items(const KernelParams& p, NextItem
             }
             v_done(prev_stage);
             if (rescale) rescale_o<kON / 8>(rO, alpha);  // with kSumMma the row sums too
-            if constexpr (!WT::kExpChain) pack_p<Elem, kKN>(rP, rS);
             prev_stage = stage;
             prev_it = it;
             more = st.mine;

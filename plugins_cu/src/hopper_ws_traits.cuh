@@ -53,7 +53,8 @@ struct WsTraits {
     static constexpr int kSmemDesc = 64 * kStages;           // a step descriptor per stage (kWsDescBytes)
     static constexpr int kSmemWalk = 2 * 32 * 8;             // the two-consumer TMA producer's walk (WsWalk)
     // Row sums of P on the tensor cores: P V runs with N = kHeadDim + 8 against a block of ones after the ring, so
-    // the softmax (the bottleneck at head dim 64) loses its FADDs and quad shuffles.  Not at 128: no room in the LBO.
+    // the softmax (the bottleneck at head dim 64) loses its FADDs and quad shuffles (three consumers too: FADD sums
+    // measure 5.5 % slower there).  Not at 128: no room in the LBO.
     static constexpr bool kSumMma = kHeadDim == 64;
     static constexpr int kON = kHeadDim + (kSumMma ? 8 : 0);  // P V's N
     static constexpr int kSmemOnes = kSumMma ? kBlockN * 128 : 0;
@@ -90,14 +91,12 @@ struct WsTraits {
     // MMA turns (FlashAttention-3's ping-pong): a consumer issues a step's MMAs once the other has reduced its max
     // (named barriers 3 + w), so they run beside the other's exps; beside FFMA/FMNMX work both would slow down.
     // Only with 128-key steps and a 4-stage ring (tactic 24); needs the row sums on the tensor cores (tactic 23 at
-    // head dim 128, sums on the CUDA cores: 3 % slower with turns).
+    // head dim 128, sums on the CUDA cores: 3 % slower with turns).  Three consumers gain nothing from a ring of
+    // turns, passed after the max or right after the issue (tactic 29, causal S=8192: within 1 % of none).
     static constexpr bool kTurns = kConsumers == 2 && kSumMma && kSub == 2 && kStages >= 4;
-    // The exp chain (WsExpChain): P packed as the exps come, some groups' exp arguments chained to an earlier packed
-    // P, so ptxas interleaves FFMAs, MUFU ops and packs.  Not with three consumers (registers at the spill limit).
-    static constexpr bool kExpChain = kConsumers == 2;
     // An item's first P V overwrites O (scale-d 0) instead of adding to a zeroed O: no accumulator zeroing between
     // items.  Head dim 64 only: at 128 ptxas then moves the epilogue's registers onto Q's (sass_rs_operands.py).
-    static constexpr bool kPvOverwrite = kConsumers == 2 && kHeadDim == 64;
+    static constexpr bool kPvOverwrite = kHeadDim == 64;
     static constexpr int kSmemPersist = persist_smem(kQBufs);
     static_assert(kSmemSize <= 227 * 1024 && kSmemPersist <= 227 * 1024, "shared memory");
     // setmaxnreg moves registers inside what the CTA got at launch (ptxas: 65536 / kThreads, rounded down to 8)
