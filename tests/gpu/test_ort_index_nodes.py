@@ -105,12 +105,14 @@ def slots_reference(x, mask, glob, G):
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
-def test_global_slots_equal_their_definition(provider, dtype):
+@pytest.mark.parametrize("N,G", [(40, 8), (36, 8), (40, 21)])
+def test_global_slots_equal_their_definition(provider, dtype, N, G):
     """Kept global tokens in position order (padded ones take no slot), zeros in unused slots, NaN rows and no row
     index for a sequence with more kept global tokens than slots, and the key padding words of both nodes; a length
-    above one pass of the kernel's scan (4096 positions)."""
+    above one pass of the kernel's scan (4096 positions); rows of 16-byte vectors and not (fp16 N=36); more slots
+    than the plugin's CTAs per sequence (G=21: each CTA gathers every 8th slot)."""
     rng = np.random.default_rng(3)
-    B, S, N, G = 4, 4500, 40, 8
+    B, S = 4, 4500
     x = rng.standard_normal((B, S, N)).astype(dtype)
     mask = np.where(rng.random((B, S)) < 0.1, -10000.0, 0.0).astype(dtype)
     glob = np.zeros((B, S), np.int32)
