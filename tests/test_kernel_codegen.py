@@ -9,7 +9,8 @@ tells (the library's own build prints neither):
   are serialized due to ..."; C7517 / C7519: a wait or arrive the compiler injected), none visible without
   `-Xptxas -v`;
 * registers spill to local memory.  Every wgmma kernel is spill-free except the three-consumer ones (tactics 28, 29:
-  160 registers per consumer thread), whose ~250 bytes are in set-up code and the producer, not in the step loop.
+  160 registers per consumer thread), whose ~200 bytes are in set-up code, the producer and the epilogue, not in
+  the step loop.
 
 The check compiles the library's own fp16 translation units of the wgmma tactics (plugins_cu/src/hopper_f16_d64.cu,
 hopper_f16_d128.cu: every tactic of the catalogue at both head dims) with `-Xptxas -v`; the bf16 files instantiate
