@@ -12,6 +12,7 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
 
+// (A suspend-time hint on the try_wait, CUTLASS's 10 ms, measured the same in tactics 24 and 29.)
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
     asm volatile(
         "{\n.reg .pred P1;\nLAB_WAIT:\n"  // labels are scoped by the braces
