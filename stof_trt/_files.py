@@ -2,16 +2,74 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 
+from .errors import StofError
+
+
+def output_target(path: str | os.PathLike) -> Path:
+    """The file a write to ``path`` replaces: a symlink's target (the link is written through, not replaced); a
+    StofError when that exists and is not a regular file (a directory, device or pipe, which a rename over it
+    would destroy).  A path the file system cannot look up (a name too long) is returned for the write to report."""
+    p = Path(path)
+    try:
+        if p.is_symlink():
+            p = Path(os.path.realpath(p))
+        mode = p.stat().st_mode
+    except FileNotFoundError:
+        return p
+    except OSError as e:
+        if e.errno in (errno.ENAMETOOLONG, errno.ENOTDIR):
+            return p
+        raise StofError(f"cannot check the output path {path} ({e.strerror or type(e).__name__})") from None
+    if stat.S_ISDIR(mode):
+        raise StofError(f"output path {path} is a directory: give a file name")
+    if not stat.S_ISREG(mode):
+        raise StofError(f"output path {path} exists and is not a regular file (a device or pipe): give a file name")
+    return p
+
+
+def write_file_atomic(path: str | os.PathLike, write, suffix: str = "") -> Path:
+    """``write(tmp)`` into a temporary file beside ``path`` (a symlink's target), renamed over it: a failed write
+    (a full disk, an unwritable directory) leaves no part behind and raises a one-line StofError.  ``suffix``: the
+    temporary file's, for writers that go by the name (np.save adds .npy, savefig picks the format)."""
+    p = output_target(path)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".stof-", suffix=suffix, dir=p.parent)
+        os.close(fd)
+    except OSError as e:
+        raise StofError(f"cannot write to {p.parent} ({e.strerror or type(e).__name__})") from None
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, p)
+    except OSError as e:
+        raise StofError(f"cannot write {path} ({e.strerror or type(e).__name__})") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return p
+
+
+def read_json_doc(p: Path, what: str):
+    """The JSON document in file ``p``, or a one-line StofError naming it as ``what``."""
+    try:
+        return json.loads(p.read_text())
+    except OSError as e:
+        raise StofError(f"{what} {p} cannot be read ({e.strerror or type(e).__name__})") from None
+    except (ValueError, RecursionError) as e:  # (RecursionError: nesting deeper than the parser's stack)
+        raise StofError(f"{what} {p} is not JSON ({str(e)[:120] or type(e).__name__})") from None
+
 
 def write_json_atomic(path: str | os.PathLike, doc, prefix: str = ".stof-") -> Path:
-    """Write ``doc`` as JSON to ``path`` through a temporary file in the same directory, fsynced and renamed over
-    it, so a reader sees the old file or the new one, never a part."""
-    p = Path(path)
+    """Write ``doc`` as JSON to ``path`` (a symlink's target) through a temporary file in the same directory,
+    fsynced and renamed over it, so a reader sees the old file or the new one, never a part."""
+    p = output_target(path)
     fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".json", dir=p.parent)
     try:
         with os.fdopen(fd, "w") as f:

@@ -134,9 +134,18 @@ class TileLayout:
     def from_arrays(cls, *, seq_q, seq_k, tile_m, tile_n, num_layouts, row_ptr, col_idx, tile_bitmap_index,
                     bitmaps, mask_spec="") -> TileLayout:
         """Build from stored arrays (e.g. an ONNX node's initializers), checking every invariant."""
-        layout = cls(int(seq_q), int(seq_k), int(tile_m), int(tile_n), int(num_layouts),
-                     *(np.ascontiguousarray(a, dtype=np.int32) for a in (row_ptr, col_idx, tile_bitmap_index,
-                                                                        bitmaps)), mask_spec)
+        sizes = (seq_q, seq_k, tile_m, tile_n, num_layouts)
+        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in sizes):
+            raise StofError(f"layout sizes must be integers, got seq {seq_q!r}x{seq_k!r}, tile {tile_m!r}x{tile_n!r}, "
+                            f"{num_layouts!r} layout(s)")
+        arrays = []
+        for name, a in zip(("row_ptr", "col_idx", "tile_bitmap_index", "bitmaps"),
+                           (row_ptr, col_idx, tile_bitmap_index, bitmaps)):
+            a = np.asarray(a)
+            if a.dtype.kind not in "iub" or (a.size and (int(a.min()) < -2**31 or int(a.max()) >= 2**32)):
+                raise StofError(f"layout array {name} must hold 32-bit integers, got {a.dtype}")
+            arrays.append(np.ascontiguousarray(a.astype(np.int64) if a.dtype.kind == "u" else a).astype(np.int32))
+        layout = cls(*(int(v) for v in sizes), *arrays, mask_spec)
         layout.validate()
         return layout
 
@@ -149,6 +158,8 @@ class TileLayout:
             m = m[None]
         if m.ndim != 3 or m.shape[1] == 0 or m.shape[2] == 0:
             raise StofError(f"a dense mask must be [Sq,Sk] or [L,Sq,Sk] with Sq, Sk > 0, got shape {np.shape(mask)}")
+        if m.dtype != bool and not (m.dtype.kind in "iuf" and np.isin(m, (0, 1)).all()):
+            raise StofError(f"a dense mask must be boolean or 0/1, got {m.dtype} values outside 0 and 1")
         L, sq, sk = m.shape
         tq, tk = -(-sq // tile_m), -(-sk // tile_n)
         padded = np.zeros((L, tq * tile_m, tk * tile_n), bool)
@@ -320,6 +331,8 @@ class TileLayout:
 
     def to_string(self, layout: int = 0, max_tiles: int = 64) -> str:
         """Tile art: '#' FULL, '+' PARTIAL, '.' EMPTY (at most max_tiles per side)."""
+        if not 0 <= layout < self.num_layouts:
+            raise StofError(f"layout {layout} of {self.num_layouts} (0 .. {self.num_layouts - 1})")
         g = self.tile_classes()[layout][:max_tiles, :max_tiles]
         return "\n".join("".join(".#+"[c] for c in row) for row in g)
 
@@ -478,8 +491,16 @@ def compile_mask(mask: MaskSpec | str | np.ndarray, seq_q: int, seq_k: int | Non
     """
     seq_k = seq_q if seq_k is None else seq_k
     check_tile_shape(tile_m, tile_n)
-    if not (isinstance(seq_q, (int, np.integer)) and isinstance(seq_k, (int, np.integer))) or seq_q < 1 or seq_k < 1:
+    def is_int(v) -> bool:
+        return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+    if not (is_int(seq_q) and is_int(seq_k)) or seq_q < 1 or seq_k < 1:
         raise StofError(f"sequence lengths must be positive integers, got {seq_q}x{seq_k}")
+    if seq_q > 2**31 - 1 or seq_k > 2**31 - 1:  # the format's and the kernels' positions are int32
+        raise StofError(f"sequence lengths {seq_q}x{seq_k}: at most 2^31 - 1 positions")
+    seq_q, seq_k = int(seq_q), int(seq_k)
+    if num_heads is not None and (not is_int(num_heads) or not 1 <= num_heads <= 65535):
+        raise StofError(f"num_heads must be an integer in [1, 65535], got {num_heads!r}")
     if isinstance(mask, np.ndarray):
         mask = DenseMask(mask)
     spec = parse_mask(mask)

@@ -113,9 +113,13 @@ class MaskSpec:
         return layouts[0].copy() if not self.per_head else np.stack(layouts)
 
     def __or__(self, other: MaskSpec) -> MaskSpec:
+        if not isinstance(other, MaskSpec):
+            return NotImplemented
         return Union((self, other))
 
     def __and__(self, other: MaskSpec) -> MaskSpec:
+        if not isinstance(other, MaskSpec):
+            return NotImplemented
         return Intersection((self, other))
 
 
@@ -730,7 +734,7 @@ def longformer(window: int, global_tokens: int | tuple[int, ...]) -> MaskSpec:
 # ---------------------------------------------------------------------------------------------------------------
 # Parsing
 
-_INT_RE = re.compile(r"^-?\d+$")
+_INT_RE = re.compile(r"-?[0-9]+")  # ASCII digits only (int() also takes other scripts' digits)
 _INT_MAX = 2**31 - 1
 # Parentheses nested deeper than this are refused (the parser recurses once per level).
 MAX_NESTING = 64
@@ -746,10 +750,12 @@ def _args(name: str, text: str, allowed: dict[str, type]) -> dict:
         key, val = (s.strip() for s in item.split("=", 1))
         if key not in allowed:
             raise MaskSpecError(f"mask '{name}': unknown argument '{key}' (expected one of {', '.join(allowed)})")
+        if key in out:
+            raise MaskSpecError(f"mask '{name}': '{key}' given twice")
         typ = allowed[key]
         try:
             if typ is int:
-                if not _INT_RE.match(val):
+                if not _INT_RE.fullmatch(val):
                     raise ValueError
                 out[key] = int(val)
                 if abs(out[key]) > _INT_MAX:   # the tile format and the kernels index with int32
@@ -761,7 +767,10 @@ def _args(name: str, text: str, allowed: dict[str, type]) -> dict:
                     raise ValueError
                 out[key] = val in ("1", "true")
             elif typ is tuple:
-                out[key] = tuple(int(t) for t in val.split(";") if t != "")
+                tokens = [t.strip() for t in val.split(";") if t.strip() != ""]
+                if not all(_INT_RE.fullmatch(t) for t in tokens):
+                    raise ValueError
+                out[key] = tuple(int(t) for t in tokens)
                 if any(abs(t) > _INT_MAX for t in out[key]):
                     raise MaskSpecError(f"mask '{name}': a token of {key}= is out of range (at most {_INT_MAX})")
             else:
@@ -791,10 +800,17 @@ def _window_sides(name, a) -> tuple[int, int]:
 def _load_npy(name: str, path: str) -> np.ndarray:
     if not path:
         raise MaskSpecError(f"mask '{name}' needs a path: {name}:PATH.npy")
+    if os.path.isdir(path):
+        raise MaskSpecError(f"mask file {path} is a directory (give a .npy file)")
     if not os.path.isfile(path):
-        raise MaskSpecError(f"mask file not found: {path}")
+        hint = f" ('{name}:' takes a path only; quote a path with ',' in it)" if name == "npy" and "," in path else ""
+        raise MaskSpecError(f"mask file not found: {path}{hint}")
     try:
         return np.load(path, allow_pickle=False)
+    except ValueError as e:
+        if "pickle" in str(e):  # numpy's wording for a file that is not in its .npy format
+            raise MaskSpecError(f"mask file {path} is not a numpy .npy array file") from None
+        raise MaskSpecError(f"cannot read mask file {path}: {e}") from None
     except Exception as e:  # numpy raises several types for a bad file
         raise MaskSpecError(f"cannot read mask file {path}: {e}") from None
 
@@ -816,6 +832,8 @@ def _atom(name: str, text: str) -> MaskSpec:
         a = _args(name, text, {"n": int, "tokens": tuple})
         if ("n" in a) == ("tokens" in a):
             raise MaskSpecError("mask 'global' needs exactly one of n= or tokens=")
+        if a.get("n", 0) < 0:
+            raise MaskSpecError(f"mask 'global': n={a['n']} is negative (the number of leading global tokens)")
         return Global(range(a["n"]) if "n" in a else a["tokens"])
     if name == "longformer":
         a = _args(name, text, {"window": int, "global": int, "tokens": tuple})

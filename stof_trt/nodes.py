@@ -75,14 +75,57 @@ def _attrs(node) -> dict:
 
 def _qkv_format(attrs: dict) -> str:
     fmt = attrs.get("qkv_format", b"bhsd")
-    return fmt.decode() if isinstance(fmt, bytes) else str(fmt)
+    return fmt.decode("utf-8", "replace") if isinstance(fmt, bytes) else str(fmt)
+
+
+_MISSING = object()
+
+
+def _typed(node, attrs: dict, name: str, kind: type, default=_MISSING):
+    """Attribute ``name`` of a model's node as ``kind`` (int, float or str), or a one-line StofError: a model is
+    input from outside."""
+    v = attrs.get(name, _MISSING)
+    if v is _MISSING:
+        if default is _MISSING:
+            raise StofError(f"attention node '{node.name}': attribute {name} is missing")
+        return default
+    if kind is str:
+        if isinstance(v, bytes):
+            try:
+                return v.decode("utf-8")
+            except UnicodeDecodeError:
+                raise StofError(f"attention node '{node.name}': attribute {name} is not UTF-8 text") from None
+        ok = isinstance(v, str)
+    elif kind is float:
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+    else:
+        ok = isinstance(v, int) and not isinstance(v, bool)
+    if not ok:
+        what = {int: "an integer", float: "a number", str: "a string"}[kind]
+        raise StofError(f"attention node '{node.name}': attribute {name} is not {what}")
+    return kind(v)
+
+
+def _layout_array(node, name: str, tensor) -> np.ndarray:
+    """A layout input as int32, or a StofError: integer values within int32 only (no silent wrap-around)."""
+    from onnx import numpy_helper
+
+    try:
+        arr = numpy_helper.to_array(tensor)
+    except Exception as e:  # noqa: BLE001 - a malformed tensor proto
+        raise StofError(f"attention node '{node.name}': layout input {name} cannot be read "
+                        f"({str(e).splitlines()[0][:100] if str(e) else type(e).__name__})") from None
+    if arr.dtype.kind not in "iu":
+        raise StofError(f"attention node '{node.name}': layout input {name} is {arr.dtype}, not an integer tensor")
+    if arr.size and (int(arr.min()) < -2**31 or int(arr.max()) >= 2**31):
+        raise StofError(f"attention node '{node.name}': layout input {name} has values outside int32")
+    return np.ascontiguousarray(arr, np.int32)
 
 
 def attention_nodes(model) -> list[AttentionNode]:
     """Every StofSparseAttention node of the model's graph, its layout read from initializers or Constant nodes and
-    validated; a layout input that is neither, a bad layout or an unknown format version raises StofError."""
-    from onnx import numpy_helper
-
+    validated; a layout input that is neither, a bad layout or attribute or an unknown format version raises
+    StofError."""
     consts = {t.name: t for t in model.graph.initializer}
     for n in model.graph.node:
         if n.op_type == "Constant" and n.output:
@@ -99,24 +142,21 @@ def attention_nodes(model) -> list[AttentionNode]:
         for nm, inp in zip(_LAYOUT_INPUTS, names[3:7]):
             if inp not in consts:
                 raise StofError(f"attention node '{n.name}': layout input '{inp}' is not a constant")
-            arrays[nm] = np.ascontiguousarray(numpy_helper.to_array(consts[inp]), np.int32)
-        if int(a.get("format_version", -1)) not in STOF_FORMAT_VERSIONS_READ:
-            raise StofError(f"attention node '{n.name}': format_version {a.get('format_version')} (this version "
+            arrays[nm] = _layout_array(n, nm, consts[inp])
+        version = _typed(n, a, "format_version", int, -1)
+        if version not in STOF_FORMAT_VERSIONS_READ:
+            raise StofError(f"attention node '{n.name}': format_version {version} (this version "
                             f"reads {', '.join(map(str, STOF_FORMAT_VERSIONS_READ))})")
-        mask_spec = a.get("mask_spec", b"")
-        # a model is input from outside: its layout's invariants are checked before anything reads it
-        layout = TileLayout.from_arrays(seq_q=a["seq_q"], seq_k=a["seq_k"], tile_m=a["tile_m"], tile_n=a["tile_n"],
-                                        num_layouts=a["num_layouts"], mask_spec=(
-                                            mask_spec.decode() if isinstance(mask_spec, bytes) else str(mask_spec)),
-                                        **arrays)
-        fmt = _qkv_format(a)
+        # a model is input from outside: its attributes and its layout's invariants are checked before use
+        sizes = {k: _typed(n, a, k, int) for k in ("seq_q", "seq_k", "tile_m", "tile_n", "num_layouts")}
+        layout = TileLayout.from_arrays(**sizes, mask_spec=_typed(n, a, "mask_spec", str, ""), **arrays)
+        fmt = _typed(n, a, "qkv_format", str, "bhsd")
         packed, tokens = fmt == "bs3hd", fmt == "t3hd"
-        spec = a.get("layout_spec")
+        spec = _typed(n, a, "layout_spec", str, "")
         out.append(AttentionNode(n.name or f"node{i}", names[0], names[0] if packed or tokens else names[1],
-                                 names[7] or None, names[8] or None, float(a["scale"]), layout, packed, tokens,
-                                 names[9] or None,
-                                 (spec.decode() if isinstance(spec, bytes) else str(spec)) if spec else None,
-                                 fmt == "bshd_kv", int(a.get("num_heads", 0))))
+                                 names[7] or None, names[8] or None, _typed(n, a, "scale", float), layout, packed,
+                                 tokens, names[9] or None, spec or None, fmt == "bshd_kv",
+                                 _typed(n, a, "num_heads", int, 0)))
     return out
 
 

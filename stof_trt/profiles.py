@@ -17,12 +17,11 @@ looks: ``$STOF_PRESEARCH_PROFILE``, else ``${XDG_CACHE_HOME:-~/.cache}/stof-trt/
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
 
-from ._files import write_json_atomic
+from ._files import read_json_doc, write_json_atomic
 from .errors import StofError
 
 __all__ = ["FORMAT", "VERSION", "default_path", "profile_path", "make_profile", "write", "load", "coef_of",
@@ -67,15 +66,10 @@ def write(path: str | os.PathLike, doc: dict) -> Path:
 
 def load(path: str | os.PathLike) -> dict:
     p = Path(path)
-    try:
-        doc = json.loads(p.read_text())
-    except OSError as e:
-        raise StofError(f"pre-search profile {p} cannot be read ({e.strerror})") from None
-    except ValueError as e:
-        raise StofError(f"pre-search profile {p} is not JSON ({e})") from None
+    doc = read_json_doc(p, "pre-search profile")
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise StofError(f"{p} is not a pre-search profile (\"format\" != \"{FORMAT}\")")
-    if doc.get("version") != VERSION:
+    if type(doc.get("version")) is not int or doc.get("version") != VERSION:
         raise StofError(f"pre-search profile {p}: version {doc.get('version')}, this release reads {VERSION}")
     gpu = doc.get("gpu")
     if not isinstance(gpu, dict) or not isinstance(gpu.get("name"), str) or not isinstance(gpu.get("sm_count"), int):

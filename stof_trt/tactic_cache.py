@@ -38,12 +38,12 @@ docs/format.md).  ``tactic`` is the id the plugin runs; the rest is informationa
 
 from __future__ import annotations
 
-import json
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ._files import write_json_atomic
+from ._files import read_json_doc, write_json_atomic
 from .errors import StofError
 
 __all__ = ["FORMAT", "VERSION", "SCHEMES_VERSION", "SchemeKey", "shape_bucket", "node_signature", "CacheKey",
@@ -54,6 +54,11 @@ VERSION = 1
 _KEY_FIELDS = ("gpu", "cc", "node", "bucket", "mask")
 SCHEMES_VERSION = 1
 _SCHEME_KEY_FIELDS = ("gpu", "cc", "chain", "bucket")
+_BUCKET = re.compile(r"T[0-9]{1,12}")
+
+
+def _is_version(v, want: int) -> bool:
+    return type(v) is int and v == want  # (True == 1 is not a version)
 
 
 def _pow2(v: int, lo: int) -> int:
@@ -116,16 +121,16 @@ class TacticCache:
         p = Path(path)
         if not p.is_file():
             raise StofError(f"tactic cache not found: {p}")
-        try:
-            doc = json.loads(p.read_text())
-        except (OSError, ValueError) as e:
-            raise StofError(f"tactic cache {p} is not readable JSON ({e})") from None
+        doc = read_json_doc(p, "tactic cache")
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise StofError(f"{p} is not a STOF tactic cache (\"format\" != \"{FORMAT}\")")
-        if doc.get("version") != VERSION:
-            raise StofError(f"tactic cache {p}: version {doc.get('version')}, this release reads {VERSION}")
+        if not _is_version(doc.get("version"), VERSION):
+            raise StofError(f"tactic cache {p}: version {doc.get('version')!r}, this release reads {VERSION}")
         cache = cls(path=p)
-        for e in doc.get("entries", []):
+        entries = doc.get("entries", [])
+        if not isinstance(entries, list):
+            raise StofError(f"tactic cache {p}: \"entries\" is not a list")
+        for e in entries:
             if not isinstance(e, dict) or any(not isinstance(e.get(f), str) for f in _KEY_FIELDS):
                 raise StofError(f"tactic cache {p}: an entry lacks one of {_KEY_FIELDS}")
             t = e.get("tactic")
@@ -244,7 +249,7 @@ def _check_scheme(chain: str, scheme, algo, where: str) -> None:
         raise StofError(f"{where}fusion-scheme entry for an unknown chain {chain!r}")
     if not isinstance(scheme, str) or scheme not in {t.name for t in TEMPLATES[kind]}:
         raise StofError(f"{where}fusion-scheme entry with unknown scheme {scheme!r} for {kind}")
-    if not isinstance(algo, int) or isinstance(algo, bool) or algo < -1:
+    if not isinstance(algo, int) or isinstance(algo, bool) or not -1 <= algo < 2**31:
         raise StofError(f"{where}fusion-scheme entry with bad algo {algo!r} (an index >= 0, or -1)")
 
 
@@ -253,13 +258,18 @@ def _load_schemes(section, p: Path) -> dict:
     if section is None:
         return {}
     where = f"tactic cache {p}: "
-    if not isinstance(section, dict) or section.get("version") != SCHEMES_VERSION:
+    if not isinstance(section, dict) or not _is_version(section.get("version"), SCHEMES_VERSION):
         v = section.get("version") if isinstance(section, dict) else None
-        raise StofError(f"{where}\"schemes\" version {v}, this release reads {SCHEMES_VERSION}")
+        raise StofError(f"{where}\"schemes\" version {v!r}, this release reads {SCHEMES_VERSION}")
+    entries = section.get("entries", [])
+    if not isinstance(entries, list):
+        raise StofError(f"{where}\"schemes\" \"entries\" is not a list")
     out = {}
-    for e in section.get("entries", []):
+    for e in entries:
         if not isinstance(e, dict) or any(not isinstance(e.get(f), str) for f in _SCHEME_KEY_FIELDS):
             raise StofError(f"{where}a fusion-scheme entry lacks one of {_SCHEME_KEY_FIELDS}")
+        if not _BUCKET.fullmatch(e["bucket"]):
+            raise StofError(f"{where}fusion-scheme entry with bad bucket {e['bucket']!r} (T and a token count)")
         _check_scheme(e["chain"], e.get("scheme"), e.get("algo", -1), where)
         out[SchemeKey(*(e[f] for f in _SCHEME_KEY_FIELDS))] = {k: v for k, v in e.items()
                                                                 if k not in _SCHEME_KEY_FIELDS}

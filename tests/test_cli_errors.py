@@ -310,3 +310,131 @@ def test_max_seq_len_whose_probe_does_not_fit_is_refused_with_numbers(tmp_path, 
     monkeypatch.setattr(ac, "available_memory", lambda: est["total"])
     assert main(["rewrite", path, "-o", str(tmp_path / "out.onnx"), "--max-seq-len", str(S)]) == 0
     assert S in runs
+
+
+# -- output paths that are not plain files, and output written through symlinks ----------------------------------
+def test_rewrite_refuses_a_pipe_and_writes_through_a_symlink(tmp_path):
+    src = tiny_model(str(tmp_path / "m.onnx"))
+    fifo = tmp_path / "p.onnx"
+    os.mkfifo(fifo)
+    rc, stdout, stderr = run_cli("rewrite", src, "-o", str(fifo))
+    assert_one_line_error(rc, stdout, stderr, "not a regular file")
+    assert os.path.exists(fifo) and not os.path.isfile(fifo)
+    link = tmp_path / "link.onnx"
+    link.symlink_to(tmp_path / "target.onnx")
+    rc, _, stderr = run_cli("rewrite", src, "-o", str(link))
+    assert rc == 0, stderr
+    assert link.is_symlink() and onnx.load(str(tmp_path / "target.onnx")).graph.node
+    rc, stdout, stderr = run_cli("rewrite", src, "-o", "")
+    assert_one_line_error(rc, stdout, stderr, "empty")
+
+
+def test_tune_output_that_is_a_directory(tmp_path):
+    pytest.importorskip("onnxruntime")
+    path = attention_model(str(tmp_path / "a.onnx"))
+    (tmp_path / "d.json").mkdir()
+    before = snapshot(tmp_path)
+    rc, stdout, stderr = run_cli("tune", path, "--presearch-only", "--gpu", "NVIDIA H200", "--shapes",
+                                 "Q=1x2x128x64,K=1x2x128x64,V=1x2x128x64", "-o", str(tmp_path / "d.json"))
+    assert_one_line_error(rc, stdout, stderr, "directory")
+    assert snapshot(tmp_path) == before   # no lock file left beside it
+
+
+def test_run_output_file_that_is_a_directory(tmp_path):
+    pytest.importorskip("onnxruntime")
+    path = tiny_model(str(tmp_path / "m.onnx"))
+    (tmp_path / "o" / "Y.npy").mkdir(parents=True)
+    rc, stdout, stderr = run_cli("run", path, "--provider", "cpu", "-o", str(tmp_path / "o"))
+    assert_one_line_error(rc, stdout, stderr, "Y.npy", "directory")
+    assert sorted(os.listdir(tmp_path / "o")) == ["Y.npy"]   # no temporary file left
+
+
+# -- files the CLI reads: tactic caches, STOF nodes' attributes, truncated models ---------------------------------
+@pytest.mark.parametrize("doc,words", [
+    ({"format": "stof-tactic-cache", "version": 1, "entries": 5}, ["not a list"]),
+    ({"format": "stof-tactic-cache", "version": True, "entries": []}, ["version"]),
+    ({"format": "stof-tactic-cache", "version": 1, "entries": [], "schemes": {"version": 1, "entries": 7}},
+     ["not a list"]),
+    ("[" * 100000 + "]" * 100000, ["not JSON"]),
+], ids=["entries_int", "version_bool", "schemes_entries_int", "deep_nesting"])
+def test_rewrite_schemes_from_a_malformed_cache(tmp_path, doc, words):
+    src = tiny_model(str(tmp_path / "m.onnx"))
+    cache = tmp_path / "c.json"
+    cache.write_text(doc if isinstance(doc, str) else json.dumps(doc))
+    rc, stdout, stderr = run_cli("rewrite", src, "-o", str(tmp_path / "o.onnx"), "--schemes", str(cache))
+    assert_one_line_error(rc, stdout, stderr, *words)
+    assert not (tmp_path / "o.onnx").exists()
+
+
+def test_scheme_entries_with_a_bad_bucket_or_algo(tmp_path):
+    from stof_trt.errors import StofError
+    from stof_trt.tactic_cache import TacticCache
+
+    entry = {"gpu": "G", "cc": "9.0", "chain": "bias_gelu|float16|N3072|K768|gelu_erf", "bucket": "T4096",
+             "scheme": "gemm_bias_gelu", "algo": 2}
+    for bad, word in (({"bucket": "Tx"}, "bucket"), ({"algo": 10**40}, "algo")):
+        p = tmp_path / "c.json"
+        p.write_text(json.dumps({"format": "stof-tactic-cache", "version": 1, "entries": [],
+                                 "schemes": {"version": 1, "entries": [{**entry, **bad}]}}))
+        with pytest.raises(StofError, match=word):
+            TacticCache.load(p)
+
+
+@pytest.mark.parametrize("attr,value,words", [
+    ("mask_spec", b"\xff", ["mask_spec", "UTF-8"]),
+    ("seq_q", None, ["seq_q", "missing"]),
+    ("num_heads", "4", ["num_heads", "integer"]),
+    ("scale", "x", ["scale", "number"]),
+])
+def test_inspect_a_node_with_a_bad_attribute(tmp_path, attr, value, words):
+    path = attention_model(str(tmp_path / "a.onnx"))
+    m = onnx.load(path)
+    node = m.graph.node[0]
+    kept = [a for a in node.attribute if a.name != attr]
+    del node.attribute[:]
+    node.attribute.extend(kept)
+    if value is not None:
+        node.attribute.append(helper.make_attribute(attr, value))
+    onnx.save(m, path)
+    rc, stdout, stderr = run_cli("inspect", path, "--no-png")
+    assert_one_line_error(rc, stdout, stderr, *words)
+
+
+def test_inspect_a_layout_input_past_int32(tmp_path):
+    path = attention_model(str(tmp_path / "a.onnx"))
+    m = onnx.load(path)
+    for i, t in enumerate(m.graph.initializer):
+        if t.name == "col_idx":
+            a = numpy_helper.to_array(t).astype(np.int64) + 2**40
+            m.graph.initializer[i].CopyFrom(numpy_helper.from_array(a, "col_idx"))
+    onnx.save(m, path)
+    rc, stdout, stderr = run_cli("inspect", path, "--no-png")
+    assert_one_line_error(rc, stdout, stderr, "col_idx", "int32")
+
+
+def test_bench_reads_models_with_clear_errors(tmp_path):
+    src = tiny_model(str(tmp_path / "m.onnx"))
+    trunc = tmp_path / "t.onnx"
+    trunc.write_bytes(open(src, "rb").read()[:40])
+    rc, stdout, stderr = run_cli("bench", src, str(trunc), "--shapes", "X=2x8")
+    assert_one_line_error(rc, stdout, stderr, "t.onnx")
+
+
+# -- numeric flags ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("args", [["--seed=-1"], ["--time=-1"], ["--seed", str(2**40)]])
+def test_run_numeric_flags_out_of_range(tmp_path, args):
+    rc, _, stderr = run_cli("run", tiny_model(str(tmp_path / "m.onnx")), "--provider", "cpu", *args)
+    assert rc == 2 and "outside" in stderr and "Traceback" not in stderr, stderr
+
+
+def test_demo_seed_out_of_range():
+    rc, _, stderr = run_cli("demo", "--seed", "-1")
+    assert rc == 2 and "outside" in stderr and "Traceback" not in stderr, stderr
+
+
+def test_closed_stdout(tmp_path):
+    src = tiny_model(str(tmp_path / "m.onnx"))
+    p = subprocess.run(["bash", "-c", f'"{sys.executable}" -m stof_trt.cli rewrite "{src}" -o "{tmp_path}/o.onnx" >&-'],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0 and "Traceback" not in p.stderr and "internal error" not in p.stderr, p.stderr
+    assert (tmp_path / "o.onnx").is_file()

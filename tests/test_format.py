@@ -217,3 +217,19 @@ def test_validate_rejects_unused_and_out_of_range_bitmaps():
     tbi[np.flatnonzero(lay.tile_bitmap_index >= 0)[0]] = -2
     with pytest.raises(StofError):
         TileLayout.from_arrays(**{**fields, "tile_bitmap_index": tbi})
+
+
+def test_layouts_from_outside_are_checked():
+    with pytest.raises(StofError, match="boolean or 0/1"):
+        TileLayout.from_dense(np.full((64, 64), 0.5))
+    with pytest.raises(StofError, match="boolean or 0/1"):
+        TileLayout.from_dense(np.full((64, 64), np.nan))
+    assert TileLayout.from_dense(np.ones((64, 64), np.int8)).density() == 1.0
+    arrays = dict(compile_mask("causal", 128).arrays())
+    sizes = dict(seq_q=128, seq_k=128, tile_m=64, tile_n=64, num_layouts=1)
+    for bad in ({"seq_q": "128"}, {"seq_q": 128.5}, {"seq_q": True}):
+        with pytest.raises(StofError, match="integers"):
+            TileLayout.from_arrays(**{**sizes, **bad}, **arrays)
+    with pytest.raises(StofError, match="32-bit"):
+        TileLayout.from_arrays(**sizes, **{**arrays, "col_idx": arrays["col_idx"].astype(np.int64) + 2**40})
+    assert TileLayout.from_arrays(**sizes, **arrays).signature() == compile_mask("causal", 128).signature()

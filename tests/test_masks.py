@@ -74,12 +74,43 @@ def test_bad_specs_raise_clear_errors(bad):
 @pytest.mark.parametrize("spec", [
     "bigbird:random=0.1,seed=-1", f"dilated:window=8,dilation={10**12}", f"global:n={10**12}",
     "blocks:x.npy,block=0", "(" * 2000 + "causal" + ")" * 2000, f"sliding:window={2**31}",
-    f"global:tokens=1;{10**12}",
+    f"global:tokens=1;{10**12}", "global:n=-1", "sliding:window=2,window=300", "sliding:window=\u0663",
+    "sliding:window=\uff13", "global:tokens=1;\u0663",
 ])
 def test_bad_specs_are_one_line_errors(spec):
     with pytest.raises(MaskSpecError) as e:
         parse_mask(spec)
     assert "\n" not in str(e.value)
+
+
+def test_mask_files_that_are_not_npy_arrays(tmp_path):
+    (tmp_path / "text.npy").write_text("0 1\n1 0\n")
+    with pytest.raises(MaskSpecError, match="not a numpy .npy array file"):
+        parse_mask(f"npy:{tmp_path / 'text.npy'}")
+    with pytest.raises(MaskSpecError, match="is a directory"):
+        parse_mask(f"blocks:{tmp_path},block=16")
+    with pytest.raises(MaskSpecError, match="takes a path only"):
+        parse_mask(f"npy:{tmp_path / 'a.npy'},block=2")
+
+
+def test_specs_combine_with_specs_only():
+    with pytest.raises(TypeError):
+        parse_mask("causal") & 5
+    with pytest.raises(TypeError):
+        parse_mask("causal") | "causal"
+
+
+def test_compile_mask_refuses_sizes_and_heads_out_of_range():
+    from stof_trt.errors import StofError
+
+    for args, kw in [(("sliding:window=1", 2**31), {}), (("causal", 10**18), {}), (("causal", True), {}),
+                     (("causal", 128), {"num_heads": 0}), (("causal", 128), {"num_heads": "4"}),
+                     (("causal", 128), {"num_heads": 10**9})]:
+        with pytest.raises(StofError):
+            compile_mask(*args, **kw)
+    lay = compile_mask("causal", 128, num_heads=2)
+    with pytest.raises(StofError, match="layout 5"):
+        lay.to_string(layout=5)
 
 
 def test_nesting_limit_is_named():

@@ -293,3 +293,19 @@ def test_library_dependency_missing_is_reported(tmp_path, fake_library):
     with pytest.raises(tx.StofError, match="links libstof_kernels.so"):
         tx.export_repository(src, str(tmp_path / "repo"), library=str(lib_dir / "libstof_ort.so"))
     assert not (tmp_path / "repo").exists()
+
+
+def test_config_strings_escape_control_characters():
+    from stof_trt.triton.export import _q
+
+    assert _q('a"b\\c\nd\te') == '"a\\"b\\\\c\\012d\\011e"'
+
+
+def test_config_numbers_beyond_int32_are_refused(tmp_path):
+    from stof_trt.errors import StofError
+    from stof_trt.triton.export import parse_gpus
+
+    with pytest.raises(StofError):
+        parse_gpus("99999999999999999999")
+    with pytest.raises(StofError):
+        parse_gpus("\u0663")

@@ -230,3 +230,13 @@ def test_serve_cuda_without_cuda_ep_says_so(serve_python, tmp_path):
     save(helper.make_model(g), str(tmp_path / "relu.onnx"))
     rc, _, err = run_cli("serve", str(tmp_path / "relu.onnx"), "--provider", "cuda", "--python", serve_python)
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "has no CUDA EP" in err, err
+
+
+@pytest.mark.parametrize("python", ["/bin/true", "/nonexistent/python"])
+def test_a_named_serving_interpreter_is_used_or_refused(monkeypatch, python):
+    from stof_trt.errors import StofError
+    from stof_trt.triton.serve import find_python
+
+    monkeypatch.setenv("STOF_SERVE_PYTHON", python)
+    with pytest.raises(StofError, match=python):
+        find_python()

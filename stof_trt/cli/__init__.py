@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 
 from ..errors import StofError
@@ -57,9 +58,23 @@ def main(argv: list[str] | None = None) -> int:
     from .common import quiet_onnxruntime
 
     quiet_onnxruntime()
+    # SIGTERM unwinds like an exception, so temporary files are removed on the way out (main thread only)
+    try:
+        previous = signal.signal(signal.SIGTERM, _terminate)
+    except ValueError:
+        previous = None
     try:
         rc = int(args._run(args) or 0)
-        sys.stdout.flush()   # a closed pipe shows here, not at the interpreter's exit
+        if sys.stdout is not None:  # (closed by the caller: `stof ... >&-`)
+            try:
+                sys.stdout.flush()   # a closed pipe or a full device shows here, not at the interpreter's exit
+            except BrokenPipeError:
+                raise
+            except OSError as e:
+                _silence_stdout()
+                print(f"stof: error: cannot write to standard output ({e.strerror or type(e).__name__})",
+                      file=sys.stderr)
+                return 2
         return rc
     except StofError as e:
         print(f"stof: error: {e}", file=sys.stderr)
@@ -72,16 +87,33 @@ def main(argv: list[str] | None = None) -> int:
         _silence_stdout()
         return 141
     except MemoryError:
-        print("stof: error: not enough memory for this size (a smaller --max-seq-len, batch or mask helps)",
-              file=sys.stderr)
-        return 2
+        return _out_of_memory()
     except Exception as e:  # a bug, not the user's fault: one line, the traceback on request
-        if os.environ.get("STOF_DEBUG"):
+        if os.environ.get("STOF_DEBUG", "") not in ("", "0"):
             raise
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        print(f"stof: internal error: {type(e).__name__}: {msg} (set STOF_DEBUG=1 for the traceback; please report)",
-              file=sys.stderr)
-        return 1
+        if isinstance(e, RuntimeError) and "can't allocate memory" in str(e):  # torch's CPU allocator
+            return _out_of_memory()
+        return _internal(e)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _out_of_memory() -> int:
+    print("stof: error: not enough memory for this size (a smaller --max-seq-len, batch or mask helps)",
+          file=sys.stderr)
+    return 2
+
+
+def _internal(e: BaseException) -> int:
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    print(f"stof: internal error: {type(e).__name__}: {msg} (set STOF_DEBUG=1 for the traceback; please report)",
+          file=sys.stderr)
+    return 1
+
+
+def _terminate(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 def _silence_stdout() -> None:

@@ -20,7 +20,7 @@ import os
 import numpy as np
 
 from ..errors import StofError
-from .common import check_seq_limit, ort_error, print_json, print_table
+from .common import check_seq_limit, int_in, load_model, ort_error, print_json, print_table
 
 
 def add_args(p):
@@ -34,7 +34,7 @@ def add_args(p):
                    help="random key lengths in [R*S, S] per batch row (default: none)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0)
     p.add_argument("--device", type=int, default=0)
     p.add_argument("--tactic-cache", metavar="FILE.json")
     p.add_argument("--cuda-graphs", action="store_true", help="run each model through a captured CUDA graph")
@@ -109,10 +109,7 @@ def bench_models(models: list[tuple[str, str]], feeds2: dict, feeds3: dict, *, i
 
 
 def _has_stof_nodes(path: str) -> bool:
-    import onnx
-
-    m = onnx.load(path, load_external_data=False)
-    return any(n.domain == "stof" for n in m.graph.node)
+    return any(n.domain == "stof" for n in load_model(path, keep_external_data=True).graph.node)
 
 
 def max_diff(ref: np.ndarray, got: np.ndarray, keep: np.ndarray | None = None) -> float:
@@ -156,10 +153,11 @@ def run(args) -> int:
     if args.padding is not None and not 0 < args.padding <= 1:
         raise StofError("--padding must be in (0, 1]")
     mask = parse_mask(args.mask) if args.mask else None
-    # random inputs from the rewritten model's signature
-    import onnx
-
-    rm = onnx.load(args.rewritten, load_external_data=False)
+    # random inputs from the rewritten model's signature (every model read first: a bad file fails before any work)
+    rm = load_model(args.rewritten, keep_external_data=True)
+    for path in (args.original, args.ort_optimized):
+        if path:
+            load_model(path, keep_external_data=True)
     check_seq_limit(rm, sort.parse_shapes(args.shapes))
     feeds = _random_feeds_from_model(rm, sort.parse_shapes(args.shapes), args.seed)
     S = next((v.shape[1] for k, v in feeds.items() if k == "attention_mask"), None)

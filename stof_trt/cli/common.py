@@ -7,6 +7,7 @@ import os
 import sys
 import tempfile
 
+from .._files import output_target
 from ..errors import StofError
 
 # protobuf cannot serialise a message over 2 GiB: bigger models are written with external data.
@@ -76,13 +77,14 @@ def default_output(inp: str, suffix: str = ".stof.onnx") -> str:
 
 
 def check_output_path(inp: str | None, out: str) -> None:
-    """Refuse an output path that cannot be written, before any work: the input itself, a directory, a missing
-    or read-only directory, a name too long for the file system."""
+    """Refuse an output path that cannot be written, before any work: the input itself, a directory, a device or
+    pipe, a missing or read-only directory, a name too long for the file system."""
+    if not out:
+        raise StofError("the output path is empty: give a file name")
     if inp is not None and (os.path.abspath(inp) == os.path.abspath(out) or
                             (os.path.exists(out) and os.path.exists(inp) and os.path.samefile(inp, out))):
         raise StofError(f"output path {out} is the input: refusing to overwrite the input model")
-    if os.path.isdir(out):
-        raise StofError(f"output path {out} is a directory: give a file name")
+    out = str(output_target(out))  # (a symlink: its target)
     d = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(d):
         raise StofError(f"output directory does not exist: {d}")
@@ -100,6 +102,22 @@ def check_output_path(inp: str | None, out: str) -> None:
         os.unlink(tmp)
     except OSError as e:
         raise StofError(f"cannot write to {d} ({e.strerror or type(e).__name__})") from None
+
+
+def int_in(lo: int, hi: int):
+    """An argparse type: an integer in [lo, hi]."""
+    import argparse
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"{v} is outside [{lo}, {hi}]")
+        return v
+
+    return parse
 
 
 def make_output_dir(d: str, what: str = "output directory") -> None:
@@ -163,6 +181,8 @@ def check_seq_limit(model, shapes: dict) -> None:
         limit = int(meta["stof.max_seq_len"])
     except (KeyError, ValueError):
         return
+    if limit < 1:
+        raise StofError(f"the model's stof.max_seq_len metadata is {limit}: not a sequence length (a damaged model)")
     inits = {t.name for t in model.graph.initializer}
     for vi in model.graph.input:
         shape = shapes.get(vi.name)
@@ -193,6 +213,7 @@ def save_model(model, out: str, external_data_dir: str | None = None) -> None:
     ``external_data_dir`` first."""
     import onnx
 
+    out = str(output_target(out))  # (a symlink: written through)
     d = os.path.dirname(os.path.abspath(out))
     if _has_external(model):
         from onnx.external_data_helper import load_external_data_for_model

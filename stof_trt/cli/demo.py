@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from ..errors import StofError
+from .common import int_in
 
 
 def add_args(p):
@@ -33,7 +34,7 @@ def add_args(p):
                    help="static mask to rewrite with (default longformer:window=32,global=8)")
     p.add_argument("--layers", type=int, default=2, help="encoder layers of the exported BERT (default 2)")
     p.add_argument("--work-dir", metavar="DIR", help="keep the exported and rewritten models here")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights, token ids and lengths (default 0)")
+    p.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0, help="seed of the weights, token ids and lengths (default 0)")
     p.add_argument("--json", action="store_true", help="print the report and the comparison as JSON")
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import textwrap
 
+from .._files import write_file_atomic
 from .common import load_model, make_output_dir, print_json, print_table
 
 STOF_DOMAIN = "stof"
@@ -45,8 +46,10 @@ def draw_layout(layout, path: str, title: str) -> None:
     fig.suptitle(f"{title}\n{layout.seq_q}x{layout.seq_k}, density {layout.density():.4f}; tiles: full {c['full']} "
                  f"(blue), partial {c['partial']} (orange), empty {c['empty']}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        write_file_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110), suffix=".png")
+    finally:
+        plt.close(fig)
 
 
 def run(args) -> int:

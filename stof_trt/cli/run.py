@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import os
 
+from .._files import write_file_atomic
 from ..errors import StofError
-from .common import check_seq_limit, load_model, make_output_dir, ort_error, print_json, print_table
+from .common import check_seq_limit, int_in, load_model, make_output_dir, ort_error, print_json, print_table
 
 
 def add_args(p):
@@ -21,7 +22,7 @@ def add_args(p):
     p.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy", help="an input from a .npy file")
     p.add_argument("--shapes", action="append", default=[], metavar="NAME=DxD,...",
                    help="shapes of random inputs (for symbolic dims)")
-    p.add_argument("--seed", type=int, default=0, help="seed of random inputs")
+    p.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0, help="seed of random inputs")
     p.add_argument("--provider", choices=["cuda", "cpu"], default="cuda",
                    help="cuda: CUDA EP + libstof_ort (default); cpu: STOF nodes run as their ONNX functions")
     p.add_argument("--device", type=int, default=0, help="CUDA device id")
@@ -31,7 +32,7 @@ def add_args(p):
                         "run's (batch, seq) instead of the kernel library's default")
     p.add_argument("--cuda-graphs", action="store_true", help="run through a captured CUDA graph (IO binding)")
     p.add_argument("-o", "--output-dir", metavar="DIR", help="save each output as DIR/<name>.npy (created if needed)")
-    p.add_argument("--time", type=int, default=0, metavar="N", help="also time N runs (IO binding; median/p90)")
+    p.add_argument("--time", type=int_in(0, 1_000_000), default=0, metavar="N", help="also time N runs (IO binding; median/p90)")
     p.add_argument("--verbose", action="store_true", help="print the plugin's tactic choices")
     p.add_argument("--json", action="store_true")
 
@@ -49,7 +50,8 @@ def load_inputs(specs) -> dict:
         try:
             feeds[name] = np.load(path, allow_pickle=False)
         except (OSError, ValueError) as e:
-            raise StofError(f"{path} is not a readable .npy file ({e})") from None
+            why = "not in numpy's .npy format" if "pickle" in str(e) else str(e)  # (numpy's wording suggests pickle)
+            raise StofError(f"{path} is not a readable .npy file ({why})") from None
     return feeds
 
 
@@ -123,7 +125,7 @@ def run(args) -> int:
                        finite=bool(np.isfinite(a).all()) if arr.dtype.kind == "f" else True)
         if args.output_dir:
             path = os.path.join(args.output_dir, f"{o.name}.npy")
-            np.save(path, arr)
+            write_file_atomic(path, lambda tmp, arr=arr: np.save(tmp, arr), suffix=".npy")
             row["saved"] = path
         info["outputs"].append(row)
     if args.time:

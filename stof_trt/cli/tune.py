@@ -28,10 +28,9 @@ by NAME and --cc as the library reads them on that GPU (NAME as cudaGetDevicePro
 
 from __future__ import annotations
 
-import os
 
 from ..errors import StofError
-from .common import check_seq_limit, load_model, print_json, print_table
+from .common import check_output_path, check_seq_limit, int_in, load_model, print_json, print_table
 
 
 def add_args(p):
@@ -61,7 +60,7 @@ def add_args(p):
     p.add_argument("--scheme-algos", type=int, default=4, metavar="N",
                    help="cuBLASLt heuristic results timed per scheme with a StofGemmEpilogue node (default 4)")
     p.add_argument("--reps", type=int, default=7, help="timed repetitions per tactic (median)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", action="store_true")
 
@@ -77,9 +76,7 @@ def run(args) -> int:
         raise StofError("-k, --reps and --scheme-algos must be >= 1")
     if args.no_schemes and args.schemes_only:
         raise StofError("--no-schemes and --schemes-only exclude each other")
-    out_dir = os.path.dirname(os.path.abspath(args.output))
-    if not os.path.isdir(out_dir):
-        raise StofError(f"output directory does not exist: {out_dir}")
+    check_output_path(None, args.output)
     target = None
     if args.gpu is None:
         for flag, v in (("--sm-count", args.sm_count), ("--profile", args.profile)):

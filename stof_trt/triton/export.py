@@ -127,7 +127,7 @@ def parse_gpus(text: str | None) -> list[int] | None:
     if text is None or text == "":
         return None
     parts = [p.strip() for p in str(text).split(",")]
-    if not all(p.isdigit() for p in parts):
+    if not all(p.isascii() and p.isdigit() and int(p) < 2**31 for p in parts):
         raise StofError(f"bad --gpus '{text}' (expected GPU ids like 0,1)")
     ids = [int(p) for p in parts]
     if len(set(ids)) != len(ids):
@@ -141,7 +141,17 @@ def batchable(inputs: list[TensorSpec], outputs: list[TensorSpec]) -> bool:
 
 
 def _q(s: str) -> str:
-    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    """A protobuf text-format string literal: quotes and backslashes escaped, control characters (a newline ends a
+    string there) as octal escapes."""
+    out = []
+    for ch in s:
+        if ch in ('"', "\\"):
+            out.append("\\" + ch)
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\{ord(ch):03o}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
 
 
 def _tensor_block(specs: list[TensorSpec], batched: bool) -> list[str]:
@@ -280,19 +290,19 @@ def export_repository(model_path: str, repo: str, *, name: str | None = None, ma
     gpu_ids = parse_gpus(",".join(str(g) for g in gpus) if isinstance(gpus, list) else gpus)
     if cpu and gpu_ids:
         raise StofError("--gpus and --cpu exclude each other")
-    if instances < 1:
-        raise StofError(f"--instances must be >= 1, got {instances}")
-    if max_batch is not None and max_batch < 0:
-        raise StofError(f"--max-batch must be >= 0, got {max_batch}")
+    if not 1 <= instances < 2**31:  # (Triton's config fields are int32)
+        raise StofError(f"--instances must be in [1, 2^31 - 1], got {instances}")
+    if max_batch is not None and not 0 <= max_batch < 2**31:
+        raise StofError(f"--max-batch must be in [0, 2^31 - 1], got {max_batch}")
     if max_queue_delay_us is not None and not dynamic_batching:
         raise StofError("--max-queue-delay-us needs --dynamic-batching")
-    if max_queue_delay_us is not None and max_queue_delay_us < 0:
-        raise StofError(f"--max-queue-delay-us must be >= 0, got {max_queue_delay_us}")
+    if max_queue_delay_us is not None and not 0 <= max_queue_delay_us < 2**63:
+        raise StofError(f"--max-queue-delay-us must be in [0, 2^63 - 1], got {max_queue_delay_us}")
     if server_repo is not None and not os.path.isabs(server_repo):
         raise StofError(f"--server-repo must be an absolute path, got '{server_repo}'")
     name = name if name is not None else default_name(model_path)
     if not _NAME_RE.match(name):
-        raise StofError(f"bad model name '{name}' (letters, digits, '_', '.', '-'; starting with a letter or digit)")
+        raise StofError(f"bad model name {name!r} (letters, digits, '_', '.', '-'; starting with a letter or digit)")
 
     if not os.path.exists(model_path):
         raise StofError(f"no such file: {model_path}")

@@ -4,8 +4,8 @@ The server runs in a child process, ``_serve_worker.py``, under a *serving inter
 ``pytriton``, ``onnxruntime`` and ``numpy`` import. PyTriton's Python-backend stub needs a Python built with a
 shared libpython (the worker gets that interpreter's LIBDIR first on LD_LIBRARY_PATH), and pytriton pins
 numpy < 2, so that interpreter is often a dedicated virtual environment rather than the one running ``stof``.
-It is, in order: ``--python``, ``$STOF_SERVE_PYTHON``, ``~/.cache/stof-trt/serve-venv/bin/python`` (see
-docs/serving.md), the current interpreter.
+It is ``--python`` or ``$STOF_SERVE_PYTHON`` when given (that one, or an error), else the first that works of
+``~/.cache/stof-trt/serve-venv/bin/python`` (see docs/serving.md) and the current interpreter.
 
 On a GPU (libstof_ort.so found and the serving interpreter's onnxruntime has the CUDA EP) the session runs the
 CUDA EP with the STOF library and the tactic cache; otherwise the CPU EP runs the STOF nodes' model-local ONNX
@@ -58,7 +58,11 @@ def probe_python(python: str, timeout: float = 120) -> dict | str:
     if p.returncode != 0:
         last = (p.stderr.strip().splitlines() or ["exit status " + str(p.returncode)])[-1]
         return f"{python}: {last}"
-    info = json.loads(p.stdout.strip().splitlines()[-1])
+    try:
+        info = json.loads(p.stdout.strip().splitlines()[-1])
+        info["python"], info["shared_libpython"]
+    except (IndexError, ValueError, TypeError, KeyError):
+        return f"{python}: not a Python interpreter that runs the probe (no report on its output)"
     if not info["shared_libpython"]:
         return f"{python}: Python {info['python']} without a shared libpython (PyTriton's stub needs one)"
     if not info.get("pytriton_libs", True):
@@ -71,11 +75,11 @@ def probe_python(python: str, timeout: float = 120) -> dict | str:
 
 def find_python(explicit: str | None = None) -> tuple[str, dict]:
     """The serving interpreter and its probe; a one-line StofError naming what each candidate lacks."""
-    if explicit:
-        cands = [explicit]
+    env = os.environ.get("STOF_SERVE_PYTHON")
+    if explicit or env:  # named by the user: that one or an error, never silently another
+        cands = [explicit or env]
     else:
-        cands = [c for c in (os.environ.get("STOF_SERVE_PYTHON"), str(DEFAULT_VENV_PYTHON), sys.executable)
-                 if c and (c == sys.executable or os.path.exists(c))]
+        cands = [c for c in (str(DEFAULT_VENV_PYTHON), sys.executable) if c == sys.executable or os.path.exists(c)]
     why = []
     for c in dict.fromkeys(cands):
         r = probe_python(c)

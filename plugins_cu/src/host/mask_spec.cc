@@ -368,6 +368,7 @@ Args parse_args(const std::string& name, const std::string& text,
         }
         const ArgType type = allowed[idx].second;
         Arg& arg = out[idx].second;
+        if (arg.given) bad("mask '" + name + "': '" + key + "' given twice");
         arg = Arg{};
         arg.given = true;
         bool ok = true;
@@ -456,6 +457,9 @@ std::unique_ptr<Spec> atom(const std::string& name, const std::string& text) {
     if (name == "global") {
         Args a = parse_args(name, text, {{"n", T::kInt}, {"tokens", T::kTokens}});
         if (has(a, "n") == has(a, "tokens")) bad("mask 'global' needs exactly one of n= or tokens=");
+        if (has(a, "n") && find(a, "n")->i < 0)
+            bad("mask 'global': n=" + std::to_string(find(a, "n")->i) +
+                " is negative (the number of leading global tokens)");
         if (has(a, "n")) return std::make_unique<Global>(find(a, "n")->i);
         return global_tokens(find(a, "tokens")->tokens);
     }
