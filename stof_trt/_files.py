@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
+import signal
 import stat
 import tempfile
+import threading
 from pathlib import Path
 
 from .errors import StofError
@@ -34,25 +37,54 @@ def output_target(path: str | os.PathLike) -> Path:
     return p
 
 
+def file_mode() -> int:
+    """The mode a new file gets under the process's umask (mkstemp creates 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+@contextlib.contextmanager
+def terminate_unwinds():
+    """While a file is written: a SIGTERM raises SystemExit, so the writer's cleanup removes its temporary file
+    (the default action would leave it).  One-shot (a second SIGTERM kills), main thread only, and only where
+    SIGTERM has its default action."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def unwind(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, unwind)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def write_file_atomic(path: str | os.PathLike, write, suffix: str = "") -> Path:
     """``write(tmp)`` into a temporary file beside ``path`` (a symlink's target), renamed over it: a failed write
     (a full disk, an unwritable directory) leaves no part behind and raises a one-line StofError.  ``suffix``: the
     temporary file's, for writers that go by the name (np.save adds .npy, savefig picks the format)."""
     p = output_target(path)
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".stof-", suffix=suffix, dir=p.parent)
-        os.close(fd)
-    except OSError as e:
-        raise StofError(f"cannot write to {p.parent} ({e.strerror or type(e).__name__})") from None
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, p)
-    except OSError as e:
-        raise StofError(f"cannot write {path} ({e.strerror or type(e).__name__})") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with terminate_unwinds():
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=".stof-", suffix=suffix, dir=p.parent)
+            os.close(fd)
+        except OSError as e:
+            raise StofError(f"cannot write to {p.parent} ({e.strerror or type(e).__name__})") from None
+        try:
+            write(tmp)
+            os.chmod(tmp, file_mode())
+            os.replace(tmp, p)
+        except OSError as e:
+            raise StofError(f"cannot write {path} ({e.strerror or type(e).__name__})") from None
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     return p
 
 
@@ -70,17 +102,22 @@ def write_json_atomic(path: str | os.PathLike, doc, prefix: str = ".stof-") -> P
     """Write ``doc`` as JSON to ``path`` (a symlink's target) through a temporary file in the same directory,
     fsynced and renamed over it, so a reader sees the old file or the new one, never a part."""
     p = output_target(path)
-    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".json", dir=p.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, p)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with terminate_unwinds():
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".json", dir=p.parent)
+        except OSError as e:
+            raise StofError(f"cannot write to {p.parent} ({e.strerror or type(e).__name__})") from None
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(doc, f, indent=1)
+                f.write("\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, p)
+        except OSError as e:
+            raise StofError(f"cannot write {path} ({e.strerror or type(e).__name__})") from None
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     return p

@@ -138,13 +138,8 @@ class TileLayout:
         if not all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in sizes):
             raise StofError(f"layout sizes must be integers, got seq {seq_q!r}x{seq_k!r}, tile {tile_m!r}x{tile_n!r}, "
                             f"{num_layouts!r} layout(s)")
-        arrays = []
-        for name, a in zip(("row_ptr", "col_idx", "tile_bitmap_index", "bitmaps"),
-                           (row_ptr, col_idx, tile_bitmap_index, bitmaps)):
-            a = np.asarray(a)
-            if a.dtype.kind not in "iub" or (a.size and (int(a.min()) < -2**31 or int(a.max()) >= 2**32)):
-                raise StofError(f"layout array {name} must hold 32-bit integers, got {a.dtype}")
-            arrays.append(np.ascontiguousarray(a.astype(np.int64) if a.dtype.kind == "u" else a).astype(np.int32))
+        arrays = [layout_array_int32(name, a) for name, a in zip(
+            ("row_ptr", "col_idx", "tile_bitmap_index", "bitmaps"), (row_ptr, col_idx, tile_bitmap_index, bitmaps))]
         layout = cls(*(int(v) for v in sizes), *arrays, mask_spec)
         layout.validate()
         return layout
@@ -335,6 +330,17 @@ class TileLayout:
             raise StofError(f"layout {layout} of {self.num_layouts} (0 .. {self.num_layouts - 1})")
         g = self.tile_classes()[layout][:max_tiles, :max_tiles]
         return "\n".join("".join(".#+"[c] for c in row) for row in g)
+
+
+def layout_array_int32(name: str, a) -> np.ndarray:
+    """A stored layout array as int32, or a StofError: int32 values, and for ``bitmaps`` also uint32 words (their
+    bit patterns); nothing wraps silently."""
+    a = np.asarray(a)
+    hi = 2**32 if name == "bitmaps" and a.dtype.kind == "u" else 2**31
+    if a.dtype.kind not in "iub" or (a.size and (int(a.min()) < -2**31 or int(a.max()) >= hi)):
+        raise StofError(f"layout array {name} must hold int32 values, got {a.dtype}"
+                        + (" values outside int32" if a.dtype.kind in "iu" else ""))
+    return np.ascontiguousarray(a.astype(np.uint32).view(np.int32) if hi == 2**32 else a.astype(np.int32))
 
 
 def rows_longest_first(counts: np.ndarray) -> np.ndarray:

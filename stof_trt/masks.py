@@ -735,6 +735,7 @@ def longformer(window: int, global_tokens: int | tuple[int, ...]) -> MaskSpec:
 # Parsing
 
 _INT_RE = re.compile(r"-?[0-9]+")  # ASCII digits only (int() also takes other scripts' digits)
+_TOKEN_RE = re.compile(r"\s*[-+]?[0-9]+\s*", re.ASCII)  # a global token position, as the C++ parser reads it
 _INT_MAX = 2**31 - 1
 # Parentheses nested deeper than this are refused (the parser recurses once per level).
 MAX_NESTING = 64
@@ -767,8 +768,8 @@ def _args(name: str, text: str, allowed: dict[str, type]) -> dict:
                     raise ValueError
                 out[key] = val in ("1", "true")
             elif typ is tuple:
-                tokens = [t.strip() for t in val.split(";") if t.strip() != ""]
-                if not all(_INT_RE.fullmatch(t) for t in tokens):
+                tokens = [t for t in val.split(";") if t != ""]
+                if not all(_TOKEN_RE.fullmatch(t) for t in tokens):
                     raise ValueError
                 out[key] = tuple(int(t) for t in tokens)
                 if any(abs(t) > _INT_MAX for t in out[key]):
@@ -840,6 +841,9 @@ def _atom(name: str, text: str) -> MaskSpec:
         _need(name, a, "window")
         if "global" in a and "tokens" in a:
             raise MaskSpecError("mask 'longformer': give global= or tokens=, not both")
+        if a.get("global", 0) < 0:
+            raise MaskSpecError(f"mask 'longformer': global={a['global']} is negative (the number of leading global "
+                                "tokens)")
         return longformer(a["window"], a["tokens"] if "tokens" in a else a.get("global", 0))
     if name == "bigbird":
         a = _args(name, text, {"block": int, "window": int, "global": int, "random": float, "seed": int,

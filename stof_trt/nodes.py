@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import StofError
-from .format import STOF_FORMAT_VERSIONS_READ, TileLayout
+from .format import STOF_FORMAT_VERSIONS_READ, TileLayout, layout_array_int32
 
 __all__ = ["ONNX_DTYPES", "TOKEN_CAPACITY_INPUT", "AttentionNode", "attention_nodes", "attention_problem_dims"]
 
@@ -117,9 +117,10 @@ def _layout_array(node, name: str, tensor) -> np.ndarray:
                         f"({str(e).splitlines()[0][:100] if str(e) else type(e).__name__})") from None
     if arr.dtype.kind not in "iu":
         raise StofError(f"attention node '{node.name}': layout input {name} is {arr.dtype}, not an integer tensor")
-    if arr.size and (int(arr.min()) < -2**31 or int(arr.max()) >= 2**31):
-        raise StofError(f"attention node '{node.name}': layout input {name} has values outside int32")
-    return np.ascontiguousarray(arr, np.int32)
+    try:
+        return layout_array_int32(name, arr)
+    except StofError:
+        raise StofError(f"attention node '{node.name}': layout input {name} has values outside int32") from None
 
 
 def attention_nodes(model) -> list[AttentionNode]:

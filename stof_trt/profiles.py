@@ -60,7 +60,10 @@ def make_profile(gpu: dict, coef: dict, fit: dict | None = None) -> dict:
 def write(path: str | os.PathLike, doc: dict) -> Path:
     """Write atomically (temp file + rename), creating the directory."""
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StofError(f"cannot create {p.parent} ({e.strerror or type(e).__name__})") from None
     return write_json_atomic(p, doc, prefix=".stof-profile-")
 
 

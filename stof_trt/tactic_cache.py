@@ -43,7 +43,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ._files import read_json_doc, write_json_atomic
+from ._files import output_target, read_json_doc, write_json_atomic
 from .errors import StofError
 
 __all__ = ["FORMAT", "VERSION", "SCHEMES_VERSION", "SchemeKey", "shape_bucket", "node_signature", "CacheKey",
@@ -223,6 +223,7 @@ class TacticCache:
         p = Path(path or self.path or "")
         if not str(p):
             raise StofError("no path to save the tactic cache to")
+        p = output_target(p)  # (a symlink: its target, whose lock every writer takes)
         try:
             lock = os.open(f"{p}.lock", os.O_RDWR | os.O_CREAT, 0o666)
         except OSError as e:

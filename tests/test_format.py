@@ -230,6 +230,12 @@ def test_layouts_from_outside_are_checked():
     for bad in ({"seq_q": "128"}, {"seq_q": 128.5}, {"seq_q": True}):
         with pytest.raises(StofError, match="integers"):
             TileLayout.from_arrays(**{**sizes, **bad}, **arrays)
-    with pytest.raises(StofError, match="32-bit"):
+    with pytest.raises(StofError, match="int32"):
         TileLayout.from_arrays(**sizes, **{**arrays, "col_idx": arrays["col_idx"].astype(np.int64) + 2**40})
+    with pytest.raises(StofError, match="int32"):  # would wrap to -1, the FULL-tile sentinel
+        TileLayout.from_arrays(**sizes, **{**arrays, "tile_bitmap_index": np.full_like(
+            arrays["tile_bitmap_index"], 2**32 - 1, dtype=np.int64)})
+    words = arrays["bitmaps"].view(np.uint32)  # bitmaps as uint32 words: the same bits
+    assert TileLayout.from_arrays(**sizes, **{**arrays, "bitmaps": words}).signature() == \
+        compile_mask("causal", 128).signature()
     assert TileLayout.from_arrays(**sizes, **arrays).signature() == compile_mask("causal", 128).signature()

@@ -7,9 +7,9 @@ internal error (one line; STOF_DEBUG=1 shows the traceback)."""
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
-import signal
 import sys
 
 from ..errors import StofError
@@ -58,11 +58,6 @@ def main(argv: list[str] | None = None) -> int:
     from .common import quiet_onnxruntime
 
     quiet_onnxruntime()
-    # SIGTERM unwinds like an exception, so temporary files are removed on the way out (main thread only)
-    try:
-        previous = signal.signal(signal.SIGTERM, _terminate)
-    except ValueError:
-        previous = None
     try:
         rc = int(args._run(args) or 0)
         if sys.stdout is not None:  # (closed by the caller: `stof ... >&-`)
@@ -88,15 +83,22 @@ def main(argv: list[str] | None = None) -> int:
         return 141
     except MemoryError:
         return _out_of_memory()
+    except OSError as e:
+        # a write to standard output (a full device, a closed descriptor): files name themselves in their errors
+        if e.filename is None and e.errno in (errno.ENOSPC, errno.EBADF, errno.EIO, errno.EPIPE):
+            _silence_stdout()
+            print(f"stof: error: cannot write to standard output ({e.strerror or type(e).__name__})",
+                  file=sys.stderr)
+            return 2
+        if os.environ.get("STOF_DEBUG", "") not in ("", "0"):
+            raise
+        return _internal(e)
     except Exception as e:  # a bug, not the user's fault: one line, the traceback on request
         if os.environ.get("STOF_DEBUG", "") not in ("", "0"):
             raise
         if isinstance(e, RuntimeError) and "can't allocate memory" in str(e):  # torch's CPU allocator
             return _out_of_memory()
         return _internal(e)
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
 
 
 def _out_of_memory() -> int:
@@ -110,10 +112,6 @@ def _internal(e: BaseException) -> int:
     print(f"stof: internal error: {type(e).__name__}: {msg} (set STOF_DEBUG=1 for the traceback; please report)",
           file=sys.stderr)
     return 1
-
-
-def _terminate(signum, frame):
-    raise SystemExit(128 + signum)
 
 
 def _silence_stdout() -> None:

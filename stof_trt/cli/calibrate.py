@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 
 from ..errors import StofError
-from .common import print_json
+from .common import check_output_path, print_json
 
 
 def add_args(p):
@@ -66,6 +66,8 @@ def run(args) -> int:
     kernels.check_device()  # a build without code for this GPU: one line, not a failing grid
     gpu = cal.gpu_key()
     out = args.output or str(profiles.profile_path(gpu["name"], gpu["sm_count"]))
+    if args.output:
+        check_output_path(None, out)  # before minutes of measurement
     progress = None if args.no_progress or args.json else (lambda s: print(f"[calibrate] {s}", file=sys.stderr,
                                                                          flush=True))
     if progress:

@@ -7,7 +7,7 @@ import os
 import sys
 import tempfile
 
-from .._files import output_target
+from .._files import file_mode, output_target, terminate_unwinds
 from ..errors import StofError
 
 # protobuf cannot serialise a message over 2 GiB: bigger models are written with external data.
@@ -222,44 +222,40 @@ def save_model(model, out: str, external_data_dir: str | None = None) -> None:
             load_external_data_for_model(model, external_data_dir or d)
         except Exception as e:  # noqa: BLE001 - a data file went missing meanwhile
             raise StofError(f"cannot read the model's external data: {str(e).splitlines()[0][:150]}") from None
-    big = _model_bytes(model) > _PROTO_LIMIT
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".stof-", suffix=".onnx", dir=d)
-    except OSError as e:
-        raise StofError(f"cannot write to {d} ({e.strerror or type(e).__name__})") from None
-    os.close(fd)
-    try:
-        if big:
-            data_name = os.path.basename(out) + ".data"
-            onnx.save_model(model, tmp, save_as_external_data=True, all_tensors_to_one_file=True,
-                            location=data_name + ".tmp", size_threshold=1024)
-            os.chmod(os.path.join(d, data_name + ".tmp"), _file_mode())
-            os.replace(os.path.join(d, data_name + ".tmp"), os.path.join(d, data_name))
-            # The model file names its data file: rewrite the name without the .tmp suffix.
-            m = onnx.load(tmp, load_external_data=False)
-            for t in _all_tensors(m):
-                for e in t.external_data:
-                    if e.key == "location":
-                        e.value = data_name
-            onnx.save_model(m, tmp)
-        else:
-            onnx.save_model(model, tmp)
-        os.chmod(tmp, _file_mode())   # mkstemp creates 0600; give the usual permissions
-        os.replace(tmp, out)
-    except OSError as e:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise StofError(f"cannot write {out} ({e.strerror or type(e).__name__})") from None
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def _file_mode() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
+    with terminate_unwinds():  # a SIGTERM while writing removes the temporary files
+        big = _model_bytes(model) > _PROTO_LIMIT
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=".stof-", suffix=".onnx", dir=d)
+        except OSError as e:
+            raise StofError(f"cannot write to {d} ({e.strerror or type(e).__name__})") from None
+        os.close(fd)
+        data_tmp = None
+        try:
+            if big:
+                data_name = os.path.basename(out) + ".data"
+                data_tmp = os.path.join(d, data_name + ".tmp")
+                onnx.save_model(model, tmp, save_as_external_data=True, all_tensors_to_one_file=True,
+                                location=data_name + ".tmp", size_threshold=1024)
+                os.chmod(os.path.join(d, data_name + ".tmp"), file_mode())
+                os.replace(os.path.join(d, data_name + ".tmp"), os.path.join(d, data_name))
+                # The model file names its data file: rewrite the name without the .tmp suffix.
+                m = onnx.load(tmp, load_external_data=False)
+                for t in _all_tensors(m):
+                    for e in t.external_data:
+                        if e.key == "location":
+                            e.value = data_name
+                onnx.save_model(m, tmp)
+            else:
+                onnx.save_model(model, tmp)
+            os.chmod(tmp, file_mode())   # mkstemp creates 0600; give the usual permissions
+            os.replace(tmp, out)
+        except BaseException as e:
+            for t in (tmp, data_tmp):
+                if t is not None and os.path.exists(t):
+                    os.unlink(t)
+            if isinstance(e, OSError):
+                raise StofError(f"cannot write {out} ({e.strerror or type(e).__name__})") from None
+            raise
 
 
 def _check_external_files(model, base_dir: str) -> None:
@@ -311,6 +307,8 @@ def _is_number(s: str) -> bool:
 
 
 def print_json(obj) -> None:
+    if sys.stdout is None:  # (closed by the caller: `stof ... >&-`)
+        return
     json.dump(obj, sys.stdout, indent=1, default=_json_default)
     print()
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from .._files import write_file_atomic
+from .._files import output_target, write_file_atomic
 from ..errors import StofError
 from .common import check_seq_limit, int_in, load_model, make_output_dir, ort_error, print_json, print_table
 
@@ -94,6 +94,9 @@ def run(args) -> int:
         if args.provider == "cuda" and "CUDA" in str(e):
             raise StofError(f"{e}; or run on the CPU with --provider cpu") from None
         raise
+    if args.output_dir:  # every output file checked before the run (a name taken by a directory, a device)
+        for o in sess.get_outputs():
+            output_target(os.path.join(args.output_dir, f"{o.name}.npy"))
     names = {i.name for i in sess.get_inputs()}
     unknown = set(given) - names
     if unknown:

@@ -467,6 +467,9 @@ std::unique_ptr<Spec> atom(const std::string& name, const std::string& text) {
         Args a = parse_args(name, text, {{"window", T::kInt}, {"global", T::kInt}, {"tokens", T::kTokens}});
         if (!has(a, "window")) bad("mask 'longformer' needs 'window=...'");
         if (has(a, "global") && has(a, "tokens")) bad("mask 'longformer': give global= or tokens=, not both");
+        if (has(a, "global") && find(a, "global")->i < 0)
+            bad("mask 'longformer': global=" + std::to_string(find(a, "global")->i) +
+                " is negative (the number of leading global tokens)");
         const int64_t w = find(a, "window")->i;
         if (w < 0)
             bad("sliding window sides must be >= 0, got left=" + std::to_string(w) + ", right=" + std::to_string(w));
