@@ -65,20 +65,22 @@ def terminate_unwinds():
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def write_file_atomic(path: str | os.PathLike, write, suffix: str = "") -> Path:
+def write_file_atomic(path: str | os.PathLike, write, suffix: str = "", prefix: str = ".stof-",
+                      mode: int | None = None) -> Path:
     """``write(tmp)`` into a temporary file beside ``path`` (a symlink's target), renamed over it: a failed write
     (a full disk, an unwritable directory) leaves no part behind and raises a one-line StofError.  ``suffix``: the
-    temporary file's, for writers that go by the name (np.save adds .npy, savefig picks the format)."""
+    temporary file's, for writers that go by the name (np.save adds .npy, savefig picks the format); ``mode``: the
+    file's (default: the umask's)."""
     p = output_target(path)
     with terminate_unwinds():
         try:
-            fd, tmp = tempfile.mkstemp(prefix=".stof-", suffix=suffix, dir=p.parent)
+            fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=p.parent)
             os.close(fd)
         except OSError as e:
             raise StofError(f"cannot write to {p.parent} ({e.strerror or type(e).__name__})") from None
         try:
             write(tmp)
-            os.chmod(tmp, file_mode())
+            os.chmod(tmp, file_mode() if mode is None else mode)
             os.replace(tmp, p)
         except OSError as e:
             raise StofError(f"cannot write {path} ({e.strerror or type(e).__name__})") from None
@@ -100,24 +102,13 @@ def read_json_doc(p: Path, what: str):
 
 def write_json_atomic(path: str | os.PathLike, doc, prefix: str = ".stof-") -> Path:
     """Write ``doc`` as JSON to ``path`` (a symlink's target) through a temporary file in the same directory,
-    fsynced and renamed over it, so a reader sees the old file or the new one, never a part."""
-    p = output_target(path)
-    with terminate_unwinds():
-        try:
-            fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".json", dir=p.parent)
-        except OSError as e:
-            raise StofError(f"cannot write to {p.parent} ({e.strerror or type(e).__name__})") from None
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(doc, f, indent=1)
-                f.write("\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, p)
-        except OSError as e:
-            raise StofError(f"cannot write {path} ({e.strerror or type(e).__name__})") from None
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return p
+    fsynced and renamed over it, so a reader sees the old file or the new one, never a part; readable by other
+    processes (0644: tactic caches and profiles are shared)."""
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            json.dump(doc, f, indent=1)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    return write_file_atomic(path, write, suffix=".json", prefix=prefix, mode=0o644)
