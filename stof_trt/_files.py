@@ -90,6 +90,11 @@ def write_file_atomic(path: str | os.PathLike, write, suffix: str = "", prefix: 
     return p
 
 
+def is_version(v, want: int) -> bool:
+    """A file's "version" field is ``want`` (an int: JSON's true == 1 is not a version)."""
+    return type(v) is int and v == want
+
+
 def read_json_doc(p: Path, what: str):
     """The JSON document in file ``p``, or a one-line StofError naming it as ``what``."""
     try:

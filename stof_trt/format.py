@@ -135,7 +135,7 @@ class TileLayout:
                     bitmaps, mask_spec="") -> TileLayout:
         """Build from stored arrays (e.g. an ONNX node's initializers), checking every invariant."""
         sizes = (seq_q, seq_k, tile_m, tile_n, num_layouts)
-        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in sizes):
+        if not all(_is_int(v) for v in sizes):
             raise StofError(f"layout sizes must be integers, got seq {seq_q!r}x{seq_k!r}, tile {tile_m!r}x{tile_n!r}, "
                             f"{num_layouts!r} layout(s)")
         arrays = [layout_array_int32(name, a) for name, a in zip(
@@ -332,6 +332,11 @@ class TileLayout:
         return "\n".join("".join(".#+"[c] for c in row) for row in g)
 
 
+def _is_int(v) -> bool:
+    """An integer, numpy's included, and not a bool."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
 def layout_array_int32(name: str, a) -> np.ndarray:
     """A stored layout array as int32, or a StofError: int32 values, and for ``bitmaps`` also uint32 words (their
     bit patterns); nothing wraps silently."""
@@ -497,15 +502,12 @@ def compile_mask(mask: MaskSpec | str | np.ndarray, seq_q: int, seq_k: int | Non
     """
     seq_k = seq_q if seq_k is None else seq_k
     check_tile_shape(tile_m, tile_n)
-    def is_int(v) -> bool:
-        return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
-
-    if not (is_int(seq_q) and is_int(seq_k)) or seq_q < 1 or seq_k < 1:
+    if not (_is_int(seq_q) and _is_int(seq_k)) or seq_q < 1 or seq_k < 1:
         raise StofError(f"sequence lengths must be positive integers, got {seq_q}x{seq_k}")
     if seq_q > 2**31 - 1 or seq_k > 2**31 - 1:  # the format's and the kernels' positions are int32
         raise StofError(f"sequence lengths {seq_q}x{seq_k}: at most 2^31 - 1 positions")
     seq_q, seq_k = int(seq_q), int(seq_k)
-    if num_heads is not None and (not is_int(num_heads) or not 1 <= num_heads <= 65535):
+    if num_heads is not None and (not _is_int(num_heads) or not 1 <= num_heads <= 65535):
         raise StofError(f"num_heads must be an integer in [1, 65535], got {num_heads!r}")
     if isinstance(mask, np.ndarray):
         mask = DenseMask(mask)

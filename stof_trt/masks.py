@@ -808,11 +808,9 @@ def _load_npy(name: str, path: str) -> np.ndarray:
         raise MaskSpecError(f"mask file not found: {path}{hint}")
     try:
         return np.load(path, allow_pickle=False)
-    except ValueError as e:
+    except Exception as e:  # numpy raises several types for a bad file
         if "pickle" in str(e):  # numpy's wording for a file that is not in its .npy format
             raise MaskSpecError(f"mask file {path} is not a numpy .npy array file") from None
-        raise MaskSpecError(f"cannot read mask file {path}: {e}") from None
-    except Exception as e:  # numpy raises several types for a bad file
         raise MaskSpecError(f"cannot read mask file {path}: {e}") from None
 
 

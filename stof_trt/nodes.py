@@ -115,12 +115,10 @@ def _layout_array(node, name: str, tensor) -> np.ndarray:
     except Exception as e:  # noqa: BLE001 - a malformed tensor proto
         raise StofError(f"attention node '{node.name}': layout input {name} cannot be read "
                         f"({str(e).splitlines()[0][:100] if str(e) else type(e).__name__})") from None
-    if arr.dtype.kind not in "iu":
-        raise StofError(f"attention node '{node.name}': layout input {name} is {arr.dtype}, not an integer tensor")
     try:
         return layout_array_int32(name, arr)
-    except StofError:
-        raise StofError(f"attention node '{node.name}': layout input {name} has values outside int32") from None
+    except StofError as e:
+        raise StofError(f"attention node '{node.name}': {e}") from None
 
 
 def attention_nodes(model) -> list[AttentionNode]:

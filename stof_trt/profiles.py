@@ -21,7 +21,7 @@ import os
 import re
 from pathlib import Path
 
-from ._files import read_json_doc, write_json_atomic
+from ._files import is_version, read_json_doc, write_json_atomic
 from .errors import StofError
 
 __all__ = ["FORMAT", "VERSION", "default_path", "profile_path", "make_profile", "write", "load", "coef_of",
@@ -72,7 +72,7 @@ def load(path: str | os.PathLike) -> dict:
     doc = read_json_doc(p, "pre-search profile")
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise StofError(f"{p} is not a pre-search profile (\"format\" != \"{FORMAT}\")")
-    if type(doc.get("version")) is not int or doc.get("version") != VERSION:
+    if not is_version(doc.get("version"), VERSION):
         raise StofError(f"pre-search profile {p}: version {doc.get('version')}, this release reads {VERSION}")
     gpu = doc.get("gpu")
     if not isinstance(gpu, dict) or not isinstance(gpu.get("name"), str) or not isinstance(gpu.get("sm_count"), int):

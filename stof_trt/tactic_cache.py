@@ -43,7 +43,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ._files import output_target, read_json_doc, write_json_atomic
+from ._files import is_version, output_target, read_json_doc, write_json_atomic
 from .errors import StofError
 
 __all__ = ["FORMAT", "VERSION", "SCHEMES_VERSION", "SchemeKey", "shape_bucket", "node_signature", "CacheKey",
@@ -55,10 +55,6 @@ _KEY_FIELDS = ("gpu", "cc", "node", "bucket", "mask")
 SCHEMES_VERSION = 1
 _SCHEME_KEY_FIELDS = ("gpu", "cc", "chain", "bucket")
 _BUCKET = re.compile(r"T[0-9]{1,12}")
-
-
-def _is_version(v, want: int) -> bool:
-    return type(v) is int and v == want  # (True == 1 is not a version)
 
 
 def _pow2(v: int, lo: int) -> int:
@@ -124,7 +120,7 @@ class TacticCache:
         doc = read_json_doc(p, "tactic cache")
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise StofError(f"{p} is not a STOF tactic cache (\"format\" != \"{FORMAT}\")")
-        if not _is_version(doc.get("version"), VERSION):
+        if not is_version(doc.get("version"), VERSION):
             raise StofError(f"tactic cache {p}: version {doc.get('version')!r}, this release reads {VERSION}")
         cache = cls(path=p)
         entries = doc.get("entries", [])
@@ -259,7 +255,7 @@ def _load_schemes(section, p: Path) -> dict:
     if section is None:
         return {}
     where = f"tactic cache {p}: "
-    if not isinstance(section, dict) or not _is_version(section.get("version"), SCHEMES_VERSION):
+    if not isinstance(section, dict) or not is_version(section.get("version"), SCHEMES_VERSION):
         v = section.get("version") if isinstance(section, dict) else None
         raise StofError(f"{where}\"schemes\" version {v!r}, this release reads {SCHEMES_VERSION}")
     entries = section.get("entries", [])

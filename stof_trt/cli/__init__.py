@@ -61,15 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rc = int(args._run(args) or 0)
         if sys.stdout is not None:  # (closed by the caller: `stof ... >&-`)
-            try:
-                sys.stdout.flush()   # a closed pipe or a full device shows here, not at the interpreter's exit
-            except BrokenPipeError:
-                raise
-            except OSError as e:
-                _silence_stdout()
-                print(f"stof: error: cannot write to standard output ({e.strerror or type(e).__name__})",
-                      file=sys.stderr)
-                return 2
+            sys.stdout.flush()   # a closed pipe or a full device shows here, not at the interpreter's exit
         return rc
     except StofError as e:
         print(f"stof: error: {e}", file=sys.stderr)

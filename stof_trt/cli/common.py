@@ -7,7 +7,7 @@ import os
 import sys
 import tempfile
 
-from .._files import file_mode, output_target, terminate_unwinds
+from .._files import file_mode, output_target, write_file_atomic
 from ..errors import StofError
 
 # protobuf cannot serialise a message over 2 GiB: bigger models are written with external data.
@@ -213,7 +213,7 @@ def save_model(model, out: str, external_data_dir: str | None = None) -> None:
     ``external_data_dir`` first."""
     import onnx
 
-    out = str(output_target(out))  # (a symlink: written through)
+    out = str(output_target(out))
     d = os.path.dirname(os.path.abspath(out))
     if _has_external(model):
         from onnx.external_data_helper import load_external_data_for_model
@@ -222,40 +222,31 @@ def save_model(model, out: str, external_data_dir: str | None = None) -> None:
             load_external_data_for_model(model, external_data_dir or d)
         except Exception as e:  # noqa: BLE001 - a data file went missing meanwhile
             raise StofError(f"cannot read the model's external data: {str(e).splitlines()[0][:150]}") from None
-    with terminate_unwinds():  # a SIGTERM while writing removes the temporary files
-        big = _model_bytes(model) > _PROTO_LIMIT
+    big = _model_bytes(model) > _PROTO_LIMIT
+
+    def write(tmp: str) -> None:
+        if not big:
+            onnx.save_model(model, tmp)
+            return
+        data_name = os.path.basename(out) + ".data"
+        data_tmp = os.path.join(d, data_name + ".tmp")
         try:
-            fd, tmp = tempfile.mkstemp(prefix=".stof-", suffix=".onnx", dir=d)
-        except OSError as e:
-            raise StofError(f"cannot write to {d} ({e.strerror or type(e).__name__})") from None
-        os.close(fd)
-        data_tmp = None
-        try:
-            if big:
-                data_name = os.path.basename(out) + ".data"
-                data_tmp = os.path.join(d, data_name + ".tmp")
-                onnx.save_model(model, tmp, save_as_external_data=True, all_tensors_to_one_file=True,
-                                location=data_name + ".tmp", size_threshold=1024)
-                os.chmod(os.path.join(d, data_name + ".tmp"), file_mode())
-                os.replace(os.path.join(d, data_name + ".tmp"), os.path.join(d, data_name))
-                # The model file names its data file: rewrite the name without the .tmp suffix.
-                m = onnx.load(tmp, load_external_data=False)
-                for t in _all_tensors(m):
-                    for e in t.external_data:
-                        if e.key == "location":
-                            e.value = data_name
-                onnx.save_model(m, tmp)
-            else:
-                onnx.save_model(model, tmp)
-            os.chmod(tmp, file_mode())   # mkstemp creates 0600; give the usual permissions
-            os.replace(tmp, out)
-        except BaseException as e:
-            for t in (tmp, data_tmp):
-                if t is not None and os.path.exists(t):
-                    os.unlink(t)
-            if isinstance(e, OSError):
-                raise StofError(f"cannot write {out} ({e.strerror or type(e).__name__})") from None
-            raise
+            onnx.save_model(model, tmp, save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=data_name + ".tmp", size_threshold=1024)
+            os.chmod(data_tmp, file_mode())
+            os.replace(data_tmp, os.path.join(d, data_name))
+        finally:
+            if os.path.exists(data_tmp):
+                os.unlink(data_tmp)
+        # The model file names its data file: rewrite the name without the .tmp suffix.
+        m = onnx.load(tmp, load_external_data=False)
+        for t in _all_tensors(m):
+            for e in t.external_data:
+                if e.key == "location":
+                    e.value = data_name
+        onnx.save_model(m, tmp)
+
+    write_file_atomic(out, write, suffix=".onnx")
 
 
 def _check_external_files(model, base_dir: str) -> None:

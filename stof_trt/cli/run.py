@@ -32,7 +32,8 @@ def add_args(p):
                         "run's (batch, seq) instead of the kernel library's default")
     p.add_argument("--cuda-graphs", action="store_true", help="run through a captured CUDA graph (IO binding)")
     p.add_argument("-o", "--output-dir", metavar="DIR", help="save each output as DIR/<name>.npy (created if needed)")
-    p.add_argument("--time", type=int_in(0, 1_000_000), default=0, metavar="N", help="also time N runs (IO binding; median/p90)")
+    p.add_argument("--time", type=int_in(0, 1_000_000), default=0, metavar="N",
+                   help="also time N runs (IO binding; median/p90)")
     p.add_argument("--verbose", action="store_true", help="print the plugin's tactic choices")
     p.add_argument("--json", action="store_true")
 

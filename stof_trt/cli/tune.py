@@ -28,7 +28,6 @@ by NAME and --cc as the library reads them on that GPU (NAME as cudaGetDevicePro
 
 from __future__ import annotations
 
-
 from ..errors import StofError
 from .common import check_output_path, check_seq_limit, int_in, load_model, print_json, print_table
 
