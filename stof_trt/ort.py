@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import math
 import os
 import statistics
 import time
@@ -394,7 +395,7 @@ def random_feeds(sess, shapes: dict | None = None, *, seed: int = 0, vocab: int 
 
     rng = np.random.default_rng(seed)
     shapes = dict(shapes or {})
-    feeds = {}
+    planned = []
     for name, shape, dt in input_specs(sess):
         if name == TOKEN_CAPACITY_INPUT and name not in shapes:
             continue
@@ -406,6 +407,18 @@ def random_feeds(sess, shapes: dict | None = None, *, seed: int = 0, vocab: int 
             shp = tuple(shape)
         else:
             raise StofError(f"input '{name}' has symbolic dims {shape}: give --shapes {name}=DxD...")
+        planned.append((name, shp, dt))
+    if shapes:
+        raise StofError(f"--shapes names inputs the model does not have: {', '.join(shapes)}")
+    # every array before the first is made: 8 bytes per element while it is drawn (int64 / float64), plus its own
+    need = sum(math.prod(shp) * (8 + np.dtype(dt).itemsize) for _, shp, dt in planned
+               if dt in ("int64", "int32", "int8", "uint8", "bool", "float32", "float16", "float64"))
+    avail = available_memory()
+    if avail is not None and need > avail:
+        raise StofError(f"random inputs of these shapes need {need / 2**30:.1f} GiB of host memory and "
+                        f"{avail / 2**30:.1f} GiB is available: give smaller --shapes")
+    feeds = {}
+    for name, shp, dt in planned:
         lname = name.lower()
         if dt in ("int64", "int32", "int8", "uint8", "bool"):
             if "mask" in lname:
@@ -421,6 +434,19 @@ def random_feeds(sess, shapes: dict | None = None, *, seed: int = 0, vocab: int 
         else:
             raise StofError(f"input '{name}': cannot make random values of type {dt}")
         feeds[name] = arr
-    if shapes:
-        raise StofError(f"--shapes names inputs the model does not have: {', '.join(shapes)}")
     return feeds
+
+
+def available_memory() -> int | None:
+    """Host memory the process can still allocate (bytes; Linux's MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None

@@ -423,13 +423,57 @@ def test_bench_reads_models_with_clear_errors(tmp_path):
 # -- numeric flags ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("args", [["--seed=-1"], ["--time=-1"], ["--seed", str(2**40)]])
 def test_run_numeric_flags_out_of_range(tmp_path, args):
-    rc, _, stderr = run_cli("run", tiny_model(str(tmp_path / "m.onnx")), "--provider", "cpu", *args)
-    assert rc == 2 and "outside" in stderr and "Traceback" not in stderr, stderr
+    rc, stdout, stderr = run_cli("run", tiny_model(str(tmp_path / "m.onnx")), "--provider", "cpu", *args)
+    assert_one_line_error(rc, stdout, stderr, "outside", "`stof run --help`")
 
 
 def test_demo_seed_out_of_range():
-    rc, _, stderr = run_cli("demo", "--seed", "-1")
-    assert rc == 2 and "outside" in stderr and "Traceback" not in stderr, stderr
+    rc, stdout, stderr = run_cli("demo", "--seed", "-1")
+    assert_one_line_error(rc, stdout, stderr, "outside")
+
+
+@pytest.mark.parametrize("args, words", [
+    (["run", "m.onnx", "--seed", "abc"], ["--seed", "not an integer", "`stof run --help`"]),
+    (["rewrite"], ["required", "`stof rewrite --help`"]),
+    (["nosuchcommand"], ["invalid choice", "`stof --help`"]),
+    (["run", "m.onnx", "--provider", "tpu"], ["--provider", "invalid choice"]),
+])
+def test_usage_errors_are_one_line(args, words):
+    rc, stdout, stderr = run_cli(*args)
+    assert_one_line_error(rc, stdout, stderr, *words)
+    assert "usage:" not in stderr
+
+
+def symbolic_model(path):
+    """tiny_model with a symbolic first dim: random inputs take their size from --shapes."""
+    m = onnx.load(tiny_model(path))
+    m.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "n"
+    m.graph.output[0].type.tensor_type.shape.dim[0].dim_param = "n"
+    onnx.save(m, path)
+    return path
+
+
+def test_run_random_inputs_larger_than_memory_are_refused(tmp_path):
+    pytest.importorskip("onnxruntime")
+    path = symbolic_model(str(tmp_path / "m.onnx"))
+    out = tmp_path / "outs"
+    rc, stdout, stderr = run_cli("run", path, "--provider", "cpu", "--shapes", f"X={2**40}x8", "-o", str(out))
+    assert_one_line_error(rc, stdout, stderr, "GiB of host memory", "--shapes")
+    assert not out.exists()  # the directory the failed run made is gone again
+    rc, stdout, stderr = run_cli("run", path, "--provider", "cpu", "--shapes", "X=3x8", "--json")
+    assert rc == 0 and json.loads(stdout)["outputs"][0]["shape"] == [3, 8], stderr
+
+
+def test_a_failed_run_leaves_no_new_output_directory(tmp_path):
+    pytest.importorskip("onnxruntime")
+    path = tiny_model(str(tmp_path / "m.onnx"))
+    out = tmp_path / "new" / "deeper"
+    rc, stdout, stderr = run_cli("run", path, "--provider", "cpu", "--shapes", "X=3x8", "-o", str(out))
+    assert_one_line_error(rc, stdout, stderr, "does not fit")
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "kept").mkdir()  # a directory that was there stays
+    rc, stdout, stderr = run_cli("run", path, "--provider", "cpu", "--shapes", "X=3x8", "-o", str(tmp_path / "kept"))
+    assert rc == 2 and (tmp_path / "kept").is_dir()
 
 
 def test_closed_stdout(tmp_path):

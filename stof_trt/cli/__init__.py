@@ -27,10 +27,17 @@ SUBCOMMANDS = [
 ]
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line on stderr, exit 2, as every other user error (the usage is one --help away)."""
+
+    def error(self, message):
+        self.exit(2, f"stof: error: {message} (`{self.prog} --help` shows the usage)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
 
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="stof",
         description="STOF-TRT: fast inference for sparse (masked) Transformers. Rewrites exported ONNX models so "
                     "that masked attention and its epilogues run as STOF nodes (CUDA plugins for ONNX Runtime and "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -130,6 +131,32 @@ def make_output_dir(d: str, what: str = "output directory") -> None:
         raise StofError(f"cannot create {what} {d} ({e.strerror or type(e).__name__})") from None
     if not os.access(d, os.W_OK):
         raise StofError(f"{what} {d} is not writable")
+
+
+@contextlib.contextmanager
+def output_dir_kept_on_success(d: str | None, what: str = "output directory"):
+    """make_output_dir(d) for a command that may still fail after it: the directories it created are removed again
+    (those still empty) when the body raises, so a failed run leaves nothing behind.  d None: nothing to do."""
+    if d is None:
+        yield
+        return
+    created = []
+    p = os.path.abspath(d)
+    while not os.path.lexists(p):
+        created.append(p)
+        if os.path.dirname(p) == p:
+            break
+        p = os.path.dirname(p)
+    make_output_dir(d, what)
+    try:
+        yield
+    except BaseException:
+        for c in created:  # deepest first
+            try:
+                os.rmdir(c)
+            except OSError:
+                break
+        raise
 
 
 def ort_error(e: BaseException, model=None) -> StofError:

@@ -12,7 +12,7 @@ import os
 import textwrap
 
 from .._files import write_file_atomic
-from .common import load_model, make_output_dir, print_json, print_table
+from .common import load_model, output_dir_kept_on_success, print_json, print_table
 
 STOF_DOMAIN = "stof"
 
@@ -70,11 +70,11 @@ def run(args) -> int:
     pngs = []
     if not args.no_png and layouts:
         out_dir = args.out_dir or os.path.splitext(args.model)[0] + ".masks"
-        make_output_dir(out_dir, "--out-dir")
-        for sig, (layout, names) in layouts.items():
-            path = os.path.join(out_dir, f"layout-{sig[:12]}.png")
-            draw_layout(layout, path, f"{layout.mask_spec or 'mask'} — used by {len(names)} node(s)")
-            pngs.append(path)
+        with output_dir_kept_on_success(out_dir, "--out-dir"):
+            for sig, (layout, names) in layouts.items():
+                path = os.path.join(out_dir, f"layout-{sig[:12]}.png")
+                draw_layout(layout, path, f"{layout.mask_spec or 'mask'} — used by {len(names)} node(s)")
+                pngs.append(path)
     counts = {}
     for n in nodes:
         counts[n.op_type] = counts.get(n.op_type, 0) + 1

@@ -14,7 +14,8 @@ import os
 
 from .._files import output_target, write_file_atomic
 from ..errors import StofError
-from .common import check_seq_limit, int_in, load_model, make_output_dir, ort_error, print_json, print_table
+from .common import (check_seq_limit, int_in, load_model, ort_error, output_dir_kept_on_success, print_json,
+                     print_table)
 
 
 def add_args(p):
@@ -57,8 +58,6 @@ def load_inputs(specs) -> dict:
 
 
 def run(args) -> int:
-    import numpy as np
-
     from .. import ort as sort
 
     import onnxruntime as ort
@@ -78,8 +77,15 @@ def run(args) -> int:
     given = load_inputs(args.input)
     check_seq_limit(model, {**sort.parse_shapes(args.shapes), **{n: a.shape for n, a in given.items()}})
     del model
-    if args.output_dir:
-        make_output_dir(args.output_dir)
+    with output_dir_kept_on_success(args.output_dir):  # a run that fails leaves no new directory behind
+        return _run(args, given)
+
+
+def _run(args, given: dict) -> int:
+    import numpy as np
+
+    from .. import ort as sort
+
     pre = None
     if args.presearch:
         dims = [tuple(a.shape[:2]) for a in given.values() if a.ndim >= 2]
