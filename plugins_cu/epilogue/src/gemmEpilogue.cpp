@@ -76,6 +76,7 @@ struct stof_gemm_context {
     std::mutex mMutex;
     std::map<PlanKey, std::unique_ptr<Plan>> mPlans;
     cudaEvent_t mStart{nullptr}, mStop{nullptr};  // created on the first timing
+    cudaStream_t mCaptureStream{nullptr};          // the timing's graph captures (created on the first timing)
 };
 
 namespace {
@@ -164,6 +165,7 @@ extern "C" void stof_gemm_context_destroy(stof_gemm_context_t ctx) {
         ctx->mPlans.clear();
         if (ctx->mStart) cudaEventDestroy(ctx->mStart);
         if (ctx->mStop) cudaEventDestroy(ctx->mStop);
+        if (ctx->mCaptureStream) cudaStreamDestroy(ctx->mCaptureStream);
         if (ctx->mHandle) cublasLtDestroy(ctx->mHandle);
         delete ctx;
     } catch (...) {
@@ -233,7 +235,7 @@ stof_epi_status_t runGemm(stof_gemm_context_t ctx, int32_t dtype, int64_t batch,
         float const alpha = 1.f, beta = 0.f;
         auto cs = reinterpret_cast<cudaStream_t>(stream);
         // a failed attribute call's status, else cublasLtMatmul's (checked below, after the exact-M fallback)
-        auto run = [&](Plan& plan) -> cublasStatus_t {
+        auto run = [&](Plan& plan, cudaStream_t on) -> cublasStatus_t {
             if (plan.mRows != m) {  // B = X^T is K x M, C = Y^T is N x M
                 const uint64_t cols = static_cast<uint64_t>(m);
                 for (cublasLtMatrixLayout_t l : {plan.mB, plan.mC}) {
@@ -249,14 +251,34 @@ stof_epi_status_t runGemm(stof_gemm_context_t ctx, int32_t dtype, int64_t batch,
                 if (a != CUBLAS_STATUS_SUCCESS) return a;
             }
             return cublasLtMatmul(ctx->mHandle, plan.mOp, &alpha, w, plan.mA, x, plan.mB, &beta, y, plan.mC, y,
-                                  plan.mC, &plan.mAlgo, workspace, workspaceBytes, cs);
+                                  plan.mC, &plan.mAlgo, workspace, workspaceBytes, on);
         };
         // STOF_GEMM_ALGO_TIMED: each candidate once to warm up (and to see that it takes this M), then kTimedRuns
-        // runs queued behind a hold kernel, so that the events time the GPU's work: at small M a GEMM takes a few
-        // microseconds, about what the host spends launching it, and back-to-back runs would time the host. The
-        // fastest stays the plan's algorithm. Not while the stream captures a CUDA graph.
+        // runs as one CUDA graph (captured on the context's own stream, never launched there) queued behind a hold
+        // kernel on the call's stream, so that the events time the GPU's work: at small M a GEMM takes a few
+        // microseconds, about what the host spends launching it.  In a graph an algorithm that clears part of its
+        // workspace first pays that memset node's dependency (about 4 us on an H200, twice a small GEMM) which
+        // back-to-back stream launches hide; a candidate that cannot be captured is timed on the stream.  The
+        // fastest stays the plan's algorithm.  Not while the call's stream captures a CUDA graph.
         constexpr int kTimedRuns = 10;
         constexpr int64_t kHoldNs = 400 * 1000;  // well above kTimedRuns host launches
+        auto captured = [&](Plan& plan, cudaGraphExec_t& exec) -> bool {
+            exec = nullptr;
+            if (cudaStreamBeginCapture(ctx->mCaptureStream, cudaStreamCaptureModeThreadLocal) != cudaSuccess)
+                return false;
+            bool ok = true;
+            for (int r = 0; r < kTimedRuns && ok; ++r) ok = run(plan, ctx->mCaptureStream) == CUBLAS_STATUS_SUCCESS;
+            cudaGraph_t graph = nullptr;
+            ok = cudaStreamEndCapture(ctx->mCaptureStream, &graph) == cudaSuccess && ok && graph != nullptr;
+            ok = ok && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess;
+            if (graph != nullptr) cudaGraphDestroy(graph);
+            if (!ok) {
+                if (exec != nullptr) cudaGraphExecDestroy(exec);
+                exec = nullptr;
+                cudaGetLastError();  // a failed capture is this candidate's, not the call's
+            }
+            return ok;
+        };
         auto timeCandidates = [&](Plan& plan) -> stof_epi_status_t {
             cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
             if (plan.mTimed || cudaStreamIsCapturing(cs, &capture) != cudaSuccess ||
@@ -266,18 +288,27 @@ stof_epi_status_t runGemm(stof_gemm_context_t ctx, int32_t dtype, int64_t batch,
                 STOF_EPI_CUDA(cudaEventCreate(&ctx->mStart));
                 STOF_EPI_CUDA(cudaEventCreate(&ctx->mStop));
             }
+            if (ctx->mCaptureStream == nullptr)
+                STOF_EPI_CUDA(cudaStreamCreateWithFlags(&ctx->mCaptureStream, cudaStreamNonBlocking));
             cublasLtMatmulAlgo_t best = plan.mAlgo;
             float bestMs = 0.f;
             bool any = false;
             for (cublasLtMatmulAlgo_t const& cand : plan.mCandidates) {
                 plan.mAlgo = cand;
-                if (run(plan) != CUBLAS_STATUS_SUCCESS) continue;
+                if (run(plan, cs) != CUBLAS_STATUS_SUCCESS) continue;
+                cudaGraphExec_t exec = nullptr;
+                const bool graph = captured(plan, exec);
                 STOF_EPI_CUDA(stof_epi::launchHold(kHoldNs, cs));
                 STOF_EPI_CUDA(cudaEventRecord(ctx->mStart, cs));
                 bool ok = true;
-                for (int r = 0; r < kTimedRuns && ok; ++r) ok = run(plan) == CUBLAS_STATUS_SUCCESS;
+                if (graph) {
+                    ok = cudaGraphLaunch(exec, cs) == cudaSuccess;
+                } else {
+                    for (int r = 0; r < kTimedRuns && ok; ++r) ok = run(plan, cs) == CUBLAS_STATUS_SUCCESS;
+                }
                 STOF_EPI_CUDA(cudaEventRecord(ctx->mStop, cs));
                 STOF_EPI_CUDA(cudaEventSynchronize(ctx->mStop));
+                if (exec != nullptr) cudaGraphExecDestroy(exec);
                 float ms = 0.f;
                 STOF_EPI_CUDA(cudaEventElapsedTime(&ms, ctx->mStart, ctx->mStop));
                 if (ok && (!any || ms < bestMs)) best = cand, bestMs = ms, any = true;
@@ -287,7 +318,7 @@ stof_epi_status_t runGemm(stof_gemm_context_t ctx, int32_t dtype, int64_t batch,
             return STOF_EPI_SUCCESS;
         };
         if (stof_epi_status_t s = timeCandidates(*bucketPlan); s != STOF_EPI_SUCCESS) return s;
-        cublasStatus_t st = run(*bucketPlan);
+        cublasStatus_t st = run(*bucketPlan, cs);
         if ((st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE) && std::get<1>(key) != m) {
             // the bucket's algorithm does not take this M: a plan of this exact M, kept beside the bucket's
             PlanKey exactKey = key;
@@ -295,7 +326,7 @@ stof_epi_status_t runGemm(stof_gemm_context_t ctx, int32_t dtype, int64_t batch,
             Plan* exactPlan = nullptr;
             if (stof_epi_status_t s = planOf(exactKey, exactPlan); s != STOF_EPI_SUCCESS) return s;
             if (stof_epi_status_t s = timeCandidates(*exactPlan); s != STOF_EPI_SUCCESS) return s;
-            st = run(*exactPlan);
+            st = run(*exactPlan, cs);
         }
         STOF_EPI_CHECK(st == CUBLAS_STATUS_SUCCESS, STOF_EPI_ERROR_CUBLAS, "cublasLtMatmul: cuBLAS status %d",
                        static_cast<int>(st));

@@ -64,9 +64,10 @@ stof_epi_status_t stof_gemm_epilogue_run(stof_gemm_context_t ctx, int32_t dtype,
 /* As stof_gemm_epilogue_run, running cuBLASLt's algorithm number `algo` of its heuristic's results for this problem
  * (cublasLtMatmulAlgoGetHeuristic, up to 16 asked for): -1 = the first (what stof_gemm_epilogue_run runs); an index
  * past the results the heuristic returns runs the first too; STOF_GEMM_ALGO_TIMED = the fastest of the first
- * STOF_GEMM_TIMED_CANDIDATES, timed once per plan (row-count bucket) on the call's own buffers and stream (the
- * first result while that stream captures a CUDA graph; the timing happens on a later call).  Results are equal up
- * to rounding for every algo. */
+ * STOF_GEMM_TIMED_CANDIDATES, timed once per plan (row-count bucket) on the call's own buffers and stream, each as
+ * a CUDA graph of runs so that an algorithm's extra nodes (a workspace memset) cost what they cost in graph replays
+ * (the first result while that stream captures a CUDA graph; the timing happens on a later call).  Results are
+ * equal up to rounding for every algo. */
 #define STOF_GEMM_ALGO_TIMED (-2)
 #define STOF_GEMM_TIMED_CANDIDATES 8
 stof_epi_status_t stof_gemm_epilogue_run_algo(stof_gemm_context_t ctx, int32_t dtype, int64_t m, int64_t n, int64_t k,
