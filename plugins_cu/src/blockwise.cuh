@@ -178,24 +178,28 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocks) block_attn_fwd(c
         const int sub = (it + it_base) % nsub;
         const int n0 = __ldg(p.col_idx + e) * p.tile_n + sub * kBlockN;
         const int bm_idx = __ldg(p.tile_bitmap_index + e);
-        const bool need_mask = bm_idx >= 0 || n0 + kBlockN > kv_len || kpm != nullptr;
-        // Bitmap words of this thread's rows (issued before the MMAs so their latency overlaps).
+        // Bitmap words of this thread's rows (a PARTIAL tile's; all ones otherwise) and the key bound / padding of the
+        // sub-block's 64 keys as two words (two loads and ballots per thread, not a load per column), both issued
+        // before the MMAs so that their latency overlaps.  The scores are masked only where either cuts: padding
+        // that leaves the sub-block's keys alone costs the ballots, not the masking.
         uint32_t bits[kMI][2][KT::kWordsN];
-        if (need_mask) {
 #pragma unroll
-            for (int mi = 0; mi < kMI; ++mi)
+        for (int mi = 0; mi < kMI; ++mi)
 #pragma unroll
-                for (int hh = 0; hh < 2; ++hh)
+            for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
-                    for (int w = 0; w < KT::kWordsN; ++w) {
-                        const int a = a0 + warp_row0 + mi * 16 + hh * 8 + g;
-                        bits[mi][hh][w] =
-                            bm_idx >= 0 ? static_cast<uint32_t>(__ldg(p.bitmaps + static_cast<int64_t>(bm_idx) *
-                                                                                   words_per_tile +
-                                                                      a * words_per_row + sub * KT::kWordsN + w))
-                                        : 0xffffffffu;
-                    }
-        }
+                for (int w = 0; w < KT::kWordsN; ++w) {
+                    const int a = a0 + warp_row0 + mi * 16 + hh * 8 + g;
+                    bits[mi][hh][w] =
+                        bm_idx >= 0 ? static_cast<uint32_t>(__ldg(p.bitmaps + static_cast<int64_t>(bm_idx) *
+                                                                               words_per_tile +
+                                                                  a * words_per_row + sub * KT::kWordsN + w))
+                                    : 0xffffffffu;
+                }
+        static_assert(kBlockN == 64, "key_words covers 64 keys");
+        uint32_t kw[2] = {0xffffffffu, 0xffffffffu};
+        if (n0 + kBlockN > kv_len || kpm != nullptr) key_words(kw, n0, kv_len, kpm, lane);  // CTA-uniform branch
+        const bool need_mask = bm_idx >= 0 || (kw[0] & kw[1]) != 0xffffffffu;  // the ballots are warp-uniform
 
         const uint32_t sK = sKV + (it % kStages) * 2 * KT::kSmemKV;
         const uint32_t sV = sK + KT::kSmemKV;
@@ -245,9 +249,7 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocks) block_attn_fwd(c
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
                     const int col = ni * 8 + tig * 2 + c;
-                    const int key = n0 + col;
-                    bool key_ok = key < kv_len;
-                    if (kpm != nullptr && key_ok) key_ok = __ldg(kpm + key) != 0;
+                    const bool key_ok = (kw[col >> 5] >> (col & 31)) & 1u;
 #pragma unroll
                     for (int mi = 0; mi < kMI; ++mi)
 #pragma unroll

@@ -142,6 +142,20 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// The 64 keys [n0, n0 + 64) of a step as two "key allowed" words in the bitmap's bit order (bit i of word w =
+// key n0 + 32 w + i is below the key length and not padded): one coalesced load and one ballot per word and warp
+// (per-column loads would cost 16 loads and ~30 integer instructions per thread and step, on every tile of a
+// padded batch).  Every lane of the warp must call it (warp-uniform control flow).
+__device__ __forceinline__ void key_words(uint32_t (&kw)[2], int n0, int kv_len, const int32_t* kpm, int lane) {
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {
+        const int key = n0 + 32 * w + lane;
+        bool ok = key < kv_len;
+        if (kpm != nullptr && ok) ok = __ldg(kpm + key) != 0;
+        kw[w] = __ballot_sync(0xffffffffu, ok);
+    }
+}
+
 __device__ __forceinline__ float fast_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));

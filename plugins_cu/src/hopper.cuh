@@ -77,20 +77,6 @@ __device__ __forceinline__ void fence_regs(float (&r)[N]) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
 
-// The 64 keys [n0, n0 + 64) of a step as two "key allowed" words in the bitmap's bit order (bit i of word w =
-// key n0 + 32 w + i is below the key length and not padded): one coalesced load and one ballot per word and warp
-// (per-column loads would cost 16 loads and ~30 integer instructions per thread and step, on every tile of a
-// padded batch).  Every lane of the warp must call it (warp-uniform control flow).
-__device__ __forceinline__ void key_words(uint32_t (&kw)[2], int n0, int kv_len, const int32_t* kpm, int lane) {
-#pragma unroll
-    for (int w = 0; w < 2; ++w) {
-        const int key = n0 + 32 * w + lane;
-        bool ok = key < kv_len;
-        if (kpm != nullptr && ok) ok = __ldg(kpm + key) != 0;
-        kw[w] = __ballot_sync(0xffffffffu, ok);
-    }
-}
-
 // The two 32-key bitmap words of bitmap row a for 64-key sub-block `sub` of a tile (bm_idx: its bitmap, -1 for a
 // FULL tile: all ones).  The two words are contiguous and 8-byte aligned (tile_n % 64 == 0): one 64-bit load.
 __device__ __forceinline__ void row_bits(uint32_t (&bits)[2], const KernelParams& p, int bm_idx, int a, int sub) {
@@ -410,18 +396,14 @@ __device__ __forceinline__ void issue_pv(float (&rO)[kHeadDim / 2], const uint32
     wgmma_commit();
 }
 
-// Mask (bitmap words in bits, ANDed here with the key bound / padding words when the 64-key step at n0 can be cut by
-// them) and run the online softmax of one 64-key step, the scale folded into the exp2 (mul: folded_exp2_scale);
-// rescales O when the running max moved.  Warp-uniform call.
+// Mask (bitmap words in bits, already ANDed with the key bound / padding words) and run the online softmax of one
+// 64-key step, the scale folded into the exp2 (mul: folded_exp2_scale); rescales O when the running max moved.
+// Warp-uniform call.
 template <int kNI, int kDI>
 __device__ __forceinline__ void mask_softmax_step(float (&rS)[kNI * 4], float (&rO)[kDI * 4], float (&row_max)[2],
                                                   float (&row_sum)[2], uint32_t (&bits)[2][kNI / 4], bool need_mask,
-                                                  int n0, int kv_len, const int32_t* kpm, int lane, int tig,
-                                                  float mul, uint32_t sel) {
-    if (need_mask) {
-        if (n0 + kNI * 8 > kv_len || kpm != nullptr) and_key_words(bits, n0, kv_len, kpm, lane);
-        mask_scores<kNI>(rS, bits, tig, sel);
-    }
+                                                  int tig, float mul, uint32_t sel) {
+    if (need_mask) mask_scores<kNI>(rS, bits, tig, sel);
     float alpha[2];
     if (online_softmax<kNI>(rS, row_max, row_sum, alpha, mul)) rescale_o<kDI>(rO, alpha);
 }
@@ -673,12 +655,18 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
 
         const int n0 = j * p.tile_n + sub * kBlockN;
         const int bm_idx = __ldg(p.tile_bitmap_index + my_ent);
-        const bool need_mask = bm_idx >= 0 || n0 + kBlockN > kv_len || kpm != nullptr;
+        // the bitmap words (a PARTIAL tile's; all ones otherwise) and the key bound / padding words, loaded before
+        // the S MMA so that their latency overlaps it; the scores are masked only where either cuts (padding that
+        // leaves the step's keys alone costs two loads and ballots, not the masking)
         uint32_t bits[2][HT::kWordsN];
-        if (need_mask) {
-            row_bits_pair(bits, p.bitmaps, static_cast<uint32_t>((my_a0 + (warp & 3) * 16 + g) * (p.tile_n / 8)),
-                          p.tile_n, bm_idx, static_cast<uint32_t>(p.tile_m * p.tile_n / 8), sub);
-        }
+        row_bits_pair(bits, p.bitmaps, static_cast<uint32_t>((my_a0 + (warp & 3) * 16 + g) * (p.tile_n / 8)),
+                      p.tile_n, bm_idx, static_cast<uint32_t>(p.tile_m * p.tile_n / 8), sub);
+        static_assert(kBlockN == 64, "key_words covers 64 keys");
+        uint32_t kw[2] = {0xffffffffu, 0xffffffffu};
+        if (n0 + kBlockN > kv_len || kpm != nullptr) key_words(kw, n0, kv_len, kpm, lane);  // warpgroup-uniform
+        const bool need_mask = bm_idx >= 0 || (kw[0] & kw[1]) != 0xffffffffu;                 // (warp ballots)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) bits[hh][0] &= kw[0], bits[hh][1] &= kw[1];
         // descriptors = base + (byte offset >> 4): shared addresses stay below 2^18, so the 14-bit field never carries
         const uint64_t stage_off = static_cast<uint64_t>(((it % kStages) * 2 * HT::kSmemKV) >> 4);
         const uint64_t dK = dK0 + stage_off, dV = dV0 + stage_off;
@@ -703,8 +691,7 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
             prefetch();
         }
 
-        mask_softmax_step<kNI, kDI>(rS, rO, row_max, row_sum, bits, need_mask, n0, kv_len, kpm, lane, tig, mul,
-                                    mask_selector(p));
+        mask_softmax_step<kNI, kDI>(rS, rO, row_max, row_sum, bits, need_mask, tig, mul, mask_selector(p));
 
         // O += P V
         uint32_t rP[kKN][4];

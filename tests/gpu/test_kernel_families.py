@@ -181,11 +181,13 @@ print(json.dumps({"err": err, "finite": bool(np.isfinite(got).all())}))
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("families,allowed", [("block,row", {1, 2}), ("row", {2})])
 def test_forced_families_on_onnx_runtime(families, allowed, D):
-    pytest.importorskip("onnxruntime")
+    ort = pytest.importorskip("onnxruntime")
     from stof_trt import ort as sort
 
     if not sort.library_available():
         pytest.skip("libstof_ort.so not built")
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("this onnxruntime has no CUDA EP")
     env = dict(os.environ, STOF_KERNEL_FAMILIES=families, STOF_FIRST_USE_TIMING="0",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("STOF_TACTIC_CACHE", None)
