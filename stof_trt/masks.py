@@ -776,6 +776,8 @@ def _args(name: str, text: str, allowed: dict[str, type]) -> dict:
                     raise MaskSpecError(f"mask '{name}': a token of {key}= is out of range (at most {_INT_MAX})")
             else:
                 out[key] = val
+        except MaskSpecError:
+            raise  # (a ValueError too: the out-of-range messages above stay as they are)
         except ValueError:
             raise MaskSpecError(f"mask '{name}': bad value '{val}' for '{key}' (expected {typ.__name__})") from None
     return out

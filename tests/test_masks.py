@@ -194,3 +194,16 @@ def test_bigbird_grid_draw_rebuilds_recorded_layouts():
     assert str(spec).endswith(",draw=grid") and str(parse_mask(str(spec))) == str(spec)
     want = np.random.default_rng(4).random((7, 7)) < 0.3
     assert np.array_equal(spec.layout(100, 100) & ~np.eye(7, dtype=bool), want & ~np.eye(7, dtype=bool))
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("sliding:window=99999999999", "window=99999999999 is out of range"),
+    ("global:tokens=1;99999999999", "a token of tokens= is out of range"),
+    ("sliding:window=abc", "bad value 'abc' for 'window'"),
+])
+def test_spec_errors_are_value_errors_with_their_own_message(spec, words):
+    """StofError is a ValueError (API callers catch bad arguments that way); an out-of-range value keeps its own
+    message rather than the generic "bad value" one."""
+    with pytest.raises(ValueError) as e:
+        parse_mask(spec)
+    assert isinstance(e.value, MaskSpecError) and words in str(e.value), str(e.value)
