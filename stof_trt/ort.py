@@ -29,6 +29,7 @@ import statistics
 import time
 from pathlib import Path
 
+from ._host import available_memory
 from .errors import StofError
 
 __all__ = ["library_path", "library_available", "session", "Binding", "time_session", "latency_stats",
@@ -436,17 +437,3 @@ def random_feeds(sess, shapes: dict | None = None, *, seed: int = 0, vocab: int 
         feeds[name] = arr
     return feeds
 
-
-def available_memory() -> int | None:
-    """Host memory the process can still allocate (bytes; Linux's MemAvailable), None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, AttributeError):
-        return None

@@ -6,6 +6,7 @@ import dataclasses
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from .._host import available_memory
 from ..errors import StofError
 from ..format import STOF_FORMAT_VERSION, TileLayout, compile_mask
 
@@ -508,23 +509,6 @@ def probe_bytes(model, seq: int, heads: int, masks: bool) -> dict[str, int]:
              "masks": _mask_probe_bytes(seq) if masks else 0}
     parts["total"] = sum(parts.values())
     return parts
-
-
-def available_memory() -> int | None:
-    """Bytes this process can still allocate without swapping (MemAvailable), None when unknown."""
-    import os
-
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, AttributeError):
-        return None
 
 
 def _heads_at_length_one(probe, first: list[str]) -> int:
