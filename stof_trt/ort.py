@@ -411,9 +411,16 @@ def random_feeds(sess, shapes: dict | None = None, *, seed: int = 0, vocab: int 
         planned.append((name, shp, dt))
     if shapes:
         raise StofError(f"--shapes names inputs the model does not have: {', '.join(shapes)}")
-    # every array before the first is made: 8 bytes per element while it is drawn (int64 / float64), plus its own
-    need = sum(math.prod(shp) * (8 + np.dtype(dt).itemsize) for _, shp, dt in planned
-               if dt in ("int64", "int32", "int8", "uint8", "bool", "float32", "float16", "float64"))
+    # checked before the first array is made: every array, plus the int64 / float64 draw of the largest random one
+    # (masks, token types and positions are not drawn)
+    def drawn(name, dt):
+        low = name.lower()
+        return dt.startswith("float") or not any(w in low for w in ("mask", "token_type", "position"))
+
+    known = [(name, math.prod(shp), dt) for name, shp, dt in planned
+             if dt in ("int64", "int32", "int8", "uint8", "bool", "float32", "float16", "float64")]
+    need = sum(n * np.dtype(dt).itemsize for _, n, dt in known) + max(
+        [8 * n for name, n, dt in known if drawn(name, dt)], default=0)
     avail = available_memory()
     if avail is not None and need > avail:
         raise StofError(f"random inputs of these shapes need {need / 2**30:.1f} GiB of host memory and "

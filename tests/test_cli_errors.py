@@ -471,6 +471,11 @@ def test_a_failed_run_leaves_no_new_output_directory(tmp_path):
     rc, stdout, stderr = run_cli("run", path, "--provider", "cpu", "--shapes", "X=3x8", "-o", str(out))
     assert_one_line_error(rc, stdout, stderr, "does not fit")
     assert not (tmp_path / "new").exists()
+    (tmp_path / "real" / "x").mkdir(parents=True)  # through a symlink and "..": what makedirs made, not the text
+    os.symlink(tmp_path / "real" / "x", tmp_path / "link")
+    rc, stdout, stderr = run_cli("run", path, "--provider", "cpu", "--shapes", "X=3x8", "-o",
+                                 str(tmp_path / "link" / ".." / "new" / "deep"))
+    assert rc == 2 and not (tmp_path / "real" / "new").exists() and not (tmp_path / "new").exists()
     (tmp_path / "kept").mkdir()  # a directory that was there stays
     rc, stdout, stderr = run_cli("run", path, "--provider", "cpu", "--shapes", "X=3x8", "-o", str(tmp_path / "kept"))
     assert rc == 2 and (tmp_path / "kept").is_dir()

@@ -136,22 +136,23 @@ def make_output_dir(d: str, what: str = "output directory") -> None:
 @contextlib.contextmanager
 def output_dir_kept_on_success(d: str | None, what: str = "output directory"):
     """make_output_dir(d) for a command that may still fail after it: the directories it created are removed again
-    (those still empty) when the body raises, so a failed run leaves nothing behind.  d None: nothing to do."""
-    if d is None:
+    (those still empty) when the body raises, so a failed run leaves nothing behind.  d None or "": nothing to do."""
+    if not d:
         yield
         return
-    created = []
-    p = os.path.abspath(d)
-    while not os.path.lexists(p):
+    created = []  # what makedirs will create, deepest first: the path as given (makedirs follows its symlinks)
+    p = d.rstrip(os.sep) or d
+    while p and not os.path.lexists(p):
         created.append(p)
-        if os.path.dirname(p) == p:
+        parent = os.path.dirname(p)
+        if parent == p:
             break
-        p = os.path.dirname(p)
-    make_output_dir(d, what)
+        p = parent
     try:
+        make_output_dir(d, what)
         yield
     except BaseException:
-        for c in created:  # deepest first
+        for c in created:
             try:
                 os.rmdir(c)
             except OSError:

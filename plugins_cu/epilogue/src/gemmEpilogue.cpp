@@ -258,26 +258,31 @@ stof_epi_status_t runGemm(stof_gemm_context_t ctx, int32_t dtype, int64_t batch,
         // kernel on the call's stream, so that the events time the GPU's work: at small M a GEMM takes a few
         // microseconds, about what the host spends launching it.  In a graph an algorithm that clears part of its
         // workspace first pays that memset node's dependency (about 4 us on an H200, twice a small GEMM) which
-        // back-to-back stream launches hide; a candidate that cannot be captured is timed on the stream.  The
-        // fastest stays the plan's algorithm.  Not while the call's stream captures a CUDA graph.
+        // back-to-back stream launches hide, so graphs are compared with graphs: a candidate that cannot be
+        // captured competes (timed on the stream) only when none can.  The fastest stays the plan's algorithm.
+        // Not while the call's stream captures a CUDA graph.
         constexpr int kTimedRuns = 10;
         constexpr int64_t kHoldNs = 400 * 1000;  // well above kTimedRuns host launches
-        auto captured = [&](Plan& plan, cudaGraphExec_t& exec) -> bool {
-            exec = nullptr;
-            if (cudaStreamBeginCapture(ctx->mCaptureStream, cudaStreamCaptureModeThreadLocal) != cudaSuccess)
-                return false;
+        using GraphExec = std::unique_ptr<CUgraphExec_st, decltype(&cudaGraphExecDestroy)>;
+        auto captured = [&](Plan& plan) -> GraphExec {
+            GraphExec none(nullptr, cudaGraphExecDestroy);
+            if (cudaStreamBeginCapture(ctx->mCaptureStream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
+                cudaGetLastError();  // a failed capture is this candidate's, not the call's
+                return none;
+            }
             bool ok = true;
             for (int r = 0; r < kTimedRuns && ok; ++r) ok = run(plan, ctx->mCaptureStream) == CUBLAS_STATUS_SUCCESS;
             cudaGraph_t graph = nullptr;
             ok = cudaStreamEndCapture(ctx->mCaptureStream, &graph) == cudaSuccess && ok && graph != nullptr;
+            cudaGraphExec_t exec = nullptr;
             ok = ok && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess;
             if (graph != nullptr) cudaGraphDestroy(graph);
+            GraphExec out(exec, cudaGraphExecDestroy);
             if (!ok) {
-                if (exec != nullptr) cudaGraphExecDestroy(exec);
-                exec = nullptr;
-                cudaGetLastError();  // a failed capture is this candidate's, not the call's
+                cudaGetLastError();
+                out.reset();
             }
-            return ok;
+            return out;
         };
         auto timeCandidates = [&](Plan& plan) -> stof_epi_status_t {
             cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -290,30 +295,41 @@ stof_epi_status_t runGemm(stof_gemm_context_t ctx, int32_t dtype, int64_t batch,
             }
             if (ctx->mCaptureStream == nullptr)
                 STOF_EPI_CUDA(cudaStreamCreateWithFlags(&ctx->mCaptureStream, cudaStreamNonBlocking));
-            cublasLtMatmulAlgo_t best = plan.mAlgo;
-            float bestMs = 0.f;
-            bool any = false;
+            std::vector<std::pair<cublasLtMatmulAlgo_t, GraphExec>> runnable;  // (graph null: not captured)
             for (cublasLtMatmulAlgo_t const& cand : plan.mCandidates) {
                 plan.mAlgo = cand;
                 if (run(plan, cs) != CUBLAS_STATUS_SUCCESS) continue;
-                cudaGraphExec_t exec = nullptr;
-                const bool graph = captured(plan, exec);
+                runnable.emplace_back(cand, captured(plan));
+            }
+            const bool graphs = std::any_of(runnable.begin(), runnable.end(),
+                                            [](auto const& r) { return r.second != nullptr; });
+            cublasLtMatmulAlgo_t best = plan.mCandidates.front();
+            float bestMs = 0.f;
+            bool any = false;
+            for (auto const& [cand, exec] : runnable) {
+                if (graphs && exec == nullptr) continue;
+                plan.mAlgo = cand;
+                // the graph's upload before the hold, so that the events time its launch only
+                if (exec != nullptr && cudaGraphUpload(exec.get(), cs) != cudaSuccess) {
+                    cudaGetLastError();
+                    continue;
+                }
                 STOF_EPI_CUDA(stof_epi::launchHold(kHoldNs, cs));
                 STOF_EPI_CUDA(cudaEventRecord(ctx->mStart, cs));
                 bool ok = true;
-                if (graph) {
-                    ok = cudaGraphLaunch(exec, cs) == cudaSuccess;
+                if (exec != nullptr) {
+                    ok = cudaGraphLaunch(exec.get(), cs) == cudaSuccess;
+                    if (!ok) cudaGetLastError();
                 } else {
                     for (int r = 0; r < kTimedRuns && ok; ++r) ok = run(plan, cs) == CUBLAS_STATUS_SUCCESS;
                 }
                 STOF_EPI_CUDA(cudaEventRecord(ctx->mStop, cs));
                 STOF_EPI_CUDA(cudaEventSynchronize(ctx->mStop));
-                if (exec != nullptr) cudaGraphExecDestroy(exec);
                 float ms = 0.f;
                 STOF_EPI_CUDA(cudaEventElapsedTime(&ms, ctx->mStart, ctx->mStop));
                 if (ok && (!any || ms < bestMs)) best = cand, bestMs = ms, any = true;
             }
-            plan.mAlgo = any ? best : plan.mCandidates.front();
+            plan.mAlgo = best;
             plan.mTimed = true;
             return STOF_EPI_SUCCESS;
         };
