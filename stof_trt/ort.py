@@ -411,36 +411,37 @@ def random_feeds(sess, shapes: dict | None = None, *, seed: int = 0, vocab: int 
         planned.append((name, shp, dt))
     if shapes:
         raise StofError(f"--shapes names inputs the model does not have: {', '.join(shapes)}")
-    # checked before the first array is made: every array, plus the int64 / float64 draw of the largest random one
-    # (masks, token types and positions are not drawn)
-    def drawn(name, dt):
-        low = name.lower()
-        return dt.startswith("float") or not any(w in low for w in ("mask", "token_type", "position"))
-
-    known = [(name, math.prod(shp), dt) for name, shp, dt in planned
-             if dt in ("int64", "int32", "int8", "uint8", "bool", "float32", "float16", "float64")]
-    need = sum(n * np.dtype(dt).itemsize for _, n, dt in known) + max(
-        [8 * n for name, n, dt in known if drawn(name, dt)], default=0)
+    kinds = [_random_kind(name, dt) for name, _, dt in planned]
+    # checked before the first array is made: every array, plus the int64 / float64 draw of the largest drawn one
+    sizes = [math.prod(shp) for _, shp, _ in planned]
+    need = sum(n * np.dtype(dt).itemsize for n, (_, _, dt) in zip(sizes, planned)) + max(
+        [8 * n for n, kind in zip(sizes, kinds) if kind in ("ids", "normal")], default=0)
     avail = available_memory()
     if avail is not None and need > avail:
         raise StofError(f"random inputs of these shapes need {need / 2**30:.1f} GiB of host memory and "
                         f"{avail / 2**30:.1f} GiB is available: give smaller --shapes")
     feeds = {}
-    for name, shp, dt in planned:
-        lname = name.lower()
-        if dt in ("int64", "int32", "int8", "uint8", "bool"):
-            if "mask" in lname:
-                arr = np.ones(shp, dt)
-            elif "token_type" in lname:
-                arr = np.zeros(shp, dt)
-            elif "position" in lname:
-                arr = np.broadcast_to(np.arange(shp[-1]), shp).astype(dt)
-            else:
-                arr = rng.integers(0, vocab, size=shp).astype(dt)
-        elif dt in ("float32", "float16", "float64"):
-            arr = rng.standard_normal(shp).astype(dt)
+    for (name, shp, dt), kind in zip(planned, kinds):
+        if kind == "ones":
+            arr = np.ones(shp, dt)
+        elif kind == "zeros":
+            arr = np.zeros(shp, dt)
+        elif kind == "positions":
+            arr = np.broadcast_to(np.arange(shp[-1]), shp).astype(dt)
+        elif kind == "ids":
+            arr = rng.integers(0, vocab, size=shp).astype(dt)
         else:
-            raise StofError(f"input '{name}': cannot make random values of type {dt}")
+            arr = rng.standard_normal(shp).astype(dt)
         feeds[name] = arr
     return feeds
 
+
+def _random_kind(name: str, dt: str) -> str:
+    """How random_feeds fills an input: masks of ones, token types 0, positions 0..S-1, ids, floats N(0, 1)."""
+    low = name.lower()
+    if dt in ("int64", "int32", "int8", "uint8", "bool"):
+        return "ones" if "mask" in low else "zeros" if "token_type" in low else "positions" if "position" in low \
+            else "ids"
+    if dt in ("float32", "float16", "float64"):
+        return "normal"
+    raise StofError(f"input '{name}': cannot make random values of type {dt}")
