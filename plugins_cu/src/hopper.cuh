@@ -662,11 +662,9 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
         row_bits_pair(bits, p.bitmaps, static_cast<uint32_t>((my_a0 + (warp & 3) * 16 + g) * (p.tile_n / 8)),
                       p.tile_n, bm_idx, static_cast<uint32_t>(p.tile_m * p.tile_n / 8), sub);
         static_assert(kBlockN == 64, "key_words covers 64 keys");
-        uint32_t kw[2] = {0xffffffffu, 0xffffffffu};
-        if (n0 + kBlockN > kv_len || kpm != nullptr) key_words(kw, n0, kv_len, kpm, lane);  // warpgroup-uniform
-        const bool need_mask = bm_idx >= 0 || (kw[0] & kw[1]) != 0xffffffffu;                 // (warp ballots)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) bits[hh][0] &= kw[0], bits[hh][1] &= kw[1];
+        if (n0 + kBlockN > kv_len || kpm != nullptr) and_key_words(bits, n0, kv_len, kpm, lane);  // warpgroup-uniform
+        // without a bitmap, bits are the key words: warp ballots, so the same in every lane
+        const bool need_mask = bm_idx >= 0 || (bits[0][0] & bits[0][1]) != 0xffffffffu;
         // descriptors = base + (byte offset >> 4): shared addresses stay below 2^18, so the 14-bit field never carries
         const uint64_t stage_off = static_cast<uint64_t>(((it % kStages) * 2 * HT::kSmemKV) >> 4);
         const uint64_t dK = dK0 + stage_off, dV = dV0 + stage_off;
