@@ -84,6 +84,42 @@ def test_serve_errors_are_one_line_exit_2(tmp_path):
     assert rc == 2 and "not a readable ONNX model" in err and len(err.strip().splitlines()) == 1
 
 
+def test_a_port_in_use_is_refused_before_the_server_starts(tmp_path):
+    """Triton would start, fail to bind, and leave the wait polling the other program: refused up front instead."""
+    from onnx import TensorProto, helper, save
+
+    g = helper.make_graph([helper.make_node("Relu", ["X"], ["Y"])], "g",
+                          [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["b", 4])],
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["b", 4])])
+    save(helper.make_model(g), str(tmp_path / "relu.onnx"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        free = free_ports(1)[0]
+        for flag, args in (("--port", ["--port", str(taken)]),
+                           ("--grpc-port", ["--port", str(free), "--grpc-port", str(taken)]),
+                           ("--metrics-port", ["--port", str(free), "--metrics-port", str(taken)])):
+            rc, out, err = run_cli("serve", str(tmp_path / "relu.onnx"), *args)
+            assert rc == 2 and len(err.strip().splitlines()) == 1, err
+            assert f"{flag} {taken}: the port is in use" in err and "ready" not in out, err
+
+
+def test_the_reason_tritonserver_gave_is_found_in_its_log(tmp_path):
+    from stof_trt.triton.serve import last_server_error
+
+    log = tmp_path / "tritonserver.log"
+    log.write_text('I1130 01:34:34.177 7214 http_server.cc:4713] "Started HTTPService at 127.0.0.1:18100"\n'
+                   'E1130 01:34:34.258 7214 main.cc:257] "failed to start HTTP service: Unavailable - Socket '
+                   "'127.0.0.1:18100' already in use \"\n"
+                   'W1130 01:34:34.300 7214 metrics.cc:798] "DCGM unable to start"\n')
+    want = "failed to start HTTP service: Unavailable - Socket '127.0.0.1:18100' already in use"
+    assert last_server_error(str(log)) == want
+    log.write_text('W1130 01:34:34.300 7214 metrics.cc:798] "DCGM unable to start"\n')
+    assert last_server_error(str(log)) is None
+    assert last_server_error(str(tmp_path / "missing.log")) is None
+
+
 def test_token_slot_models_are_refused_in_one_line(tmp_path):
     """A model packed into token slots (--token-capacity-input) needs its capacity sized per batch: neither server
     does that, so both refuse it before any work."""
@@ -154,7 +190,7 @@ def test_served_answers_equal_direct_ort_and_bad_requests_fail_cleanly(stof_bert
     proc = subprocess.Popen([sys.executable, "-m", "stof_trt.cli", "serve", stof_bert, "--port", str(http),
                              "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--max-batch",
                              str(max_batch), "--max-queue-delay-us", "2000", "--provider", "cpu", "--name", "bert",
-                             "--python", serve_python, "--ready-timeout", "180"],
+                             "--python", serve_python, "--ready-timeout", "300"],
                             stdout=subprocess.PIPE, stderr=log, text=True)
     ready = threading.Event()
     lines = []
@@ -167,10 +203,11 @@ def test_served_answers_equal_direct_ort_and_bad_requests_fail_cleanly(stof_bert
 
     threading.Thread(target=drain, daemon=True).start()
     try:
-        deadline = time.monotonic() + 200
+        deadline = time.monotonic() + 330
         while not ready.wait(0.5) and proc.poll() is None and time.monotonic() < deadline:
             pass
-        assert ready.is_set(), f"server not ready (rc {proc.poll()}): {(tmp_path / 'serve.log').read_text()[-2000:]}"
+        assert ready.is_set(), (f"server not ready (rc {proc.poll()}): {(tmp_path / 'serve.log').read_text()[-2000:]}"
+                                f"\nits stdout: {''.join(lines)[-2000:]}")
         ready_line = next(x for x in lines if x.startswith("stof serve: bert ready"))
         assert f"127.0.0.1:{http}" in ready_line and f"127.0.0.1:{grpc}" in ready_line
 

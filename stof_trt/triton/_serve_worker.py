@@ -110,6 +110,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", type=int, default=0)
     p.add_argument("--library")
     p.add_argument("--tactic-cache")
+    p.add_argument("--server-log", help="tritonserver writes its log here (stof serve reads it when the start fails)")
     args = p.parse_args(argv)
 
     stop = threading.Event()
@@ -128,7 +129,7 @@ def main(argv=None) -> int:
         return 2
     config = TritonConfig(http_address=args.host, http_port=args.http_port, grpc_address=args.host,
                           grpc_port=args.grpc_port, metrics_address=args.host, metrics_port=args.metrics_port,
-                          exit_timeout_secs=5)
+                          exit_timeout_secs=5, log_file=args.server_log)
     batcher = DynamicBatcher(max_queue_delay_microseconds=args.max_queue_delay_us) if batched else None
     model_config = ModelConfig(batching=batched, max_batch_size=max(args.max_batch, 0), batcher=batcher)
     with Triton(config=config) as triton:

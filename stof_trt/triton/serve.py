@@ -17,8 +17,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -101,9 +103,24 @@ def worker_env(info: dict) -> dict:
     return env
 
 
+def port_taken(host: str, port: int) -> bool:
+    """Whether something already listens on (host, port). Triton would start, fail to bind and leave PyTriton
+    polling the other program for minutes; a socket in TIME_WAIT does not count (Triton reuses the address)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except socket.gaierror:
+            raise StofError(f"--host {host}: not an address of this machine") from None
+        except OSError:
+            return True
+    return False
+
+
 def worker_command(python: str, model: str, *, name: str, host: str, http_port: int, grpc_port: int,
                    metrics_port: int, max_batch: int, max_queue_delay_us: int, instances: int, provider: str,
-                   device: int = 0, library: str | None = None, tactic_cache: str | None = None) -> list[str]:
+                   device: int = 0, library: str | None = None, tactic_cache: str | None = None,
+                   server_log: str | None = None) -> list[str]:
     cmd = [python, str(WORKER), "--model", str(model), "--name", name, "--host", host,
            "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
            "--max-batch", str(max_batch), "--max-queue-delay-us", str(max_queue_delay_us),
@@ -112,7 +129,23 @@ def worker_command(python: str, model: str, *, name: str, host: str, http_port: 
         cmd += ["--library", str(library)]
     if tactic_cache:
         cmd += ["--tactic-cache", str(tactic_cache)]
+    if server_log:
+        cmd += ["--server-log", str(server_log)]
     return cmd
+
+
+def last_server_error(log: str) -> str | None:
+    """The last error line tritonserver wrote to its log, without its timestamp prefix (its warnings are routine:
+    no GPU, no NVML, no DCGM)."""
+    try:
+        lines = Path(log).read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        if line[:1] == "E" and line[1:5].isdigit():
+            msg = line.split("] ", 1)[-1].strip().strip('"').strip()
+            return msg[:300] or None
+    return None
 
 
 def serve(model: str, *, port: int = 8000, grpc_port: int | None = None, metrics_port: int | None = None,
@@ -146,6 +179,9 @@ def serve(model: str, *, port: int = 8000, grpc_port: int | None = None, metrics
     if len({port, grpc_port, metrics_port}) < 3:
         raise StofError(f"HTTP, gRPC and metrics ports must differ ({port}, {grpc_port}, {metrics_port})")
     name = name or default_name(model)
+    for what, p in (("--port", port), ("--grpc-port", grpc_port), ("--metrics-port", metrics_port)):
+        if port_taken(host, p):
+            raise StofError(f"{what} {p}: the port is in use on {host} (another server?); pick another")
 
     py, info = find_python(python)
     has_stof = stof_node_count(proto) > 0
@@ -162,11 +198,13 @@ def serve(model: str, *, port: int = 8000, grpc_port: int | None = None, metrics
     elif tactic_cache:
         raise StofError("--tactic-cache applies to the GPU kernels; this server runs the CPU EP")
 
+    logdir = tempfile.TemporaryDirectory(prefix="stof-serve-")  # tritonserver's own log, read when it fails
     cmd = worker_command(py, os.path.abspath(model), name=name, host=host, http_port=port, grpc_port=grpc_port,
                          metrics_port=metrics_port, max_batch=max_batch, max_queue_delay_us=max_queue_delay_us,
                          instances=instances, provider=provider, device=device,
                          library=str(lib) if provider == "cuda" and lib else None,
-                         tactic_cache=os.path.abspath(tactic_cache) if tactic_cache else None)
+                         tactic_cache=os.path.abspath(tactic_cache) if tactic_cache else None,
+                         server_log=os.path.join(logdir.name, "tritonserver.log"))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True, env=worker_env(info))
     stopping = threading.Event()
 
@@ -177,6 +215,7 @@ def serve(model: str, *, port: int = 8000, grpc_port: int | None = None, metrics
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     ready = threading.Event()
+    said = []  # the worker's last non-blank line: named when it never becomes ready
     try:
         def pump():  # the worker's stdout: the ready line, then whatever the server prints
             for line in proc.stdout:
@@ -190,6 +229,8 @@ def serve(model: str, *, port: int = 8000, grpc_port: int | None = None, metrics
                     if on_ready:
                         on_ready(ready_info)
                 else:
+                    if line.strip():
+                        said[:] = [line.strip()]
                     out.write(line)
                     out.flush()
 
@@ -201,12 +242,19 @@ def serve(model: str, *, port: int = 8000, grpc_port: int | None = None, metrics
         if not ready.is_set() and proc.poll() is None and not stopping.is_set():
             proc.send_signal(signal.SIGTERM)
             _wait(proc)
-            raise StofError(f"the server did not become ready within {ready_timeout:.0f} s (serving Python {py})")
+            why = last_server_error(os.path.join(logdir.name, "tritonserver.log"))
+            last = (f"; tritonserver said: {why}" if why else f"; its last line: {said[0][:200]}" if said
+                    else "; it printed nothing")
+            raise StofError(f"the server did not become ready within {ready_timeout:.0f} s (serving Python {py}, "
+                            f"--ready-timeout sets the wait){last}")
         rc = proc.wait() if proc.poll() is None else proc.returncode
         while proc.poll() is None:
             time.sleep(0.1)
         t.join(timeout=5)
         if not ready.is_set() and not stopping.is_set():
+            why = last_server_error(os.path.join(logdir.name, "tritonserver.log"))
+            if why:
+                raise StofError(f"the server exited with status {rc} before it was ready; tritonserver said: {why}")
             raise StofError(f"the server exited with status {rc} before it was ready (serving Python {py}, "
                             f"pytriton {info['pytriton']}); its log is above. PyTriton's stub fails under some "
                             "interpreters: point --python at another one, e.g. a virtual environment made from the "
@@ -218,6 +266,7 @@ def serve(model: str, *, port: int = 8000, grpc_port: int | None = None, metrics
             _wait(proc)
         for s, h in old.items():
             signal.signal(s, h)
+        logdir.cleanup()
 
 
 def _wait(proc, timeout: float = 30) -> None:
