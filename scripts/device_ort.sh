@@ -45,7 +45,7 @@ if has test; then
   echo "== test"
   python3 -m pytest -q -p no:cacheprovider tests/gpu/test_ort_plugin.py tests/gpu/test_ort_models.py \
     tests/gpu/test_ort_any_length.py tests/gpu/test_ort_ops_any_length.py tests/gpu/test_ort_ops_cuda.py \
-    tests/gpu/test_ort_remove_padding.py \
+    tests/gpu/test_ort_remove_padding.py tests/gpu/test_ort_index_nodes.py tests/gpu/test_ort_varlen.py \
     tests/test_tactic_cache.py tests/test_mask_native.py 2>&1 | tee "$OUT/test.log" | tail -40 || rc=1
 fi
 
