@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -170,6 +171,43 @@ def test_serve_python_with_pytriton_outside_site_packages_says_so(tmp_path):
             assert isinstance(got, dict) and got["pytriton_libs"] is True, got
 
 
+def start_server(model, serve_python, log_path, ports, max_batch):
+    """`stof serve` on the CPU in the background: (process, its stdout lines, its log file, None once ready) or
+    (None, None, None, why it did not become ready)."""
+    http, grpc, metrics = ports
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "stof_trt.cli", "serve", model, "--port", str(http),
+                             "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--max-batch",
+                             str(max_batch), "--max-queue-delay-us", "2000", "--provider", "cpu", "--name", "bert",
+                             "--python", serve_python, "--ready-timeout", "180"],
+                            stdout=subprocess.PIPE, stderr=log, text=True)
+    ready = threading.Event()
+    lines = []
+
+    def drain():  # read everything: a full pipe would block the server's logging
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("stof serve: bert ready"):
+                ready.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    deadline = time.monotonic() + 210
+    while not ready.wait(0.5) and proc.poll() is None and time.monotonic() < deadline:
+        pass
+    if ready.is_set():
+        return proc, lines, log, None
+    if proc.poll() is None:  # stof serve stops its worker on SIGTERM
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    proc.wait()
+    log.close()
+    return None, None, None, (f"rc {proc.returncode}: {log_path.read_text()[-2000:]}\nits stdout: "
+                              f"{''.join(lines)[-2000:]}")
+
+
 def test_served_answers_equal_direct_ort_and_bad_requests_fail_cleanly(stof_bert, serve_python, tmp_path):
     import onnxruntime as ort
 
@@ -186,28 +224,20 @@ def test_served_answers_equal_direct_ort_and_bad_requests_fail_cleanly(stof_bert
         reqs[f"mask_{k}"] = (np.arange(s)[None] < lengths[:, None]).astype(np.int64)
     np.savez(tmp_path / "req.npz", **reqs)
 
-    log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "stof_trt.cli", "serve", stof_bert, "--port", str(http),
-                             "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--max-batch",
-                             str(max_batch), "--max-queue-delay-us", "2000", "--provider", "cpu", "--name", "bert",
-                             "--python", serve_python, "--ready-timeout", "300"],
-                            stdout=subprocess.PIPE, stderr=log, text=True)
-    ready = threading.Event()
-    lines = []
-
-    def drain():  # read everything: a full pipe would block the server's logging
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("stof serve: bert ready"):
-                ready.set()
-
-    threading.Thread(target=drain, daemon=True).start()
+    # PyTriton's start (tritonserver, its Python-backend stub processes) runs beside everything else on a shared
+    # machine: a start that does not come up is retried once on fresh ports, and both reasons are kept
+    failures = []
+    for attempt in range(2):
+        http, grpc, metrics = free_ports(3) if attempt else (http, grpc, metrics)
+        proc, lines, log, why = start_server(stof_bert, serve_python, tmp_path / f"serve{attempt}.log",
+                                             [http, grpc, metrics], max_batch)
+        if why is None:
+            break
+        failures.append(why)
+    assert len(failures) < 2, "server not ready twice:\n" + "\n".join(failures)
+    if failures:
+        warnings.warn(f"stof serve came up at the second start; the first: {failures[0][:500]}")
     try:
-        deadline = time.monotonic() + 330
-        while not ready.wait(0.5) and proc.poll() is None and time.monotonic() < deadline:
-            pass
-        assert ready.is_set(), (f"server not ready (rc {proc.poll()}): {(tmp_path / 'serve.log').read_text()[-2000:]}"
-                                f"\nits stdout: {''.join(lines)[-2000:]}")
         ready_line = next(x for x in lines if x.startswith("stof serve: bert ready"))
         assert f"127.0.0.1:{http}" in ready_line and f"127.0.0.1:{grpc}" in ready_line
 
@@ -223,7 +253,7 @@ def test_served_answers_equal_direct_ort_and_bad_requests_fail_cleanly(stof_bert
             proc.kill()
             raise
     log.close()
-    assert rc == 0, (tmp_path / "serve.log").read_text()[-2000:]
+    assert rc == 0, open(log.name).read()[-2000:]
     assert all(port_free(p) for p in (http, grpc, metrics)), "the server left a port bound after SIGTERM"
 
     so = ort.SessionOptions()
