@@ -5,7 +5,6 @@ error while the server keeps serving; SIGTERM stops it cleanly. Needs a serving 
 .ci/run makes one)."""
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -77,6 +76,16 @@ def stof_bert(tmp_path_factory):
     return out
 
 
+def relu_model(path):
+    """A one-node model with a batch axis: enough for the checks before a server starts."""
+    from onnx import TensorProto, helper, save
+
+    g = helper.make_graph([helper.make_node("Relu", ["X"], ["Y"])], "g",
+                          [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["b", 4])],
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["b", 4])])
+    save(helper.make_model(g), str(path))
+
+
 def test_serve_errors_are_one_line_exit_2(tmp_path):
     rc, _, err = run_cli("serve", str(tmp_path / "missing.onnx"))
     assert rc == 2 and err.startswith("stof: error: no such file") and len(err.strip().splitlines()) == 1
@@ -87,12 +96,7 @@ def test_serve_errors_are_one_line_exit_2(tmp_path):
 
 def test_a_port_in_use_is_refused_before_the_server_starts(tmp_path):
     """Triton would start, fail to bind, and leave the wait polling the other program: refused up front instead."""
-    from onnx import TensorProto, helper, save
-
-    g = helper.make_graph([helper.make_node("Relu", ["X"], ["Y"])], "g",
-                          [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["b", 4])],
-                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["b", 4])])
-    save(helper.make_model(g), str(tmp_path / "relu.onnx"))
+    relu_model(tmp_path / "relu.onnx")
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -139,12 +143,7 @@ def test_token_slot_models_are_refused_in_one_line(tmp_path):
 
 
 def test_serve_without_a_serving_python_says_why(tmp_path):
-    from onnx import TensorProto, helper, save
-
-    g = helper.make_graph([helper.make_node("Relu", ["X"], ["Y"])], "g",
-                          [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["b", 4])],
-                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["b", 4])])
-    save(helper.make_model(g), str(tmp_path / "relu.onnx"))
+    relu_model(tmp_path / "relu.onnx")
     rc, _, err = run_cli("serve", str(tmp_path / "relu.onnx"), "--python", str(tmp_path / "no-python"))
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
     assert "no Python to serve with" in err and "docs/serving.md" in err
@@ -212,7 +211,6 @@ def test_served_answers_equal_direct_ort_and_bad_requests_fail_cleanly(stof_bert
     import onnxruntime as ort
 
     max_batch = 4
-    http, grpc, metrics = free_ports(3)
     rng = np.random.default_rng(0)
     reqs = {"max_batch": np.array(max_batch), "max_len": np.array(SEQ)}
     shapes = [(1, 8), (2, 16), (3, 32), (4, 24), (1, 32), (2, 8), (4, 32), (3, 16), (2, 24), (1, 16), (4, 8),
@@ -228,7 +226,7 @@ def test_served_answers_equal_direct_ort_and_bad_requests_fail_cleanly(stof_bert
     # machine: a start that does not come up is retried once on fresh ports, and both reasons are kept
     failures = []
     for attempt in range(2):
-        http, grpc, metrics = free_ports(3) if attempt else (http, grpc, metrics)
+        http, grpc, metrics = free_ports(3)
         proc, lines, log, why = start_server(stof_bert, serve_python, tmp_path / f"serve{attempt}.log",
                                              [http, grpc, metrics], max_batch)
         if why is None:
@@ -289,12 +287,7 @@ def test_serve_cuda_without_cuda_ep_says_so(serve_python, tmp_path):
                     "o.get_available_providers())"], capture_output=True, text=True, timeout=120)
     if probe.stdout.strip() != "False":
         pytest.skip("the serving interpreter has the CUDA EP")
-    from onnx import TensorProto, helper, save
-
-    g = helper.make_graph([helper.make_node("Relu", ["X"], ["Y"])], "g",
-                          [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["b", 4])],
-                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["b", 4])])
-    save(helper.make_model(g), str(tmp_path / "relu.onnx"))
+    relu_model(tmp_path / "relu.onnx")
     rc, _, err = run_cli("serve", str(tmp_path / "relu.onnx"), "--provider", "cuda", "--python", serve_python)
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "has no CUDA EP" in err, err
 

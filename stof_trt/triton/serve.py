@@ -199,12 +199,13 @@ def serve(model: str, *, port: int = 8000, grpc_port: int | None = None, metrics
         raise StofError("--tactic-cache applies to the GPU kernels; this server runs the CPU EP")
 
     logdir = tempfile.TemporaryDirectory(prefix="stof-serve-")  # tritonserver's own log, read when it fails
+    server_log = os.path.join(logdir.name, "tritonserver.log")
     cmd = worker_command(py, os.path.abspath(model), name=name, host=host, http_port=port, grpc_port=grpc_port,
                          metrics_port=metrics_port, max_batch=max_batch, max_queue_delay_us=max_queue_delay_us,
                          instances=instances, provider=provider, device=device,
                          library=str(lib) if provider == "cuda" and lib else None,
                          tactic_cache=os.path.abspath(tactic_cache) if tactic_cache else None,
-                         server_log=os.path.join(logdir.name, "tritonserver.log"))
+                         server_log=server_log)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True, env=worker_env(info))
     stopping = threading.Event()
 
@@ -242,7 +243,7 @@ def serve(model: str, *, port: int = 8000, grpc_port: int | None = None, metrics
         if not ready.is_set() and proc.poll() is None and not stopping.is_set():
             proc.send_signal(signal.SIGTERM)
             _wait(proc)
-            why = last_server_error(os.path.join(logdir.name, "tritonserver.log"))
+            why = last_server_error(server_log)
             last = (f"; tritonserver said: {why}" if why else f"; its last line: {said[0][:200]}" if said
                     else "; it printed nothing")
             raise StofError(f"the server did not become ready within {ready_timeout:.0f} s (serving Python {py}, "
@@ -252,7 +253,7 @@ def serve(model: str, *, port: int = 8000, grpc_port: int | None = None, metrics
             time.sleep(0.1)
         t.join(timeout=5)
         if not ready.is_set() and not stopping.is_set():
-            why = last_server_error(os.path.join(logdir.name, "tritonserver.log"))
+            why = last_server_error(server_log)
             if why:
                 raise StofError(f"the server exited with status {rc} before it was ready; tritonserver said: {why}")
             raise StofError(f"the server exited with status {rc} before it was ready (serving Python {py}, "
