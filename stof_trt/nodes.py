@@ -43,6 +43,10 @@ class AttentionNode:
     layout_spec: str | None = None  # closed-form spec the plugin builds longer layouts from (docs/nodes.md)
     kv: bool = False
     num_heads: int = 0  # a bshd_kv query of rows [B, Sq, H·D]: H
+    # attributes query_view / key_view ([row0, rows, col0, cols], rows -1: to the end): the flat bshd_kv query and
+    # key are these windows of row tensors [B, R, C]
+    query_view: tuple[int, int, int, int] | None = None
+    key_view: tuple[int, int, int, int] | None = None
 
     def layout_at(self, seq_q: int, seq_k: int) -> TileLayout:
         """The layout the plugin runs at run-time sizes seq_q x seq_k: the compiled one up to its sizes, else (with a
@@ -106,6 +110,23 @@ def _typed(node, attrs: dict, name: str, kind: type, default=_MISSING):
     return kind(v)
 
 
+def _view(node, attrs: dict, name: str) -> tuple[int, int, int, int] | None:
+    """Attribute ``name`` (query_view / key_view) as [row0, rows, col0, cols], or a one-line StofError."""
+    v = attrs.get(name)
+    if v is None:
+        return None
+    if not (isinstance(v, list) and len(v) == 4 and all(isinstance(x, int) for x in v) and v[0] >= 0
+            and v[1] >= -1 and v[2] >= 0 and v[3] >= 1):
+        raise StofError(f"attention node '{node.name}': attribute {name} is not [row0 >= 0, rows >= -1, col0 >= 0, "
+                        "cols >= 1]")
+    return tuple(v)
+
+
+def view_rows(view: tuple[int, int, int, int], rows: int) -> int:
+    """The rows a view reads of a tensor with ``rows`` rows."""
+    return rows - view[0] if view[1] < 0 else view[1]
+
+
 def _layout_array(node, name: str, tensor) -> np.ndarray:
     """A layout input as int32, or a StofError: integer values within int32 only (no silent wrap-around)."""
     from onnx import numpy_helper
@@ -152,10 +173,16 @@ def attention_nodes(model) -> list[AttentionNode]:
         fmt = _typed(n, a, "qkv_format", str, "bhsd")
         packed, tokens = fmt == "bs3hd", fmt == "t3hd"
         spec = _typed(n, a, "layout_spec", str, "")
+        views = _view(n, a, "query_view"), _view(n, a, "key_view")
+        heads = _typed(n, a, "num_heads", int, 0)
+        if (views[0] is None) != (views[1] is None) or (views[0] is not None and (fmt != "bshd_kv" or heads < 1)):
+            raise StofError(f"attention node '{n.name}': query_view and key_view go together, with qkv_format "
+                            "bshd_kv and num_heads")
+        if views[0] is not None and views[0][3] % heads:
+            raise StofError(f"attention node '{n.name}': query_view's {views[0][3]} columns are not {heads} heads")
         out.append(AttentionNode(n.name or f"node{i}", names[0], names[0] if packed or tokens else names[1],
                                  names[7] or None, names[8] or None, _typed(n, a, "scale", float), layout, packed,
-                                 tokens, names[9] or None, spec or None, fmt == "bshd_kv",
-                                 _typed(n, a, "num_heads", int, 0)))
+                                 tokens, names[9] or None, spec or None, fmt == "bshd_kv", heads, *views))
     return out
 
 
@@ -188,6 +215,10 @@ def attention_problem_dims(model) -> dict:
             if dims and len(dims) == 4 and dims[2] and dims[3] and et in ONNX_DTYPES:
                 out[n.name] = (ONNX_DTYPES[et], int(dims[2]), int(dims[3]))
             heads = int(attrs.get("num_heads", 0))  # query [B, Sq, H·D]
+            view = attrs.get("query_view")
+            if isinstance(view, list) and len(view) == 4 and heads > 0 and view[3] % heads == 0 and et in ONNX_DTYPES:
+                out[n.name] = (ONNX_DTYPES[et], heads, int(view[3]) // heads)  # a window of a wider row tensor
+                continue
             if dims and len(dims) == 3 and dims[2] and heads > 0 and dims[2] % heads == 0 and et in ONNX_DTYPES:
                 out[n.name] = (ONNX_DTYPES[et], heads, int(dims[2]) // heads)
             continue

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import StofError
-from .nodes import AttentionNode, attention_nodes
+from .nodes import AttentionNode, attention_nodes, view_rows
 from .tactic_cache import CacheKey, TacticCache, gpu_identity, node_signature, shape_bucket
 
 __all__ = ["probe_problems", "Problem", "time_tactics", "tune_model", "TuneResult", "TargetGpu", "target_gpu"]
@@ -158,6 +158,10 @@ def _node_problems(nd, vals) -> list[Problem]:
         return [Problem(nd, dtype, kpm.shape[0], qs[2], kpm.shape[1], kpm.shape[1], qs[3], kpm, packed=True)]
     if nd.packed:  # [B, S, 3, H, D]
         return [Problem(nd, dtype, qs[0], qs[3], qs[1], qs[1], qs[4], kpm)]
+    if nd.query_view is not None:  # windows of row tensors: Q [B, Sq, H·D], K/V [B, Sk, 2·Hkv·D]
+        D = nd.query_view[3] // nd.num_heads
+        return [Problem(nd, dtype, qs[0], nd.num_heads, view_rows(nd.query_view, qs[1]),
+                        view_rows(nd.key_view, ks[1]), D, kpm, kv_heads=nd.key_view[3] // (2 * D))]
     if nd.kv and len(qs) == 3 and nd.num_heads > 0:  # query [B, Sq, H·D], key [B, Sk, 2, Hkv, D]
         return [Problem(nd, dtype, qs[0], nd.num_heads, qs[1], ks[1], qs[2] // nd.num_heads, kpm, kv_heads=ks[3])]
     if nd.kv:  # query [B, Sq, H, D], key [B, Sk, 2, Hkv, D]

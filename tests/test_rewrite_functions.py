@@ -227,3 +227,86 @@ def test_sparse_attention_function_query_with_packed_kv(padding):
     allowed = dense[:Sq, :Sk][None, None] & keep[:, None, None, :]
     want = reference_attention(q.transpose(0, 2, 1, 3), k, v, allowed, np.float32(0.37)).transpose(0, 2, 1, 3)
     np.testing.assert_allclose(out, want, atol=2e-5)
+
+
+@pytest.mark.parametrize("padding", [False, True])
+def test_sparse_attention_function_windows_of_one_row_tensor(padding):
+    """query_view / key_view: Q and K/V are windows of one [B, R, C] tensor (a projection GEMM's output), K/V with
+    fewer heads; rows -1 reads to the end; the output is [B, Sq, H·D]."""
+    rng = np.random.default_rng(3)
+    B, H, Hkv, D, R = 2, 4, 2, 8, 37
+    q0, Sq, q_col = 5, 20, 16          # Q: rows 5..24, columns 16..47
+    k0, k_col = 7, 50                  # K/V: rows 7..36 (to the end), columns 50..81
+    Sk = R - k0
+    C = k_col + 2 * Hkv * D + 3
+    dense = rng.random((32, 32)) < 0.5
+    layout = TileLayout.from_dense(dense, 16, 32)
+    inits = [numpy_helper.from_array(a, n) for n, a in layout.arrays().items()]
+    ins = ["m", "m", "", *layout.arrays()] + (["kpm"] if padding else [])
+    node = helper.make_node("StofSparseAttention", ins, ["o"], domain="stof", scale=0.37, tile_m=layout.tile_m,
+                            tile_n=layout.tile_n, seq_q=layout.seq_q, seq_k=layout.seq_k,
+                            num_layouts=layout.num_layouts, format_version=STOF_FORMAT_VERSION,
+                            mask_spec=layout.mask_spec, qkv_format="bshd_kv", num_heads=H,
+                            query_view=[q0, Sq, q_col, H * D], key_view=[k0, -1, k_col, 2 * Hkv * D])
+    node.overload = attention_overload(padding, False, kv=True, flat=True, view=True)
+    assert node.overload == ("kv_flat_view_padding" if padding else "kv_flat_view")
+    gin = [helper.make_tensor_value_info("m", TensorProto.FLOAT, ["b", "r", C])]
+    if padding:
+        gin.append(helper.make_tensor_value_info("kpm", TensorProto.INT32, ["b", "sk"]))
+    graph = helper.make_graph([node], "g", gin, [helper.make_tensor_value_info("o", TensorProto.FLOAT,
+                                                                               ["b", "sq", H * D])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("stof", 1)],
+                              functions=[sparse_attention_function(17, padding, False, kv=True, flat=True,
+                                                                   view=True)])
+    model.ir_version = 10
+    onnx.checker.check_model(model, full_check=True)
+    m = rng.standard_normal((B, R, C)).astype(np.float32)
+    feeds = {"m": m}
+    keep = np.ones((B, Sk), bool)
+    if padding:
+        keep[1, 20:] = False
+        feeds["kpm"] = keep.astype(np.int32)
+    out = session(model).run(None, feeds)[0]
+    assert out.shape == (B, Sq, H * D)
+    q = m[:, q0:q0 + Sq, q_col:q_col + H * D].reshape(B, Sq, H, D).transpose(0, 2, 1, 3)
+    kv = m[:, k0:, k_col:k_col + 2 * Hkv * D].reshape(B, Sk, 2, Hkv, D)
+    k, v = (np.repeat(kv[:, :, i].transpose(0, 2, 1, 3), H // Hkv, axis=1) for i in range(2))
+    allowed = dense[:Sq, :Sk][None, None] & keep[:, None, None, :]
+    want = reference_attention(q, k, v, allowed, np.float32(0.37)).transpose(0, 2, 1, 3).reshape(B, Sq, H * D)
+    np.testing.assert_allclose(out, want, atol=2e-5)
+
+
+@pytest.mark.parametrize("activation", ["none", "gelu_tanh"])
+@pytest.mark.parametrize("has_bias", [True, False])
+def test_gemm_epilogue_function_prefix_rows_with_their_own_weights(activation, has_bias):
+    """_prefixw: Y = Concat(act(P·prefix_w + prefix_bias), act(X·W + bias)) along the rows."""
+    from stof_trt.rewrite.functions import gemm_overload
+
+    rng = np.random.default_rng(4)
+    B, G, S, K, N = 2, 3, 5, 6, 7
+    feeds = {"x": rng.standard_normal((B, S, K)).astype(np.float32),
+             "p": rng.standard_normal((B, G, K)).astype(np.float32)}
+    w, pw = (rng.standard_normal((K, N)).astype(np.float32) for _ in range(2))
+    b, pb = (rng.standard_normal(N).astype(np.float32) for _ in range(2))
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(pw, "pw")]
+    if has_bias:
+        inits += [numpy_helper.from_array(b, "bias"), numpy_helper.from_array(pb, "pb")]
+    node = helper.make_node("StofGemmEpilogue", ["x", "w", "bias" if has_bias else "", "p", "pw"]
+                            + (["pb"] if has_bias else []), ["y"], domain="stof", activation=activation)
+    node.overload = gemm_overload(activation, has_bias, prefix=True, prefix_weights=True)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", S, K]),
+                                            helper.make_tensor_value_info("p", TensorProto.FLOAT, ["b", G, K])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", G + S, N])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("stof", 1)],
+                              functions=[gemm_epilogue_function(17, activation, has_bias, True, True)])
+    model.ir_version = 10
+    onnx.checker.check_model(model, full_check=True)
+
+    def act(y):
+        if activation == "none":
+            return y
+        return 0.5 * y * (1 + np.tanh(math.sqrt(2 / math.pi) * (y + 0.044715 * y ** 3)))
+
+    want = np.concatenate([act(feeds["p"] @ pw + (pb if has_bias else 0)),
+                           act(feeds["x"] @ w + (b if has_bias else 0))], axis=1)
+    np.testing.assert_allclose(session(model).run(None, feeds)[0], want, rtol=1e-5, atol=1e-5)

@@ -280,8 +280,8 @@ def test_longformer_window_and_runtime_global_tokens():
     rng = np.random.default_rng(11)
     model = longformer_model(B, S, H, D, W, rng)
     new, report = rewrite_model(model, **TILE)
-    # Q and K/V projected apart (the global Q at the slot rows only)
-    assert_fused(new, {"StofSparseAttention": 2, "StofGemmEpilogue": 4, "LongformerAttention": 0})
+    # every projection in one GEMM (the global Q at the slot rows only)
+    assert_fused(new, {"StofSparseAttention": 2, "StofGemmEpilogue": 1, "LongformerAttention": 0})
     att = report.to_dict()["attention"]
     G = min(S, 64)
     assert sorted((a["seq_q"], a["seq_k"]) for a in att) == sorted([(S, G + S), (G, S)])
@@ -338,9 +338,10 @@ def test_longformer_padded_global_tokens_and_spread_slots(four_slots):
 
 def test_longformer_graph_is_stof_nodes_and_reshapes():
     """The rewritten layer copies nothing of [B, S, ·] size: one StofGlobalSlots node (slots, key padding, row
-    index), four GEMMs (the local K/V with the slot rows as its prefix), the global node, and the local node that
-    writes Y with the global rows over it; the rest are Reshapes (views). No intermediate tensor is larger than the
-    local K/V [B, G+S, 2, N], and the int32 ones are [B, G+S] at most."""
+    index), one GEMM for every projection (the slot rows as its prefix, with their own weights), the global node and
+    the local node reading their windows of it, the local node writing Y with the global rows over it; one Reshape
+    (a view) of the global rows. No intermediate tensor is larger than the projections [B, G+S, 5N], and the int32
+    ones are [B, G+S] at most."""
     import onnx
 
     B, S, H, D, W = 2, 256, 2, 16, 4
@@ -349,8 +350,8 @@ def test_longformer_graph_is_stof_nodes_and_reshapes():
         t.type.tensor_type.shape.dim[0].dim_value = B
     new, _ = rewrite_model(model, **TILE)
     counts = op_counts(new)
-    assert dict(counts) == {"StofGlobalSlots": 1, "StofGemmEpilogue": 4, "StofSparseAttention": 2,
-                            "Reshape": 3}, dict(counts)
+    assert dict(counts) == {"StofGlobalSlots": 1, "StofGemmEpilogue": 1, "StofSparseAttention": 2,
+                            "Reshape": 1}, dict(counts)
     local = [n for n in new.graph.node if n.op_type == "StofSparseAttention" and n.output[0] == "y"]
     assert len(local) == 1 and list(local[0].input[10:]) and local[0].input[10] and local[0].input[11]
     # every intermediate tensor as an output, its run-time size read at B=2
@@ -368,7 +369,7 @@ def test_longformer_graph_is_stof_nodes_and_reshapes():
     ints = {o: v.size for o, v in values.items() if v.dtype == np.int32}
     N, G = H * D, min(S, fuse_ort_longformer.MAX_GLOBAL)
     assert len(ints) == 3 and max(ints.values()) == B * (G + S), ints
-    assert max(v.size for v in values.values()) == B * (G + S) * 2 * N
+    assert max(v.size for v in values.values()) == B * (G + S) * 5 * N
 
 
 @pytest.mark.parametrize("S,G,W,tm,tn", [(48, 48, 5, 16, 32), (40, 4, 3, 16, 32), (100, 7, 9, 16, 32),
@@ -564,24 +565,25 @@ def test_longformer_dynamic_sequence_axis():
 
 
 def test_longformer_nodes_read_as_problems_with_their_heads():
-    """The local node's [B, S, H·D] query (num_heads) reads as H heads of D: the node reader, the shape-inferred
-    dims and the problems `stof tune` times (probed on the CPU) all give (H, D), with G + S keys for the local
-    node and G queries for the global one."""
+    """Both nodes read windows of the one projection (query_view / key_view, num_heads) as H heads of D: the node
+    reader, the shape-inferred dims and the problems `stof tune` times (probed on the CPU) all give (H, D), with
+    G + S keys for the local node and G queries for the global one."""
     from stof_trt.nodes import attention_nodes, attention_problem_dims
     from stof_trt.tune import probe_problems
 
     B, S, H, D, W = 2, 256, 2, 16, 4
     new, _ = rewrite_model(longformer_model(B, S, H, D, W, np.random.default_rng(17)), **TILE)
     nodes = {n.name: n for n in attention_nodes(new)}
-    local = next(n for n in nodes.values() if n.num_heads)
-    assert local.kv and local.num_heads == H
+    G = min(S, fuse_ort_longformer.MAX_GLOBAL)
+    local = next(n for n in nodes.values() if n.layout.seq_q == S)
+    assert all(n.kv and n.num_heads == H and n.query_view and n.key_view for n in nodes.values())
+    assert local.query_view == (G, -1, 0, H * D) and local.key_view == (0, -1, H * D, 2 * H * D)
     dims = attention_problem_dims(new)
     assert all(d[1:] == (H, D) for d in dims.values()) and len(dims) == 2, dims
     glob = np.zeros((B, S), np.int32)
     glob[:, 3] = 1
     feeds = {"x": np.zeros((B, S, H * D), np.float32), "mask": np.zeros((B, S), np.float32), "global": glob}
     probs = {p.node.name: p for p in probe_problems(new, feeds, cpu=True)}
-    G = min(S, fuse_ort_longformer.MAX_GLOBAL)
     lp = probs[local.name]
     assert (lp.batch, lp.heads, lp.seq_q, lp.seq_k, lp.head_dim, lp.kv_heads) == (B, H, S, G + S, D, H)
     gp = next(p for n, p in probs.items() if n != local.name)

@@ -244,12 +244,14 @@ class AttentionEmitter:
 
     def node(self, plan: AttentionPlan, query: gs.Tensor, key: gs.Tensor | None, value: gs.Tensor | None,
              output: gs.Tensor, new_nodes: list[gs.Node], *, flat: bool = False,
-             rows: tuple[gs.Tensor, gs.Tensor] | None = None) -> gs.Node:
+             rows: tuple[gs.Tensor, gs.Tensor] | None = None,
+             views: tuple[list[int], list[int]] | None = None) -> gs.Node:
         """The node for ``plan``. ``key`` and ``value`` None: the packed form (``qkv_format="bs3hd"``, ``query``
         [B, S, 3, H, D], ``output`` [B, S, H, D]); ``value`` None only: K and V packed in ``key``
         (``qkv_format="bshd_kv"``, ``query`` [B, Sq, H, D], ``key`` [B, Sk, 2, H, D], ``output`` [B, Sq, H, D];
         with ``flat`` query and output [B, Sq, H·D]; docs/nodes.md). ``rows``: (row_values [B, R, H, D], row_index
-        [B, R] int32), rows written over the output."""
+        [B, R] int32), rows written over the output. ``views``: (query_view, key_view), each [row0, rows, col0,
+        cols]: a flat bshd_kv node reads these windows of the row tensors ``query`` and ``key`` ([B, R, C])."""
         packed = key is None and value is None
         kv = key is not None and value is None
         if packed:
@@ -279,10 +281,14 @@ class AttentionEmitter:
             attrs["qkv_format"] = "bs3hd" if packed else "bshd_kv"
         if kv and flat:
             attrs["num_heads"] = int(plan.heads)
+        if views is not None:
+            if not (kv and flat):
+                raise ValueError("views read flat bshd_kv rows")
+            attrs["query_view"], attrs["key_view"] = [int(v) for v in views[0]], [int(v) for v in views[1]]
         node = gs.Node("StofSparseAttention", self.ctx.unique("StofSparseAttention"), attrs, inputs, [output],
                        domain="stof")
         overload = attention_overload(kpm is not None, plan.bias is not None, packed=packed, kv=kv,
-                                      flat=kv and flat, rows=rows is not None)
+                                      flat=kv and flat, rows=rows is not None, view=views is not None)
         self.ctx.overloads[node.name] = overload
         self.ctx.functions.add(("StofSparseAttention", overload))
         plan.name = node.name

@@ -24,26 +24,28 @@ ATTENTION_INPUTS = ["query", "key", "value", "row_ptr", "col_idx", "tile_bitmap_
                     "key_padding_mask", "attn_bias", "seq_offsets", "row_values", "row_index"]
 ATTENTION_ATTRS = ["scale", "tile_m", "tile_n", "seq_q", "seq_k", "num_layouts", "format_version", "mask_spec",
                    "layout_spec",
-                   "qkv_format", "num_heads"]
+                   "qkv_format", "num_heads", "query_view", "key_view"]
 #: StofSparseAttention ``qkv_format`` values: "bhsd" (default: query/key/value [B,H,S,D], output [B,H,Sq,D]) and
 #: "bs3hd" (packed: query is [B,S,3,H,D] = Q,K,V of one projection, key/value absent, output [B,S,H,D]).
 #: "t3hd" (packed tokens: query is [T,3,H,D], the real tokens of B sequences back to back, seq_offsets [B+1] int32
 #: where each starts, key_padding_mask [B,S] only for its shape; output [T,H,D]).
 #: "bshd_kv" (query [B,Sq,H,D]; key [B,Sk,2,Hkv,D] = K,V of one projection, value absent; output [B,Sq,H,D]; or
-#: query and output [B,Sq,H·D] with the attribute num_heads = H).
+#: query and output [B,Sq,H·D] with the attribute num_heads = H; with the attributes query_view / key_view
+#: [row0, rows, col0, cols] (rows -1: to the end) query and key are [B,R,C] row tensors and the node reads the
+#: window rows row0.., columns col0..col0+cols of each: Q [B,Sq,H·D], K,V [B,Sk,2·Hkv·D]; output [B,Sq,H·D]).
 QKV_FORMATS = ("bhsd", "bs3hd", "t3hd", "bshd_kv")
 GEMM_INPUTS = ["X", "W", "bias"]
 ADDLN_INPUTS = ["X", "residual", "gamma", "beta", "bias"]
 
 
 def attention_overload(has_padding: bool, has_bias: bool, packed: bool = False, varlen: bool = False,
-                       kv: bool = False, flat: bool = False, rows: bool = False) -> str:
-    """flat: a bshd_kv query and output of rows [B, Sq, H·D]; rows: row_values / row_index written over the
-    output."""
+                       kv: bool = False, flat: bool = False, rows: bool = False, view: bool = False) -> str:
+    """flat: a bshd_kv query and output of rows [B, Sq, H·D]; view: query and key are windows (query_view,
+    key_view) of row tensors; rows: row_values / row_index written over the output."""
     if varlen:  # t3hd: always the padding mask (for B, S) and seq_offsets, never a bias
         return "varlen"
-    return "_".join(p for p, on in (("packed", packed), ("kv", kv), ("flat", flat), ("padding", has_padding),
-                                    ("bias", has_bias), ("rows", rows)) if on)
+    return "_".join(p for p, on in (("packed", packed), ("kv", kv), ("flat", flat), ("view", view),
+                                    ("padding", has_padding), ("bias", has_bias), ("rows", rows)) if on)
 
 
 class _Body:
@@ -68,10 +70,22 @@ class _Body:
         return self.op("Constant", value=numpy_helper.from_array(arr, name=""))
 
     def ref_int(self, attr: str) -> str:
-        """An int64 scalar holding the calling node's INT attribute ``attr``."""
+        """An int64 scalar holding the calling node's INT attribute ``attr`` (one Constant per attribute)."""
         out = f"_attr_{attr}"
+        if any(out in n.output for n in self.nodes):
+            return out
         node = helper.make_node("Constant", [], [out])
         node.attribute.append(helper.make_attribute_ref("value_int", onnx.AttributeProto.INT, ref_attr_name=attr))
+        self.nodes.append(node)
+        return out
+
+    def ref_ints(self, attr: str) -> str:
+        """An int64 vector holding the calling node's INTS attribute ``attr`` (one Constant per attribute)."""
+        out = f"_attr_{attr}"
+        if any(out in n.output for n in self.nodes):
+            return out
+        node = helper.make_node("Constant", [], [out])
+        node.attribute.append(helper.make_attribute_ref("value_ints", onnx.AttributeProto.INTS, ref_attr_name=attr))
         self.nodes.append(node)
         return out
 
@@ -201,10 +215,20 @@ def spec_overload(base: str, index: int) -> str:
     return f"{base}_spec{index}" if base else f"spec{index}"
 
 
+def _view(b: _Body, x: str, view: str) -> str:
+    """x[:, row0:row0+rows, col0:col0+cols] for view = [row0, rows, col0, cols] (rows -1: to the end)."""
+    at = lambda i: b.op("Slice", view, b.const(np.array([i], np.int64)), b.const(np.array([i + 1], np.int64)))  # noqa: E731
+    row0, rows, col0, cols = (at(i) for i in range(4))
+    row_end = b.op("Where", b.op("Less", rows, b.const(np.array([0], np.int64))),
+                   b.const(np.array([np.iinfo(np.int64).max], np.int64)), b.op("Add", row0, rows))
+    return b.op("Slice", x, b.op("Concat", row0, col0, axis=0),
+                b.op("Concat", row_end, b.op("Add", col0, cols), axis=0), b.const(np.array([1, 2], np.int64)))
+
+
 def sparse_attention_function(opset: int, has_padding: bool, has_bias: bool,
                               packed: bool = False, varlen: bool = False, spec: str | None = None,
                               overload: str | None = None, kv: bool = False, flat: bool = False,
-                              rows: bool = False) -> onnx.FunctionProto:
+                              rows: bool = False, view: bool = False) -> onnx.FunctionProto:
     """O = softmax(scale·Q·Kᵀ + bias, masked by the tile layout ∧ key padding)·V; rows with no allowed key -> 0.
 
     The layout arrays are decoded into a dense [L, Sq, Sk] mask exactly as docs/format.md "Dense reconstruction":
@@ -222,12 +246,22 @@ def sparse_attention_function(opset: int, has_padding: bool, has_bias: bool,
         q_in, k_in, v_in = (b.op("Transpose", b.op("Gather", query, b.const(np.int64(i)), axis=2), perm=[0, 2, 1, 3])
                             for i in range(3))
     elif kv:  # query [B, Sq, H, D], key [B, Sk, 2, Hkv, D] -> Q [B, H, Sq, D], K, V [B, Hkv, Sk, D]
+        key = "key"
+        if view:  # windows of row tensors: query [B, Sq, H·D], key [B, Sk, 2·Hkv·D] -> [B, Sk, 2, Hkv, D]
+            if not flat:
+                raise ValueError("query_view / key_view read flat rows: view needs flat")
+            qview = b.ref_ints("query_view")
+            query, key = _view(b, "query", qview), _view(b, "key", b.ref_ints("key_view"))
+            head_dim = b.op("Div", b.op("Slice", qview, b.const(np.array([3], np.int64)),
+                                        b.const(np.array([4], np.int64))),
+                            b.op("Unsqueeze", b.ref_int("num_heads"), b.const(np.array([0], np.int64))))
+            key = b.op("Reshape", key, b.op("Concat", b.const(np.array([0, 0, 2, -1], np.int64)), head_dim, axis=0))
         if flat:  # query [B, Sq, H·D]
             heads = b.op("Unsqueeze", b.ref_int("num_heads"), b.const(np.array([0], np.int64)))
             query = b.op("Reshape", query, b.op("Concat", b.const(np.array([0, 0], np.int64)), heads,
                                                 b.const(np.array([-1], np.int64)), axis=0))
         q_in = b.op("Transpose", query, perm=[0, 2, 1, 3])
-        k_in, v_in = (b.op("Transpose", b.op("Gather", "key", b.const(np.int64(i)), axis=2), perm=[0, 2, 1, 3])
+        k_in, v_in = (b.op("Transpose", b.op("Gather", key, b.const(np.int64(i)), axis=2), perm=[0, 2, 1, 3])
                       for i in range(2))
     else:
         q_in, k_in, v_in = "query", "key", "value"
@@ -238,7 +272,8 @@ def sparse_attention_function(opset: int, has_padding: bool, has_bias: bool,
     return _attention_body(b, allowed, q_in, k_in, v_in, has_padding, has_bias, packed, varlen, key_rows,
                            token_rows,
                            overload or ("varlen" if varlen else attention_overload(has_padding, has_bias, packed,
-                                                                                   kv=kv, flat=flat, rows=rows)),
+                                                                                   kv=kv, flat=flat, rows=rows,
+                                                                                   view=view)),
                            opset, bshd_out=packed or kv, flat=kv and flat, rows=rows and not varlen)
 
 
@@ -389,37 +424,52 @@ def _attention_body(b: _Body, allowed: str, q_in: str, k_in: str, v_in: str, has
 GEMM_ACTIVATIONS = ("none", "gelu_erf", "gelu_tanh")
 
 
-def gemm_overload(activation: str, has_bias: bool = True, prefix: bool = False) -> str:
+def gemm_overload(activation: str, has_bias: bool = True, prefix: bool = False,
+                  prefix_weights: bool = False) -> str:
     """The function overload of a StofGemmEpilogue node: its activation, "_nobias" appended without a bias,
-    "_prefix" with the prefix rows input."""
+    "_prefix" with the prefix rows input, "_prefixw" with the prefix rows and their own weights (and bias)."""
     if activation not in GEMM_ACTIVATIONS:
         raise ValueError(activation)
-    return activation + ("" if has_bias else "_nobias") + ("_prefix" if prefix else "")
+    return (activation + ("" if has_bias else "_nobias")
+            + ("_prefixw" if prefix_weights else "_prefix" if prefix else ""))
 
 
 def gemm_epilogue_function(opset: int, activation: str, has_bias: bool = True,
-                           prefix: bool = False) -> onnx.FunctionProto:
+                           prefix: bool = False, prefix_weights: bool = False) -> onnx.FunctionProto:
     """Y = act(X·W + bias); gelu_erf: 0.5·y·(1 + erf(y/√2)); gelu_tanh: 0.5·y·(1 + tanh(√(2/π)·(y + 0.044715·y³))).
-    With ``prefix`` (P [B, G, K], X [B, S, K]) the GEMM's rows are Concat(P, X) along axis 1: Y is [B, G+S, N].
+    With ``prefix`` (P [B, G, K], X [B, S, K]) the GEMM's rows are Concat(P, X) along axis 1: Y is [B, G+S, N];
+    with ``prefix_weights`` the prefix rows are act(P·prefix_w + prefix_bias) instead.
 
     The attribute ``algo`` (the cuBLASLt algorithm the kernel runs) does not change the result: the body ignores it."""
     b = _Body(opset)
-    out = "Y" if activation == "none" else None
-    x = b.op("Concat", "prefix", "X", axis=1) if prefix else "X"
-    y = b.op("Add", b.op("MatMul", x, "W"), "bias", out=out) if has_bias else b.op("MatMul", x, "W", out=out)
-    if activation == "gelu_erf":
-        t = b.op("Add", b.op("Erf", b.op("Div", y, b.like(math.sqrt(2.0), y))), b.like(1.0, y))
-        b.op("Mul", b.op("Mul", y, t), b.like(0.5, y), out="Y")
-    elif activation == "gelu_tanh":
-        cube = b.op("Mul", b.op("Pow", y, b.like(3.0, y)), b.like(0.044715, y))
-        t = b.op("Tanh", b.op("Mul", b.op("Add", y, cube), b.like(math.sqrt(2.0 / math.pi), y)))
-        b.op("Mul", b.op("Mul", y, b.like(0.5, y)), b.op("Add", t, b.like(1.0, y)), out="Y")
-    elif activation != "none":
-        raise ValueError(activation)
+
+    def project(x, w, bias, out):
+        y = b.op("Add", b.op("MatMul", x, w), bias, out=out if activation == "none" else None) if has_bias \
+            else b.op("MatMul", x, w, out=out if activation == "none" else None)
+        if activation == "gelu_erf":
+            t = b.op("Add", b.op("Erf", b.op("Div", y, b.like(math.sqrt(2.0), y))), b.like(1.0, y))
+            return b.op("Mul", b.op("Mul", y, t), b.like(0.5, y), out=out)
+        if activation == "gelu_tanh":
+            cube = b.op("Mul", b.op("Pow", y, b.like(3.0, y)), b.like(0.044715, y))
+            t = b.op("Tanh", b.op("Mul", b.op("Add", y, cube), b.like(math.sqrt(2.0 / math.pi), y)))
+            return b.op("Mul", b.op("Mul", y, b.like(0.5, y)), b.op("Add", t, b.like(1.0, y)), out=out)
+        if activation != "none":
+            raise ValueError(activation)
+        return y
+
+    if prefix_weights:
+        b.op("Concat", project("prefix", "prefix_w", "prefix_bias", None), project("X", "W", "bias", None),
+             axis=1, out="Y")
+    else:
+        project(b.op("Concat", "prefix", "X", axis=1) if prefix else "X", "W", "bias", "Y")
     # the prefix is input 3, after the optional bias (a call without a bias passes "" for it)
-    inputs = GEMM_INPUTS + ["prefix"] if prefix else GEMM_INPUTS if has_bias else GEMM_INPUTS[:2]
+    if prefix_weights:
+        inputs = GEMM_INPUTS + ["prefix", "prefix_w"] + (["prefix_bias"] if has_bias else [])
+    else:
+        inputs = GEMM_INPUTS + ["prefix"] if prefix else GEMM_INPUTS if has_bias else GEMM_INPUTS[:2]
     return _function("StofGemmEpilogue", inputs, ["Y"], b, ["activation", "algo"],
-                     gemm_overload(activation, has_bias, prefix), opset, "MatMul + bias + activation (docs/nodes.md).")
+                     gemm_overload(activation, has_bias, prefix, prefix_weights), opset,
+                     "MatMul + bias + activation (docs/nodes.md).")
 
 
 # -- StofGlobalSlots -----------------------------------------------------------------------------------------------
@@ -550,12 +600,14 @@ def build_functions(needed: set[tuple[str, str]], opset: int,
             parts = base.split("_")
             out.append(sparse_attention_function(opset, "padding" in parts, "bias" in parts, "packed" in parts,
                                                  base == "varlen", spec=spec, overload=overload, kv="kv" in parts,
-                                                 flat="flat" in parts, rows="rows" in parts))
+                                                 flat="flat" in parts, rows="rows" in parts,
+                                                 view="view" in parts))
         elif op_type == "StofGemmEpilogue":
-            prefix = overload.endswith("_prefix")
-            base = overload[:-len("_prefix")] if prefix else overload
+            suffix = next((x for x in ("_prefixw", "_prefix") if overload.endswith(x)), "")
+            base = overload[:len(overload) - len(suffix)]
             act = base[:-len("_nobias")] if base.endswith("_nobias") else base
-            out.append(gemm_epilogue_function(opset, act, not base.endswith("_nobias"), prefix))
+            out.append(gemm_epilogue_function(opset, act, not base.endswith("_nobias"), bool(suffix),
+                                              suffix == "_prefixw"))
         elif op_type == "StofAddLayerNorm":
             out.append(add_layernorm_function(opset, "bias" in overload, "sum" in overload))
         elif op_type == "StofGlobalSlots":

@@ -13,10 +13,10 @@ in front of the sequence, instead::
 
     StofGlobalSlots(X, mask, global) -> X_slots [B, G, N] (X at the kept global tokens, in position order),
                                         the two nodes' key padding masks, row_index [B, G] (each slot's position)
-    global node  = StofSparseAttention(bshd_kv, Q = X_slots·Wgq + bgq [B, G, H, D],
-                                       KV = X·Wgkv + bgkv [B, S, 2, H, D])                      -> [B, G, H, D]
-    Y = local node = StofSparseAttention(bshd_kv, Q = X·Wq + bq [B, S, H·D],
-                                         KV = Concat(X_slots, X)·Wkv + bkv [B, G+S, 2, H, D],
+    M = StofGemmEpilogue(X, [Wq | Wkv | Wgkv], prefix X_slots with [Wgq | Wkv | ·])            -> [B, G+S, 5N]
+        (columns: Q | K,V | global K,V for X's rows; global Q | K,V | unused for the slot rows)
+    global node  = StofSparseAttention(bshd_kv, Q = M[:, :G, :N], KV = M[:, G:, 3N:])         -> [B, G, H, D]
+    Y = local node = StofSparseAttention(bshd_kv, Q = M[:, G:, :N], KV = M[:, :, N:3N],
                                          row_values = the global node's rows, row_index)       -> [B, S, H·D]
 
 Both layouts keep a shorter run-time length as their top-left corner (the slots are the first keys):
@@ -25,11 +25,11 @@ Both layouts keep a shorter run-time length as their top-left corner (the slots 
   kept global token ; kept and not global] (a global key in the band counts once);
 * global [G, S]: every slot row attends every real position (kept keys: key_padding_mask = kept).
 
-The projections are ``StofGemmEpilogue`` nodes (bias in the GEMM's epilogue; MatMul + Add with
-``epilogues=False``): Q and K/V apart, so the global Q is projected for the G slot rows only. The local K/V GEMM
-takes the slot rows as its ``prefix`` input, so the concatenation of X is never copied (two GEMMs write their rows
-of the K/V tensor), and the local node writes Y itself, with the global rows written over it at their positions
-(row_values / row_index): no copy of the output either.
+The projections are one ``StofGemmEpilogue`` node (bias in the GEMM's epilogue): the slot rows are its ``prefix``
+input with their own weights, so the concatenation of X is never copied, and both attention nodes read their
+windows of M in place (``query_view`` / ``key_view``, docs/nodes.md). The local node writes Y itself, with the
+global rows written over it at their positions (row_values / row_index): no copy of the output either. With
+``epilogues=False`` the projections are MatMul + Add per Q and K/V, the slots' K/V through a Concat.
 
 A padded global token (mask < 0) takes no slot: it is masked as a key, and its query row is not defined by the op.
 More kept global tokens than G in a sequence cannot be represented: the slot rows of X become NaN, so every local
@@ -238,6 +238,14 @@ class FuseOrtLongformerAttention(Fusion):
 
             q_cols, kv_cols = slice(0, N), slice(N, 3 * N)
             emitter = AttentionEmitter(self)
+            if epilogues:
+                self._one_projection(new, emitter, x, slot_x, wv, bv, wgv, bgv, lplan, gplan, G, N, local_kpm,
+                                     global_kpm, row_index, y)
+                info["name"] = lplan.name
+                ginfo = dict(gplan.info(), anchor=node.name, global_slots=G)
+                ginfo.pop("kind", None)
+                self.ctx.report.attention.append(ginfo)
+                return new
             gplan.padding_tensor = global_kpm
             global_out = self.new_var("stof_lf_global", dtype=y.dtype)
             emitter.node(gplan, project(slot_x, wgv, bgv, q_cols, [0, 0, H, D], "gq"),
@@ -254,3 +262,37 @@ class FuseOrtLongformerAttention(Fusion):
             return new
 
         return build
+
+    def _one_projection(self, new, emitter, x, slot_x, wv, bv, wgv, bgv, lplan, gplan, G, N, local_kpm, global_kpm,
+                        row_index, y):
+        """Every projection in one StofGemmEpilogue, M = [slot rows ; X]·W [B, G+S, 5N], read in place by both
+        attention nodes through their query_view / key_view: X's rows take [Q | K,V | global K,V] (W, bias), the
+        slot rows [global Q | K,V | unused] (prefix_w, prefix_bias). One wide GEMM fills the GPU where five narrow
+        ones (two of 64 rows) each ran a fraction of a wave."""
+        H, D = lplan.heads, lplan.head_dim
+        u, const = self.ctx.unique, self.new_const
+        q, kv = slice(0, N), slice(N, 3 * N)
+        bv, bgv = bv.reshape(3 * N), bgv.reshape(3 * N)
+        w_rows = np.ascontiguousarray(np.concatenate([wv[:, q], wv[:, kv], wgv[:, kv]], axis=1))
+        b_rows = np.ascontiguousarray(np.concatenate([bv[q], bv[kv], bgv[kv]]))
+        w_slots = np.ascontiguousarray(np.concatenate([wgv[:, q], wv[:, kv], wgv[:, kv]], axis=1))
+        b_slots = np.ascontiguousarray(np.concatenate([bgv[q], bv[kv], bgv[kv]]))
+        m = self.new_var("stof_lf_projections", dtype=x.dtype)
+        gemm = gs.Node("StofGemmEpilogue", u("StofGemmEpilogue"), {"activation": "none"},
+                       [x, const("stof_lf_w", w_rows), const("stof_lf_b", b_rows), slot_x,
+                        const("stof_lf_slot_w", w_slots), const("stof_lf_slot_b", b_slots)], [m], domain="stof")
+        overload = gemm_overload("none", prefix=True, prefix_weights=True)
+        self.ctx.overloads[gemm.name] = overload
+        self.ctx.functions.add(("StofGemmEpilogue", overload))
+        new.append(gemm)
+        # global node: the slot rows' Q, X's rows' global K/V; its flat rows [B, G, N] as [B, G, H, D] row values
+        gplan.padding_tensor = global_kpm
+        global_flat = self.new_var("stof_lf_global_rows", dtype=y.dtype)
+        emitter.node(gplan, m, m, None, global_flat, new, flat=True, views=([0, G, 0, N], [G, -1, 3 * N, 2 * N]))
+        global_out = self.new_var("stof_lf_global", dtype=y.dtype)
+        new.append(gs.Node("Reshape", u("stof_lf_reshape"), {}, [global_flat, const(
+            "stof_lf_global_shape", np.array([0, 0, H, D], np.int64))], [global_out]))
+        # local node: X's rows' Q, every row's K/V (the slots first); writes Y with the global rows over it
+        lplan.padding_tensor = local_kpm
+        emitter.node(lplan, m, m, None, y, new, flat=True, rows=(global_out, row_index),
+                     views=([G, -1, 0, N], [0, -1, N, 2 * N]))

@@ -65,6 +65,21 @@ void GemmEpilogueKernel::compute(Ort::KernelContext& ctx) {
         batch = x.shape[0], seq = x.shape[1], slots = prefix.shape[1];
         yShape[1] = slots + seq;
     }
+    // the prefix rows' own weights and bias (a Longformer rewrite's slot rows: global Q where X's rows take Q)
+    TensorArg prefixW = getInput(ctx, 4), prefixBias = getInput(ctx, 5);
+    STOF_VALIDATE(!prefixW.present || prefix.present, "prefix_w needs the input prefix");
+    STOF_VALIDATE(prefixBias.present == (prefixW.present && bias.present),
+                  "prefix_bias goes with prefix_w and bias (all three or neither)");
+    if (prefixW.present) {
+        expectType(prefixW, mType, "prefix_w");
+        STOF_VALIDATE(prefixW.shape == w.shape, "prefix_w shape ", shapeStr(prefixW.shape), " != W shape ",
+                      shapeStr(w.shape));
+    }
+    if (prefixBias.present) {
+        expectType(prefixBias, mType, "prefix_bias");
+        STOF_VALIDATE(prefixBias.shape == bias.shape, "prefix_bias shape ", shapeStr(prefixBias.shape),
+                      " != bias shape ", shapeStr(bias.shape));
+    }
     Ort::UnownedValue y = ctx.GetOutput(0, yShape);
     int64_t const M = numel(x.shape) / (K == 0 ? 1 : K);
     if (numel(yShape) == 0) return;
@@ -101,8 +116,10 @@ void GemmEpilogueKernel::compute(Ort::KernelContext& ctx) {
     // rows [0, G) of each sequence from the prefix, rows [G, G+S) from X: each GEMM writes its slice of Y
     size_t const elem = mType == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? 4 : 2;
     int64_t const stride = (slots + seq) * N;
+    void const* const pw = prefixW.present ? prefixW.data : w.data;
+    void const* const pb = prefixW.present ? (prefixBias.present ? prefixBias.data : nullptr) : b;
     if (slots > 0)
-        check(stof_gemm_epilogue_run_strided(gemm, epiDType(mType), batch, slots, N, K, prefix.data, w.data, b,
+        check(stof_gemm_epilogue_run_strided(gemm, epiDType(mType), batch, slots, N, K, prefix.data, pw, pb,
                                              mActivation, algo, yData, stride, ws.data(), ws.bytes(), cs));
     if (seq > 0)
         check(stof_gemm_epilogue_run_strided(gemm, epiDType(mType), batch, seq, N, K, x.data, w.data, b,

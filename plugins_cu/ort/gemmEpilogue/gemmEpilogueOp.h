@@ -1,7 +1,8 @@
 // StofGemmEpilogue on ONNX Runtime's CUDA EP: Y[...,N] = act(X[...,K] . W[K,N] + bias[N]) through
 // stof_gemm_epilogue_run (cuBLASLt with the bias / GELU in the GEMM epilogue).  With the optional input `prefix`
 // P [B, G, K] and X [B, S, K]: Y [B, G+S, N] = act(Concat(P, X, axis=1) . W + bias), two strided-batched GEMMs
-// that write their rows of Y in place (no concatenated copy of the inputs).
+// that write their rows of Y in place (no concatenated copy of the inputs).  With `prefix_w` / `prefix_bias`
+// (inputs 4, 5) the prefix rows are projected with their own weights: Y[:, :G] = act(P . W_p + bias_p).
 #ifndef STOF_ORT_GEMM_EPILOGUE_OP_H
 #define STOF_ORT_GEMM_EPILOGUE_OP_H
 
@@ -37,7 +38,8 @@ public:
     OrtStatusPtr CreateKernelV2(OrtApi const& api, OrtKernelInfo const* info, void** kernel) const;
     char const* GetName() const { return kGEMM_EPILOGUE_NAME; }
     char const* GetExecutionProviderType() const { return kCUDA_EP; }
-    size_t GetInputTypeCount() const { return 4; }  // X, W, bias (optional), prefix (optional)
+    // X, W, bias (optional), prefix, prefix_w, prefix_bias (optional)
+    size_t GetInputTypeCount() const { return 6; }
     ONNXTensorElementDataType GetInputType(size_t) const { return mType; }
     OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
         return index >= 2 ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL

@@ -55,6 +55,14 @@ std::string qkvFormatAttr(OrtShapeInferContext* ctx) {
     return std::string(buf, std::min(len, sizeof(buf) - 1));
 }
 
+bool hasAttr(OrtShapeInferContext* ctx, char const* name) {
+    OrtApi const& api = Ort::GetApi();
+    OrtOpAttr const* attr = nullptr;
+    OrtStatusPtr s = api.ShapeInferContext_GetAttribute(ctx, name, &attr);
+    if (s != nullptr) api.ReleaseStatus(s);
+    return s == nullptr && attr != nullptr;
+}
+
 char const* sourceName(int32_t source) {
     return source == STOF_TACTIC_FROM_CACHE       ? "tactic cache"
            : source == STOF_TACTIC_TIMED          ? "first-use timing"
@@ -99,6 +107,18 @@ SparseAttentionKernel::SparseAttentionKernel(OrtKernelInfo const* info, ONNXTens
     } catch (Ort::Exception const&) {  // absent: the query's shape has the heads
     }
     STOF_VALIDATE(mNumHeads >= 0, "num_heads ", mNumHeads, " is negative");
+    for (auto [name, view] : {std::pair{"query_view", &mQueryView}, std::pair{"key_view", &mKeyView}}) {
+        try {
+            *view = ki.GetAttributes<int64_t>(name);
+        } catch (Ort::Exception const&) {  // absent: the whole tensor
+        }
+        if (view->empty()) continue;
+        STOF_VALIDATE(view->size() == 4 && (*view)[0] >= 0 && (*view)[1] >= -1 && (*view)[2] >= 0 && (*view)[3] >= 1,
+                      name, " must be [row0 >= 0, rows >= -1, col0 >= 0, cols >= 1]");
+    }
+    STOF_VALIDATE(mQueryView.empty() == mKeyView.empty(), "query_view and key_view go together");
+    STOF_VALIDATE(mQueryView.empty() || (mKvPacked && mNumHeads > 0),
+                  "query_view / key_view need qkv_format 'bshd_kv' and num_heads");
     // version 1 (one bitmap per PARTIAL tile) is version 2 without shared bitmaps: read both
     STOF_VALIDATE(mFormatVersion >= 1 && mFormatVersion <= STOF_FORMAT_VERSION, "format_version ", mFormatVersion,
                   " (this plugin reads 1 to ", STOF_FORMAT_VERSION, ")");
@@ -251,7 +271,7 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
     for (size_t i : {kQUERY, kKEY, kVALUE}) {
         if ((mPacked && i != kQUERY) || (mKvPacked && i == kVALUE)) continue;
         expectType(in[i], mType, kNames[i]);
-        if (mKvPacked && i == kQUERY && mNumHeads > 0) {  // rows of H*D
+        if ((mKvPacked && i == kQUERY && mNumHeads > 0) || !mKeyView.empty()) {  // rows of H*D, or views of rows
             expectRank(in[i], 3, kNames[i]);
             continue;
         }
@@ -277,6 +297,7 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
     int64_t B, H, Sq, D, Sk, Hkv;  // Hkv: K/V heads (grouped-query attention when below H)
     // element strides (batch, head, sequence) of q, k, v and o, and the K / V offsets in the query tensor
     int64_t qSt[3], kSt[3], vSt[3], oSt[3], kOff = 0, vOff = 0;
+    int64_t qBaseOff = 0, keyBaseOff = 0;  // elements from the query / key tensor's start (query_view, key_view)
     std::vector<int64_t> outShape;
     if (mTokens) {
         STOF_VALIDATE(qs[1] == 3, "packed query shape ", shapeStr(qs), " is not [T,3,H,D]");
@@ -305,6 +326,33 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
         vOff = 2 * H * D;
         oSt[0] = Sq * H * D, oSt[1] = D, oSt[2] = H * D;
         outShape = {B, Sq, H, D};
+    } else if (mKvPacked && !mQueryView.empty()) {
+        // windows of row tensors: query [B,Rq,Cq] -> Q [B,Sq,H*D], key [B,Rk,Ck] -> [B,Sk,2,Hkv,D]; output [B,Sq,H*D]
+        auto const& ks = in[kKEY].shape;
+        auto window = [](std::vector<int64_t> const& v, std::vector<int64_t> const& shape, char const* name) {
+            int64_t const rows = v[1] < 0 ? shape[1] - v[0] : v[1];
+            STOF_VALIDATE(v[0] <= shape[1] && rows >= 0 && v[0] + rows <= shape[1] && v[2] + v[3] <= shape[2], name,
+                          " [", v[0], ", ", v[1], ", ", v[2], ", ", v[3], "] does not fit its input of shape ",
+                          shapeStr(shape));
+            return rows;
+        };
+        STOF_VALIDATE(ks[0] == qs[0], "query shape ", shapeStr(qs), " and key shape ", shapeStr(ks),
+                      " differ in the batch");
+        B = qs[0], Sq = window(mQueryView, qs, "query_view"), Sk = window(mKeyView, ks, "key_view");
+        H = mNumHeads;
+        STOF_VALIDATE(mQueryView[3] % H == 0, "query_view's ", mQueryView[3], " columns are not num_heads = ", H,
+                      " heads");
+        D = mQueryView[3] / H;
+        STOF_VALIDATE(mKeyView[3] % (2 * D) == 0 && H % (mKeyView[3] / (2 * D)) == 0, "key_view's ", mKeyView[3],
+                      " columns are not K and V of Hkv heads of ", D, " (H a multiple of Hkv)");
+        Hkv = mKeyView[3] / (2 * D);
+        qSt[0] = qs[1] * qs[2], qSt[1] = D, qSt[2] = qs[2];
+        oSt[0] = Sq * H * D, oSt[1] = D, oSt[2] = H * D;
+        kSt[0] = vSt[0] = ks[1] * ks[2], kSt[1] = vSt[1] = D, kSt[2] = vSt[2] = ks[2];
+        vOff = Hkv * D;
+        qBaseOff = mQueryView[0] * qs[2] + mQueryView[2];
+        keyBaseOff = mKeyView[0] * ks[2] + mKeyView[2];
+        outShape = {B, Sq, H * D};
     } else if (mKvPacked) {
         // query [B,Sq,H,D] (or [B,Sq,H*D] with num_heads); key [B,Sk,2,Hkv,D]: K and V of one projection; output
         // the query's shape
@@ -408,20 +456,26 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
     // held until the kernel is enqueued
     std::shared_ptr<Layout const> const lay = grow ? grownLayout(Sq, Sk, stream) : layout(&in[kROW_PTR], stream);
     char const* const qBase = static_cast<char const*>(in[kQUERY].data);
-    void const* const kData = mPacked ? static_cast<void const*>(qBase + kOff * elemBytes) : in[kKEY].data;
+    void const* const qData = qBase + qBaseOff * elemBytes;
+    char const* const keyBase = static_cast<char const*>(in[kKEY].data) + keyBaseOff * elemBytes;
+    void const* const kData = mPacked     ? static_cast<void const*>(qBase + kOff * elemBytes)
+                              : mKvPacked ? static_cast<void const*>(keyBase)
+                                          : in[kKEY].data;
     void const* const vData = mPacked     ? static_cast<void const*>(qBase + vOff * elemBytes)
-                              : mKvPacked ? static_cast<void const*>(static_cast<char const*>(in[kKEY].data) +
-                                                                     vOff * elemBytes)
+                              : mKvPacked ? static_cast<void const*>(keyBase + vOff * elemBytes)
                                           : in[kVALUE].data;
+    // the tensor-core kernels take 16-byte rows (element offsets and strides in multiples of 8); views that cut
+    // them elsewhere run on the general kernel
+    bool const rows16 = (qBaseOff | keyBaseOff | qSt[2] | kSt[2]) % 8 == 0;
 
-    if (mType != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && (D == 64 || D == 128) && !bias.present) {
+    if (mType != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && (D == 64 || D == 128) && !bias.present && rows16) {
         stof_attn_params_t p;
         stof_attn_params_init(&p);
         p.dtype = mType == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 ? STOF_DTYPE_FP16 : STOF_DTYPE_BF16;
         p.batch = static_cast<int32_t>(B), p.num_heads = static_cast<int32_t>(H);
         p.seq_q = static_cast<int32_t>(Sq), p.seq_k = static_cast<int32_t>(Sk), p.head_dim = static_cast<int32_t>(D);
         p.scale = mScale;
-        p.q = in[kQUERY].data, p.k = kData, p.v = vData, p.o = o;
+        p.q = qData, p.k = kData, p.v = vData, p.o = o;
         p.q_stride_b = qSt[0], p.q_stride_h = qSt[1], p.q_stride_s = qSt[2];
         p.k_stride_b = kSt[0], p.k_stride_h = kSt[1], p.k_stride_s = kSt[2];
         p.v_stride_b = vSt[0], p.v_stride_h = vSt[1], p.v_stride_s = vSt[2];
@@ -466,7 +520,7 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
     g.batch = static_cast<int32_t>(B), g.numHeads = static_cast<int32_t>(H), g.headDim = static_cast<int32_t>(D);
     g.kvGroup = static_cast<int32_t>(H / Hkv);
     g.seqQ = static_cast<int32_t>(Sq), g.seqK = static_cast<int32_t>(Sk), g.scale = mScale;
-    g.q = in[kQUERY].data, g.k = kData, g.v = vData, g.o = o;
+    g.q = qData, g.k = kData, g.v = vData, g.o = o;
     for (int d = 0; d < 3; ++d) g.qStride[d] = qSt[d], g.kStride[d] = kSt[d], g.vStride[d] = vSt[d], g.oStride[d] = oSt[d];
     // a grown layout's arrays are its own; else the node's inputs
     void const* const* arrays = grow ? lay->ptrs : nullptr;
@@ -489,6 +543,8 @@ SparseAttentionOp::SparseAttentionOp(ONNXTensorElementDataType type, std::string
     : mType(type), mCachePath(std::move(cachePath)), mFirstUseTiming(firstUseTiming) {
     OrtCustomOp::InferOutputShapeFn = [](OrtCustomOp const* op, OrtShapeInferContext* ctx) -> OrtStatusPtr {
         auto const type = static_cast<SparseAttentionOp const*>(op)->mType;
+        // a view's output [B, Sq, H*D] is no input's shape: left to the kernel rather than inferred wrong
+        if (hasAttr(ctx, "query_view")) return nullptr;
         // qkv_format "t3hd": query [T,3,H,D], output [T,H,D] (a rank-4 query is [B,H,S,D] otherwise)
         if (qkvFormatAttr(ctx) == "t3hd") return inferShapeFromInput(ctx, kQUERY, type, -1, 0, 1, 4, 1);
         // a rank-5 query is the packed [B,S,3,H,D] form: output [B,S,H,D]

@@ -61,6 +61,9 @@ private:
     bool mTokens{false};  // qkv_format "t3hd": query [T,3,H,D] of packed sequences (seq_offsets), output [T,H,D]
     bool mKvPacked{false};  // qkv_format "bshd_kv": query [B,Sq,H,D], key [B,Sk,2,Hkv,D] (K, V), value absent
     int64_t mNumHeads{0};   // attribute num_heads: a bshd_kv query (and output) of rows [B,Sq,H*D]
+    // attributes query_view / key_view ([row0, rows, col0, cols], rows -1: to the end): the bshd_kv query and key
+    // are windows of wider row tensors [B, R, C] (one projection GEMM's output read in place)
+    std::vector<int64_t> mQueryView, mKeyView;
     bool mLayoutConstant{false};
     std::string mLayoutSpec;  // closed-form spec of the layout: any run-time length builds its layout from it
     std::vector<std::pair<std::pair<int64_t, int64_t>, std::shared_ptr<Layout const>>> mGrown;  // most recent last
