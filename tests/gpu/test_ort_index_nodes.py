@@ -1,7 +1,7 @@
 """The index nodes and node forms of the rewrites, each in a one-node graph against a NumPy reference: StofPackTokens
 (padding removal into a token capacity) and, of the LongformerAttention rewrite, StofGlobalSlots, StofGemmEpilogue
-with its prefix rows, StofSparseAttention with a [B, Sq, H·D] query (num_heads) and rows written over its output
-(row_values / row_index).  On ORT CPU they run as their model-local functions (no GPU needed); on
+with its prefix rows (and their own weights), StofSparseAttention with a [B, Sq, H·D] query (num_heads), with
+windows of one row tensor (query_view / key_view) and rows written over its output (row_values / row_index).  On ORT CPU they run as their model-local functions (no GPU needed); on
 the CUDA EP with libstof_ort as the plugin kernels, outputs poisoned first (a fresh session per run)."""
 
 from __future__ import annotations
@@ -168,6 +168,82 @@ def test_gemm_prefix_rows_come_first(provider, activation, has_bias):
         want = 0.5 * want * (1 + np.vectorize(math.erf)(want / math.sqrt(2)))
     assert y.shape == (B, G + S, N)
     np.testing.assert_allclose(y.astype(np.float64), want, atol=3e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("has_bias", [True, False])
+def test_gemm_prefix_rows_with_their_own_weights(provider, has_bias):
+    """prefix_w / prefix_bias: Y = Concat(P·W_p + bias_p, X·W + bias) along the rows (the LongformerAttention
+    rewrite's one projection: global Q at the slot rows where X's rows take the local Q)."""
+    rng = np.random.default_rng(6)
+    B, G, S, K, N = 3, 5, 37, 64, 96
+    dtype = np.float16
+    w, pw = ((rng.standard_normal((K, N)) / math.sqrt(K)).astype(dtype) for _ in range(2))
+    bias, pb = (rng.standard_normal(N).astype(dtype) for _ in range(2))
+    node = helper.make_node("StofGemmEpilogue", ["x", "W", "b" if has_bias else "", "p", "PW"]
+                            + (["pb"] if has_bias else []), ["y"], domain=DOMAIN, activation="none")
+    node.overload = gemm_overload("none", has_bias, prefix=True, prefix_weights=True)
+    inits = [numpy_helper.from_array(w, "W"), numpy_helper.from_array(pw, "PW")]
+    if has_bias:
+        inits += [numpy_helper.from_array(bias, "b"), numpy_helper.from_array(pb, "pb")]
+    model = _model(node, [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["B", "S", K]),
+                          helper.make_tensor_value_info("p", TensorProto.FLOAT16, ["B", "G", K])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT16, None)], inits,
+                   gemm_epilogue_function(OPSET, "none", has_bias, prefix=True, prefix_weights=True))
+    x = rng.standard_normal((B, S, K)).astype(dtype)
+    p = rng.standard_normal((B, G, K)).astype(dtype)
+    y = _run(model, {"x": x, "p": p}, provider)[0]
+    f64 = np.float64
+    want = np.concatenate([p.astype(f64) @ pw.astype(f64) + (pb if has_bias else 0),
+                           x.astype(f64) @ w.astype(f64) + (bias if has_bias else 0)], axis=1)
+    assert y.shape == (B, G + S, N)
+    np.testing.assert_allclose(y.astype(f64), want, atol=3e-2, rtol=1e-2)
+
+
+# -- StofSparseAttention: windows of one row tensor (query_view / key_view) ---------------------------------------
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("dtype,D,q_col,k_col", [(np.float16, 64, 0, 192), (np.float16, 64, 4, 197),
+                                                 (np.float32, 16, 3, 40)])
+def test_attention_windows_of_one_projection(provider, dtype, D, q_col, k_col):
+    """Q and K/V read in place from one [B, R, C] tensor: Q at rows 64.. (to the end), K/V at rows 0.. (to the end)
+    with fewer heads, key padding; windows at multiples of 8 elements run the tensor-core kernels (fp16, D=64),
+    the others and float32 the general kernel."""
+    rng = np.random.default_rng(7)
+    B, H, Hkv, G, S = 2, 4, 2, 64, 150
+    R, Sq, Sk = G + S, S, G + S
+    C = max(q_col + H * D, k_col + 2 * Hkv * D) + 8
+    dense = rng.random((Sq, Sk)) < 0.3
+    layout = TileLayout.from_dense(dense, 64, 64)
+    inits = [numpy_helper.from_array(a, n) for n, a in layout.arrays().items()]
+    ins = ["m", "m", "", *layout.arrays(), "kpm"]
+    node = helper.make_node("StofSparseAttention", ins, ["o"], domain=DOMAIN, scale=0.2, tile_m=layout.tile_m,
+                            tile_n=layout.tile_n, seq_q=layout.seq_q, seq_k=layout.seq_k,
+                            num_layouts=layout.num_layouts, format_version=STOF_FORMAT_VERSION,
+                            mask_spec=layout.mask_spec, qkv_format="bshd_kv", num_heads=H,
+                            query_view=[G, -1, q_col, H * D], key_view=[0, -1, k_col, 2 * Hkv * D])
+    node.overload = attention_overload(True, False, kv=True, flat=True, view=True)
+    et = ET[dtype]
+    model = _model(node, [helper.make_tensor_value_info("m", et, ["B", "R", C]),
+                          helper.make_tensor_value_info("kpm", TensorProto.INT32, ["B", "Sk"])],
+                   [helper.make_tensor_value_info("o", et, None)], inits,
+                   sparse_attention_function(OPSET, True, False, kv=True, flat=True, view=True))
+    m = rng.standard_normal((B, R, C)).astype(dtype)
+    keep = rng.random((B, Sk)) < 0.9
+    out = _run(model, {"m": m, "kpm": keep.astype(np.int32)}, provider)[0]
+    f64 = np.float64
+    q4 = m[:, G:, q_col:q_col + H * D].reshape(B, Sq, H, D).astype(f64)
+    kv = m[:, :, k_col:k_col + 2 * Hkv * D].reshape(B, Sk, 2, Hkv, D).astype(f64)
+    k, v = (np.repeat(kv[:, :, i], H // Hkv, axis=2) for i in range(2))
+    s = 0.2 * np.einsum("bqhd,bkhd->bhqk", q4, k)
+    allowed = dense[None, None] & keep[:, None, None, :]
+    s = np.where(allowed, s, -np.inf)
+    mx = np.max(s, -1, keepdims=True)
+    e = np.where(allowed, np.exp(s - np.where(np.isfinite(mx), mx, 0)), 0)
+    den = e.sum(-1, keepdims=True)
+    want = np.einsum("bhqk,bkhd->bqhd", e / np.where(den == 0, 1, den), v)
+    assert out.shape == (B, Sq, H * D)
+    tol = 2e-3 if dtype == np.float16 else 1e-5
+    np.testing.assert_allclose(out.astype(f64), want.reshape(B, Sq, H * D), atol=tol, rtol=tol)
 
 
 # -- StofSparseAttention: [B, Sq, H·D] query, rows written over the output ----------------------------------------
