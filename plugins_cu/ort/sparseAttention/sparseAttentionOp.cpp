@@ -330,8 +330,9 @@ void SparseAttentionKernel::compute(Ort::KernelContext& ctx) {
         // windows of row tensors: query [B,Rq,Cq] -> Q [B,Sq,H*D], key [B,Rk,Ck] -> [B,Sk,2,Hkv,D]; output [B,Sq,H*D]
         auto const& ks = in[kKEY].shape;
         auto window = [](std::vector<int64_t> const& v, std::vector<int64_t> const& shape, char const* name) {
-            int64_t const rows = v[1] < 0 ? shape[1] - v[0] : v[1];
-            STOF_VALIDATE(v[0] <= shape[1] && rows >= 0 && v[0] + rows <= shape[1] && v[2] + v[3] <= shape[2], name,
+            // compared as differences: the attribute values may be anything up to 2^63 - 1
+            int64_t const rows = v[0] > shape[1] ? -1 : v[1] < 0 ? shape[1] - v[0] : v[1];
+            STOF_VALIDATE(rows >= 0 && rows <= shape[1] - v[0] && v[2] <= shape[2] && v[3] <= shape[2] - v[2], name,
                           " [", v[0], ", ", v[1], ", ", v[2], ", ", v[3], "] does not fit its input of shape ",
                           shapeStr(shape));
             return rows;
