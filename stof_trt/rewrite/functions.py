@@ -69,25 +69,22 @@ class _Body:
         arr = np.asarray(value, dtype=dtype)
         return self.op("Constant", value=numpy_helper.from_array(arr, name=""))
 
-    def ref_int(self, attr: str) -> str:
-        """An int64 scalar holding the calling node's INT attribute ``attr`` (one Constant per attribute)."""
+    def _ref(self, attr: str, field: str, kind) -> str:
+        """A Constant whose ``field`` is the calling node's attribute ``attr`` (one per attribute)."""
         out = f"_attr_{attr}"
-        if any(out in n.output for n in self.nodes):
-            return out
-        node = helper.make_node("Constant", [], [out])
-        node.attribute.append(helper.make_attribute_ref("value_int", onnx.AttributeProto.INT, ref_attr_name=attr))
-        self.nodes.append(node)
+        if not any(out in n.output for n in self.nodes):
+            node = helper.make_node("Constant", [], [out])
+            node.attribute.append(helper.make_attribute_ref(field, kind, ref_attr_name=attr))
+            self.nodes.append(node)
         return out
 
+    def ref_int(self, attr: str) -> str:
+        """An int64 scalar holding the calling node's INT attribute ``attr``."""
+        return self._ref(attr, "value_int", onnx.AttributeProto.INT)
+
     def ref_ints(self, attr: str) -> str:
-        """An int64 vector holding the calling node's INTS attribute ``attr`` (one Constant per attribute)."""
-        out = f"_attr_{attr}"
-        if any(out in n.output for n in self.nodes):
-            return out
-        node = helper.make_node("Constant", [], [out])
-        node.attribute.append(helper.make_attribute_ref("value_ints", onnx.AttributeProto.INTS, ref_attr_name=attr))
-        self.nodes.append(node)
-        return out
+        """An int64 vector holding the calling node's INTS attribute ``attr``."""
+        return self._ref(attr, "value_ints", onnx.AttributeProto.INTS)
 
     def ref_float_like(self, attr: str, like: str) -> str:
         """The calling node's FLOAT attribute ``attr`` as a scalar of the same type as tensor ``like``."""
