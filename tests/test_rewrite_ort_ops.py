@@ -303,6 +303,26 @@ def test_longformer_window_and_runtime_global_tokens():
                                rtol=1e-4, atol=1e-4)
 
 
+def test_longformer_without_epilogue_fusions_projects_with_matmuls():
+    """epilogues=False: the projections stay MatMul + Add (Q and K/V apart, the slots' K/V through a Concat) and
+    the two nodes read whole tensors; the same outputs."""
+    B, S, H, D, W = 2, 40, 2, 8, 3
+    rng = np.random.default_rng(19)
+    model = longformer_model(B, S, H, D, W, rng)
+    new, _ = rewrite_model(model, epilogues=False, **TILE)
+    assert_fused(new, {"StofSparseAttention": 2, "StofGemmEpilogue": 0, "MatMul": 4, "Concat": 1})
+    assert not any(a.name.endswith("_view") for n in new.graph.node for a in n.attribute)
+    glob = np.zeros((B, S), np.int32)
+    glob[0, [0, 17]] = 1
+    glob[1, 39] = 1
+    mask = np.zeros((B, S), np.float32)
+    mask[1, 30:35] = -10000.0
+    feeds = {"x": rng.standard_normal((B, S, H * D)).astype(np.float32), "mask": mask, "global": glob}
+    valid = mask >= 0
+    np.testing.assert_allclose(run(new, feeds)[0][valid], longformer_reference(model, feeds, H, W)[valid],
+                               rtol=1e-4, atol=1e-4)
+
+
 @pytest.fixture
 def four_slots(monkeypatch):
     """Four global-token slots, so a short sequence can overflow them."""

@@ -216,45 +216,30 @@ class FuseOrtLongformerAttention(Fusion):
             wv, bv, wgv, bgv = (const_value(t) for t in (w, b, wg, bg))
 
             def project(x_in, wmat, bvec, cols, shape, name, rows_before=None):
-                """[rows_before ; x_in] · wmat[:, cols] + bvec[cols], reshaped to ``shape`` unless None, the bias in
-                the GEMM's epilogue (rows_before: the GEMM node's prefix input, else a Concat)."""
-                wpart = np.ascontiguousarray(wmat[:, cols])
-                bpart = np.ascontiguousarray(bvec.reshape(3 * N)[cols])
-                if epilogues:
-                    out = self.new_var(f"stof_lf_{name}", dtype=x.dtype)
-                    inputs = [x_in, const(f"stof_lf_{name}_w", wpart), const(f"stof_lf_{name}_b", bpart)]
-                    overload = gemm_overload("none", prefix=rows_before is not None)
-                    gemm = gs.Node("StofGemmEpilogue", u("StofGemmEpilogue"), {"activation": "none"},
-                                   inputs + ([rows_before] if rows_before is not None else []), [out], domain="stof")
-                    self.ctx.overloads[gemm.name] = overload
-                    self.ctx.functions.add(("StofGemmEpilogue", overload))
-                    new.append(gemm)
-                else:
-                    if rows_before is not None:
-                        x_in = op("Concat", [rows_before, x_in], x.dtype, axis=1)
-                    out = op("Add", [op("MatMul", [x_in, const(f"stof_lf_{name}_w", wpart)], x.dtype),
-                                     const(f"stof_lf_{name}_b", bpart)], x.dtype)
+                """MatMul + Add of [rows_before ; x_in] · wmat[:, cols] + bvec[cols] (without the epilogue
+                fusions), reshaped to ``shape`` unless None."""
+                if rows_before is not None:
+                    x_in = op("Concat", [rows_before, x_in], x.dtype, axis=1)
+                wpart = const(f"stof_lf_{name}_w", np.ascontiguousarray(wmat[:, cols]))
+                bpart = const(f"stof_lf_{name}_b", np.ascontiguousarray(bvec.reshape(3 * N)[cols]))
+                out = op("Add", [op("MatMul", [x_in, wpart], x.dtype), bpart], x.dtype)
                 return out if shape is None else op("Reshape", [out, i64(f"{name}_shape", shape)], x.dtype)
 
-            q_cols, kv_cols = slice(0, N), slice(N, 3 * N)
             emitter = AttentionEmitter(self)
             if epilogues:
                 self._one_projection(new, emitter, x, slot_x, wv, bv, wgv, bgv, lplan, gplan, G, N, local_kpm,
                                      global_kpm, row_index, y)
-                info["name"] = lplan.name
-                ginfo = dict(gplan.info(), anchor=node.name, global_slots=G)
-                ginfo.pop("kind", None)
-                self.ctx.report.attention.append(ginfo)
-                return new
-            gplan.padding_tensor = global_kpm
-            global_out = self.new_var("stof_lf_global", dtype=y.dtype)
-            emitter.node(gplan, project(slot_x, wgv, bgv, q_cols, [0, 0, H, D], "gq"),
-                         project(x, wgv, bgv, kv_cols, [0, 0, 2, H, D], "gkv"), None, global_out, new)
-            # the local node writes Y ([B, S, N] rows): its own rows, then the global rows at their positions
-            lplan.padding_tensor = local_kpm
-            emitter.node(lplan, project(x, wv, bv, q_cols, None, "q"),
-                         project(x, wv, bv, kv_cols, [0, 0, 2, H, D], "kv", rows_before=slot_x), None, y, new,
-                         flat=True, rows=(global_out, row_index))
+            else:
+                q_cols, kv_cols = slice(0, N), slice(N, 3 * N)
+                gplan.padding_tensor = global_kpm
+                global_out = self.new_var("stof_lf_global", dtype=y.dtype)
+                emitter.node(gplan, project(slot_x, wgv, bgv, q_cols, [0, 0, H, D], "gq"),
+                             project(x, wgv, bgv, kv_cols, [0, 0, 2, H, D], "gkv"), None, global_out, new)
+                # the local node writes Y ([B, S, N] rows): its own rows, then the global rows at their positions
+                lplan.padding_tensor = local_kpm
+                emitter.node(lplan, project(x, wv, bv, q_cols, None, "q"),
+                             project(x, wv, bv, kv_cols, [0, 0, 2, H, D], "kv", rows_before=slot_x), None, y, new,
+                             flat=True, rows=(global_out, row_index))
             info["name"] = lplan.name
             ginfo = dict(gplan.info(), anchor=node.name, global_slots=G)
             ginfo.pop("kind", None)
