@@ -28,13 +28,18 @@ def reference_attention(q, k, v, allowed, scale, bias=None):
     return (e / np.where(d == 0, 1, d)) @ v
 
 
+def attention_node(layout: TileLayout, ins, **attrs):
+    """A StofSparseAttention node over `layout` (scale 0.37) with the given inputs and extra attributes."""
+    return helper.make_node("StofSparseAttention", ins, ["o"], domain="stof", scale=0.37, tile_m=layout.tile_m,
+                            tile_n=layout.tile_n, seq_q=layout.seq_q, seq_k=layout.seq_k,
+                            num_layouts=layout.num_layouts, format_version=STOF_FORMAT_VERSION,
+                            mask_spec=layout.mask_spec, **attrs)
+
+
 def attention_model(layout: TileLayout, opset: int, padding: bool, bias: bool, dtype=TensorProto.FLOAT, H=4, D=8):
     inits = [numpy_helper.from_array(a, n) for n, a in layout.arrays().items()]
     ins = ["q", "k", "v", *layout.arrays()] + (["kpm"] if padding else [""] if bias else []) + (["b"] if bias else [])
-    node = helper.make_node("StofSparseAttention", ins, ["o"], domain="stof", scale=0.37, tile_m=layout.tile_m,
-                            tile_n=layout.tile_n, seq_q=layout.seq_q, seq_k=layout.seq_k,
-                            num_layouts=layout.num_layouts, format_version=STOF_FORMAT_VERSION,
-                            mask_spec=layout.mask_spec)
+    node = attention_node(layout, ins)
     node.overload = attention_overload(padding, bias)
     gin = [helper.make_tensor_value_info(n, dtype, ["b", H, "s", D]) for n in "qkv"]
     if padding:
@@ -197,10 +202,7 @@ def test_sparse_attention_function_query_with_packed_kv(padding):
     layout = TileLayout.from_dense(dense, 16, 32)
     inits = [numpy_helper.from_array(a, n) for n, a in layout.arrays().items()]
     ins = ["q", "kv", "", *layout.arrays()] + (["kpm"] if padding else [])
-    node = helper.make_node("StofSparseAttention", ins, ["o"], domain="stof", scale=0.37, tile_m=layout.tile_m,
-                            tile_n=layout.tile_n, seq_q=layout.seq_q, seq_k=layout.seq_k,
-                            num_layouts=layout.num_layouts, format_version=STOF_FORMAT_VERSION,
-                            mask_spec=layout.mask_spec, qkv_format="bshd_kv")
+    node = attention_node(layout, ins, qkv_format="bshd_kv")
     node.overload = attention_overload(padding, False, kv=True)
     assert node.overload == ("kv_padding" if padding else "kv")
     gin = [helper.make_tensor_value_info("q", TensorProto.FLOAT, ["b", "sq", H, D]),
@@ -243,11 +245,8 @@ def test_sparse_attention_function_windows_of_one_row_tensor(padding):
     layout = TileLayout.from_dense(dense, 16, 32)
     inits = [numpy_helper.from_array(a, n) for n, a in layout.arrays().items()]
     ins = ["m", "m", "", *layout.arrays()] + (["kpm"] if padding else [])
-    node = helper.make_node("StofSparseAttention", ins, ["o"], domain="stof", scale=0.37, tile_m=layout.tile_m,
-                            tile_n=layout.tile_n, seq_q=layout.seq_q, seq_k=layout.seq_k,
-                            num_layouts=layout.num_layouts, format_version=STOF_FORMAT_VERSION,
-                            mask_spec=layout.mask_spec, qkv_format="bshd_kv", num_heads=H,
-                            query_view=[q0, Sq, q_col, H * D], key_view=[k0, -1, k_col, 2 * Hkv * D])
+    node = attention_node(layout, ins, qkv_format="bshd_kv", num_heads=H, query_view=[q0, Sq, q_col, H * D],
+                          key_view=[k0, -1, k_col, 2 * Hkv * D])
     node.overload = attention_overload(padding, False, kv=True, flat=True, view=True)
     assert node.overload == ("kv_flat_view_padding" if padding else "kv_flat_view")
     gin = [helper.make_tensor_value_info("m", TensorProto.FLOAT, ["b", "r", C])]
