@@ -19,6 +19,7 @@ from typing import Callable
 
 import onnx_graphsurgeon as gs
 
+from .functions import gemm_overload
 from .matcher import logger
 from .report import RewriteReport
 
@@ -61,6 +62,24 @@ class RewriteContext:
     @property
     def graph_outputs(self) -> set[str]:
         return {t.name for t in self.graph.outputs}
+
+    def gemm_node(self, x, w, bias, out, activation: str = "none", *, algo: int = -1, prefix=None, prefix_w=None,
+                  prefix_bias=None) -> gs.Node:
+        """A StofGemmEpilogue node ``out = act(x·w + bias)`` (bias None: none), its function overload registered;
+        ``prefix`` rows in front (with ``prefix_w`` / ``prefix_bias``: their own weights; docs/nodes.md);
+        ``algo`` >= 0: a measured algorithm."""
+        attrs = {"activation": activation}
+        if algo >= 0:
+            attrs["algo"] = int(algo)
+        inputs = [x, w] + ([bias] if bias is not None else [])
+        if prefix is not None:
+            inputs += ([] if bias is not None else [gs.Variable.empty()]) + [prefix]
+            inputs += [prefix_w] + ([prefix_bias] if prefix_bias is not None else []) if prefix_w is not None else []
+        node = gs.Node("StofGemmEpilogue", self.unique("StofGemmEpilogue"), attrs, inputs, [out], domain="stof")
+        overload = gemm_overload(activation, bias is not None, prefix is not None, prefix_w is not None)
+        self.overloads[node.name] = overload
+        self.functions.add(("StofGemmEpilogue", overload))
+        return node
 
 
 class Fusion:

@@ -157,11 +157,7 @@ class FuseGemmGelu(Fusion):
                 out = self.new_var("stof_gemm_out", dtype=y.dtype)
                 new.append(gs.Node("Reshape", self.ctx.unique("stof_gemm_reshape"), dict(reshape.attrs),
                                    [out, reshape_shape], [y]))
-            node = gs.Node("StofGemmEpilogue", self.ctx.unique("StofGemmEpilogue"), {"activation": activation},
-                           [X, w_in, b_in], [out], domain="stof")
-            self.ctx.overloads[node.name] = activation
-            self.ctx.functions.add(("StofGemmEpilogue", activation))
-            return [node] + new
+            return [self.ctx.gemm_node(X, w_in, b_in, out, activation)] + new
 
         reshape_shape = reshape.inputs[1] if reshape is not None else None
         return Match(anchor, remove, build, {"variant": name, "activation": activation})

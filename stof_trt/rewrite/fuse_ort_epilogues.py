@@ -109,10 +109,6 @@ class FuseOrtBiasGelu(Fusion):
             w_in = W_t if isinstance(W_t, gs.Constant) else self.new_const("stof_gemm_weight", W)
             b_in = bias_t if isinstance(bias_t, gs.Constant) and bias.ndim == 1 else \
                 self.new_const("stof_gemm_bias", np.ascontiguousarray(bias.reshape(N)))
-            new = gs.Node("StofGemmEpilogue", self.ctx.unique("StofGemmEpilogue"), {"activation": activation},
-                          [X, w_in, b_in], [y], domain="stof")
-            self.ctx.overloads[new.name] = activation
-            self.ctx.functions.add(("StofGemmEpilogue", activation))
-            return [new]
+            return [self.ctx.gemm_node(X, w_in, b_in, y, activation)]
 
         return Match(node, [mm, node], build, {"variant": node.op, "activation": activation})

@@ -51,7 +51,7 @@ from ..masks import TILE_EMPTY, TILE_FULL, TILE_UNKNOWN, Diagonals, Full, MaskSp
 
 from .attention_common import AttentionEmitter, AttentionPlan
 from .base import Fusion, Match
-from .functions import gemm_overload, global_slots_overload
+from .functions import global_slots_overload
 from .matcher import const_value
 from .ort_contrib import ORT_DOMAIN, present, tensor_shapes
 
@@ -263,13 +263,9 @@ class FuseOrtLongformerAttention(Fusion):
         w_slots = np.ascontiguousarray(np.concatenate([wgv[:, q], wv[:, kv], wgv[:, kv]], axis=1))
         b_slots = np.ascontiguousarray(np.concatenate([bgv[q], bv[kv], bgv[kv]]))
         m = self.new_var("stof_lf_projections", dtype=x.dtype)
-        gemm = gs.Node("StofGemmEpilogue", u("StofGemmEpilogue"), {"activation": "none"},
-                       [x, const("stof_lf_w", w_rows), const("stof_lf_b", b_rows), slot_x,
-                        const("stof_lf_slot_w", w_slots), const("stof_lf_slot_b", b_slots)], [m], domain="stof")
-        overload = gemm_overload("none", prefix=True, prefix_weights=True)
-        self.ctx.overloads[gemm.name] = overload
-        self.ctx.functions.add(("StofGemmEpilogue", overload))
-        new.append(gemm)
+        new.append(self.ctx.gemm_node(x, const("stof_lf_w", w_rows), const("stof_lf_b", b_rows), m, prefix=slot_x,
+                                      prefix_w=const("stof_lf_slot_w", w_slots),
+                                      prefix_bias=const("stof_lf_slot_b", b_slots)))
         # global node: the slot rows' Q, X's rows' global K/V; its flat rows [B, G, N] as [B, G, H, D] row values
         gplan.padding_tensor = global_kpm
         global_flat = self.new_var("stof_lf_global_rows", dtype=y.dtype)

@@ -108,11 +108,8 @@ class FusePackedQkv(Fusion):
             src = packed_src
             if gemm is not None:
                 src = self.new_var("stof_qkv", dtype=x.dtype)
-                new.append(gs.Node("StofGemmEpilogue", self.ctx.unique("StofGemmEpilogue"), {"activation": "none"},
-                                   [x, self.new_const("stof_qkv_weight", w), self.new_const("stof_qkv_bias", bias)],
-                                   [src], domain="stof"))
-                self.ctx.overloads[new[-1].name] = "none"
-                self.ctx.functions.add(("StofGemmEpilogue", "none"))
+                new.append(self.ctx.gemm_node(x, self.new_const("stof_qkv_weight", w),
+                                              self.new_const("stof_qkv_bias", bias), src))
             packed = self.new_var("stof_qkv_packed", dtype=src.dtype)
             new.append(gs.Node("Reshape", self.ctx.unique("stof_qkv_split_heads"), {},
                                [src, self.new_const("stof_qkv_shape", np.array([0, 0, 3, H, D], np.int64))],

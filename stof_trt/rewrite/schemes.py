@@ -22,7 +22,7 @@ import onnx_graphsurgeon as gs
 
 from .. import schemes as S
 from .base import RewriteContext
-from .functions import add_layernorm_overload, gemm_overload
+from .functions import add_layernorm_overload
 from .matcher import const_value, producer
 
 __all__ = ["ChainSite", "find_chains", "apply_scheme", "apply_schemes", "ONNX_DTYPES"]
@@ -225,18 +225,6 @@ def _gelu_nodes(ctx: RewriteContext, t: gs.Tensor, y: gs.Tensor, activation: str
     return nodes
 
 
-def _gemm(ctx: RewriteContext, x, w, bias, out, activation: str, algo: int) -> gs.Node:
-    attrs = {"activation": activation}
-    if algo >= 0:
-        attrs["algo"] = int(algo)
-    inputs = [x, w] + ([bias] if bias is not None else [])
-    node = gs.Node("StofGemmEpilogue", ctx.unique("StofGemmEpilogue"), attrs, inputs, [out], domain="stof")
-    ov = gemm_overload(activation, bias is not None)
-    ctx.overloads[node.name] = ov
-    ctx.functions.add(("StofGemmEpilogue", ov))
-    return node
-
-
 def _add_ln(ctx: RewriteContext, site: ChainSite, x, bias) -> gs.Node:
     outs = [site.y] + ([site.sum_out] if site.sum_out is not None else [])
     inputs = [x, site.residual, site.gamma, site.beta] + ([bias] if bias is not None else [])
@@ -274,9 +262,9 @@ def apply_scheme(ctx: RewriteContext, site: ChainSite, scheme: str, algo: int = 
             new = [gs.Node("MatMul", ctx.unique("stof_scheme_matmul"), {}, [site.x, site.w], [t]),
                    _add_ln(ctx, site, t, site.bias)]
         elif scheme == "gemm+bias_add_ln":
-            new = [_gemm(ctx, site.x, site.w, None, t, "none", algo), _add_ln(ctx, site, t, site.bias)]
+            new = [ctx.gemm_node(site.x, site.w, None, t, "none", algo=algo), _add_ln(ctx, site, t, site.bias)]
         elif scheme == "gemm_bias+add_ln":
-            new = [_gemm(ctx, site.x, site.w, site.bias, t, "none", algo), _add_ln(ctx, site, t, None)]
+            new = [ctx.gemm_node(site.x, site.w, site.bias, t, "none", algo=algo), _add_ln(ctx, site, t, None)]
         else:  # unfused
             mm, b = var("stof_scheme_mm"), var("stof_scheme_biased")
             s = site.sum_out if site.sum_out is not None else var("stof_scheme_sum")
@@ -287,10 +275,10 @@ def apply_scheme(ctx: RewriteContext, site: ChainSite, scheme: str, algo: int = 
                            {"axis": -1, "epsilon": site.epsilon}, [s, site.gamma, site.beta], [site.y])]
     else:
         if scheme == "gemm_bias_gelu":
-            new = [_gemm(ctx, site.x, site.w, site.bias, site.y, site.activation, algo)]
+            new = [ctx.gemm_node(site.x, site.w, site.bias, site.y, site.activation, algo=algo)]
         elif scheme == "gemm_bias+gelu":
             t = var("stof_scheme_gemm_out")
-            new = [_gemm(ctx, site.x, site.w, site.bias, t, "none", algo)] + \
+            new = [ctx.gemm_node(site.x, site.w, site.bias, t, "none", algo=algo)] + \
                 _gelu_nodes(ctx, t, site.y, site.activation, np_dt)
         else:  # unfused
             mm, b = var("stof_scheme_mm"), var("stof_scheme_biased")
