@@ -1,8 +1,10 @@
 """Shared helpers for the rewrite tests: cached tiny exports, ORT runs, parity and fusion assertions."""
 from __future__ import annotations
 
+import atexit
 import collections
 import functools
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -14,6 +16,7 @@ TINY = dict(layers=2, hidden=32, heads=4)
 TILE = dict(tile_m=16, tile_n=32)
 
 _CACHE_DIR = Path(tempfile.mkdtemp(prefix="stof_rewrite_tests_"))
+atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)  # the exports live as long as the test process
 
 
 @functools.lru_cache(maxsize=None)

@@ -245,6 +245,22 @@ def test_summary_node_counts_add_up(capsys):
     assert "wrote out.onnx" in out
 
 
+def test_run_refuses_inputs_that_disagree_on_an_axis(tmp_path):
+    """input_ids and attention_mask of different lengths (or batches): one line that names both inputs and the
+    axis, before any run, never the sequence-limit hint of an ORT shape error."""
+    pytest.importorskip("onnxruntime")
+    from models_util import exported
+
+    new = str(tmp_path / "bert.stof.onnx")
+    orig = str(tmp_path / "bert.onnx")
+    onnx.save(exported("bert"), orig)
+    assert run_cli("rewrite", orig, "-o", new)[0] == 0
+    for shapes, axis in (("input_ids=2x20,attention_mask=2x30", "seq"), ("input_ids=2x20,attention_mask=3x20", "batch")):
+        rc, stdout, stderr = run_cli("run", new, "--provider", "cpu", "--shapes", shapes)
+        assert_one_line_error(rc, stdout, stderr, "'input_ids'", "'attention_mask'", f"axis '{axis}'")
+        assert "--max-seq-len" not in stderr
+
+
 def test_run_past_the_compiled_length_names_the_limit(tmp_path):
     """A BERT rewritten with no flag is compiled for its 512 position embeddings (stof.max_seq_len): `stof run` and
     `stof bench` at 513 tokens refuse in one line naming the limit, before any run; 512 runs."""

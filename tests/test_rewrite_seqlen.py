@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from models_util import TILE, assert_parity, exported, layout_specs, padding_mask, run, session, token_feeds
+from stof_trt.errors import StofError
 from stof_trt.rewrite import rewrite_model
 
 
@@ -164,6 +165,24 @@ def test_models_with_a_limit_keep_it():
     new, _ = rewrite_model(family("llama")[0], max_seq_len=100, **TILE)
     meta = {p.key: p.value for p in new.metadata_props}
     assert "stof.max_seq_len" not in meta and meta["stof.compiled_seq_len"] == "100"
+
+
+def test_given_length_below_the_models_limit_keeps_the_limit():
+    """max_seq_len below GPT-2's position table (72): the layouts grow past the given length, and the table's limit
+    stays the model's (stof.max_seq_len 72 beside stof.compiled_seq_len 40), so `stof run` refuses 73 in one line
+    instead of ONNX Runtime's broadcast error, and runs 41-72."""
+    from models_util import family
+
+    from stof_trt.cli.common import check_seq_limit
+
+    new, report = rewrite_model(family("gpt2")[0], max_seq_len=40, **TILE)
+    meta = {p.key: p.value for p in new.metadata_props}
+    assert meta["stof.compiled_seq_len"] == "40" and meta["stof.max_seq_len"] == "72", meta
+    assert None not in layout_specs(new)
+    assert any("model's own limit of 72" in n for n in report.notes), report.notes
+    check_seq_limit(new, {"input_ids": (1, 72), "attention_mask": (1, 72)})
+    with pytest.raises(StofError, match="at most 72 tokens"):
+        check_seq_limit(new, {"input_ids": (1, 73), "attention_mask": (1, 73)})
 
 
 def test_band_spec_reads_graph_patterns():

@@ -20,7 +20,7 @@ import os
 import numpy as np
 
 from ..errors import StofError
-from .common import check_seq_limit, int_in, load_model, ort_error, print_json, print_table
+from .common import check_shapes, int_in, load_model, ort_error, print_json, print_table
 
 
 def add_args(p):
@@ -158,7 +158,7 @@ def run(args) -> int:
     for path in (args.original, args.ort_optimized):
         if path:
             load_model(path, keep_external_data=True)
-    check_seq_limit(rm, sort.parse_shapes(args.shapes))
+    check_shapes(rm, sort.parse_shapes(args.shapes))
     feeds = _random_feeds_from_model(rm, sort.parse_shapes(args.shapes), args.seed)
     S = next((v.shape[1] for k, v in feeds.items() if k == "attention_mask"), None)
     dense = mask.dense(S, S) if (mask is not None and S) else None

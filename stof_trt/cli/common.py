@@ -199,6 +199,25 @@ def _seq_limit(model) -> int | None:
         return None
 
 
+def check_shapes(model, shapes: dict) -> None:
+    """Refuse, before any run, shapes that cannot be right: inputs that disagree on an axis the model names alike
+    (input_ids and attention_mask on 'seq'), or a sequence length over the model's limit (check_seq_limit)."""
+    inits = {t.name for t in model.graph.initializer}
+    seen: dict[str, tuple[int, str]] = {}
+    for vi in model.graph.input:
+        shape = shapes.get(vi.name)
+        if vi.name in inits or shape is None or not vi.type.HasField("tensor_type"):
+            continue
+        for axis, d in enumerate(vi.type.tensor_type.shape.dim):
+            if axis >= len(shape) or not d.dim_param:
+                continue
+            size, first = seen.setdefault(d.dim_param, (shape[axis], vi.name))
+            if size != shape[axis]:
+                raise StofError(f"inputs '{first}' and '{vi.name}' disagree on axis '{d.dim_param}' ({size} against "
+                                f"{shape[axis]}): the model needs the same size in both")
+    check_seq_limit(model, shapes)
+
+
 def check_seq_limit(model, shapes: dict) -> None:
     """Refuse, before any run, a sequence length over the rewritten model's ``stof.max_seq_len`` metadata (the
     length its layouts were compiled for): ``shapes`` maps input names to the shapes about to be fed; the sequence

@@ -14,7 +14,7 @@ import os
 
 from .._files import output_target, write_file_atomic
 from ..errors import StofError
-from .common import (check_seq_limit, int_in, load_model, ort_error, output_dir_kept_on_success, print_json,
+from .common import (check_shapes, int_in, load_model, ort_error, output_dir_kept_on_success, print_json,
                      print_table)
 
 
@@ -75,7 +75,7 @@ def run(args) -> int:
     except StofError as e:
         raise StofError(f"{args.model}: a STOF attention node's layout is invalid ({e})") from None
     given = load_inputs(args.input)
-    check_seq_limit(model, {**sort.parse_shapes(args.shapes), **{n: a.shape for n, a in given.items()}})
+    check_shapes(model, {**sort.parse_shapes(args.shapes), **{n: a.shape for n, a in given.items()}})
     del model
     with output_dir_kept_on_success(args.output_dir):  # a run that fails leaves no new directory behind
         return _run(args, given)

@@ -440,7 +440,9 @@ def compiled_length(ctx, graph: gs.Graph, shape_names: set[str], mask_terms: lis
     probe = Probe(model, sorted({t.tensor for t in mask_terms}), first)
     if given is not None:
         check_probe_memory(model, given, _heads_at_length_one(probe, first), bool(mask_terms))
-    limit = _longest_runnable(probe, cap)
+    # with a given length, the model is run up to the default cap as well: a limit of its own above the given
+    # length stays the limit of the rewritten model, whose layouts grow past the given length (rewrite.py)
+    limit = _longest_runnable(probe, max(cap, DEFAULT_MAX_SEQ) if given is not None else cap)
     notes = ctx.report.notes
     # _compiled_seq_source says why (rewrite.py keeps stof.max_seq_len only for a limit that stays one)
     if given is not None:
@@ -448,6 +450,8 @@ def compiled_length(ctx, graph: gs.Graph, shape_names: set[str], mask_terms: lis
             raise StofError(f"max_seq_len={given} is longer than the model runs: it accepts at most {limit} "
                             "positions (a position-embedding table or mask buffer)")
         seq, source = given, "given"
+        if limit < max(given, DEFAULT_MAX_SEQ):
+            opts["_model_seq_limit"] = limit
     elif limit < cap:
         seq, source = limit, "model"
         notes.append(f"compiled for sequence length {seq}: the model's own limit (longer inputs fail in the "

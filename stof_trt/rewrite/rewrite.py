@@ -199,8 +199,10 @@ def _rewrite_model(model, *, mask, epilogues, tile_m, tile_n, max_seq_len, packe
                                    value=report.remove_padding["token_capacity_input"])
     if "_compiled_seq" in ctx.options and not grows:  # the longest sequence it runs (docs/rewrite.md)
         out.metadata_props.add(key="stof.max_seq_len", value=str(ctx.options["_compiled_seq"]))
-    elif "_compiled_seq" in ctx.options:   # every layout is built for longer inputs: no limit, for information
+    elif "_compiled_seq" in ctx.options:   # every layout is built for longer inputs: for information
         out.metadata_props.add(key="stof.compiled_seq_len", value=str(ctx.options["_compiled_seq"]))
+        if "_model_seq_limit" in ctx.options:  # a given length below the model's own limit: that limit stays
+            out.metadata_props.add(key="stof.max_seq_len", value=str(ctx.options["_model_seq_limit"]))
     for imp in list(out.opset_import):
         if imp.domain == DOMAIN:
             out.opset_import.remove(imp)
@@ -246,6 +248,9 @@ def _layouts_grow(ctx, graph: gs.Graph, report: RewriteReport) -> bool:
     seq = ctx.options["_compiled_seq"]
     msg = (f"compiled for sequence length {seq}; longer inputs build their layouts at run time from the nodes' "
            "layout_spec (the CUDA plugin; the ONNX functions evaluate the spec at the run-time length)")
+    own = ctx.options.get("_model_seq_limit")
+    if own is not None:
+        msg += f", up to the model's own limit of {own} positions (a position-embedding table or mask buffer)"
     at = ctx.options.get("_compiled_seq_note")
     if at is not None and at < len(report.notes):
         report.notes[at] = msg
