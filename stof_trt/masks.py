@@ -750,7 +750,8 @@ def _args(name: str, text: str, allowed: dict[str, type]) -> dict:
             raise MaskSpecError(f"mask '{name}': expected key=value, got '{item}'")
         key, val = (s.strip() for s in item.split("=", 1))
         if key not in allowed:
-            raise MaskSpecError(f"mask '{name}': unknown argument '{key}' (expected one of {', '.join(allowed)})")
+            raise MaskSpecError(f"mask '{name}': unknown argument '{key}' "
+                                f"({'it takes none' if not allowed else 'expected one of ' + ', '.join(allowed)})")
         if key in out:
             raise MaskSpecError(f"mask '{name}': '{key}' given twice")
         typ = allowed[key]

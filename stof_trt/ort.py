@@ -91,6 +91,8 @@ def _providers(providers, device_id: int, cuda_options: dict | None, cuda_graphs
         return [("CUDAExecutionProvider", opts), "CPUExecutionProvider"]
     if providers == "cpu":
         return ["CPUExecutionProvider"]
+    if isinstance(providers, str):  # a list of one name is meant, or a typo: list("tpu") would be three names
+        raise StofError(f"providers={providers!r}: expected 'cuda', 'cpu' or a list of ONNX Runtime providers")
     return list(providers)
 
 
@@ -373,6 +375,8 @@ def parse_shapes(specs) -> dict:
                 raise StofError(f"bad shape spec '{part}' (dims must be integers)") from None
             if not shape or any(d < 0 for d in shape):
                 raise StofError(f"bad shape spec '{part}'")
+            if name.strip() in out:
+                raise StofError(f"the shape of '{name.strip()}' is given twice")
             out[name.strip()] = shape
     return out
 

@@ -255,7 +255,8 @@ def test_run_refuses_inputs_that_disagree_on_an_axis(tmp_path):
     orig = str(tmp_path / "bert.onnx")
     onnx.save(exported("bert"), orig)
     assert run_cli("rewrite", orig, "-o", new)[0] == 0
-    for shapes, axis in (("input_ids=2x20,attention_mask=2x30", "seq"), ("input_ids=2x20,attention_mask=3x20", "batch")):
+    for shapes, axis in (("input_ids=2x20,attention_mask=2x30", "seq"),
+                         ("input_ids=2x20,attention_mask=3x20", "batch")):
         rc, stdout, stderr = run_cli("run", new, "--provider", "cpu", "--shapes", shapes)
         assert_one_line_error(rc, stdout, stderr, "'input_ids'", "'attention_mask'", f"axis '{axis}'")
         assert "--max-seq-len" not in stderr
@@ -503,3 +504,126 @@ def test_closed_stdout(tmp_path):
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0 and "Traceback" not in p.stderr and "internal error" not in p.stderr, p.stderr
     assert (tmp_path / "o.onnx").is_file()
+
+
+# -- inputs and outputs of `stof run`, validated models, options given twice --------------------------------------
+def neg_model(path, out_name):
+    """One Neg node whose output has the name ``out_name`` (any string a model may carry)."""
+    g = helper.make_graph([helper.make_node("Neg", ["x"], [out_name])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 4])],
+                          [helper.make_tensor_value_info(out_name, TensorProto.FLOAT, ["b", 4])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    onnx.save(m, path)
+    return path
+
+
+@pytest.mark.parametrize("out_name", ["../escaped", "/tmp/stof-abs-escape", "a/b", ".hidden", "x y"])
+def test_run_output_names_stay_inside_the_directory(tmp_path, out_name):
+    """An output's name is a file name inside -o DIR, never a path out of it."""
+    pytest.importorskip("onnxruntime")
+    model = neg_model(str(tmp_path / "m.onnx"), out_name)
+    out = tmp_path / "out"
+    escape = out_name + ".npy" if out_name.startswith("/") else None
+    if escape and os.path.exists(escape):
+        os.remove(escape)
+    before = set(os.listdir(tmp_path))
+    assert main(["run", model, "--provider", "cpu", "--shapes", "x=2x4", "-o", str(out)]) == 0
+    assert set(os.listdir(tmp_path)) == before | {"out"}
+    saved = os.listdir(out)
+    assert len(saved) == 1 and saved[0].endswith(".npy") and not saved[0].startswith(".")
+    assert np.load(out / saved[0]).shape == (2, 4)
+    assert escape is None or not os.path.exists(escape)
+
+
+def test_run_refuses_to_overwrite_an_input_file(tmp_path):
+    pytest.importorskip("onnxruntime")
+    model = neg_model(str(tmp_path / "m.onnx"), "x_in")
+    np.save(tmp_path / "x_in.npy", np.ones((2, 4), np.float32))
+    before = (tmp_path / "x_in.npy").read_bytes()
+    rc, stdout, stderr = run_cli("run", model, "--provider", "cpu", "--input", f"x={tmp_path / 'x_in.npy'}",
+                                 "-o", str(tmp_path))
+    assert_one_line_error(rc, stdout, stderr, "overwrite an input")
+    assert (tmp_path / "x_in.npy").read_bytes() == before
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--tactic-cache", "c.json"], ["--tactic-cache", "CUDA provider"]),
+    (["--cuda-graphs"], ["--cuda-graphs", "CUDA provider"]),
+    (["--shapes", "X=2x8,X=2x8"], ["given twice"]),
+    (["--input", "X=x.npy", "--input", "X=x.npy"], ["given twice"]),
+    (["--input", "X=x.npy", "--shapes", "X=2x8"], ["--input", "--shapes"]),
+    (["--input", "X=d"], ["directory"]),
+])
+def test_run_conflicting_or_ignored_options(tmp_path, monkeypatch, extra, words):
+    pytest.importorskip("onnxruntime")
+    monkeypatch.chdir(tmp_path)
+    tiny_model("m.onnx")
+    np.save("x.npy", np.ones((2, 8), np.float32))
+    os.mkdir("d")
+    rc, stdout, stderr = run_cli("run", "m.onnx", "--provider", "cpu", *extra)
+    assert_one_line_error(rc, stdout, stderr, *words)
+
+
+@pytest.mark.parametrize("case", ["dangling", "cycle", "opset"])
+def test_rewrite_and_export_refuse_invalid_models(tmp_path, case):
+    """Not valid ONNX: one line and exit 2 from `rewrite` and `export-triton`, nothing written."""
+    path = str(tmp_path / "bad.onnx")
+    if case == "opset":
+        m = onnx.load(tiny_model(path))
+        m.opset_import[0].version = 99
+    else:
+        nodes = ([helper.make_node("Relu", ["nothing_makes_this"], ["Y"])] if case == "dangling" else
+                 [helper.make_node("Relu", ["b"], ["Y"]), helper.make_node("Relu", ["Y"], ["b"])])
+        io = [[helper.make_tensor_value_info(n, TensorProto.FLOAT, [2])] for n in "XY"]
+        m = helper.make_model(helper.make_graph(nodes, "g", *io), opset_imports=[helper.make_opsetid("", 17)])
+        m.ir_version = 10
+    onnx.save(m, path)
+    before = snapshot(tmp_path)
+    rc, stdout, stderr = run_cli("rewrite", path, "-o", str(tmp_path / "o.onnx"))
+    assert_one_line_error(rc, stdout, stderr, "opset 99" if case == "opset" else "not a valid ONNX model")
+    rc, stdout, stderr = run_cli("export-triton", path, "--repo", str(tmp_path / "repo"), "--cpu")
+    assert_one_line_error(rc, stdout, stderr, "opset 99" if case == "opset" else "not a valid ONNX model")
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--repo", ""], ["--repo"]),
+    (["--repo", "REPO", "--cpu", "--server-repo", "/models"], ["--server-repo", "--cpu"]),
+])
+def test_export_triton_option_errors(tmp_path, args, words):
+    path = tiny_model(str(tmp_path / "m.onnx"))
+    args = [a.replace("REPO", str(tmp_path / "repo")) for a in args]
+    before = snapshot(tmp_path)
+    rc, stdout, stderr = run_cli("export-triton", path, *args)
+    assert_one_line_error(rc, stdout, stderr, *words)
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--plot", "NODIR/x.png"], ["does not exist"]),
+    (["--plot", "x.txt"], [".png"]),
+    (["--atol", "-1"], ["--atol"]),
+    (["--atol", "nan"], ["--atol"]),
+    (["--mask", "causal", "--mask", "full"], ["--mask", "more than once"]),
+])
+def test_bench_options_checked_before_any_run(tmp_path, monkeypatch, extra, words):
+    monkeypatch.chdir(tmp_path)
+    tiny_model("a.onnx")
+    extra = [a.replace("NODIR", str(tmp_path / "nodir")) for a in extra]
+    rc, stdout, stderr = run_cli("bench", "a.onnx", "a.onnx", *extra)
+    assert_one_line_error(rc, stdout, stderr, *words)
+
+
+def test_unknown_option_after_a_command_names_its_help():
+    rc, stdout, stderr = run_cli("rewrite", "m.onnx", "--frob")
+    assert_one_line_error(rc, stdout, stderr, "--frob", "`stof rewrite --help`")
+
+
+def test_session_refuses_a_provider_string_it_does_not_know(tmp_path):
+    pytest.importorskip("onnxruntime")
+    from stof_trt import ort as sort
+    from stof_trt.errors import StofError
+
+    with pytest.raises(StofError, match="providers='tpu'"):
+        sort.session(tiny_model(str(tmp_path / "m.onnx")), providers="tpu")

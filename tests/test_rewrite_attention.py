@@ -164,6 +164,15 @@ def test_mask_too_small_for_model_is_a_user_error(tmp_path):
         rewrite_model(exported("bert"), mask=f"npy:{tmp_path / 'm.npy'}", max_seq_len=S_MAX, **TILE)
 
 
+@pytest.mark.parametrize("spec", ["global:n=0", "causal:offset=-2147483647", "npy:ZEROS"])
+def test_a_mask_that_allows_no_key_is_a_user_error(tmp_path, spec):
+    """A spec under which no query attends anything would make every attention output zero: refused."""
+    np.save(tmp_path / "z.npy", np.zeros((64, 64), bool))
+    spec = spec.replace("ZEROS", str(tmp_path / "z.npy"))
+    with pytest.raises(StofError, match="allows no key for any query"):
+        rewrite_model(exported("bert"), mask=spec, max_seq_len=64, **TILE)
+
+
 def test_default_tiles_and_report_is_json():
     import json
 

@@ -274,6 +274,10 @@ def test_no_padding_mask_keeps_padded_path():
     new, report = rewrite_model(exported("vit"), **TILE)
     rp = report.to_dict()["remove_padding"]
     assert not rp["applied"] and "no padding mask" in rp["reason"]
+    from stof_trt.errors import StofError
+
+    with pytest.raises(StofError, match="token_capacity_input.*no padding mask"):  # asked for: never dropped
+        rewrite_model(exported("vit"), token_capacity_input=True, **TILE)
 
 
 # -- the t3hd function alone -----------------------------------------------------------------------------------

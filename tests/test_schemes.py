@@ -216,6 +216,16 @@ def test_rewrite_honours_cached_schemes_and_matches_the_original(bert, tmp_path,
     assert_parity(model, out, token_feeds(rng, 2, 32))
 
 
+def test_a_cache_without_the_models_chains_is_not_called_measured(bert):
+    """Schemes measured for other chains (another width or dtype): the model's chains take the cost model's choice
+    and the notes say so, never 'measured'."""
+    model, _ = bert
+    out, report = rewrite_model(model, max_seq_len=32, schemes={"residual_ln:float16:n4096:k4096": ("unfused", -1)},
+                                **TILE)
+    assert not any("measured" in n for n in report.notes), report.notes
+    assert any("has none of this model's" in n for n in report.notes), report.notes
+
+
 @pytest.mark.parametrize("shape", [
     S.ChainShape("residual_ln", 24, 16, 8, "float"), S.ChainShape("residual_ln", 24, 16, 8, "float", sum_output=True),
     S.ChainShape("bias_gelu", 24, 16, 8, "float", "gelu_erf"),

@@ -695,8 +695,10 @@ def derive_models(base, name: str, work: str, tiny: bool = False, log=print, wan
         yield "stof", m, info
         del m
         gc.collect()
-    if "stof-slots" in want:  # packed into token slots sized by an input: CUDA graphs replay it
-        m, _ = rewrite_model(base, max_seq_len=512 if cfg["family"] != "vit" else None, token_capacity_input=True)
+    if "stof-slots" in want:  # packed into token slots sized by an input: CUDA graphs replay it (with no padding
+        # mask, the plain rewrite: its shapes are fixed already)
+        m, _ = rewrite_model(base, max_seq_len=512 if cfg["family"] != "vit" else None,
+                             token_capacity_input=cfg["mask"] != "none")
         yield "stof-slots", _fp16(m), {}
         del m
         gc.collect()

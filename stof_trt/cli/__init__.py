@@ -61,7 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named against the subcommand's usage, not the top-level one
+        prog = f"stof {args.command}" if getattr(args, "command", None) else "stof"
+        parser.exit(2, f"stof: error: unrecognized arguments: {' '.join(extra)} (`{prog} --help` shows the usage)\n")
     from .common import quiet_onnxruntime
 
     quiet_onnxruntime()

@@ -20,14 +20,15 @@ import os
 import numpy as np
 
 from ..errors import StofError
-from .common import check_shapes, int_in, load_model, ort_error, print_json, print_table
+from .common import Once, check_output_path, check_shapes, int_in, load_model, ort_error, print_json, print_table
 
 
 def add_args(p):
     p.add_argument("original", metavar="ORIGINAL.onnx")
     p.add_argument("rewritten", metavar="REWRITTEN.onnx")
     p.add_argument("--ort-optimized", metavar="MODEL.onnx", help="a third model to time (same inputs as ORIGINAL)")
-    p.add_argument("--mask", metavar="SPEC", help="the static mask the rewrite used (fed densely to a 3-D mask input)")
+    p.add_argument("--mask", action=Once, metavar="SPEC",
+                   help="the static mask the rewrite used (fed densely to a 3-D mask input)")
     p.add_argument("--shapes", action="append", default=[], metavar="NAME=DxD,...",
                    help="input shapes of the rewritten model (symbolic dims)")
     p.add_argument("--padding", type=float, default=None, metavar="R",
@@ -35,7 +36,7 @@ def add_args(p):
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0)
-    p.add_argument("--device", type=int, default=0)
+    p.add_argument("--device", type=int_in(0, 1023), default=0, help="CUDA device id")
     p.add_argument("--tactic-cache", metavar="FILE.json")
     p.add_argument("--cuda-graphs", action="store_true", help="run each model through a captured CUDA graph")
     p.add_argument("--atol", type=float, default=None,
@@ -148,8 +149,14 @@ def run(args) -> int:
     for p in [args.original, args.rewritten] + ([args.ort_optimized] if args.ort_optimized else []):
         if not os.path.isfile(p):
             raise StofError(f"no such file: {p}")
-    if args.iters < 1 or args.warmup < 0:
-        raise StofError("--iters must be >= 1 and --warmup >= 0")
+    if not 1 <= args.iters <= 1_000_000 or not 0 <= args.warmup <= 1_000_000:
+        raise StofError("--iters must be in [1, 1000000] and --warmup in [0, 1000000]")
+    if args.atol is not None and not (np.isfinite(args.atol) and args.atol >= 0):
+        raise StofError(f"--atol must be a finite number >= 0, got {args.atol}")
+    if args.plot is not None:  # checked before the models run, not after
+        if os.path.splitext(args.plot)[1].lower() not in (".png", ".svg", ".pdf"):
+            raise StofError(f"--plot {args.plot!r}: give a .png, .svg or .pdf file")
+        check_output_path(None, args.plot)
     if args.padding is not None and not 0 < args.padding <= 1:
         raise StofError("--padding must be in (0, 1]")
     mask = parse_mask(args.mask) if args.mask else None
@@ -184,7 +191,7 @@ def run(args) -> int:
     info = {"shapes": {k: list(v.shape) for k, v in feeds2.items()}, "mask": str(mask) if mask else None,
             "padding": args.padding, "atol": atol, "max_abs_output": scale, "iters": args.iters,
             "results": [{k: v for k, v in r.items() if k != "output"} for r in rows], "match": ok}
-    if args.plot:
+    if args.plot is not None:
         plot(rows, args.plot, f"{os.path.basename(args.rewritten)}  {info['shapes']}")
         info["plot"] = args.plot
     if args.json:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -105,6 +106,18 @@ def check_output_path(inp: str | None, out: str) -> None:
         raise StofError(f"cannot write to {d} ({e.strerror or type(e).__name__})") from None
 
 
+class Once(argparse.Action):
+    """An option given at most once: a second value would silently replace the first."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        seen = namespace.__dict__.setdefault("_given_once", set())
+        if self.dest in seen:
+            hint = " (combine masks in one spec with '|' or '&')" if self.dest == "mask" else ""
+            parser.error(f"{option_string} is given more than once{hint}")
+        seen.add(self.dest)
+        setattr(namespace, self.dest, values)
+
+
 def int_in(lo: int, hi: int):
     """An argparse type: an integer in [lo, hi]."""
     import argparse
@@ -160,9 +173,9 @@ def output_dir_kept_on_success(d: str | None, what: str = "output directory"):
         raise
 
 
-def ort_error(e: BaseException, model=None) -> StofError:
-    """A one-line StofError for an exception ONNX Runtime raised while running ``model`` (path or ModelProto),
-    saying what the user can change."""
+def ort_error(e: BaseException, model=None, shapes: dict | None = None) -> StofError:
+    """A one-line StofError for an exception ONNX Runtime raised while running ``model`` (path or ModelProto) on
+    inputs of ``shapes`` (name -> shape, when known), saying what the user can change."""
     text = str(e).strip()
     first = text.splitlines()[0] if text else type(e).__name__
     low = text.lower()
@@ -172,9 +185,15 @@ def ort_error(e: BaseException, model=None) -> StofError:
     if any(w in low for w in ("invalid expand shape", "broadcast", "not broadcastable", "shape mismatch",
                               "got invalid dimensions", "index out of", "out of range", "indices element")):
         limit = _seq_limit(model)
-        hint = (f"the model was built for sequence length <= {limit}: feed shorter inputs or rewrite with a "
-                f"larger --max-seq-len" if limit else "check the input shapes (--shapes / --input)")
-        return StofError(f"the model cannot run on these input shapes: {hint} (onnxruntime: {_short(first)})")
+        longest = max((d for shape in (shapes or {}).values() for d in tuple(shape)[1:]), default=None)
+        if limit and (longest is None or longest > limit):
+            hint = (f"the model was built for sequence length <= {limit}: feed shorter inputs or rewrite with a "
+                    "larger --max-seq-len")
+        elif any(w in low for w in ("index out of", "out of range", "indices element")):
+            hint = "an index input is past its table (token ids within the vocabulary?)"
+        else:
+            hint = "check the input shapes (--shapes / --input)"
+        return StofError(f"the model cannot run on these inputs: {hint} (onnxruntime: {_short(first)})")
     return StofError(f"onnxruntime run failed: {_short(first)}")
 
 

@@ -12,6 +12,7 @@ import os
 import textwrap
 
 from .._files import write_file_atomic
+from ..errors import StofError
 from .common import load_model, output_dir_kept_on_success, print_json, print_table
 
 STOF_DOMAIN = "stof"
@@ -53,6 +54,8 @@ def draw_layout(layout, path: str, title: str) -> None:
 
 
 def run(args) -> int:
+    if args.out_dir == "":
+        raise StofError("--out-dir is empty: give a directory (or leave it out for MODEL.masks/)")
     from ..nodes import attention_nodes
 
     model = load_model(args.model)

@@ -15,7 +15,7 @@ import os
 import time
 
 from ..errors import StofError
-from .common import check_output_path, default_output, load_model, print_json, print_table, save_model
+from .common import Once, check_output_path, default_output, load_model, print_json, print_table, save_model
 
 # Sequence lengths the tile format can index (int32 element offsets within one row of tiles).
 MAX_SEQ_LEN = 2**31 - 1
@@ -26,7 +26,7 @@ def add_args(p):
     p.add_argument("-o", "--output", metavar="OUT.onnx",
                    help="where to write the rewritten model (default: IN.stof.onnx beside the input; never the "
                         "input itself)")
-    p.add_argument("--mask", metavar="SPEC",
+    p.add_argument("--mask", action=Once, metavar="SPEC",
                    help="static attention sparsity for every attention node (see `stof --help`); intersected "
                         "with causal/sliding patterns found in the graph; padding masks stay run-time inputs")
     p.add_argument("--no-epilogue", action="store_true", help="rewrite attention cores only")
@@ -84,8 +84,8 @@ def run(args) -> int:
         except StofError as e:
             raise StofError(f"--mask at --max-seq-len {args.max_seq_len}: {e}") from None
     choices = None
-    if args.scheme_tokens is not None and args.scheme_tokens < 1:
-        raise StofError(f"--scheme-tokens must be >= 1, got {args.scheme_tokens}")
+    if args.scheme_tokens is not None and not 1 <= args.scheme_tokens < 2**31:
+        raise StofError(f"--scheme-tokens must be in [1, 2^31 - 1], got {args.scheme_tokens}")
     if args.schemes_gpu is not None and args.schemes is None:
         raise StofError("--schemes-gpu names the GPU of --schemes CACHE.json: give --schemes too")
     if args.schemes is not None:

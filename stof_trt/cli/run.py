@@ -11,6 +11,7 @@ examples:
 from __future__ import annotations
 
 import os
+import re
 
 from .._files import output_target, write_file_atomic
 from ..errors import StofError
@@ -26,17 +27,35 @@ def add_args(p):
     p.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0, help="seed of random inputs")
     p.add_argument("--provider", choices=["cuda", "cpu"], default="cuda",
                    help="cuda: CUDA EP + libstof_ort (default); cpu: STOF nodes run as their ONNX functions")
-    p.add_argument("--device", type=int, default=0, help="CUDA device id")
+    p.add_argument("--device", type=int_in(0, 1023), default=0, help="CUDA device id")
     p.add_argument("--tactic-cache", metavar="FILE.json", help="tactic cache from `stof tune`")
     p.add_argument("--presearch", action="store_true",
                    help="attention nodes without a tactic-cache entry use the pre-search's first choice for this "
                         "run's (batch, seq) instead of the kernel library's default")
     p.add_argument("--cuda-graphs", action="store_true", help="run through a captured CUDA graph (IO binding)")
-    p.add_argument("-o", "--output-dir", metavar="DIR", help="save each output as DIR/<name>.npy (created if needed)")
+    p.add_argument("-o", "--output-dir", metavar="DIR",
+                   help="save each output as DIR/<name>.npy (created if needed; characters other than letters, "
+                        "digits, '.', '_' and '-' in a name become '_')")
     p.add_argument("--time", type=int_in(0, 1_000_000), default=0, metavar="N",
                    help="also time N runs (IO binding; median/p90)")
     p.add_argument("--verbose", action="store_true", help="print the plugin's tactic choices")
     p.add_argument("--json", action="store_true")
+
+
+def output_files(output_dir: str, names: list[str]) -> list[str]:
+    """The .npy path of each output in ``output_dir``: a name is a file name, never a path (a model's output named
+    '../x' or '/tmp/x' stays inside the directory), with a suffix where two names meet."""
+    paths, taken = [], set()
+    for name in names:
+        base = re.sub(r"[^A-Za-z0-9._-]", "_", name)
+        if not base or base.startswith("."):
+            base = "_" + base
+        stem, i = base, 1
+        while stem.lower() in taken:
+            stem, i = f"{base}_{i}", i + 1
+        taken.add(stem.lower())
+        paths.append(os.path.join(output_dir, stem + ".npy"))
+    return paths
 
 
 def load_inputs(specs) -> dict:
@@ -47,6 +66,10 @@ def load_inputs(specs) -> dict:
         if "=" not in spec:
             raise StofError(f"bad --input '{spec}' (expected NAME=FILE.npy)")
         name, path = spec.split("=", 1)
+        if name in feeds:
+            raise StofError(f"--input {name} is given twice")
+        if os.path.isdir(path):
+            raise StofError(f"--input {name}: {path} is a directory, not a .npy file")
         if not os.path.isfile(path):
             raise StofError(f"no such file: {path}")
         try:
@@ -74,8 +97,17 @@ def run(args) -> int:
         attention_nodes(model)
     except StofError as e:
         raise StofError(f"{args.model}: a STOF attention node's layout is invalid ({e})") from None
+    if args.provider == "cpu":  # the options of the CUDA plugin would be silently ignored
+        gpu_only = [f for f, on in (("--tactic-cache", args.tactic_cache), ("--cuda-graphs", args.cuda_graphs),
+                                    ("--presearch", args.presearch), ("--device", args.device != 0)) if on]
+        if gpu_only:
+            raise StofError(f"{', '.join(gpu_only)} apply to the CUDA provider only, not --provider cpu")
     given = load_inputs(args.input)
-    check_shapes(model, {**sort.parse_shapes(args.shapes), **{n: a.shape for n, a in given.items()}})
+    shapes = sort.parse_shapes(args.shapes)
+    both = sorted(set(shapes) & set(given))
+    if both:
+        raise StofError(f"{', '.join(both)}: given by --input and by --shapes (give one)")
+    check_shapes(model, {**shapes, **{n: a.shape for n, a in given.items()}})
     del model
     with output_dir_kept_on_success(args.output_dir):  # a run that fails leaves no new directory behind
         return _run(args, given)
@@ -101,9 +133,14 @@ def _run(args, given: dict) -> int:
         if args.provider == "cuda" and "CUDA" in str(e):
             raise StofError(f"{e}; or run on the CPU with --provider cpu") from None
         raise
-    if args.output_dir:  # every output file checked before the run (a name taken by a directory, a device)
-        for o in sess.get_outputs():
-            output_target(os.path.join(args.output_dir, f"{o.name}.npy"))
+    out_paths = output_files(args.output_dir, [o.name for o in sess.get_outputs()]) if args.output_dir else []
+    # every output file checked before the run (a name taken by a directory, a device, an input file)
+    inputs = {os.path.realpath(spec.split("=", 1)[1]) for spec in args.input}
+    for path in out_paths:
+        output_target(path)
+        if os.path.realpath(path) in inputs:
+            raise StofError(f"-o {args.output_dir}: the output {os.path.basename(path)} would overwrite an input "
+                            "file; choose another directory")
     names = {i.name for i in sess.get_inputs()}
     unknown = set(given) - names
     if unknown:
@@ -125,16 +162,16 @@ def _run(args, given: dict) -> int:
     except StofError:
         raise
     except Exception as e:  # noqa: BLE001 - ORT's run errors (bad shapes, ...) are user errors here
-        raise ort_error(e, args.model) from None
+        raise ort_error(e, args.model, {n: a.shape for n, a in feeds.items()}) from None
     info = {"model": args.model, "provider": args.provider, "outputs": []}
-    for o, arr in zip(sess.get_outputs(), outs):
+    for i, (o, arr) in enumerate(zip(sess.get_outputs(), outs)):
         a = arr.astype(np.float64) if arr.dtype.kind == "f" else arr
         row = {"name": o.name, "shape": list(arr.shape), "dtype": str(arr.dtype)}
         if arr.size and arr.dtype.kind in "fiu":
             row.update(min=float(a.min()), max=float(a.max()), mean=float(a.mean()),
                        finite=bool(np.isfinite(a).all()) if arr.dtype.kind == "f" else True)
         if args.output_dir:
-            path = os.path.join(args.output_dir, f"{o.name}.npy")
+            path = out_paths[i]
             write_file_atomic(path, lambda tmp, arr=arr: np.save(tmp, arr), suffix=".npy")
             row["saved"] = path
         info["outputs"].append(row)

@@ -13,6 +13,8 @@ examples:
 
 from __future__ import annotations
 
+from .common import int_in
+
 
 def add_args(p):
     p.add_argument("model", metavar="MODEL.onnx")
@@ -28,7 +30,7 @@ def add_args(p):
     p.add_argument("--instances", type=int, default=1, metavar="K", help="model instances (default 1)")
     p.add_argument("--provider", choices=["auto", "cuda", "cpu"], default="auto",
                    help="auto: CUDA EP + libstof_ort when both are available, else CPU")
-    p.add_argument("--device", type=int, default=0, help="CUDA device id")
+    p.add_argument("--device", type=int_in(0, 1023), default=0, help="CUDA device id")
     p.add_argument("--tactic-cache", metavar="FILE.json", help="tactic cache from `stof tune`")
     p.add_argument("--python", metavar="PYTHON", help="the interpreter that runs PyTriton")
     p.add_argument("--ready-timeout", type=float, default=300, metavar="S",

@@ -65,6 +65,9 @@ def choose_layout(options: dict, graph_mask: GraphMask | None, sq: int, sk: int,
         names.append(graph_mask.source)
     if user is not None:
         layout = compile_mask(user, sq, sk, tile_m=tm, tile_n=tn, num_heads=heads)
+        if layout.density() == 0:   # every output row would be zero: a spec mistake, not a model to write
+            raise StofError(f"the mask '{layout.mask_spec}' allows no key for any query at {sq}x{sk}: every "
+                            "attention output would be zero")
         names.insert(0, f"user '{layout.mask_spec}'")
         if statics:
             dense = layout.to_dense()

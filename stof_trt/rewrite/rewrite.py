@@ -127,6 +127,7 @@ def _rewrite_model(model, *, mask, epilogues, tile_m, tile_n, max_seq_len, packe
         raise StofError("token_capacity_input sizes the packed tokens: it needs remove_padding=True")
     if any(imp.domain == DOMAIN for imp in model.opset_import):
         raise StofError("the model already contains STOF nodes (domain 'stof'): rewrite the original model")
+    check_input(model)
     original = model
     model = copy.deepcopy(model)  # onnx-graphsurgeon shares some protos with the model it imports
     opset = default_opset(model)
@@ -161,6 +162,10 @@ def _rewrite_model(model, *, mask, epilogues, tile_m, tile_n, max_seq_len, packe
         fusion(ctx).apply()
     if not remove_padding:
         report.remove_padding = {"applied": False, "reason": "turned off (remove_padding=False)"}
+    if token_capacity_input and not report.remove_padding.get("applied"):  # asked for, so not dropped in silence
+        why = report.remove_padding.get("reason") or "no padding mask found"
+        raise StofError(f"token_capacity_input sizes the packed tokens of padding removal, which does not apply to "
+                        f"this model: {why}")
     report.nodes_after = len(graph.nodes)
     if dense_attention == "ort":
         _note_dense_on_stof(report, packed_qkv, epilogues)
@@ -280,9 +285,24 @@ def _note_dense_on_stof(report: RewriteReport, packed_qkv: bool, epilogues: bool
                         "becomes ONNX Runtime's Attention")
 
 
-def check(model: onnx.ModelProto) -> None:
-    """onnx.checker with full_check (shape inference). A model over protobuf's 2 GB limit is checked by path:
-    written with external data to a temporary directory (which moves its weights out of the proto), checked,
+def check_input(model: onnx.ModelProto) -> None:
+    """Refuse, before any work, a model that is not valid ONNX (a node reading a tensor nothing makes, a cycle, an
+    opset newer than this onnx knows): onnx.checker without shape inference, as one line."""
+    newest = onnx.defs.onnx_opset_version()
+    for imp in model.opset_import:
+        if imp.domain in ("", "ai.onnx") and imp.version > newest:
+            raise StofError(f"the model imports opset {imp.version}; this onnx {onnx.__version__} knows opsets up to "
+                            f"{newest}")
+    try:
+        check(model, full_check=False)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise StofError(f"not a valid ONNX model: {first[:200]}") from None
+
+
+def check(model: onnx.ModelProto, *, full_check: bool = True) -> None:
+    """onnx.checker, by default with full_check (shape inference). A model over protobuf's 2 GB limit is checked by
+    path: written with external data to a temporary directory (which moves its weights out of the proto), checked,
     and its weights loaded back, so the proto is unchanged afterwards."""
     import os
     import tempfile
@@ -306,7 +326,7 @@ def check(model: onnx.ModelProto) -> None:
                                  for t in external if t.name not in have)
         model = probe
     if model.ByteSize() < LARGE_MODEL_BYTES:
-        onnx.checker.check_model(model, full_check=True)
+        onnx.checker.check_model(model, full_check=full_check)
         return
 
     with tempfile.TemporaryDirectory(prefix="stof_check_") as tmp:
@@ -314,6 +334,6 @@ def check(model: onnx.ModelProto) -> None:
         onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True,
                         location="model.weights", size_threshold=1024)
         try:
-            onnx.checker.check_model(path, full_check=True)
+            onnx.checker.check_model(path, full_check=full_check)
         finally:
             load_external_data_for_model(model, tmp)

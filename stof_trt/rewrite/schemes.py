@@ -298,8 +298,13 @@ def apply_schemes(ctx: RewriteContext) -> dict:
     tokens = int(ctx.options.get("scheme_tokens") or S.DEFAULT_TOKENS)
     model = ctx.options.get("cost_model")
     changed: dict = {}
-    for site in find_chains(ctx.graph):
+    sources: dict = {}  # (kind, scheme, algo) -> measured: whether the cache chose it
+    sites = find_chains(ctx.graph)
+    matched = 0
+    for site in sites:
         pick = chosen.get(site.signature())
+        measured = pick is not None
+        matched += measured
         if pick is None:
             pick = (S.rank(site.shape(tokens), model, opset=ctx.opset)[0].name, -1)
         scheme, algo = pick
@@ -310,12 +315,17 @@ def apply_schemes(ctx: RewriteContext) -> dict:
         apply_scheme(ctx, site, scheme, algo)
         key = (site.kind, scheme, algo)
         changed[key] = changed.get(key, 0) + 1
+        sources[key] = sources.get(key, False) or measured
     if changed:
         ctx.graph.cleanup().toposort()
-    # the note names what differs from the fixed rules (which every rewrite applies without a word)
-    said = {key: c for key, c in changed.items() if chosen or not S.template(key[0], key[1]).fixed_rule}
-    if said:
-        src = "measured (tactic cache)" if chosen else f"cost model at {tokens} tokens"
-        ctx.report.notes.append("fusion schemes, " + src + ": " + ", ".join(
-            f"{k} {s}{'' if a < 0 else f' algo {a}'} x{c}" for (k, s, a), c in sorted(said.items())))
+    # the note names what differs from the fixed rules (which every rewrite applies without a word), by source
+    for measured, src in ((True, "measured (tactic cache)"), (False, f"cost model at {tokens} tokens")):
+        said = {key: c for key, c in changed.items() if sources[key] == measured and
+                (measured or not S.template(key[0], key[1]).fixed_rule)}
+        if said:
+            ctx.report.notes.append("fusion schemes, " + src + ": " + ", ".join(
+                f"{k} {s}{'' if a < 0 else f' algo {a}'} x{c}" for (k, s, a), c in sorted(said.items())))
+    if chosen and sites and not matched:
+        ctx.report.notes.append(f"the schemes cache has none of this model's {len(sites)} chains (their shapes "
+                                "or dtypes differ): every chain takes the cost model's choice")
     return changed

@@ -300,6 +300,11 @@ def export_repository(model_path: str, repo: str, *, name: str | None = None, ma
         raise StofError(f"--max-queue-delay-us must be in [0, 2^63 - 1], got {max_queue_delay_us}")
     if server_repo is not None and not os.path.isabs(server_repo):
         raise StofError(f"--server-repo must be an absolute path, got '{server_repo}'")
+    if server_repo is not None and cpu:
+        raise StofError("--server-repo places the custom-op library and the tactic cache; a --cpu repository has "
+                        "neither")
+    if not str(repo):
+        raise StofError("--repo must name a directory")
     name = name if name is not None else default_name(model_path)
     if not _NAME_RE.match(name):
         raise StofError(f"bad model name {name!r} (letters, digits, '_', '.', '-'; starting with a letter or digit)")
@@ -315,6 +320,9 @@ def export_repository(model_path: str, repo: str, *, name: str | None = None, ma
         raise StofError(f"{model_path} is not a readable ONNX model ({msg})") from None
     if not model.graph.node and not model.graph.input:
         raise StofError(f"{model_path} is not an ONNX model (no graph)")
+    from ..rewrite.rewrite import check_input
+
+    check_input(model)  # a model ONNX Runtime cannot load must not become a repository
     model_dir = Path(model_path).resolve().parent
     external = _external_files(model, model_dir)
     n_stof = stof_node_count(model)
