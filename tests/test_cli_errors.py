@@ -171,6 +171,13 @@ def test_onnxruntime_error_names_the_compiled_length(tmp_path):
     e = ort_error(RuntimeError("[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Non-zero status code returned while "
                                "running Expand node. invalid expand shape"), path)
     assert "sequence length <= 128" in str(e) and "\n" not in str(e)
+    # within the compiled length an index error is the inputs' values, not their length
+    gather = RuntimeError("[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : indices element out of data bounds, idx=9999")
+    m = onnx.load(path)
+    m.graph.input[0].type.tensor_type.shape.dim[2].dim_param = "S"
+    e = ort_error(gather, m, {"Q": (1, 2, 128, 64)})
+    assert "past its table" in str(e) and "--max-seq-len" not in str(e)
+    assert "sequence length <= 128" in str(ort_error(gather, m, {"Q": (1, 2, 129, 64)}))
     e = ort_error(RuntimeError("CUDAExecutionProvider is not available"), path)
     assert "--provider cpu" in str(e)
 

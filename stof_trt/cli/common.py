@@ -120,7 +120,6 @@ class Once(argparse.Action):
 
 def int_in(lo: int, hi: int):
     """An argparse type: an integer in [lo, hi]."""
-    import argparse
 
     def parse(text: str) -> int:
         try:
@@ -184,8 +183,7 @@ def ort_error(e: BaseException, model=None, shapes: dict | None = None) -> StofE
                          "--provider cpu")
     if any(w in low for w in ("invalid expand shape", "broadcast", "not broadcastable", "shape mismatch",
                               "got invalid dimensions", "index out of", "out of range", "indices element")):
-        limit = _seq_limit(model)
-        longest = max((d for shape in (shapes or {}).values() for d in tuple(shape)[1:]), default=None)
+        limit, longest = _seq_limit(model, shapes)
         if limit and (longest is None or longest > limit):
             hint = (f"the model was built for sequence length <= {limit}: feed shorter inputs or rewrite with a "
                     "larger --max-seq-len")
@@ -202,20 +200,32 @@ def _short(msg: str, n: int = 200) -> str:
     return msg if len(msg) <= n else msg[:n - 3] + "..."
 
 
-def _seq_limit(model) -> int | None:
-    """The smallest sequence length the STOF attention nodes of ``model`` were compiled for (None: none found)."""
+def _seq_limit(model, shapes: dict | None = None) -> tuple[int | None, int | None]:
+    """(the longest sequence ``model`` runs: its stof.max_seq_len, else the smallest length its STOF attention nodes
+    were compiled for, None when its layouts grow or it has none; the longest of ``shapes`` on the model's symbolic
+    axes after the batch, None when not known)."""
     try:
         import onnx
 
         from ..nodes import attention_nodes
 
         m = model if hasattr(model, "graph") else onnx.load(str(model))
-        if any(p.key == "stof.compiled_seq_len" for p in m.metadata_props):
-            return None   # its layouts grow: the compiled length is no limit
+        sym = []
+        for vi in m.graph.input:
+            shape = (shapes or {}).get(vi.name)
+            if shape is not None and vi.type.HasField("tensor_type"):
+                dims = vi.type.tensor_type.shape.dim
+                sym += [shape[a] for a in range(1, min(len(shape), len(dims))) if not dims[a].HasField("dim_value")]
+        longest = max(sym) if sym else None
+        meta = {p.key: p.value for p in m.metadata_props}
+        if "stof.max_seq_len" in meta:
+            return int(meta["stof.max_seq_len"]), longest
+        if "stof.compiled_seq_len" in meta:
+            return None, longest   # its layouts grow: the compiled length is no limit
         seqs = [min(n.layout.seq_q, n.layout.seq_k) for n in attention_nodes(m)]
-        return min(seqs) if seqs else None
+        return (min(seqs) if seqs else None), longest
     except Exception:  # noqa: BLE001 - a hint only
-        return None
+        return None, None
 
 
 def check_shapes(model, shapes: dict) -> None:
