@@ -397,6 +397,8 @@ def target_gpu(name: str, *, cc: str = "9.0", sm_count: int | None = None, profi
     m = re.fullmatch(r"(\d+)\.(\d)", cc or "")
     if not m:
         raise StofError(f"--cc must be MAJOR.MINOR (e.g. 9.0), got {cc!r}")
+    if not 8 <= int(m.group(1)) <= 12:  # the kernel library's families start at sm_80
+        raise StofError(f"--cc {cc}: the kernels run on compute capability 8.0 (A100) to 12.x")
     coef = None
     if profile is not None:
         doc = profiles.load(profile)

@@ -634,3 +634,16 @@ def test_session_refuses_a_provider_string_it_does_not_know(tmp_path):
 
     with pytest.raises(StofError, match="providers='tpu'"):
         sort.session(tiny_model(str(tmp_path / "m.onnx")), providers="tpu")
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--gpu", "NVIDIA H200", "--cc", "1.0"], ["--cc 1.0", "8.0"]),
+    (["--gpu", "NVIDIA H200", "--cc", "99.9"], ["--cc 99.9"]),
+    (["--all"], ["--all", "--presearch-only"]),
+])
+def test_tune_presearch_only_option_errors(tmp_path, extra, words):
+    path = tiny_model(str(tmp_path / "m.onnx"))
+    rc, stdout, stderr = run_cli("tune", path, "--shapes", "X=2x8", "-o", str(tmp_path / "c.json"),
+                                 "--presearch-only", *extra)
+    assert_one_line_error(rc, stdout, stderr, *words)
+    assert not (tmp_path / "c.json").exists()

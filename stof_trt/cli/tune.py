@@ -75,6 +75,8 @@ def run(args) -> int:
         raise StofError("-k, --reps and --scheme-algos must be >= 1")
     if args.no_schemes and args.schemes_only:
         raise StofError("--no-schemes and --schemes-only exclude each other")
+    if args.presearch_only and args.all:
+        raise StofError("--all times every tactic; --presearch-only times none (give one of them)")
     check_output_path(None, args.output)
     target = None
     if args.gpu is None:
