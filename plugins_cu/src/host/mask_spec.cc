@@ -364,7 +364,8 @@ Args parse_args(const std::string& name, const std::string& text,
         if (idx == allowed.size()) {
             std::string names;
             for (const auto& a : allowed) names += (names.empty() ? "" : ", ") + std::string(a.first);
-            bad("mask '" + name + "': unknown argument '" + key + "' (expected one of " + names + ")");
+            bad("mask '" + name + "': unknown argument '" + key + "' (" +
+                (names.empty() ? std::string("it takes none") : "expected one of " + names) + ")");
         }
         const ArgType type = allowed[idx].second;
         Arg& arg = out[idx].second;
