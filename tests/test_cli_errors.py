@@ -253,8 +253,8 @@ def test_summary_node_counts_add_up(capsys):
 
 
 def test_run_refuses_inputs_that_disagree_on_an_axis(tmp_path):
-    """input_ids and attention_mask of different lengths (or batches): one line that names both inputs and the
-    axis, before any run, never the sequence-limit hint of an ORT shape error."""
+    """input_ids and attention_mask of different lengths (or batches), which the model cannot run: one line that
+    names both inputs and the axis, never the sequence-limit hint."""
     pytest.importorskip("onnxruntime")
     from models_util import exported
 
@@ -557,6 +557,8 @@ def test_run_refuses_to_overwrite_an_input_file(tmp_path):
 @pytest.mark.parametrize("extra, words", [
     (["--tactic-cache", "c.json"], ["--tactic-cache", "CUDA provider"]),
     (["--cuda-graphs"], ["--cuda-graphs", "CUDA provider"]),
+    (["--presearch", "--device", "0", "--verbose"], ["--presearch", "--device", "--verbose", "CUDA provider"]),
+    (["-o", "a", "-o", "b"], ["-o", "more than once"]),
     (["--shapes", "X=2x8,X=2x8"], ["given twice"]),
     (["--input", "X=x.npy", "--input", "X=x.npy"], ["given twice"]),
     (["--input", "X=x.npy", "--shapes", "X=2x8"], ["--input", "--shapes"]),

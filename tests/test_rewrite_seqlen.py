@@ -170,19 +170,28 @@ def test_models_with_a_limit_keep_it():
 def test_given_length_below_the_models_limit_keeps_the_limit():
     """max_seq_len below GPT-2's position table (72): the layouts grow past the given length, and the table's limit
     stays the model's (stof.max_seq_len 72 beside stof.compiled_seq_len 40), so `stof run` refuses 73 in one line
-    instead of ONNX Runtime's broadcast error, and runs 41-72."""
+    instead of ONNX Runtime's broadcast error; lengths 41 and 72 equal the original."""
     from models_util import family
 
     from stof_trt.cli.common import check_seq_limit
 
-    new, report = rewrite_model(family("gpt2")[0], max_seq_len=40, **TILE)
+    model = family("gpt2")[0]
+    new, report = rewrite_model(model, max_seq_len=40, **TILE)
     meta = {p.key: p.value for p in new.metadata_props}
     assert meta["stof.compiled_seq_len"] == "40" and meta["stof.max_seq_len"] == "72", meta
     assert None not in layout_specs(new)
     assert any("model's own limit of 72" in n for n in report.notes), report.notes
+    rng = np.random.default_rng(4)
+    for seq in (41, 72):   # past the compiled length, up to the limit: the spec's layouts (ONNX functions here)
+        assert_parity(model, new, token_feeds(rng, 2, seq, mask=padding_mask(rng, 2, seq)))
     check_seq_limit(new, {"input_ids": (1, 72), "attention_mask": (1, 72)})
     with pytest.raises(StofError, match="at most 72 tokens"):
         check_seq_limit(new, {"input_ids": (1, 73), "attention_mask": (1, 73)})
+    # given at the limit itself: as without the flag (no layout_spec, so the plugin refuses past it too)
+    new, _ = rewrite_model(model, max_seq_len=72, **TILE)
+    meta = {p.key: p.value for p in new.metadata_props}
+    assert meta["stof.max_seq_len"] == "72" and "stof.compiled_seq_len" not in meta
+    assert set(layout_specs(new)) == {None}
 
 
 def test_band_spec_reads_graph_patterns():

@@ -183,8 +183,10 @@ def ort_error(e: BaseException, model=None, shapes: dict | None = None) -> StofE
                          "--provider cpu")
     if any(w in low for w in ("invalid expand shape", "broadcast", "not broadcastable", "shape mismatch",
                               "got invalid dimensions", "index out of", "out of range", "indices element")):
-        limit, longest = _seq_limit(model, shapes)
-        if limit and (longest is None or longest > limit):
+        limit, longest, differ = _seq_limit(model, shapes)
+        if differ:
+            hint = f"{differ}; the model names them alike"
+        elif limit and (longest is None or longest > limit):
             hint = (f"the model was built for sequence length <= {limit}: feed shorter inputs or rewrite with a "
                     "larger --max-seq-len")
         elif any(w in low for w in ("index out of", "out of range", "indices element")):
@@ -200,10 +202,10 @@ def _short(msg: str, n: int = 200) -> str:
     return msg if len(msg) <= n else msg[:n - 3] + "..."
 
 
-def _seq_limit(model, shapes: dict | None = None) -> tuple[int | None, int | None]:
+def _seq_limit(model, shapes: dict | None = None) -> tuple[int | None, int | None, str | None]:
     """(the longest sequence ``model`` runs: its stof.max_seq_len, else the smallest length its STOF attention nodes
     were compiled for, None when its layouts grow or it has none; the longest of ``shapes`` on the model's symbolic
-    axes after the batch, None when not known)."""
+    axes after the batch, None when not known; _disagreement of ``shapes``)."""
     try:
         import onnx
 
@@ -217,41 +219,42 @@ def _seq_limit(model, shapes: dict | None = None) -> tuple[int | None, int | Non
                 dims = vi.type.tensor_type.shape.dim
                 sym += [shape[a] for a in range(1, min(len(shape), len(dims))) if not dims[a].HasField("dim_value")]
         longest = max(sym) if sym else None
+        differ = _disagreement(m, shapes or {})
         meta = {p.key: p.value for p in m.metadata_props}
         if "stof.max_seq_len" in meta:
-            return int(meta["stof.max_seq_len"]), longest
+            return int(meta["stof.max_seq_len"]), longest, differ
         if "stof.compiled_seq_len" in meta:
-            return None, longest   # its layouts grow: the compiled length is no limit
+            return None, longest, differ   # its layouts grow: the compiled length is no limit
         seqs = [min(n.layout.seq_q, n.layout.seq_k) for n in attention_nodes(m)]
-        return (min(seqs) if seqs else None), longest
+        return (min(seqs) if seqs else None), longest, differ
     except Exception:  # noqa: BLE001 - a hint only
-        return None, None
+        return None, None, None
 
 
-def check_shapes(model, shapes: dict) -> None:
-    """Refuse, before any run, shapes that cannot be right: inputs that disagree on an axis the model names alike
-    (input_ids and attention_mask on 'seq'), or a sequence length over the model's limit (check_seq_limit)."""
-    inits = {t.name for t in model.graph.initializer}
+def _disagreement(m, shapes: dict) -> str | None:
+    """Inputs of ``shapes`` that disagree on an axis the model names alike (input_ids and attention_mask on 'seq'),
+    in words; None when none do. ONNX Runtime does not require it, so this is a hint for its errors only."""
     seen: dict[str, tuple[int, str]] = {}
-    for vi in model.graph.input:
+    for vi in m.graph.input:
         shape = shapes.get(vi.name)
-        if vi.name in inits or shape is None or not vi.type.HasField("tensor_type"):
+        if shape is None or not vi.type.HasField("tensor_type"):
             continue
         for axis, d in enumerate(vi.type.tensor_type.shape.dim):
             if axis >= len(shape) or not d.dim_param:
                 continue
             size, first = seen.setdefault(d.dim_param, (shape[axis], vi.name))
             if size != shape[axis]:
-                raise StofError(f"inputs '{first}' and '{vi.name}' disagree on axis '{d.dim_param}' ({size} against "
-                                f"{shape[axis]}): the model needs the same size in both")
-    check_seq_limit(model, shapes)
+                return (f"inputs '{first}' and '{vi.name}' disagree on axis '{d.dim_param}' ({size} against "
+                        f"{shape[axis]})")
+    return None
 
 
 def check_seq_limit(model, shapes: dict) -> None:
     """Refuse, before any run, a sequence length over the rewritten model's ``stof.max_seq_len`` metadata (the
-    length its layouts were compiled for): ``shapes`` maps input names to the shapes about to be fed; the sequence
-    length is each input's size on an axis after the batch that the model leaves symbolic.  A model whose layouts
-    grow (every attention node has a layout_spec) has no such metadata: it runs at every length."""
+    longest sequence it runs: the length its layouts were compiled for, or the model's own limit): ``shapes`` maps
+    input names to the shapes about to be fed; the sequence length is each input's size on an axis after the batch
+    that the model leaves symbolic.  A model whose layouts grow and that has no limit of its own has no such
+    metadata: it runs at every length."""
     meta = {p.key: p.value for p in model.metadata_props}
     try:
         limit = int(meta["stof.max_seq_len"])
@@ -269,8 +272,8 @@ def check_seq_limit(model, shapes: dict) -> None:
                 continue
             if shape[axis] > limit:
                 raise StofError(f"input '{vi.name}' has sequence length {shape[axis]}: the model runs at most "
-                                f"{limit} tokens (stof.max_seq_len; rewrite with --max-seq-len to change it, up to "
-                                "the original model's limit)")
+                                f"{limit} tokens (stof.max_seq_len; a larger --max-seq-len in the rewrite helps "
+                                "only where the original model runs longer)")
 
 
 def quiet_onnxruntime() -> None:

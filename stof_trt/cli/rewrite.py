@@ -23,16 +23,16 @@ MAX_SEQ_LEN = 2**31 - 1
 
 def add_args(p):
     p.add_argument("input", metavar="IN.onnx", help="exported ONNX model (external data is read too)")
-    p.add_argument("-o", "--output", metavar="OUT.onnx",
+    p.add_argument("-o", "--output", action=Once, metavar="OUT.onnx",
                    help="where to write the rewritten model (default: IN.stof.onnx beside the input; never the "
                         "input itself)")
     p.add_argument("--mask", action=Once, metavar="SPEC",
                    help="static attention sparsity for every attention node (see `stof --help`); intersected "
                         "with causal/sliding patterns found in the graph; padding masks stay run-time inputs")
     p.add_argument("--no-epilogue", action="store_true", help="rewrite attention cores only")
-    p.add_argument("--tile", type=int, nargs=2, default=(64, 64), metavar=("M", "N"),
+    p.add_argument("--tile", action=Once, type=int, nargs=2, default=(64, 64), metavar=("M", "N"),
                    help="tile shape of the compiled mask (default 64 64)")
-    p.add_argument("--max-seq-len", type=int, metavar="S",
+    p.add_argument("--max-seq-len", action=Once, type=int, metavar="S",
                    help="compiled length of a dynamic model (default: its own limit, else 2048; closed-form "
                         "masks grow past it at run time; docs/rewrite.md)")
     p.add_argument("--no-packed-qkv", action="store_true",

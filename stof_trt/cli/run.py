@@ -15,7 +15,7 @@ import re
 
 from .._files import output_target, write_file_atomic
 from ..errors import StofError
-from .common import (check_shapes, int_in, load_model, ort_error, output_dir_kept_on_success, print_json,
+from .common import (Once, check_seq_limit, int_in, load_model, ort_error, output_dir_kept_on_success, print_json,
                      print_table)
 
 
@@ -27,13 +27,13 @@ def add_args(p):
     p.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0, help="seed of random inputs")
     p.add_argument("--provider", choices=["cuda", "cpu"], default="cuda",
                    help="cuda: CUDA EP + libstof_ort (default); cpu: STOF nodes run as their ONNX functions")
-    p.add_argument("--device", type=int_in(0, 1023), default=0, help="CUDA device id")
+    p.add_argument("--device", type=int_in(0, 1023), help="CUDA device id (default 0)")
     p.add_argument("--tactic-cache", metavar="FILE.json", help="tactic cache from `stof tune`")
     p.add_argument("--presearch", action="store_true",
                    help="attention nodes without a tactic-cache entry use the pre-search's first choice for this "
                         "run's (batch, seq) instead of the kernel library's default")
     p.add_argument("--cuda-graphs", action="store_true", help="run through a captured CUDA graph (IO binding)")
-    p.add_argument("-o", "--output-dir", metavar="DIR",
+    p.add_argument("-o", "--output-dir", action=Once, metavar="DIR",
                    help="save each output as DIR/<name>.npy (created if needed; characters other than letters, "
                         "digits, '.', '_' and '-' in a name become '_')")
     p.add_argument("--time", type=int_in(0, 1_000_000), default=0, metavar="N",
@@ -99,7 +99,8 @@ def run(args) -> int:
         raise StofError(f"{args.model}: a STOF attention node's layout is invalid ({e})") from None
     if args.provider == "cpu":  # the options of the CUDA plugin would be silently ignored
         gpu_only = [f for f, on in (("--tactic-cache", args.tactic_cache), ("--cuda-graphs", args.cuda_graphs),
-                                    ("--presearch", args.presearch), ("--device", args.device != 0)) if on]
+                                    ("--presearch", args.presearch), ("--device", args.device is not None),
+                                    ("--verbose", args.verbose)) if on]
         if gpu_only:
             raise StofError(f"{', '.join(gpu_only)} apply to the CUDA provider only, not --provider cpu")
     given = load_inputs(args.input)
@@ -107,7 +108,7 @@ def run(args) -> int:
     both = sorted(set(shapes) & set(given))
     if both:
         raise StofError(f"{', '.join(both)}: given by --input and by --shapes (give one)")
-    check_shapes(model, {**shapes, **{n: a.shape for n, a in given.items()}})
+    check_seq_limit(model, {**shapes, **{n: a.shape for n, a in given.items()}})
     del model
     with output_dir_kept_on_success(args.output_dir):  # a run that fails leaves no new directory behind
         return _run(args, given)
@@ -126,7 +127,7 @@ def _run(args, given: dict) -> int:
             raise StofError("--presearch needs an input of rank >= 2 (batch, seq) from --input or --shapes")
         pre = [dims[0]]
     try:
-        sess = sort.session(args.model, providers=args.provider, device_id=args.device,
+        sess = sort.session(args.model, providers=args.provider, device_id=args.device or 0,
                             tactic_cache=args.tactic_cache, cuda_graphs=args.cuda_graphs, verbose=args.verbose,
                             presearch_shapes=pre)
     except StofError as e:
@@ -156,7 +157,7 @@ def _run(args, given: dict) -> int:
         if n in given and str(given[n].dtype) != dt:
             raise StofError(f"input '{n}' is {given[n].dtype}, the model expects {dt}")
     try:
-        binding = sort.Binding(sess, feeds, device_id=args.device)
+        binding = sort.Binding(sess, feeds, device_id=args.device or 0)
         binding.run()
         outs = binding.outputs()
     except StofError:

@@ -30,7 +30,7 @@ def add_args(p):
     p.add_argument("--instances", type=int, default=1, metavar="K", help="model instances (default 1)")
     p.add_argument("--provider", choices=["auto", "cuda", "cpu"], default="auto",
                    help="auto: CUDA EP + libstof_ort when both are available, else CPU")
-    p.add_argument("--device", type=int_in(0, 1023), default=0, help="CUDA device id")
+    p.add_argument("--device", type=int_in(0, 1023), help="CUDA device id (default 0)")
     p.add_argument("--tactic-cache", metavar="FILE.json", help="tactic cache from `stof tune`")
     p.add_argument("--python", metavar="PYTHON", help="the interpreter that runs PyTriton")
     p.add_argument("--ready-timeout", type=float, default=300, metavar="S",
@@ -38,10 +38,13 @@ def add_args(p):
 
 
 def run(args) -> int:
+    from ..errors import StofError
     from ..triton.serve import serve
 
+    if args.provider == "cpu" and args.device is not None:
+        raise StofError("--device applies to the CUDA provider only, not --provider cpu")
     return serve(args.model, port=args.port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
                  host=args.host, name=args.name, max_batch=args.max_batch,
                  max_queue_delay_us=args.max_queue_delay_us, instances=args.instances, provider=args.provider,
-                 device=args.device, tactic_cache=args.tactic_cache, python=args.python,
+                 device=args.device or 0, tactic_cache=args.tactic_cache, python=args.python,
                  ready_timeout=args.ready_timeout)

@@ -29,7 +29,7 @@ by NAME and --cc as the library reads them on that GPU (NAME as cudaGetDevicePro
 from __future__ import annotations
 
 from ..errors import StofError
-from .common import check_output_path, check_shapes, int_in, load_model, print_json, print_table
+from .common import check_output_path, check_seq_limit, int_in, load_model, print_json, print_table
 
 
 def add_args(p):
@@ -89,7 +89,7 @@ def run(args) -> int:
         target = target_gpu(args.gpu, cc=args.cc, sm_count=args.sm_count, profile=args.profile)
     model = load_model(args.model)
     for s in args.shapes:
-        check_shapes(model, sort.parse_shapes([s]))
+        check_seq_limit(model, sort.parse_shapes([s]))
     cache = TacticCache.load_or_new(args.output)
     if target is None:
         import onnxruntime as ort

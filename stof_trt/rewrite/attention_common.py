@@ -453,7 +453,11 @@ def compiled_length(ctx, graph: gs.Graph, shape_names: set[str], mask_terms: lis
             raise StofError(f"max_seq_len={given} is longer than the model runs: it accepts at most {limit} "
                             "positions (a position-embedding table or mask buffer)")
         seq, source = given, "given"
-        if limit < max(given, DEFAULT_MAX_SEQ):
+        if limit == given and limit < max(given, DEFAULT_MAX_SEQ):  # the model's own limit: as without the flag
+            source = "model"
+            notes.append(f"compiled for sequence length {seq}: the model's own limit (longer inputs fail in the "
+                         "original model too)")
+        elif limit < max(given, DEFAULT_MAX_SEQ):
             opts["_model_seq_limit"] = limit
     elif limit < cap:
         seq, source = limit, "model"

@@ -90,7 +90,7 @@ def rewrite_model(model: onnx.ModelProto, *, mask=None, epilogues: bool = True, 
             a new int32 input ``stof_token_capacity`` (values unused; at least the batch's real tokens), instead
             of exactly the real tokens. The run then has no data-dependent shape, so ORT can replay it through a
             CUDA graph, one per capacity; ``stof_trt.ort.Binding`` fills the input from the padding mask
-            (docs/rewrite.md, "CUDA graphs").
+            (docs/rewrite.md, "CUDA graphs"). A StofError where padding removal does not apply.
         external_data_dir: for a model loaded with ``onnx.load(..., load_external_data=False)`` (needed when a
             single tensor is over 2 GB): the directory its external data locations are relative to. Those
             weights are read where a value is needed and stay external in the returned model.

@@ -298,7 +298,7 @@ def apply_schemes(ctx: RewriteContext) -> dict:
     tokens = int(ctx.options.get("scheme_tokens") or S.DEFAULT_TOKENS)
     model = ctx.options.get("cost_model")
     changed: dict = {}
-    sources: dict = {}  # (kind, scheme, algo) -> measured: whether the cache chose it
+    by_source: dict = {}  # (measured, (kind, scheme, algo)) -> chains: the cache's choices apart from the model's
     sites = find_chains(ctx.graph)
     matched = 0
     for site in sites:
@@ -315,12 +315,12 @@ def apply_schemes(ctx: RewriteContext) -> dict:
         apply_scheme(ctx, site, scheme, algo)
         key = (site.kind, scheme, algo)
         changed[key] = changed.get(key, 0) + 1
-        sources[key] = sources.get(key, False) or measured
+        by_source[(measured, key)] = by_source.get((measured, key), 0) + 1
     if changed:
         ctx.graph.cleanup().toposort()
     # the note names what differs from the fixed rules (which every rewrite applies without a word), by source
     for measured, src in ((True, "measured (tactic cache)"), (False, f"cost model at {tokens} tokens")):
-        said = {key: c for key, c in changed.items() if sources[key] == measured and
+        said = {key: c for (m, key), c in by_source.items() if m == measured and
                 (measured or not S.template(key[0], key[1]).fixed_rule)}
         if said:
             ctx.report.notes.append("fusion schemes, " + src + ": " + ", ".join(
