@@ -649,3 +649,19 @@ def test_tune_presearch_only_option_errors(tmp_path, extra, words):
                                  "--presearch-only", *extra)
     assert_one_line_error(rc, stdout, stderr, *words)
     assert not (tmp_path / "c.json").exists()
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("args", [["rewrite", "--help"], ["--version"]])
+def test_help_into_a_full_device_is_an_error(args):
+    with open("/dev/full", "w") as full:
+        p = subprocess.run([sys.executable, "-m", "stof_trt.cli", *args], stdout=full, stderr=subprocess.PIPE,
+                           text=True, timeout=600)
+    assert_one_line_error(p.returncode, "", p.stderr, "cannot write to standard output")
+
+
+def test_an_error_quoting_a_huge_spec_stays_short(tmp_path):
+    rc, stdout, stderr = run_cli("rewrite", tiny_model(str(tmp_path / "m.onnx")), "-o", str(tmp_path / "o.onnx"),
+                                 "--mask", "causal:" + "y" * 100_000 + "=1")
+    assert_one_line_error(rc, stdout, stderr, "unknown argument", "more characters")
+    assert len(stderr) < 1200

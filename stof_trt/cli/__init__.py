@@ -27,11 +27,21 @@ SUBCOMMANDS = [
 ]
 
 
+#: Longest error message printed whole (one line of a terminal's scrollback, not a quoted 100 kB spec).
+MAX_ERROR_CHARS = 1000
+
+
 class _Parser(argparse.ArgumentParser):
     """Usage errors as one line on stderr, exit 2, as every other user error (the usage is one --help away)."""
 
     def error(self, message):
         self.exit(2, f"stof: error: {message} (`{self.prog} --help` shows the usage)\n")
+
+    def _print_message(self, message, file=None):
+        # argparse drops a failed write (help into a full device would exit 0); main reports it
+        if message:
+            (file or sys.stderr).write(message)
+            (file or sys.stderr).flush()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,7 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    try:
+        args, extra = parser.parse_known_args(argv)
+    except BrokenPipeError:  # `stof rewrite --help | head -1`: quiet, as below
+        _silence_stdout()
+        return 141
+    except OSError as err:  # --help or --version into a full device (_Parser._print_message)
+        return _stdout_failed(err)
     if extra:  # named against the subcommand's usage, not the top-level one
         prog = f"stof {args.command}" if getattr(args, "command", None) else "stof"
         parser.exit(2, f"stof: error: unrecognized arguments: {' '.join(extra)} (`{prog} --help` shows the usage)\n")
@@ -75,7 +91,10 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()   # a closed pipe or a full device shows here, not at the interpreter's exit
         return rc
     except StofError as e:
-        print(f"stof: error: {e}", file=sys.stderr)
+        msg = str(e)
+        if len(msg) > MAX_ERROR_CHARS:  # a message quoting a huge spec or path stays readable
+            msg = f"{msg[:MAX_ERROR_CHARS]}... ({len(msg) - MAX_ERROR_CHARS} more characters)"
+        print(f"stof: error: {msg}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("stof: interrupted", file=sys.stderr)
@@ -102,6 +121,12 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, RuntimeError) and "can't allocate memory" in str(e):  # torch's CPU allocator
             return _out_of_memory()
         return _internal(e)
+
+
+def _stdout_failed(err: OSError) -> int:
+    _silence_stdout()
+    print(f"stof: error: cannot write to standard output ({err.strerror or type(err).__name__})", file=sys.stderr)
+    return 2
 
 
 def _out_of_memory() -> int:
