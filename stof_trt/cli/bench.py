@@ -20,7 +20,7 @@ import os
 import numpy as np
 
 from ..errors import StofError
-from .common import (Once, check_output_path, check_seq_limit, int_in, load_model, ort_error, print_json,
+from .common import (OnceMask, check_output_path, check_seq_limit, int_in, load_model, ort_error, print_json,
                      print_table)
 
 
@@ -28,7 +28,7 @@ def add_args(p):
     p.add_argument("original", metavar="ORIGINAL.onnx")
     p.add_argument("rewritten", metavar="REWRITTEN.onnx")
     p.add_argument("--ort-optimized", metavar="MODEL.onnx", help="a third model to time (same inputs as ORIGINAL)")
-    p.add_argument("--mask", action=Once, metavar="SPEC",
+    p.add_argument("--mask", action=OnceMask, metavar="SPEC",
                    help="the static mask the rewrite used (fed densely to a 3-D mask input)")
     p.add_argument("--shapes", action="append", default=[], metavar="NAME=DxD,...",
                    help="input shapes of the rewritten model (symbolic dims)")

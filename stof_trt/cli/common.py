@@ -109,13 +109,18 @@ def check_output_path(inp: str | None, out: str) -> None:
 class Once(argparse.Action):
     """An option given at most once: a second value would silently replace the first."""
 
+    hint = ""  # what to do instead, for the error
+
     def __call__(self, parser, namespace, values, option_string=None):
         seen = namespace.__dict__.setdefault("_given_once", set())
         if self.dest in seen:
-            hint = " (combine masks in one spec with '|' or '&')" if self.dest == "mask" else ""
-            parser.error(f"{option_string} is given more than once{hint}")
+            parser.error(f"{option_string} is given more than once{self.hint}")
         seen.add(self.dest)
         setattr(namespace, self.dest, values)
+
+
+class OnceMask(Once):
+    hint = " (combine masks in one spec with '|' or '&')"
 
 
 def int_in(lo: int, hi: int):
@@ -212,13 +217,7 @@ def _seq_limit(model, shapes: dict | None = None) -> tuple[int | None, int | Non
         from ..nodes import attention_nodes
 
         m = model if hasattr(model, "graph") else onnx.load(str(model))
-        sym = []
-        for vi in m.graph.input:
-            shape = (shapes or {}).get(vi.name)
-            if shape is not None and vi.type.HasField("tensor_type"):
-                dims = vi.type.tensor_type.shape.dim
-                sym += [shape[a] for a in range(1, min(len(shape), len(dims))) if not dims[a].HasField("dim_value")]
-        longest = max(sym) if sym else None
+        longest = max((n for _, n in _sequence_lengths(m, shapes or {})), default=None)
         differ = _disagreement(m, shapes or {})
         meta = {p.key: p.value for p in m.metadata_props}
         if "stof.max_seq_len" in meta:
@@ -262,18 +261,24 @@ def check_seq_limit(model, shapes: dict) -> None:
         return
     if limit < 1:
         raise StofError(f"the model's stof.max_seq_len metadata is {limit}: not a sequence length (a damaged model)")
+    for name, length in _sequence_lengths(model, shapes):
+        if length > limit:
+            raise StofError(f"input '{name}' has sequence length {length}: the model runs at most {limit} tokens "
+                            "(stof.max_seq_len; a larger --max-seq-len in the rewrite helps only where the original "
+                            "model runs longer)")
+
+
+def _sequence_lengths(model, shapes: dict):
+    """(input name, size) of each axis after the batch that the model leaves symbolic, for the inputs of ``shapes``
+    (name -> the shape about to be fed): the sequence lengths of a run."""
     inits = {t.name for t in model.graph.initializer}
     for vi in model.graph.input:
         shape = shapes.get(vi.name)
         if vi.name in inits or shape is None or not vi.type.HasField("tensor_type"):
             continue
         for axis, d in enumerate(vi.type.tensor_type.shape.dim):
-            if axis == 0 or axis >= len(shape) or d.HasField("dim_value"):
-                continue
-            if shape[axis] > limit:
-                raise StofError(f"input '{vi.name}' has sequence length {shape[axis]}: the model runs at most "
-                                f"{limit} tokens (stof.max_seq_len; a larger --max-seq-len in the rewrite helps "
-                                "only where the original model runs longer)")
+            if 0 < axis < len(shape) and not d.HasField("dim_value"):
+                yield vi.name, shape[axis]
 
 
 def quiet_onnxruntime() -> None:

@@ -23,14 +23,14 @@ import time
 import numpy as np
 
 from ..errors import StofError
-from .common import Once, int_in
+from .common import OnceMask, int_in
 
 
 def add_args(p):
     p.add_argument("--seq-len", type=int, default=256, help="sequence length (default 256)")
     p.add_argument("--batch", type=int, default=2,
                    help="batch size; sequence 0 is full length, the others padded to random lengths (default 2)")
-    p.add_argument("--mask", action=Once, default="longformer:window=32,global=8", metavar="SPEC",
+    p.add_argument("--mask", action=OnceMask, default="longformer:window=32,global=8", metavar="SPEC",
                    help="static mask to rewrite with (default longformer:window=32,global=8)")
     p.add_argument("--layers", type=int, default=2, help="encoder layers of the exported BERT (default 2)")
     p.add_argument("--work-dir", metavar="DIR", help="keep the exported and rewritten models here")

@@ -15,7 +15,7 @@ import os
 import time
 
 from ..errors import StofError
-from .common import Once, check_output_path, default_output, load_model, print_json, print_table, save_model
+from .common import Once, OnceMask, check_output_path, default_output, load_model, print_json, print_table, save_model
 
 # Sequence lengths the tile format can index (int32 element offsets within one row of tiles).
 MAX_SEQ_LEN = 2**31 - 1
@@ -26,7 +26,7 @@ def add_args(p):
     p.add_argument("-o", "--output", action=Once, metavar="OUT.onnx",
                    help="where to write the rewritten model (default: IN.stof.onnx beside the input; never the "
                         "input itself)")
-    p.add_argument("--mask", action=Once, metavar="SPEC",
+    p.add_argument("--mask", action=OnceMask, metavar="SPEC",
                    help="static attention sparsity for every attention node (see `stof --help`); intersected "
                         "with causal/sliding patterns found in the graph; padding masks stay run-time inputs")
     p.add_argument("--no-epilogue", action="store_true", help="rewrite attention cores only")
