@@ -192,13 +192,20 @@ class TileLayout:
         if nnz > 1 and np.any((np.diff(c) <= 0) & (np.diff(row_of) == 0)):
             raise StofError("col_idx must be strictly ascending within a tile row")
         p = tb[:nnz]
+        if bm.ndim != 2 or bm.shape[0] < 1 or bm.shape[1] != self.words_per_tile:
+            raise StofError(f"bitmaps must be [P, {self.words_per_tile}] (one row of tile_m*tile_n/32 words per "
+                            f"bitmap), got {bm.shape}")
+        # the index is checked against the rows there are before the rows are counted against the index: a corrupt
+        # entry is named as such, not as a bitmaps shape
+        bad = np.flatnonzero((p < -1) | (p >= bm.shape[0]))
+        if bad.size:
+            raise StofError(f"tile_bitmap_index[{bad[0]}] = {p[bad[0]]}: must be -1 (a FULL tile) or a bitmap row "
+                            f"0..{bm.shape[0] - 1}")
         used = np.unique(p[p >= 0])
         n_bm = used.size
-        if bm.ndim != 2 or bm.shape != (max(n_bm, 1), self.words_per_tile):
-            raise StofError(f"bitmaps must be [{max(n_bm, 1)}, {self.words_per_tile}] (one row per bitmap the tiles "
-                            f"use), got {bm.shape}")
-        if np.any(p < -1) or not np.array_equal(used, np.arange(n_bm)):
-            raise StofError("tile_bitmap_index must be -1 or a bitmap row 0..P-1, and every bitmap row must be used")
+        if bm.shape[0] != max(n_bm, 1) or not np.array_equal(used, np.arange(n_bm)):
+            raise StofError(f"bitmaps must have one row per bitmap the tiles use (rows 0..{max(n_bm, 1) - 1}, each "
+                            f"used): got {bm.shape[0]} rows, {n_bm} used")
 
     def entries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Per stored tile: (layout, tile row, tile column, bitmap index or -1)."""

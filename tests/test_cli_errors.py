@@ -287,8 +287,8 @@ def test_run_past_the_compiled_length_names_the_limit(tmp_path):
     before = snapshot(tmp_path)
     over = f"input_ids=1x{limit + 1},attention_mask=1x{limit + 1}"
     rc, stdout, stderr = run_cli("run", new, "--provider", "cpu", "--shapes", over, "-o", str(out))
-    assert_one_line_error(rc, stdout, stderr, f"at most {limit} tokens", "stof.max_seq_len", "--max-seq-len",
-                          str(limit + 1))
+    assert_one_line_error(rc, stdout, stderr, f"at most {limit} tokens", "stof.max_seq_len",
+                          "the original model's own limit", str(limit + 1))
     rc, stdout, stderr = run_cli("bench", orig, new, "--shapes", over)
     assert_one_line_error(rc, stdout, stderr, f"at most {limit} tokens", "stof.max_seq_len")
     assert snapshot(tmp_path) == before

@@ -219,6 +219,20 @@ def test_validate_rejects_unused_and_out_of_range_bitmaps():
         TileLayout.from_arrays(**{**fields, "tile_bitmap_index": tbi})
 
 
+@pytest.mark.parametrize("past", [-2, -7, 4, 7, 2**31 - 1])
+def test_a_corrupt_bitmap_index_is_named_as_such(past):
+    """An entry of tile_bitmap_index outside [-1, P) is reported as that entry, whatever the bitmaps' shape."""
+    lay = compile_mask("sliding:window=70", 256, 256)
+    assert lay.num_bitmaps == 4
+    tbi = lay.tile_bitmap_index.copy()
+    at = int(np.flatnonzero(tbi >= 0)[1])
+    value = tbi[at] = past
+    fields = dict(seq_q=256, seq_k=256, tile_m=64, tile_n=64, num_layouts=1, row_ptr=lay.row_ptr,
+                  col_idx=lay.col_idx, tile_bitmap_index=tbi, bitmaps=lay.bitmaps)
+    with pytest.raises(StofError, match=rf"tile_bitmap_index\[{at}\] = {value}: must be -1 .* 0\.\.3$"):
+        TileLayout.from_arrays(**fields)
+
+
 def test_layouts_from_outside_are_checked():
     with pytest.raises(StofError, match="boolean or 0/1"):
         TileLayout.from_dense(np.full((64, 64), 0.5))

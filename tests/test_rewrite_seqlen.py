@@ -66,6 +66,12 @@ def test_fixed_user_mask_sets_the_compiled_length(tmp_path):
     att = report.to_dict()["attention"]
     assert att and all(a["seq_q"] == 40 for a in att)
     assert any("the size of the mask" in n for n in report.notes), report.notes
+    meta = {p.key: p.value for p in new.metadata_props}
+    assert meta["stof.max_seq_len"] == "40" and meta["stof.max_seq_len_source"] == "mask", meta
+    from stof_trt.cli.common import check_seq_limit
+
+    with pytest.raises(StofError, match=r"at most 40 tokens \(stof.max_seq_len: the size of its fixed mask"):
+        check_seq_limit(new, {"input_ids": (1, 41), "attention_mask": (1, 41)})
     sess = session(new)
     run(sess, token_feeds(rng, 2, 40))
     with pytest.raises(Exception, match=r"\{1,40,40\}"):
@@ -185,7 +191,7 @@ def test_given_length_below_the_models_limit_keeps_the_limit():
     for seq in (41, 72):   # past the compiled length, up to the limit: the spec's layouts (ONNX functions here)
         assert_parity(model, new, token_feeds(rng, 2, seq, mask=padding_mask(rng, 2, seq)))
     check_seq_limit(new, {"input_ids": (1, 72), "attention_mask": (1, 72)})
-    with pytest.raises(StofError, match="at most 72 tokens"):
+    with pytest.raises(StofError, match="at most 72 tokens \\(stof.max_seq_len: the original model's own limit\\)"):
         check_seq_limit(new, {"input_ids": (1, 73), "attention_mask": (1, 73)})
     # given at the limit itself: as without the flag (no layout_spec, so the plugin refuses past it too)
     new, _ = rewrite_model(model, max_seq_len=72, **TILE)

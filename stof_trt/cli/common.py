@@ -192,8 +192,9 @@ def ort_error(e: BaseException, model=None, shapes: dict | None = None) -> StofE
         if differ:
             hint = f"{differ}; the model names them alike"
         elif limit and (longest is None or longest > limit):
-            hint = (f"the model was built for sequence length <= {limit}: feed shorter inputs or rewrite with a "
-                    "larger --max-seq-len")
+            remedy = _limit_remedy(model)
+            hint = (f"the model was built for sequence length <= {limit}: feed shorter inputs"
+                    + (f" ({remedy})" if remedy.startswith("the original") else f" or {remedy}"))
         elif any(w in low for w in ("index out of", "out of range", "indices element")):
             hint = "an index input is past its table (token ids within the vocabulary?)"
         else:
@@ -248,6 +249,29 @@ def _disagreement(m, shapes: dict) -> str | None:
     return None
 
 
+#: What sets a rewritten model's stof.max_seq_len (its metadata stof.max_seq_len_source, rewrite.py), in words that
+#: say what the user can change; a model without the key gets the last entry's.
+_LIMIT_REMEDIES = {
+    "model": "the original model's own limit",
+    "mask": "the size of its fixed mask: rewrite with a larger mask",
+    "given": "rewrite with a larger --max-seq-len",
+    "default": "rewrite with a larger --max-seq-len",
+    "": "a larger --max-seq-len in the rewrite helps only where the original model runs longer",
+}
+
+
+def _limit_remedy(model) -> str:
+    """What the user can change about ``model``'s (a ModelProto or path) sequence-length limit, in words."""
+    try:
+        import onnx
+
+        m = model if hasattr(model, "graph") else onnx.load(str(model), load_external_data=False)
+        source = {p.key: p.value for p in m.metadata_props}.get("stof.max_seq_len_source", "")
+    except Exception:  # noqa: BLE001 - a hint only
+        source = ""
+    return _LIMIT_REMEDIES.get(source, _LIMIT_REMEDIES[""])
+
+
 def check_seq_limit(model, shapes: dict) -> None:
     """Refuse, before any run, a sequence length over the rewritten model's ``stof.max_seq_len`` metadata (the
     longest sequence it runs: the length its layouts were compiled for, or the model's own limit): ``shapes`` maps
@@ -264,8 +288,7 @@ def check_seq_limit(model, shapes: dict) -> None:
     for name, length in _sequence_lengths(model, shapes):
         if length > limit:
             raise StofError(f"input '{name}' has sequence length {length}: the model runs at most {limit} tokens "
-                            "(stof.max_seq_len; a larger --max-seq-len in the rewrite helps only where the original "
-                            "model runs longer)")
+                            f"(stof.max_seq_len: {_limit_remedy(model)})")
 
 
 def _sequence_lengths(model, shapes: dict):

@@ -202,12 +202,15 @@ def _rewrite_model(model, *, mask, epilogues, tile_m, tile_n, max_seq_len, packe
         if token_capacity_input:
             out.metadata_props.add(key="stof.token_capacity_input",
                                    value=report.remove_padding["token_capacity_input"])
-    if "_compiled_seq" in ctx.options and not grows:  # the longest sequence it runs (docs/rewrite.md)
+    # the longest sequence it runs and what sets it, which the CLI's refusal names (docs/rewrite.md)
+    if "_compiled_seq" in ctx.options and not grows:
         out.metadata_props.add(key="stof.max_seq_len", value=str(ctx.options["_compiled_seq"]))
+        out.metadata_props.add(key="stof.max_seq_len_source", value=ctx.options.get("_compiled_seq_source", ""))
     elif "_compiled_seq" in ctx.options:   # every layout is built for longer inputs: for information
         out.metadata_props.add(key="stof.compiled_seq_len", value=str(ctx.options["_compiled_seq"]))
         if "_model_seq_limit" in ctx.options:  # a given length below the model's own limit: that limit stays
             out.metadata_props.add(key="stof.max_seq_len", value=str(ctx.options["_model_seq_limit"]))
+            out.metadata_props.add(key="stof.max_seq_len_source", value="model")
     for imp in list(out.opset_import):
         if imp.domain == DOMAIN:
             out.opset_import.remove(imp)
