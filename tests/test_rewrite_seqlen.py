@@ -70,7 +70,7 @@ def test_fixed_user_mask_sets_the_compiled_length(tmp_path):
     assert meta["stof.max_seq_len"] == "40" and meta["stof.max_seq_len_source"] == "mask", meta
     from stof_trt.cli.common import check_seq_limit
 
-    with pytest.raises(StofError, match=r"at most 40 tokens \(stof.max_seq_len: the size of its fixed mask"):
+    with pytest.raises(StofError, match=r"at most 40 tokens \(stof.max_seq_len: the size of its fixed mask; rewrite with a larger mask\)"):
         check_seq_limit(new, {"input_ids": (1, 41), "attention_mask": (1, 41)})
     sess = session(new)
     run(sess, token_feeds(rng, 2, 40))

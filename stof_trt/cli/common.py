@@ -192,9 +192,9 @@ def ort_error(e: BaseException, model=None, shapes: dict | None = None) -> StofE
         if differ:
             hint = f"{differ}; the model names them alike"
         elif limit and (longest is None or longest > limit):
-            remedy = _limit_remedy(model)
-            hint = (f"the model was built for sequence length <= {limit}: feed shorter inputs"
-                    + (f" ({remedy})" if remedy.startswith("the original") else f" or {remedy}"))
+            what, todo = _limit_source(model)
+            hint = (f"the model was built for sequence length <= {limit} ({what}): feed shorter inputs"
+                    + (f" or {todo}" if todo else ""))
         elif any(w in low for w in ("index out of", "out of range", "indices element")):
             hint = "an index input is past its table (token ids within the vocabulary?)"
         else:
@@ -249,19 +249,19 @@ def _disagreement(m, shapes: dict) -> str | None:
     return None
 
 
-#: What sets a rewritten model's stof.max_seq_len (its metadata stof.max_seq_len_source, rewrite.py), in words that
-#: say what the user can change; a model without the key gets the last entry's.
-_LIMIT_REMEDIES = {
-    "model": "the original model's own limit",
-    "mask": "the size of its fixed mask: rewrite with a larger mask",
-    "given": "rewrite with a larger --max-seq-len",
-    "default": "rewrite with a larger --max-seq-len",
-    "": "a larger --max-seq-len in the rewrite helps only where the original model runs longer",
+#: What sets a rewritten model's stof.max_seq_len (its metadata stof.max_seq_len_source, rewrite.py) and what the user
+#: can do about it (None: nothing, the original model has the same limit); a model without the key gets the last.
+_LIMIT_SOURCES = {
+    "model": ("the original model's own limit", None),
+    "mask": ("the size of its fixed mask", "rewrite with a larger mask"),
+    "given": ("the compiled length", "rewrite with a larger --max-seq-len"),
+    "default": ("the compiled length", "rewrite with a larger --max-seq-len"),
+    "": ("its limit", "rewrite with a larger --max-seq-len where the original model runs longer"),
 }
 
 
-def _limit_remedy(model) -> str:
-    """What the user can change about ``model``'s (a ModelProto or path) sequence-length limit, in words."""
+def _limit_source(model) -> tuple[str, str | None]:
+    """(what sets ``model``'s (a ModelProto or path) sequence-length limit, what the user can do or None)."""
     try:
         import onnx
 
@@ -269,7 +269,12 @@ def _limit_remedy(model) -> str:
         source = {p.key: p.value for p in m.metadata_props}.get("stof.max_seq_len_source", "")
     except Exception:  # noqa: BLE001 - a hint only
         source = ""
-    return _LIMIT_REMEDIES.get(source, _LIMIT_REMEDIES[""])
+    return _LIMIT_SOURCES.get(source, _LIMIT_SOURCES[""])
+
+
+def _limit_words(model) -> str:
+    what, todo = _limit_source(model)
+    return f"{what}; {todo}" if todo else what
 
 
 def check_seq_limit(model, shapes: dict) -> None:
@@ -288,7 +293,7 @@ def check_seq_limit(model, shapes: dict) -> None:
     for name, length in _sequence_lengths(model, shapes):
         if length > limit:
             raise StofError(f"input '{name}' has sequence length {length}: the model runs at most {limit} tokens "
-                            f"(stof.max_seq_len: {_limit_remedy(model)})")
+                            f"(stof.max_seq_len: {_limit_words(model)})")
 
 
 def _sequence_lengths(model, shapes: dict):
