@@ -188,11 +188,11 @@ def ort_error(e: BaseException, model=None, shapes: dict | None = None) -> StofE
                          "--provider cpu")
     if any(w in low for w in ("invalid expand shape", "broadcast", "not broadcastable", "shape mismatch",
                               "got invalid dimensions", "index out of", "out of range", "indices element")):
-        limit, longest, differ = _seq_limit(model, shapes)
+        limit, longest, differ, source = _seq_limit(model, shapes)
         if differ:
             hint = f"{differ}; the model names them alike"
         elif limit and (longest is None or longest > limit):
-            what, todo = _limit_source(model)
+            what, todo = _LIMIT_SOURCES.get(source, _LIMIT_SOURCES[""])
             hint = (f"the model was built for sequence length <= {limit} ({what}): feed shorter inputs"
                     + (f" or {todo}" if todo else ""))
         elif any(w in low for w in ("index out of", "out of range", "indices element")):
@@ -208,10 +208,11 @@ def _short(msg: str, n: int = 200) -> str:
     return msg if len(msg) <= n else msg[:n - 3] + "..."
 
 
-def _seq_limit(model, shapes: dict | None = None) -> tuple[int | None, int | None, str | None]:
+def _seq_limit(model, shapes: dict | None = None) -> tuple[int | None, int | None, str | None, str]:
     """(the longest sequence ``model`` runs: its stof.max_seq_len, else the smallest length its STOF attention nodes
     were compiled for, None when its layouts grow or it has none; the longest of ``shapes`` on the model's symbolic
-    axes after the batch, None when not known; _disagreement of ``shapes``)."""
+    axes after the batch, None when not known; _disagreement of ``shapes``; its stof.max_seq_len_source, "" when
+    it has none)."""
     try:
         import onnx
 
@@ -221,14 +222,15 @@ def _seq_limit(model, shapes: dict | None = None) -> tuple[int | None, int | Non
         longest = max((n for _, n in _sequence_lengths(m, shapes or {})), default=None)
         differ = _disagreement(m, shapes or {})
         meta = {p.key: p.value for p in m.metadata_props}
+        source = meta.get("stof.max_seq_len_source", "")
         if "stof.max_seq_len" in meta:
-            return int(meta["stof.max_seq_len"]), longest, differ
+            return int(meta["stof.max_seq_len"]), longest, differ, source
         if "stof.compiled_seq_len" in meta:
-            return None, longest, differ   # its layouts grow: the compiled length is no limit
+            return None, longest, differ, source   # its layouts grow: the compiled length is no limit
         seqs = [min(n.layout.seq_q, n.layout.seq_k) for n in attention_nodes(m)]
-        return (min(seqs) if seqs else None), longest, differ
+        return (min(seqs) if seqs else None), longest, differ, source
     except Exception:  # noqa: BLE001 - a hint only
-        return None, None, None
+        return None, None, None, ""
 
 
 def _disagreement(m, shapes: dict) -> str | None:
@@ -260,20 +262,8 @@ _LIMIT_SOURCES = {
 }
 
 
-def _limit_source(model) -> tuple[str, str | None]:
-    """(what sets ``model``'s (a ModelProto or path) sequence-length limit, what the user can do or None)."""
-    try:
-        import onnx
-
-        m = model if hasattr(model, "graph") else onnx.load(str(model), load_external_data=False)
-        source = {p.key: p.value for p in m.metadata_props}.get("stof.max_seq_len_source", "")
-    except Exception:  # noqa: BLE001 - a hint only
-        source = ""
-    return _LIMIT_SOURCES.get(source, _LIMIT_SOURCES[""])
-
-
-def _limit_words(model) -> str:
-    what, todo = _limit_source(model)
+def _limit_words(source: str) -> str:
+    what, todo = _LIMIT_SOURCES.get(source, _LIMIT_SOURCES[""])
     return f"{what}; {todo}" if todo else what
 
 
@@ -293,7 +283,7 @@ def check_seq_limit(model, shapes: dict) -> None:
     for name, length in _sequence_lengths(model, shapes):
         if length > limit:
             raise StofError(f"input '{name}' has sequence length {length}: the model runs at most {limit} tokens "
-                            f"(stof.max_seq_len: {_limit_words(model)})")
+                            f"(stof.max_seq_len: {_limit_words(meta.get('stof.max_seq_len_source', ''))})")
 
 
 def _sequence_lengths(model, shapes: dict):
