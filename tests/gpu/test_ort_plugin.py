@@ -556,6 +556,25 @@ def test_add_layernorm_cuda(dtype, has_bias, has_sum):
 
 @needs_lib
 @needs_cuda
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("rows,N", [(66, 768), (1200, 768), (66, 770), (10, 2048), (1200, 2048)])
+def test_add_layernorm_cuda_each_kernel(dtype, rows, N):
+    """Each of the three kernels: one CTA per row at few rows of 16-byte vectors, one warp per row at more rows
+    of at most 4 vectors per lane, the shared-memory kernel for widths that are neither (770: not whole vectors;
+    2048 at 1200 rows: more than 4 vectors per lane)."""
+    m, gamma, beta, bias = layernorm_model(N, dtype, True, True, seed=rows + N)
+    rng = np.random.default_rng(rows * N)
+    x = (rng.standard_normal((1, rows, N)) * 3 + 5).astype(dtype)  # a large mean: the variance must not cancel
+    r = rng.standard_normal((1, rows, N)).astype(dtype)
+    outs, _ = _cuda_run(m, {"x": x, "r": r})
+    ref, s = layernorm_ref(x, r, gamma, beta, bias, 1e-12)
+    tol = 1e-2 if dtype == np.float16 else 1e-4
+    np.testing.assert_allclose(outs[0].astype(np.float64), ref, atol=tol, rtol=tol)
+    np.testing.assert_allclose(outs[1].astype(np.float64), s, atol=tol * 8, rtol=tol)
+
+
+@needs_lib
+@needs_cuda
 def test_epilogue_shape_errors():
     m, _, _ = gemm_model(64, 32, "none")
     with pytest.raises(Exception):
