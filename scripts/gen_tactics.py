@@ -23,7 +23,7 @@ PRESEARCH_INC = ROOT / "plugins_cu" / "src" / "presearch_table.inc"
 PY_MODULE = ROOT / "stof_trt" / "_tactics.py"
 
 FAMILY_IDS = {"block": 1, "row": 2, "hopper": 3}
-HOPPER_VARIANTS = ("plain", "pipelined", "defer_pv", "warp_specialized", "tma")
+HOPPER_VARIANTS = ("plain", "pipelined", "defer_pv", "warp_specialized", "tma", "split_walk")
 HEAD_DIMS = (64, 128)
 FIELDS = {
     "block": {"block_m", "block_n", "warps", "stages", "min_ctas", "q_frags", "kv_split"},
@@ -86,15 +86,17 @@ def _tactic(row: dict) -> dict:
         if ks == 128 and var not in ("warp_specialized", "tma"):
             raise CatalogueError(f"{where}: 128-key steps exist for the warp_specialized and tma variants only")
         # tactics.h's variant code: 0 plain, 1 pipelined, 2 deferred P V wait, 3/4 warp-specialised with
-        # 64/128-key steps, 5/6 TMA with 64/128-key steps
-        code = {"plain": 0, "pipelined": 1, "defer_pv": 2}.get(var, 0)
+        # 64/128-key steps, 5/6 TMA with 64/128-key steps, 7 split walk
+        code = {"plain": 0, "pipelined": 1, "defer_pv": 2, "split_walk": 7}.get(var, 0)
+        if var == "split_walk" and wg != 1:
+            raise CatalogueError(f"{where}: split_walk rows have warpgroups = 1 (64-row items, two walkers)")
         if ws:
             code = 3 if ks == 64 else 4
         elif var == "tma":
             code = 5 if ks == 64 else 6
-        t.update(block_m=64 * wg, block_n=64, warps=4 * wg + (4 if ws else 0), min_ctas=1, q_in_smem=False,
-                 variant_code=code)
-        suffix = {"pipelined": "_pipe", "defer_pv": "_defer", "tma": "_tma"}.get(var, "")
+        t.update(block_m=64 * wg, block_n=64, warps=4 * wg + (4 if ws or var == "split_walk" else 0), min_ctas=1,
+                 q_in_smem=False, variant_code=code)
+        suffix = {"pipelined": "_pipe", "defer_pv": "_defer", "tma": "_tma", "split_walk": "_splitwalk"}.get(var, "")
         t["name"] = (f"wgmma_ws_m{wg}x64_n{ks}_s{row['stages']}" if ws
                      else f"wgmma_m{wg}x64_n{ks}_s{row['stages']}{suffix}")
     t["pipelined"] = t["variant"] == "pipelined"
@@ -171,7 +173,8 @@ def render_tactics_h(cat: dict) -> str:
     out += _macro("STOF_ROW_TACTICS", [f"X({t['id']}, {t['warps']})" for t in by["row"]])
     out += ["", "// X(id, warpgroups (consumers for warp-specialised), stages, variant)  -- wgmma family (sm_90a);",
             "// variant: 0 plain, 1 pipelined, 2 deferred P V wait, 3 / 4 warp-specialised with 64 / 128-key steps,",
-            "// 5 / 6 TMA K/V loads with 64 / 128-key steps.  All need tile_m % 64 == 0."]
+            "// 5 / 6 TMA K/V loads with 64 / 128-key steps, 7 split walk (two warpgroups share one 64-row item's",
+            "// sub-blocks).  All need tile_m % 64 == 0."]
     out += _docs(by["hopper"])
     out += _macro("STOF_HOPPER_TACTICS", [f"X({t['id']}, {t['warpgroups']}, {t['stages']}, {t['variant_code']})"
                                           for t in by["hopper"]])

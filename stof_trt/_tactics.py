@@ -129,9 +129,13 @@ TACTICS = (
      'stages': 2, 'min_ctas': 1, 'q_in_smem': False, 'pipelined': False, 'defer_pv': False, 'warp_specialized':
      False, 'key_step': 64, 'tma': False, 'persistent': False, 'kv_split': True, 'head_dims': (64, 128),
      'tile_m_multiple': 64, 'tile_n_multiple': 64, 'sm90a': False},
+    {'id': 31, 'family': 3, 'name': 'wgmma_m1x64_n64_s2_splitwalk', 'block_m': 64, 'block_n': 64, 'warps': 8,
+     'stages': 2, 'min_ctas': 1, 'q_in_smem': False, 'pipelined': False, 'defer_pv': False, 'warp_specialized':
+     False, 'key_step': 64, 'tma': False, 'persistent': False, 'kv_split': False, 'head_dims': (64, 128),
+     'tile_m_multiple': 64, 'tile_n_multiple': 64, 'sm90a': True},
 )
 # the order the library lists the tactics in (tactic 0 tries them in this order)
-LIBRARY_ORDER = (13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 30, 11, 12)
+LIBRARY_ORDER = (13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 31, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 30, 11, 12)
 # ptxas registers per thread, {(id, head dim): registers}
 PTXAS_REGS = {(1, 64): 187, (1, 128): 255, (2, 64): 185, (2, 128): 255, (3, 64): 195, (3, 128): 255, (4, 64): 255,
     (5, 64): 183, (5, 128): 243, (6, 64): 255, (7, 64): 128, (7, 128): 238, (8, 64): 128, (8, 128): 239, (9, 64):
@@ -140,7 +144,7 @@ PTXAS_REGS = {(1, 64): 187, (1, 128): 255, (2, 64): 185, (2, 128): 255, (3, 64):
     128): 214, (17, 64): 168, (17, 128): 248, (18, 64): 168, (19, 64): 127, (19, 128): 246, (20, 64): 127, (20,
     128): 246, (21, 64): 168, (21, 128): 168, (22, 64): 168, (22, 128): 168, (23, 64): 168, (23, 128): 168, (24,
     64): 168, (24, 128): 168, (25, 64): 120, (25, 128): 149, (26, 64): 121, (26, 128): 149, (27, 64): 157, (28, 64):
-    128, (29, 64): 128, (30, 64): 187, (30, 128): 255}
+    128, (29, 64): 128, (30, 64): 187, (30, 128): 255, (31, 64): 107, (31, 128): 186}
 # the pre-search's per-CTA constants (a, b, c, d) in µs, {(id, head dim): constants}
 COEF = {
     (1, 64): (1.31057, 1.69501, 2.0697, 12.98499),
@@ -187,6 +191,8 @@ COEF = {
     (29, 64): (0.84553, 0.69191, 6.36996, 4.63677),
     (30, 64): (1.31057, 1.69501, 2.0697, 15.98499),
     (30, 128): (2.10254, 2.37502, 5.29991, 7.96612),
+    (31, 64): (1.51628, 1.53314, 5.02282, 8.87148),
+    (31, 128): (1.308, 1.36484, 5.63232, 4.04903),
 }
 # where the COEF entries come from: (keys, runs in tests/data, calibrate call, reproduced today)
 COEF_FITS = (
@@ -219,6 +225,10 @@ COEF_FITS = (
     (((30, 64), (30, 128)),
      (),
      "tactic 1's constants, d plus 3 us for the merge kernel's launch",
+     False),
+    (((31, 64), (31, 128)),
+     (),
+     "tactic 13's constants",
      False),
 )
 COEF_GPU = 'H100 80GB HBM3 (SXM)'

@@ -29,7 +29,7 @@ FAMILY_BLOCK, FAMILY_ROW, FAMILY_HOPPER = _tactics.FAMILY_BLOCK, _tactics.FAMILY
 @dataclass(frozen=True)
 class TacticSpec:
     """One catalogue row (plugins_cu/tactics.toml); num_warps counts the producer warpgroup of the
-    warp-specialised tactics, as the library's stof_attn_tactic_info does."""
+    warp-specialised tactics and both walkers of the split-walk one, as the library's stof_attn_tactic_info does."""
 
     id: int
     family: int

@@ -23,6 +23,8 @@ constexpr LaunchFn hopper_launcher() {
         return nullptr;  // S, P and O of a 128-key step at head dim 128: registers for one CTA per SM only
     } else if constexpr (PIPE == 6) {
         return &launch_hopper_tma<TmaTraits<D, S, 128, T>, &launch_hopper<HopperTraits<D, 1, S, T>>>;
+    } else if constexpr (PIPE == 7) {
+        return &launch_hopper_split<HopperTraits<D, 1, S, T>>;
     } else if constexpr (PIPE == 2) {
         return &launch_hopper<HopperTraits<D, WG, S, T, true>>;
     } else if constexpr (PIPE == 1) {

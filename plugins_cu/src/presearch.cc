@@ -176,9 +176,15 @@ int blockRegs(TacticRow const& t, int D) {
     return std::min(255, static_cast<int>(frag * 1.15) + 48);
 }
 
+// Warpgroups that walk disjoint shares of one 64-row item's sub-blocks (the split-walk wgmma kernel: two, with a
+// K/V ring each); 1 for every other tactic, whose warpgroups own different rows or are producers.
+int walkers(TacticRow const& t) {
+    return t.family == kFamilyHopper && !t.warpSpecialized ? std::max(1, t.warps / 4 / (t.blockM / 64)) : 1;
+}
+
 int64_t blockSmem(TacticRow const& t, int D) {
     int const step = t.family == kFamilyHopper ? t.keyStep : t.blockN;
-    return static_cast<int64_t>(t.blockM) * D * 2 + 2LL * t.stages * step * D * 2 +
+    return static_cast<int64_t>(t.blockM) * D * 2 + 2LL * t.stages * step * D * 2 * walkers(t) +
            (t.family == kFamilyHopper ? 1024 : 0);
 }
 
@@ -310,9 +316,11 @@ double predict(Stats const& s, TacticRow const& t, int batch, int heads, int D, 
             return (makespan(ctas, static_cast<int64_t>(g.sm_count) * occ) + c[3]) * 1e-6;
         }
         std::vector<std::vector<double>> dur(L);
+        double const share = 1.0 / walkers(t);  // each walker's share of the item's sub-blocks
         for (int l = 0; l < L; ++l) {
             dur[l].resize(full[l].size());
-            for (size_t i = 0; i < full[l].size(); ++i) dur[l][i] = c[0] * full[l][i] + c[1] * part[l][i] + cItem;
+            for (size_t i = 0; i < full[l].size(); ++i)
+                dur[l][i] = (c[0] * full[l][i] + c[1] * part[l][i]) * share + cItem;
         }
         std::vector<double> const ctas = scheduleOrder(s, t, dur, batch, heads, D, seqK);
         return (makespan(ctas, static_cast<int64_t>(g.sm_count) * occ) + c[3]) * 1e-6;

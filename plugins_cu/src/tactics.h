@@ -40,7 +40,8 @@
 
 // X(id, warpgroups (consumers for warp-specialised), stages, variant)  -- wgmma family (sm_90a);
 // variant: 0 plain, 1 pipelined, 2 deferred P V wait, 3 / 4 warp-specialised with 64 / 128-key steps,
-// 5 / 6 TMA K/V loads with 64 / 128-key steps.  All need tile_m % 64 == 0.
+// 5 / 6 TMA K/V loads with 64 / 128-key steps, 7 split walk (two warpgroups share one 64-row item's
+// sub-blocks).  All need tile_m % 64 == 0.
 // 13: one warpgroup = 64 rows per CTA, double-buffered K/V (several CTAs per SM overlap each other)
 // 14: as 13 with a 3-deep K/V ring
 // 15: two warpgroups = 128 rows per CTA walking the union of their tile rows' columns: every K/V sub-block is
@@ -65,6 +66,9 @@
 // 28: as 23 with three consumer warpgroups (192-row work items, 512 threads, consumers at 160 registers), TMA
 //     producer only (with key_lengths it runs 23's cp.async form), head dim 64
 // 29: as 28 with 4 stages
+// 31: as 13 with two warpgroups walking alternate sub-blocks of one 64-row item (a K/V ring each), merged by log-
+//     sum-exp in shared memory: half the dependent steps per CTA where few CTAs run (a batch of one, a few hundred
+//     keys)
 #define STOF_HOPPER_TACTICS(X) \
     X(13, 1, 2, 0)             \
     X(14, 1, 3, 0)             \
@@ -82,7 +86,8 @@
     X(26, 1, 3, 5)             \
     X(27, 1, 2, 6)             \
     X(28, 3, 2, 4)             \
-    X(29, 3, 4, 4)
+    X(29, 3, 4, 4)             \
+    X(31, 1, 2, 7)
 
 // X(id, family (1 block, 2 row, 3 wgmma), index (in the family's macro and launcher tables), block_m,
 //   block_n, warps, stages, name, persistent, kv_split), in the order the library lists (and tactic 0
@@ -105,6 +110,7 @@
     X(27, 3, 14, 64, 64, 4, 2, "wgmma_m1x64_n128_s2_tma", false, false)            \
     X(28, 3, 15, 192, 64, 16, 2, "wgmma_ws_m3x64_n128_s2", true, false)            \
     X(29, 3, 16, 192, 64, 16, 4, "wgmma_ws_m3x64_n128_s4", true, false)            \
+    X(31, 3, 17, 64, 64, 8, 2, "wgmma_m1x64_n64_s2_splitwalk", false, false)       \
     X(1, 1, 0, 64, 64, 4, 2, "block_m64_n64_w4_s2_occ1_qreg", false, false)        \
     X(2, 1, 1, 64, 64, 4, 3, "block_m64_n64_w4_s3_occ1_qreg", false, false)        \
     X(3, 1, 2, 32, 64, 2, 2, "block_m32_n64_w2_s2_occ1_qreg", false, false)        \
@@ -124,7 +130,7 @@ namespace stof {
 constexpr int kNumBlockTactics = 11;
 constexpr bool kQFrags_reg = false, kQFrags_smem = true;
 constexpr int kNumRowTactics = 2;
-constexpr int kNumHopperTactics = 17;
+constexpr int kNumHopperTactics = 18;
 
 extern const LaunchFn kBlockLaunchersF16D64[kNumBlockTactics];
 extern const LaunchFn kBlockLaunchersF16D128[kNumBlockTactics];
