@@ -73,6 +73,30 @@ def test_timed_choice_is_fast_cached_and_read_back(tmp_path):
     assert select_tactic(q, k, v, DeviceLayout(layout), tactic_cache=path, timing=True) == (tactic, "cache")
 
 
+def test_a_small_problem_times_every_tactic_near_the_first(tmp_path):
+    """Below STOF_SELECT_TIME_SMALL_US predicted (a batch of one at a few hundred keys) the candidates are every
+    valid tactic within STOF_SELECT_TIME_SMALL_RATIO of the first, not the shortlist of at most 4, and the timed
+    choice is as fast as the pre-search's first choice, within noise."""
+    B, H, S, D = 1, 12, 256, 64
+    layout = compile_mask(parse_mask("full"), S, S)
+    q, k, v = _qkv(B, H, S, D, seed=3)
+    kpm = torch.ones(B, S, dtype=torch.int32, device="cuda")
+    dl = DeviceLayout(layout)
+    pre, _ = select_tactic(q, k, v, dl, key_padding_mask=kpm)
+    path = tmp_path / "cache.json"
+    tactic, src = select_tactic(q, k, v, dl, key_padding_mask=kpm, tactic_cache=path, timing=True)
+    assert src == "timed"
+    [entry] = json.loads(path.read_text())["entries"]
+    assert len(entry["candidates"]) > 4 and str(pre) in entry["candidates"], entry["candidates"]
+    out = torch.empty_like(q)
+    times = {t: [] for t in {tactic, pre}}
+    for _ in range(3):
+        for t in times:
+            times[t].append(_median_ms(lambda t=t: sparse_attention(q, k, v, dl, tactic=t, out=out,
+                                                                    key_padding_mask=kpm)))
+    assert min(times[tactic]) <= 1.05 * min(times[pre]), times
+
+
 def test_timing_reads_the_inputs_only_and_the_output_is_right():
     B, H, S, D = 2, 4, 1536, 128
     layout = compile_mask(parse_mask("longformer:window=128,global=16"), S, S)

@@ -307,7 +307,9 @@ typedef enum {
 #define STOF_SELECT_NO_PRESEARCH 1u    /* stof_attn_select: without a cache hit, the library default */
 /* First-use timing (the convention of ONNX Runtime's TunableOp and TensorRT's builder): without a cache hit, run
  * the shortlist -- the pre-search's first STOF_SELECT_TIME_MAX - 1 valid tactics whose predicted time is within
- * STOF_SELECT_TIME_RATIO of the first, plus the first choice and the library default -- on the caller's stream
+ * STOF_SELECT_TIME_RATIO of the first (for a small problem, whose first is predicted at most STOF_SELECT_TIME_SMALL_US
+ * microseconds, every valid tactic within STOF_SELECT_TIME_SMALL_RATIO: the constants come from problems of many
+ * waves and rank least well below one), plus the first choice and the library default -- on the caller's stream
  * (one warm-up and STOF_SELECT_TIME_REPS timed runs each, queued behind a short hold of the stream so that the
  * events time the GPU; median by CUDA events) into scratch output and workspace the library
  * allocates and frees (the caller's inputs are only read, its output untouched), keep the fastest, remember it for
@@ -319,6 +321,8 @@ typedef enum {
 #define STOF_SELECT_TIME_MAX 4
 #define STOF_SELECT_TIME_RATIO 2.0
 #define STOF_SELECT_TIME_REPS 5
+#define STOF_SELECT_TIME_SMALL_US 50
+#define STOF_SELECT_TIME_SMALL_RATIO 4.0
 
 /* The tactic for a problem: the cache's entry when valid here (tactic_cache: a path, read on first use like
  * stof_tactic_cache_load; NULL: none), else the pre-search's fastest tactic among stof_attn_list_tactics() (with

@@ -353,13 +353,20 @@ stof_status_t stof_attn_select_on_stream(const stof_attn_params_t* p, const char
     if (choice == 0) choice = valid[0], from = STOF_TACTIC_DEFAULT;
     bool remember = true;
     if (timing && from != STOF_TACTIC_FROM_CACHE && from != STOF_TACTIC_TIMED) {
-        // the shortlist: the pre-search's valid tactics within the ratio of its first, then the library default
+        // the shortlist: the pre-search's valid tactics within the ratio of its first, then the library default;
+        // a small problem (its first predicted below STOF_SELECT_TIME_SMALL_US) takes every valid tactic within
+        // STOF_SELECT_TIME_SMALL_RATIO of the first
         std::vector<int32_t> cands;
         double first = -1;
-        for (int32_t i = 0; i < n_ranked && int(cands.size()) < STOF_SELECT_TIME_MAX - 1; ++i) {
+        int32_t most = STOF_SELECT_TIME_MAX - 1;
+        double ratio = STOF_SELECT_TIME_RATIO;
+        for (int32_t i = 0; i < n_ranked; ++i) {
             if (!contains(valid, n_valid, ranked[i])) continue;
-            if (first < 0) first = predicted[i];
-            if (predicted[i] > first * STOF_SELECT_TIME_RATIO) break;
+            if (first < 0) {
+                first = predicted[i];
+                if (first * 1e6 <= STOF_SELECT_TIME_SMALL_US) most = kMaxTactics, ratio = STOF_SELECT_TIME_SMALL_RATIO;
+            }
+            if (int32_t(cands.size()) >= most || predicted[i] > first * ratio) break;
             cands.push_back(ranked[i]);
         }
         // the first choice (a packed batch's may lie outside the ratio), then the library default
