@@ -52,6 +52,9 @@ OPT_NO_ROW_ORDER, OPT_NO_LANE_BITMAPS, OPT_NO_PAIR_ORDER = 1, 2, 4
 SOURCES = {1: "cache", 2: "presearch", 3: "default", 4: "timed"}
 _DERIVED = {"row_order": 0, "pair_order": 1, "lane_bitmaps": 2}
 SELECT_NO_PRESEARCH, SELECT_TIME = 1, 2
+# STOF_SELECT_TIME_SMALL_US / _SMALL_RATIO: a problem whose first choice is predicted at most this (seconds) is
+# timed over every valid tactic within this ratio of the first (first-use timing; stof tune does the same)
+SELECT_TIME_SMALL_S, SELECT_TIME_SMALL_RATIO = 50e-6, 4.0
 
 
 class StofKernelError(RuntimeError):

@@ -271,6 +271,21 @@ class TuneResult:
         return self.presearch_ms / self.best_ms if self.best_ms > 0 else math.nan
 
 
+def tune_candidates(ranked: list[tuple[int, float]], *, k: int = 3, all_tactics: bool = False) -> list[int]:
+    """The tactics `stof tune` times from the pre-search's ranking ((tactic, predicted seconds), fastest first):
+    the first k within 1.5x of the first; for a small problem (the first predicted at most
+    kernels.SELECT_TIME_SMALL_S) every one within kernels.SELECT_TIME_SMALL_RATIO, as the library's first-use
+    timing takes them; with all_tactics every one."""
+    from . import kernels
+
+    if all_tactics or not ranked:
+        return [t for t, _ in ranked]
+    best = ranked[0][1]
+    if best <= kernels.SELECT_TIME_SMALL_S:
+        return [t for t, tp in ranked if tp <= best * kernels.SELECT_TIME_SMALL_RATIO]
+    return [t for t, tp in ranked[:k] if tp <= best * 1.5]
+
+
 def tune_model(model, feeds_list: list[dict], cache: TacticCache, *, k: int = 3, all_tactics: bool = False,
                presearch_only: bool = False, reps: int = 7, progress: bool = True,
                sess_kwargs: dict | None = None, target: TargetGpu | None = None) -> list[TuneResult]:
@@ -341,11 +356,7 @@ def tune_model(model, feeds_list: list[dict], cache: TacticCache, *, k: int = 3,
         if not ranked:
             raise StofError(f"no tactic for node {names[0]} (head dim {p.head_dim})")
         first = ranked[0][0]
-        if all_tactics:
-            cands = [t for t, _ in ranked]
-        else:
-            best_pred = ranked[0][1]
-            cands = [t for t, tp in ranked[:k] if tp <= best_pred * 1.5]
+        cands = tune_candidates(ranked, k=k, all_tactics=all_tactics)
         if first not in cands:
             cands.insert(0, first)
         if lib_first is not None and lib_first not in cands:

@@ -248,3 +248,17 @@ def test_presearch_only_tune_for_a_named_gpu_without_one(kernels, tmp_path):
             "NVIDIA H200", "-o", str(cache))
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "at most 512 tokens" in p.stderr, p.stderr
     assert cache.read_text() == before
+
+
+def test_tune_candidates_follow_the_library_shortlist():
+    """`stof tune` times what first-use timing would: the first 3 within 1.5x of the first, or, below the small-
+    problem bound, every tactic within 4x of the first."""
+    from stof_trt.tune import tune_candidates
+
+    big = [(24, 1e-3), (22, 1.2e-3), (23, 1.4e-3), (21, 1.45e-3), (13, 2e-3)]
+    assert tune_candidates(big) == [24, 22, 23]
+    assert tune_candidates(big, k=5) == [24, 22, 23, 21]
+    small = [(22, 8e-6), (24, 10e-6), (28, 13e-6), (29, 14e-6), (31, 16e-6), (13, 20e-6), (11, 40e-6)]
+    assert tune_candidates(small) == [22, 24, 28, 29, 31, 13]
+    assert tune_candidates(small, all_tactics=True) == [t for t, _ in small]
+    assert tune_candidates([]) == []
