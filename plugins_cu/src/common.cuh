@@ -302,6 +302,32 @@ __device__ __forceinline__ int64_t packed_row0(const KernelParams& p, int b) {
     return static_cast<int64_t>(__ldg(p.seq_offsets + b));
 }
 
+// A work item's tensors: (batch b, head h)'s Q, K, V and O (K/V of its K/V head; packed sequences: from row
+// seq_offsets[b]) and its key padding row (null without a mask).
+template <class Elem>
+struct ItemTensors {
+    const Elem* q;
+    const Elem* k;
+    const Elem* v;
+    Elem* o;
+    const int32_t* kpm;
+};
+template <class Elem>
+__device__ __forceinline__ ItemTensors<Elem> item_tensors(const KernelParams& p, int b, int h) {
+    const int hk = kv_head(p, h);  // the K/V head: once per work item, never per step
+    ItemTensors<Elem> t;
+    t.q = static_cast<const Elem*>(p.q) + b * p.q_sb + h * p.q_sh;
+    t.k = static_cast<const Elem*>(p.k) + b * p.k_sb + hk * p.k_sh;
+    t.v = static_cast<const Elem*>(p.v) + b * p.v_sb + hk * p.v_sh;
+    t.o = static_cast<Elem*>(p.o) + b * p.o_sb + h * p.o_sh;
+    if (p.seq_offsets != nullptr) {  // packed sequences: rows from seq_offsets[b]
+        const int64_t r0 = packed_row0(p, b);
+        t.q += r0 * p.q_ss, t.k += r0 * p.k_ss, t.v += r0 * p.v_ss, t.o += r0 * p.o_ss;
+    }
+    t.kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.seq_k : nullptr;
+    return t;
+}
+
 // The rows a block work item of batch b covers: q_len queries (run-time Sq, or a packed sequence's n_b) and kv_len
 // keys (key_lengths, and n_b); false when the item, at query row q0, has no real row.
 __device__ __forceinline__ bool item_rows(const KernelParams& p, int b, int q0, int& q_len, int& kv_len) {

@@ -557,16 +557,10 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kMinBlocks) hopper_attn_fwd(
     for (int w = 0; w < HT::kWG; ++w) rows[w] = q0 + 64 * w < q_len ? layout_row0 + (q0 + 64 * w) / p.tile_m : -1;
     const int my_a0 = (q0 + 64 * wg) % p.tile_m;  // first bitmap row of this warpgroup inside its tile
 
-    const Elem* gQ = static_cast<const Elem*>(p.q) + b * p.q_sb + h * p.q_sh;
-    const int hk = kv_head(p, h);  // the K/V head: once per work item, never per step
-    const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_sb + hk * p.k_sh;
-    const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_sb + hk * p.v_sh;
-    Elem* gO = static_cast<Elem*>(p.o) + b * p.o_sb + h * p.o_sh;
-    if (p.seq_offsets != nullptr) {  // packed sequences: rows from seq_offsets[b]
-        const int64_t r0 = packed_row0(p, b);
-        gQ += r0 * p.q_ss, gK += r0 * p.k_ss, gV += r0 * p.v_ss, gO += r0 * p.o_ss;
-    }
-    const int32_t* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.seq_k : nullptr;
+    const ItemTensors<Elem> io = item_tensors<Elem>(p, b, h);
+    const Elem *gQ = io.q, *gK = io.k, *gV = io.v;
+    Elem* const gO = io.o;
+    const int32_t* const kpm = io.kpm;
     const float sl2 = p.scale_log2;
     // The scale is folded into the exp2 FFMA whatever its sign (folded_exp2_scale; Q negated below for scale < 0),
     // so the step loop carries no pre-scaled path.
@@ -902,16 +896,10 @@ __global__ void __launch_bounds__(2 * HT::kThreads, HT::kHeadDim == 64 ? 2 : 1) 
     const int nsub = p.tile_n / kBlockN;
     const int n_iter = (walk.e_end - e_begin) * nsub;
 
-    const Elem* gQ = static_cast<const Elem*>(p.q) + b * p.q_sb + h * p.q_sh;
-    const int hk = kv_head(p, h);
-    const Elem* gK = static_cast<const Elem*>(p.k) + b * p.k_sb + hk * p.k_sh;
-    const Elem* gV = static_cast<const Elem*>(p.v) + b * p.v_sb + hk * p.v_sh;
-    Elem* gO = static_cast<Elem*>(p.o) + b * p.o_sb + h * p.o_sh;
-    if (p.seq_offsets != nullptr) {  // packed sequences: rows from seq_offsets[b]
-        const int64_t r0 = packed_row0(p, b);
-        gQ += r0 * p.q_ss, gK += r0 * p.k_ss, gV += r0 * p.v_ss, gO += r0 * p.o_ss;
-    }
-    const int32_t* kpm = p.key_padding_mask ? p.key_padding_mask + static_cast<int64_t>(b) * p.seq_k : nullptr;
+    const ItemTensors<Elem> io = item_tensors<Elem>(p, b, h);
+    const Elem *gQ = io.q, *gK = io.k, *gV = io.v;
+    Elem* const gO = io.o;
+    const int32_t* const kpm = io.kpm;
     const float sl2 = p.scale_log2;
     const bool negate_q = sl2 < 0.f;
     const float mul = folded_exp2_scale(sl2);
