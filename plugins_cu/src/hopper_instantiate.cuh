@@ -5,6 +5,7 @@
 // (no serialised wgmma, no spills).
 #pragma once
 
+#include "hopper_split.cuh"
 #include "hopper_tma.cuh"
 #include "hopper_ws.cuh"
 #include "tactics.h"
