@@ -342,6 +342,23 @@ __device__ __forceinline__ bool item_rows(const KernelParams& p, int b, int q0, 
     return true;
 }
 
+// A work item that walks one tile row (the one-warpgroup wgmma kernels): its (batch, head), first query row, its
+// rows and keys (item_rows) and its row's stored tiles (row_walk); false when there is nothing to compute (a row
+// past the run-time Sq, or no real row).
+struct RowItem {
+    int h, b, q0, q_len, kv_len;
+    RowWalk walk;
+};
+template <int kBlockM>
+__device__ __forceinline__ bool row_item(const KernelParams& p, RowItem& it) {
+    const BlockWork work = block_work<kBlockM>(p);
+    it.h = work.h, it.b = work.b, it.q0 = work.qb * kBlockM;
+    if (it.q0 >= p.seq_q) return false;  // a tile row past the run-time Sq (ordered schedule)
+    if (!item_rows(p, it.b, it.q0, it.q_len, it.kv_len)) return false;
+    it.walk = row_walk(p, it.h, it.q0, it.kv_len);
+    return true;
+}
+
 // The key bound of the warp-specialised kernels: key_lengths and, in their cp.async form (kMayPack; the launchers
 // never run the TMA form with packed sequences, whose code stays without the check), packed sequences.
 template <bool kMayPack>

@@ -727,14 +727,10 @@ __global__ void __launch_bounds__(HT::kThreads, HT::kHeadDim == 64 ? 3 : 2) hopp
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, tig = lane & 3;
-    const BlockWork work = block_work<kBlockM>(p);
-    const int qb = work.qb, h = work.h, b = work.b;
-    const int q0 = qb * kBlockM;
-    if (q0 >= p.seq_q) return;  // a tile row past the run-time Sq (ordered schedule)
-    int q_len, kv_len;
-    if (!item_rows(p, b, q0, q_len, kv_len)) return;
-    const RowWalk walk = row_walk(p, h, q0, kv_len);
-    const int a0 = walk.a0, e_begin = walk.e_begin, e_end = walk.e_end;
+    RowItem item;
+    if (!row_item<kBlockM>(p, item)) return;
+    const int h = item.h, b = item.b, q0 = item.q0, q_len = item.q_len, kv_len = item.kv_len;
+    const int a0 = item.walk.a0, e_begin = item.walk.e_begin, e_end = item.walk.e_end;
     const int nsub = p.tile_n / kBlockN;
     const int n_iter = (e_end - e_begin) * nsub;
 

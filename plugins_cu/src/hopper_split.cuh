@@ -31,16 +31,12 @@ __global__ void __launch_bounds__(2 * HT::kThreads, HT::kHeadDim == 64 ? 2 : 1) 
     const int tid = threadIdx.x, wg = tid >> 7, t = tid & 127, warp = t >> 5, lane = tid & 31;
     const int g = lane >> 2, tig = lane & 3;
     const uint32_t sKV = sQ + HT::kSmemQ + wg * kRing;
-    const BlockWork work = block_work<kBlockM>(p);
-    const int qb = work.qb, h = work.h, b = work.b;
-    const int q0 = qb * kBlockM;
-    if (q0 >= p.seq_q) return;  // a tile row past the run-time Sq (ordered schedule)
-    int q_len, kv_len;
-    if (!item_rows(p, b, q0, q_len, kv_len)) return;
-    const RowWalk walk = row_walk(p, h, q0, kv_len);
-    const int a0 = walk.a0, e_begin = walk.e_begin;
+    RowItem item;
+    if (!row_item<kBlockM>(p, item)) return;
+    const int h = item.h, b = item.b, q0 = item.q0, q_len = item.q_len, kv_len = item.kv_len;
+    const int a0 = item.walk.a0, e_begin = item.walk.e_begin;
     const int nsub = p.tile_n / kBlockN;
-    const int n_iter = (walk.e_end - e_begin) * nsub;
+    const int n_iter = (item.walk.e_end - e_begin) * nsub;
 
     const ItemTensors<Elem> io = item_tensors<Elem>(p, b, h);
     const Elem *gQ = io.q, *gK = io.k, *gV = io.v;
