@@ -250,9 +250,9 @@ def test_presearch_only_tune_for_a_named_gpu_without_one(kernels, tmp_path):
     assert cache.read_text() == before
 
 
-def test_tune_candidates_follow_the_library_shortlist():
-    """`stof tune` times what first-use timing would: the first 3 within 1.5x of the first, or, below the small-
-    problem bound, every tactic within 4x of the first."""
+def test_tune_candidates_take_a_small_problem_as_first_use_timing_does():
+    """`stof tune` times its shortlist (the first 3 within 1.5x of the first) or, below the small-problem bound,
+    every tactic within 4x of the first, as the library's first-use timing does."""
     from stof_trt.tune import tune_candidates
 
     big = [(24, 1e-3), (22, 1.2e-3), (23, 1.4e-3), (21, 1.45e-3), (13, 2e-3)]
